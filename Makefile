@@ -1,0 +1,26 @@
+# Two commands do all set-up on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test install clean benchmarks
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# The CPU build of torch; an unpinned torch would pull a multi-GB CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) -m hf_constrained.demo
+
+test: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -n 2 --dist loadgroup tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,117 @@
+"""Training arguments of :class:`~hf_constrained.ConstrainedTrainer`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+from transformers import TrainingArguments
+
+from .penalties import PENALTIES
+
+
+@dataclass
+class ConstrainedTrainingArguments(TrainingArguments):
+    """``TrainingArguments`` plus the settings of the hinge exact-penalty method.
+
+    Defaults follow the paper's experiments: hinge penalty, MSVR gamma = 0.8,
+    gamma' = 0.1, every constraint visited each step. Every field can be set from the
+    command line through ``HfArgumentParser``.
+    """
+
+    constraint_penalty: str = field(
+        default="hinge",
+        metadata={
+            "help": "How violations enter the loss: 'hinge' (beta*[h]_+, the exact penalty of the paper), "
+            "'squared_hinge' ((beta/2)*[h]_+^2, the baseline of Li et al. 2024) or 'none' (plain Trainer).",
+            "choices": sorted(PENALTIES),
+        },
+    )
+    penalty_beta: float = field(
+        default=10.0,
+        metadata={"help": "Penalty parameter beta > 0. The hinge needs only a constant above the exact-penalty "
+                  "threshold (10-20 in the paper); the squared hinge needs a large one (~800)."},
+    )
+    msvr_gamma: float = field(
+        default=0.8,
+        metadata={"help": "MSVR moving-average weight gamma in (0, 1] for the constraint estimators "
+                  "(Algorithm 1, line 6)."},
+    )
+    msvr_gamma_prime: Union[str, float] = field(
+        default="0.1",
+        metadata={"help": "MSVR variance-reduction weight gamma' >= 0, or 'theory' for "
+                  "(m-|B_c|)/(|B_c|(1-gamma)) + (1-gamma). 0 gives a plain moving average."},
+    )
+    constraints_per_step: Optional[int] = field(
+        default=None,
+        metadata={"help": "|B_c|: constraints sampled each optimizer step, in [1, m]. Default: all m."},
+    )
+    constraint_batch_size: int = field(
+        default=10,
+        metadata={"help": "|B_k|: samples drawn per sampled constraint and step, per device "
+                  "(the global constraint batch is this times the number of processes)."},
+    )
+    constraint_eval_batch_size: Optional[int] = field(
+        default=None,
+        metadata={"help": "Batch size of the exact constraint evaluation pass. Default: per_device_eval_batch_size."},
+    )
+    constraint_seed: Optional[int] = field(
+        default=None,
+        metadata={"help": "Seed of the constraint sampler and of the constraint data streams. Default: seed."},
+    )
+    objective_msvr_gamma: float = field(
+        default=0.8,
+        metadata={"help": "Setting II only: MSVR gamma of the per-sample inner-function estimators u_{1,i}."},
+    )
+    objective_msvr_gamma_prime: Union[str, float] = field(
+        default="0.1",
+        metadata={"help": "Setting II only: MSVR gamma' of the per-sample estimators, or 'theory'."},
+    )
+    log_constraint_estimates_max: int = field(
+        default=100,
+        metadata={"help": "Log each constraint's estimate when there are at most this many constraints "
+                  "(summaries are always logged)."},
+    )
+    check_constraint_finite: bool = field(
+        default=True,
+        metadata={"help": "Stop with an error naming the constraint and step when a constraint value is NaN/inf "
+                  "(costs one host sync per step)."},
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.constraint_penalty not in PENALTIES:
+            raise ValueError(
+                f"constraint_penalty must be one of {sorted(PENALTIES)}, got {self.constraint_penalty!r}"
+            )
+        if self.constraint_penalty != "none" and not self.penalty_beta > 0:
+            raise ValueError(f"penalty_beta must be > 0, got {self.penalty_beta}")
+        for name in ("msvr_gamma", "objective_msvr_gamma"):
+            value = getattr(self, name)
+            if not 0.0 < value <= 1.0:
+                raise ValueError(f"{name} must be in (0, 1], got {value}")
+        for name in ("msvr_gamma_prime", "objective_msvr_gamma_prime"):
+            setattr(self, name, _parse_gamma_prime(name, getattr(self, name)))
+        if self.constraints_per_step is not None and self.constraints_per_step < 1:
+            raise ValueError(f"constraints_per_step must be >= 1, got {self.constraints_per_step}")
+        if self.constraint_batch_size < 1:
+            raise ValueError(f"constraint_batch_size must be >= 1, got {self.constraint_batch_size}")
+        if self.constraint_eval_batch_size is not None and self.constraint_eval_batch_size < 1:
+            raise ValueError(f"constraint_eval_batch_size must be >= 1, got {self.constraint_eval_batch_size}")
+
+    @property
+    def constraint_sampling_seed(self) -> int:
+        return self.seed if self.constraint_seed is None else self.constraint_seed
+
+
+def _parse_gamma_prime(name: str, value: Union[str, float]) -> Union[str, float]:
+    if isinstance(value, str):
+        if value.strip().lower() == "theory":
+            return "theory"
+        try:
+            value = float(value)
+        except ValueError:
+            raise ValueError(f"{name} must be a number >= 0 or 'theory', got {value!r}") from None
+    if not float(value) >= 0:
+        raise ValueError(f"{name} must be >= 0 or 'theory', got {value}")
+    return float(value)

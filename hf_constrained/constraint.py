@@ -1,0 +1,178 @@
+"""Declaring constraints h_k(w) <= tolerance (the problem, not how it is solved).
+
+A :class:`Constraint` is a name, its own data, and a function that returns the
+mini-batch estimate h_k(w; B_k) as a scalar tensor with grad. The trainer draws B_k
+from the constraint's data (see :mod:`hf_constrained.sampling`), so a constraint knows
+nothing about estimators or penalties.
+
+Compositional constraints (ROC fairness, REFERENCE section 4) set ``outer``: the
+function then returns the INNER value (the one the MSVR estimator tracks) and the
+constraint is ``outer(inner) <= tolerance``; the gradient weight is chained through
+``outer'`` at the estimate.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+
+ConstraintFn = Callable[[torch.nn.Module, Any], torch.Tensor]
+"""``fn(model, batch) -> scalar tensor``; ``batch`` is ``None`` for a data-free constraint."""
+
+
+def collate_examples(examples: Sequence[Any]) -> Any:
+    """Stack a list of examples into a batch.
+
+    Dict examples become a dict of stacked tensors; numbers, numpy arrays and tensors are
+    stacked; anything else (strings, images) stays a list for the constraint function
+    to process.
+    """
+    first = examples[0]
+    if isinstance(first, Mapping):
+        return {key: collate_examples([ex[key] for ex in examples]) for key in first}
+    if isinstance(first, torch.Tensor):
+        return torch.stack(list(examples))
+    if isinstance(first, np.ndarray):
+        return torch.as_tensor(np.stack(examples))
+    if isinstance(first, (bool, int, float, np.number)):
+        return torch.as_tensor(examples)
+    if isinstance(first, (list, tuple)) and first and isinstance(first[0], (int, float, np.number)):
+        return torch.as_tensor(examples)
+    return list(examples)
+
+
+@dataclass
+class Constraint:
+    """One inequality constraint ``h(w) <= tolerance``.
+
+    Args:
+        name: unique name, used in logs and reports (``constraint/<name>``).
+        fn: ``fn(model, batch)`` returning h(w; batch) (or the inner value when
+            ``outer`` is set) as a 0-dim tensor that requires grad.
+        dataset: the constraint's training data (a ``datasets.Dataset``, a torch
+            ``Dataset`` or any indexable sequence); ``None`` for a data-free constraint.
+        tolerance: the constraint holds when h <= tolerance (default 0).
+        eval_dataset: held-out data for exact evaluation; defaults to ``dataset``.
+        collate_fn: turns a list of examples into ``batch``; default
+            :func:`collate_examples`. The trainer adds ``batch["sample_index"]`` (the
+            examples' positions in ``dataset``) when batches are dicts.
+        outer: optional scalar map for compositional constraints, h = outer(inner).
+        exact_fn: optional ``exact_fn(model, dataset) -> float`` for the exact value on
+            a whole dataset when h is not a per-sample mean (the default exact
+            evaluation averages batch values weighted by batch size).
+    """
+
+    name: str
+    fn: ConstraintFn
+    dataset: Optional[Any] = None
+    tolerance: float = 0.0
+    eval_dataset: Optional[Any] = None
+    collate_fn: Optional[Callable[[Sequence[Any]], Any]] = None
+    outer: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+    exact_fn: Optional[Callable[[torch.nn.Module, Any], float]] = None
+    metadata: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"a constraint needs a non-empty string name, got {self.name!r}")
+        if not callable(self.fn):
+            raise TypeError(f"constraint {self.name!r}: fn must be callable, got {type(self.fn).__name__}")
+        if not math.isfinite(float(self.tolerance)):
+            raise ValueError(f"constraint {self.name!r}: tolerance must be finite, got {self.tolerance}")
+        for attr in ("dataset", "eval_dataset"):
+            data = getattr(self, attr)
+            if data is not None:
+                try:
+                    size = len(data)
+                except TypeError:
+                    raise TypeError(
+                        f"constraint {self.name!r}: {attr} must be indexable with a length "
+                        f"(a datasets.Dataset, a torch map-style Dataset or a list), got {type(data).__name__}"
+                    ) from None
+                if size == 0:
+                    raise ValueError(f"constraint {self.name!r}: {attr} is empty (no data to estimate it on)")
+
+    @property
+    def data_free(self) -> bool:
+        return self.dataset is None
+
+    def collate(self, examples: Sequence[Any]) -> Any:
+        return (self.collate_fn or collate_examples)(examples)
+
+    def apply_outer(self, inner: torch.Tensor) -> torch.Tensor:
+        return inner if self.outer is None else self.outer(inner)
+
+
+def _column_values(dataset: Any, column: str) -> list:
+    if hasattr(dataset, "column_names"):  # datasets.Dataset
+        if column not in dataset.column_names:
+            raise ValueError(f"column {column!r} not in dataset columns {dataset.column_names}")
+        return list(dataset[column])
+    return [dataset[i][column] for i in range(len(dataset))]
+
+
+def _subset(dataset: Any, indices: list[int]) -> Any:
+    if hasattr(dataset, "select"):
+        return dataset.select(indices)
+    return torch.utils.data.Subset(dataset, indices)
+
+
+def constraints_per_value(
+    dataset: Any,
+    column: str,
+    fn: ConstraintFn | Callable[[Any], ConstraintFn],
+    *,
+    values: Optional[Sequence[Any]] = None,
+    name: str = "{column}={value}",
+    tolerance: float | Mapping[Any, float] = 0.0,
+    eval_dataset: Optional[Any] = None,
+    per_value_fn: bool = False,
+    **kwargs: Any,
+) -> list[Constraint]:
+    """One constraint per value of ``dataset[column]`` (per class, per group), in one call.
+
+    Args:
+        dataset: the data to split; each constraint gets the rows with its value.
+        column: the column (or dict key of each example) to split on.
+        fn: the constraint function shared by all, or, with ``per_value_fn=True``, a
+            factory ``fn(value) -> constraint function``.
+        values: which values get a constraint (default: every value present, sorted).
+        name: a format string with ``{column}`` and ``{value}``.
+        tolerance: one tolerance for all, or a mapping value -> tolerance.
+        eval_dataset: held-out data split on the same column.
+        **kwargs: passed on to :class:`Constraint` (``collate_fn``, ``outer``, ...).
+    """
+    column_values = _column_values(dataset, column)
+    present = sorted(set(column_values), key=lambda v: (str(type(v)), v))
+    if values is None:
+        values = present
+    eval_values = _column_values(eval_dataset, column) if eval_dataset is not None else None
+    out = []
+    for value in values:
+        rows = [i for i, v in enumerate(column_values) if v == value]
+        if not rows:
+            raise ValueError(f"no rows with {column} == {value!r} in the dataset (present: {present})")
+        eval_part = None
+        if eval_values is not None:
+            eval_rows = [i for i, v in enumerate(eval_values) if v == value]
+            if not eval_rows:
+                raise ValueError(f"no rows with {column} == {value!r} in eval_dataset")
+            eval_part = _subset(eval_dataset, eval_rows)
+        tol = tolerance[value] if isinstance(tolerance, Mapping) else tolerance
+        out.append(
+            Constraint(
+                name=name.format(column=column, value=value),
+                fn=fn(value) if per_value_fn else fn,
+                dataset=_subset(dataset, rows),
+                tolerance=float(tol),
+                eval_dataset=eval_part,
+                metadata={"column": column, "value": value},
+                **kwargs,
+            )
+        )
+    return out
