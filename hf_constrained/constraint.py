@@ -46,6 +46,15 @@ def collate_examples(examples: Sequence[Any]) -> Any:
     return list(examples)
 
 
+def fetch_rows(dataset: Any, rows: Sequence[int]) -> list:
+    """The examples at ``rows``, fetched in one call where the dataset supports it
+    (``datasets.Dataset.__getitems__`` reads a whole batch at once)."""
+    getitems = getattr(dataset, "__getitems__", None)
+    if getitems is not None:
+        return list(getitems(list(rows)))
+    return [dataset[i] for i in rows]
+
+
 @dataclass
 class Constraint:
     """One inequality constraint ``h(w) <= tolerance``.

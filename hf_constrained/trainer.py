@@ -35,7 +35,7 @@ from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from .config import ConstrainedTrainingArguments
-from .constraint import Constraint
+from .constraint import Constraint, fetch_rows
 from .estimators import MSVREstimator, resolve_gamma_prime
 from .penalties import make_penalty
 from .sampling import ConstraintBatchStream, ConstraintSampler
@@ -194,7 +194,7 @@ class ConstrainedTrainer(Trainer):
     # ------------------------------------------------------------------ batches
     def _make_batch(self, k: int, indices: list[int]) -> Any:
         c = self.constraints[k]
-        batch = c.collate([c.dataset[i] for i in indices])
+        batch = c.collate(fetch_rows(c.dataset, indices))
         if isinstance(batch, dict):
             batch["sample_index"] = torch.as_tensor(indices, dtype=torch.long)
         return self._prepare_input(batch)
@@ -378,7 +378,7 @@ class ConstrainedTrainer(Trainer):
                            disable=self.args.disable_tqdm or len(starts) < 20 or not self.is_world_process_zero())
                 for start in bar:
                     rows = list(range(start, min(start + batch_size, len(data))))
-                    batch = c.collate([data[i] for i in rows])
+                    batch = c.collate(fetch_rows(data, rows))
                     if isinstance(batch, dict):
                         batch["sample_index"] = torch.as_tensor(rows, dtype=torch.long)
                     with self.compute_loss_context_manager():
