@@ -20,7 +20,8 @@ demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m hf_constrained.demo
 
 test: $(STAMP)
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -n 2 --dist loadgroup tests
+	# one thread per xdist worker: the tests use tiny models, threads would only contend
+	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(PY) -m pytest -q -n 2 --dist loadgroup tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info

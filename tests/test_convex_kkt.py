@@ -8,56 +8,18 @@ squared hinge at the same (exact-for-hinge) beta stays infeasible by a margin.
 from __future__ import annotations
 
 import numpy as np
-import pytest
-import torch
-from datasets import Dataset
 
-from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments, Constraint
-
-from convex_problems import ProjectionModel, make_projection_qp
-
-pytestmark = pytest.mark.xdist_group("convex")
+from hf_constrained.toy_problems import make_projection_qp, train_projection
 
 QP = make_projection_qp()
-STEPS = 600
 
 
-def _row_constraint(A_k: np.ndarray, b_k: float):
-    A_k = torch.as_tensor(A_k)
-
-    def h(model, batch):
-        value = A_k.to(model.x) @ model.x - b_k
-        if batch is not None:  # noisy constraint: mean-zero noise from the constraint's data
-            value = value + batch["noise"].to(model.x).mean()
-        return value
-
-    return h
-
-
-def run_projection(penalty: str, beta: float, tmp_path, *, noisy: bool = False, per_step: int | None = None,
-                   gamma_prime: float = 0.0, steps: int = STEPS, lr: float = 0.02, seed: int = 0) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    n_obj = steps * 4
-    obj_noise = rng.normal(scale=0.3, size=(n_obj, 5)) if noisy else np.zeros((n_obj, 5))
-    train = Dataset.from_dict({"noise": obj_noise.tolist()})
-    constraints = []
-    for k in range(QP.m):
-        data = Dataset.from_dict({"noise": rng.normal(scale=0.3, size=200).tolist()}) if noisy else None
-        constraints.append(Constraint(f"row{k}", _row_constraint(QP.A[k], QP.b[k]), dataset=data))
-    args = ConstrainedTrainingArguments(
-        output_dir=str(tmp_path / penalty), max_steps=steps, per_device_train_batch_size=4,
-        learning_rate=lr, lr_scheduler_type="linear", optim="sgd", weight_decay=0.0, max_grad_norm=0.0,
-        constraint_penalty=penalty, penalty_beta=beta, msvr_gamma=0.8 if noisy else 1.0,
-        msvr_gamma_prime=gamma_prime, constraints_per_step=per_step, constraint_batch_size=8,
-        report_to=[], save_strategy="no", logging_steps=steps, disable_tqdm=True, use_cpu=True, seed=seed,
-    )
-    model = ProjectionModel(5, QP.a)
-    ConstrainedTrainer(model=model, args=args, train_dataset=train, constraints=constraints).train()
-    return model.x.detach().numpy()
+def run_projection(penalty: str, beta: float, tmp_path, **kw) -> np.ndarray:
+    return train_projection(QP, penalty, beta, output_dir=str(tmp_path / penalty), **kw)
 
 
 def max_violation(x: np.ndarray) -> float:
-    return float(np.max(QP.A @ x - QP.b))
+    return QP.max_violation(x)
 
 
 def test_problem_is_nontrivial():
