@@ -79,7 +79,7 @@ def run(penalty: str, beta: float, bound: float, epochs: int, output_dir: str, s
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--penalty", choices=["hinge", "squared_hinge", "none", "all"], default="all")
-    parser.add_argument("--beta", type=float, default=10.0)
+    parser.add_argument("--beta", type=float, default=20.0)
     parser.add_argument("--bound", type=float, default=0.4, help="per-digit cross-entropy bound")
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
