@@ -38,6 +38,7 @@ from .config import ConstrainedTrainingArguments
 from .constraint import Constraint, fetch_rows
 from .estimators import MSVREstimator, resolve_gamma_prime
 from .penalties import make_penalty
+from .safety_mixin import SafetyMixin
 from .sampling import ConstraintBatchStream, ConstraintSampler
 
 logger = logging.getLogger(__name__)
@@ -72,7 +73,7 @@ class _ConstraintDraw:
         return cls(state["step"], state["constraint_ids"], state["sample_indices"], state["previous"])
 
 
-class ConstrainedTrainer(Trainer):
+class ConstrainedTrainer(SafetyMixin, Trainer):
     """A :class:`transformers.Trainer` that trains under constraints ``h_k(w) <= tol_k``.
 
     Args:
@@ -420,6 +421,8 @@ class ConstrainedTrainer(Trainer):
             "streams": [None if s is None else s.state_dict() for s in self.streams],
             "next_draw": None if self._next_draw is None else self._next_draw.state_dict(),
             "constraint_step": self._constraint_step,
+            # B_c^t and the streams' permutations are functions of (seed, step): the seed is their RNG state
+            "sampling_seed": self.sampler.seed if self.constraints else self.args.constraint_sampling_seed,
         }
 
     def load_constraint_state_dict(self, state: dict[str, Any]) -> None:
@@ -436,10 +439,23 @@ class ConstrainedTrainer(Trainer):
         if self._next_draw is not None and self._next_draw.previous is not None:
             self._next_draw.previous = self._next_draw.previous.to(self.estimator.values.device)
         self._constraint_step = state["constraint_step"]
+        self._restore_sampling_seed(state.get("sampling_seed"))
+
+    def _restore_sampling_seed(self, seed: Optional[int]) -> None:
+        """Continue the checkpoint's constraint sampling sequence (B_c^t and each stream's
+        shuffles) even when this run was configured with another seed."""
+        if seed is None or not self.constraints or seed == self.sampler.seed:
+            return
+        logger.warning("resuming with the checkpoint's constraint sampling seed %s (this run's arguments say %s)",
+                       seed, self.args.constraint_sampling_seed)
+        self.sampler.seed = int(seed)
+        for stream in self.streams:
+            if stream is not None:
+                stream.seed, stream._perm = int(seed), None
 
     def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
         super()._save_checkpoint(model, trial)
-        if self.constraints and self.args.should_save:
+        if self.args.should_save:  # also without constraints: subclasses keep objective estimators here
             folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
             tmp = os.path.join(folder, CONSTRAINT_STATE_NAME + ".tmp")
             torch.save(self.constraint_state_dict(), tmp)
@@ -450,7 +466,7 @@ class ConstrainedTrainer(Trainer):
             resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
             if resume_from_checkpoint is None:
                 raise ValueError(f"no valid checkpoint found in output directory ({self.args.output_dir})")
-        if self.constraints and resume_from_checkpoint:
+        if resume_from_checkpoint:
             path = os.path.join(resume_from_checkpoint, CONSTRAINT_STATE_NAME)
             if os.path.exists(path):
                 self.load_constraint_state_dict(torch.load(path, map_location="cpu", weights_only=False))

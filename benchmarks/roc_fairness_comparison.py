@@ -1,0 +1,441 @@
+"""The paper's ROC-fairness comparison (section 5.1, Figures 1-2) on Adult and COMPAS.
+
+    python benchmarks/roc_fairness_comparison.py                      # the README's setting
+    python benchmarks/roc_fairness_comparison.py --epochs 60 --seeds 0,1,2,3,4   # the paper's setting
+    python benchmarks/roc_fairness_comparison.py --report-only        # tables + figures from the JSONL
+
+Runs hinge and squared hinge over their beta grids (REFERENCE section 4), the
+unconstrained model and ICPPAC over its grid, each for every seed, with the same model,
+batches, epochs and learning-rate schedule. Every finished run is appended to
+``<out>/roc_fairness_runs.jsonl`` (a restarted benchmark skips the runs already there,
+also those in a gzipped ``roc_fairness_runs.jsonl.gz``, the committed copy), then
+
+* ``roc_fairness_summary.json``: per (dataset, method, setting) seed means; for each
+  method the smallest beta whose seed-averaged final TRAIN constraints all hold, the
+  test AUC and test violation there, time per epoch; and the three goals, met or not;
+* ``roc_fairness_table.md``: the same as a Markdown table (pasted into the README);
+* ``roc_fairness_<dataset>_constraints.png`` (Figure 1: worst constraint per beta over
+  epochs, both penalties), ``roc_fairness_<dataset>_curves.png`` (Figure 2: test AUC and
+  worst train violation over epochs at each method's selected setting).
+
+Runs are spread over ``--workers`` processes with one torch thread each. Runs are
+ordered seed-major (every setting's seed 0 first), so a run cut short by ``--time-budget``
+still has a complete first seed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from concurrent.futures import ProcessPoolExecutor, as_completed
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+HINGE_BETAS = "1,4,8,10,20,40,80,100"
+SQUARED_BETAS = "10,40,80,100,200,400,800,1000"
+ICPPAC_GRID = "0.1:10:1e-3,0.1:100:1e-3,0.01:10:1e-3,0.01:100:1e-3"  # eta:tau:mu
+
+
+def _floats(text: str) -> list[float]:
+    return [float(t) for t in text.split(",") if t.strip()]
+
+
+def run_specs(args: argparse.Namespace) -> list[dict]:
+    specs = []
+    for seed in [int(s) for s in args.seeds.split(",")]:
+        for dataset in args.datasets.split(","):
+            for beta in _floats(args.hinge_betas):
+                specs.append({"dataset": dataset, "method": "hinge", "beta": beta, "seed": seed})
+            if args.sampled_constraints:
+                for beta in _floats(args.hinge_betas):
+                    specs.append({"dataset": dataset, "method": f"hinge_bc{args.sampled_constraints}", "beta": beta,
+                                  "seed": seed, "constraints_per_step": args.sampled_constraints})
+            for beta in _floats(args.squared_betas):
+                specs.append({"dataset": dataset, "method": "squared_hinge", "beta": beta, "seed": seed})
+            specs.append({"dataset": dataset, "method": "none", "beta": None, "seed": seed})
+            for item in [g for g in args.icppac_grid.split(",") if g.strip()]:
+                eta, tau, mu = (float(v) for v in item.split(":"))
+                specs.append({"dataset": dataset, "method": "icppac", "beta": None, "seed": seed,
+                              "icppac": {"eta": eta, "tau": tau, "mu": mu}})
+    if args.methods:
+        keep = {m.strip() for m in args.methods.split(",")}
+        specs = [s for s in specs if s["method"] in keep]
+    return specs
+
+
+def spec_key(spec: dict) -> str:
+    extra = "" if spec.get("icppac") is None else ":{eta}:{tau}:{mu}".format(**spec["icppac"])
+    return f"{spec['dataset']}|{spec['method']}|{spec['beta']}{extra}|{spec['seed']}"
+
+
+def _is_penalty(method: str) -> bool:
+    return method.startswith("hinge") or method == "squared_hinge"
+
+
+def setting_key(spec: dict) -> str:
+    if _is_penalty(spec["method"]):
+        return f"beta={spec['beta']:g}"
+    if spec["method"] == "icppac":
+        c = spec["icppac"]
+        return f"eta={c['eta']:g},tau={c['tau']:g},mu={c['mu']:g}"
+    return "-"
+
+
+_SPLITS: dict = {}
+METHOD_ORDER = {"hinge": 0, "squared_hinge": 2, "icppac": 3, "none": 4}
+
+
+def _cached_splits(script, load_splits, cache_dir):
+    """The preprocessed splits, from ``cache_dir/<dataset>.npz`` when there (written on first use)."""
+    from hf_constrained.fairness.data import TabularSplit
+
+    path = os.path.join(cache_dir, f"{script.dataset}.npz") if cache_dir else None
+    if path and os.path.exists(path):
+        z = np.load(path)
+        return {s: TabularSplit(z[f"{s}_features"], z[f"{s}_label"], z[f"{s}_group"])
+                for s in ("train", "validation", "test")}
+    splits = load_splits(script)
+    if path:
+        os.makedirs(cache_dir, exist_ok=True)
+        tmp = path + f".{os.getpid()}.tmp.npz"
+        np.savez_compressed(tmp, **{f"{s}_{a}": getattr(v, a) for s, v in splits.items()
+                                    for a in ("features", "label", "group")})
+        os.replace(tmp, path)
+    return splits
+
+
+def _run_one(spec: dict, common: dict) -> dict:
+    import torch
+
+    torch.set_num_threads(1)
+    from hf_constrained import ConstrainedTrainingArguments
+    from hf_constrained.fairness.experiment import ROCFairnessArguments, load_splits, run_roc_fairness
+
+    method = "hinge" if spec["method"].startswith("hinge") else spec["method"]
+    script = ROCFairnessArguments(dataset=spec["dataset"], method=method, save_model=False,
+                                  hidden_sizes=common["hidden_sizes"], **({
+                                      "icppac_eta": spec["icppac"]["eta"], "icppac_tau": spec["icppac"]["tau"],
+                                      "icppac_mu": spec["icppac"]["mu"],
+                                      "icppac_inner_steps": common["icppac_inner_steps"]}
+                                      if spec.get("icppac") else {}))
+    if spec["dataset"] not in _SPLITS:
+        _SPLITS[spec["dataset"]] = _cached_splits(script, load_splits, common.get("splits_cache"))
+    with tempfile.TemporaryDirectory() as tmp:
+        targs = ConstrainedTrainingArguments(
+            output_dir=tmp, seed=spec["seed"], num_train_epochs=common["epochs"],
+            per_device_train_batch_size=common["batch_pairs"], constraint_batch_size=common["batch_pairs"],
+            learning_rate=common["lr"], weight_decay=0.0, penalty_beta=spec["beta"] or 1.0,
+            constraint_penalty="hinge" if method == "icppac" else method,
+            constraints_per_step=spec.get("constraints_per_step"),
+            logging_strategy="no", save_strategy="no", report_to="none", disable_tqdm=True, use_cpu=True,
+        )
+        result = run_roc_fairness(script, targs, splits=_SPLITS[spec["dataset"]])
+    result["spec"] = spec
+    return result
+
+
+def _mean(xs: list[float]) -> float:
+    return float(np.mean(xs)) if xs else float("nan")
+
+
+def summarise(runs: list[dict], args: argparse.Namespace) -> dict:
+    """Seed means per setting; each method's selected setting; the goals."""
+    groups: dict = defaultdict(list)
+    for r in runs:
+        s = r["spec"]
+        groups[(s["dataset"], s["method"], setting_key(s))].append(r)
+    settings = {}
+    order = lambda kv: (kv[0][0], METHOD_ORDER.get(kv[0][1], 1.5), kv[0][1], kv[1][0]["spec"]["beta"] or 0, kv[0][2])  # noqa: E731
+    for (dataset, method, setting), rs in sorted(groups.items(), key=order):
+        names = list(rs[0]["final"]["train"]["constraints"])
+        train_h = {n: _mean([r["final"]["train"]["constraints"][n] for r in rs]) for n in names}
+        settings[f"{dataset}|{method}|{setting}"] = {
+            "dataset": dataset, "method": method, "setting": setting, "beta": rs[0]["spec"]["beta"],
+            "seeds": sorted(r["spec"]["seed"] for r in rs),
+            "train_max_violation_of_mean": max(train_h.values()),
+            "train_max_violation_mean": _mean([r["train_max_violation"] for r in rs]),
+            "seeds_feasible_on_train": int(sum(r["feasible_on_train"] for r in rs)),
+            "feasible": bool(max(train_h.values()) <= 0),
+            "val_auc": _mean([r["final"]["validation"]["auc"] for r in rs]),
+            "test_auc": _mean([r["test_auc"] for r in rs]),
+            "test_auc_std": float(np.std([r["test_auc"] for r in rs])),
+            "test_max_violation": _mean([r["test_max_violation"] for r in rs]),
+            "seconds_per_epoch": _mean([r["seconds_per_epoch"] for r in rs]),
+        }
+    selected = {}
+    for dataset in args.datasets.split(","):
+        methods = sorted({v["method"] for v in settings.values()}, key=lambda m: (METHOD_ORDER.get(m, 1.5), m))
+        for method in methods:
+            rows = [v for v in settings.values() if v["dataset"] == dataset and v["method"] == method]
+            if not rows:
+                continue
+            feasible = [v for v in rows if v["feasible"]]
+            if _is_penalty(method):
+                pick = min(feasible, key=lambda v: v["beta"]) if feasible else None
+            elif method == "icppac":  # no beta: the feasible setting with the best validation AUC
+                pick = max(feasible, key=lambda v: v["val_auc"]) if feasible else None
+            else:
+                pick = rows[0]
+            selected[f"{dataset}|{method}"] = {
+                "setting": None if pick is None else pick["setting"],
+                "feasible_found": pick is not None and pick["feasible"],
+                "closest": None if pick is not None else min(rows, key=lambda v: v["train_max_violation_of_mean"])["setting"],
+                **({} if pick is None else {k: pick[k] for k in ("beta", "test_auc", "test_auc_std",
+                                                                 "test_max_violation", "seconds_per_epoch",
+                                                                 "train_max_violation_of_mean", "seeds")}),
+                "seconds_per_epoch_all_settings": _mean([v["seconds_per_epoch"] for v in rows]),
+                # stricter: every seed's own final train constraints hold
+                "smallest_beta_every_seed_feasible": min(
+                    [v["beta"] for v in rows if v["beta"] is not None
+                     and v["seeds_feasible_on_train"] == len(v["seeds"])], default=None),
+            }
+    goals = {}
+    for dataset in args.datasets.split(","):
+        h, q, i = (selected.get(f"{dataset}|{m}") for m in ("hinge", "squared_hinge", "icppac"))
+        g: dict = {}
+        if h and q:
+            if h["feasible_found"] and q["feasible_found"]:
+                g["hinge_beta_at_most_tenth_of_squared"] = {"met": h["beta"] <= q["beta"] / 10,
+                                                            "hinge_beta": h["beta"], "squared_beta": q["beta"]}
+                g["hinge_auc_at_least_squared_at_feasibility"] = {"met": h["test_auc"] >= q["test_auc"],
+                                                                  "hinge": h["test_auc"], "squared": q["test_auc"]}
+            else:
+                g["hinge_beta_at_most_tenth_of_squared"] = {
+                    "met": bool(h["feasible_found"] and not q["feasible_found"]),
+                    "hinge_beta": h.get("beta"), "note": f"squared hinge feasible within its grid: {q['feasible_found']}"}
+                g["hinge_auc_at_least_squared_at_feasibility"] = {
+                    "met": None, "note": "not comparable: one of the two is never feasible on train"}
+        if h and i:
+            if h["feasible_found"] and i["feasible_found"]:
+                g["icppac_auc_no_better_at_feasibility"] = {"met": i["test_auc"] <= h["test_auc"],
+                                                            "icppac": i["test_auc"], "hinge": h["test_auc"]}
+            else:
+                g["icppac_auc_no_better_at_feasibility"] = {
+                    "met": None if not h["feasible_found"] else True,
+                    "note": f"hinge feasible: {h['feasible_found']}, ICPPAC feasible: {i['feasible_found']}"}
+            for name, sel in (("hinge", h), *((m.split("|")[1], v) for m, v in selected.items()
+                                              if m.startswith(f"{dataset}|hinge_bc"))):
+                g[f"icppac_slower_per_epoch_than_{name}"] = {
+                    "met": i["seconds_per_epoch_all_settings"] > sel["seconds_per_epoch_all_settings"],
+                    "icppac_s": i["seconds_per_epoch_all_settings"], f"{name}_s": sel["seconds_per_epoch_all_settings"]}
+        goals[dataset] = g
+    return {"settings": settings, "selected": selected, "goals": goals}
+
+
+def _worst_of_seed_mean(runs: list[dict], split: str = "train") -> tuple[np.ndarray, np.ndarray]:
+    """Per epoch: max over constraints of the seed-averaged h_k (the feasibility criterion)."""
+    epochs = np.array([e["epoch"] for e in runs[0]["history"]])
+    names = list(runs[0]["history"][0][split]["constraints"])
+    h = np.array([[[e[split]["constraints"][n] for n in names] for e in r["history"]] for r in runs])
+    return epochs, h.mean(axis=0).max(axis=1)
+
+
+def _seed_mean_curve(runs: list[dict], fn) -> tuple[np.ndarray, np.ndarray]:
+    epochs = np.array([e["epoch"] for e in runs[0]["history"]])
+    values = np.array([[fn(e) for e in r["history"]] for r in runs])
+    return epochs, values.mean(axis=0)
+
+
+def make_figures(runs: list[dict], summary: dict, args: argparse.Namespace) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = []
+    by: dict = defaultdict(list)
+    for r in runs:
+        by[(r["spec"]["dataset"], r["spec"]["method"], setting_key(r["spec"]))].append(r)
+    for dataset in args.datasets.split(","):
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+        for ax, method, title in zip(axes, ("hinge", "squared_hinge"), ("hinge (the method), |B_c| = m", "squared hinge")):
+            keys = sorted([k for k in by if k[0] == dataset and k[1] == method], key=lambda k: by[k][0]["spec"]["beta"])
+            cmap = plt.get_cmap("viridis", max(len(keys), 2))
+            for n, k in enumerate(keys):
+                ep, v = _worst_of_seed_mean(by[k])
+                ax.plot(ep, v, color=cmap(n), label=k[2])
+            ax.axhline(0.0, color="k", lw=0.8, ls="--")
+            ax.set_yscale("symlog", linthresh=1e-3)
+            ax.set_title(f"{dataset}: {title}")
+            ax.set_xlabel("epoch")
+            ax.legend(fontsize=7, ncol=2)
+        axes[0].set_ylabel("max_k of seed-mean h_k on train (<= 0: feasible)")
+        fig.tight_layout()
+        path = os.path.join(args.out, f"roc_fairness_{dataset}_constraints.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        out.append(path)
+
+        fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+        sampled = [m.split("|")[1] for m in summary["selected"] if m.startswith(f"{dataset}|hinge_bc")]
+        for method, color in (("hinge", "C0"), *((m, "C3") for m in sampled), ("squared_hinge", "C1"),
+                              ("icppac", "C2"), ("none", "C7")):
+            sel = summary["selected"].get(f"{dataset}|{method}")
+            if not sel:
+                continue
+            setting = sel["setting"] or sel["closest"]
+            rs = by.get((dataset, method, setting))
+            if not rs:
+                continue
+            label = f"{method} {setting}" + ("" if sel["feasible_found"] or method == "none" else " (never feasible)")
+            ep, auc = _seed_mean_curve(rs, lambda e: e["test"]["auc"])
+            _, viol = _worst_of_seed_mean(rs)
+            later = ep >= 1  # the initial model (epoch 0) is left out of the AUC panels
+            axes[0].plot(ep[later], auc[later], color=color, label=label)
+            axes[1].plot(ep, viol, color=color, label=label)
+            axes[2].plot(viol[later], auc[later], color=color, marker=".", label=label)
+        axes[0].set(xlabel="epoch", ylabel="test AUC", title=f"{dataset}: test AUC (seed mean)")
+        axes[1].set(xlabel="epoch", ylabel="max_k h_k on train", title="worst constraint (train)")
+        axes[1].axhline(0.0, color="k", lw=0.8, ls="--")
+        axes[1].set_yscale("symlog", linthresh=1e-3)
+        axes[2].set(xlabel="max_k h_k on train", ylabel="test AUC", title="AUC vs violation, epochs 1..E")
+        axes[2].set_xscale("symlog", linthresh=1e-3)
+        axes[2].axvline(0.0, color="k", lw=0.8, ls="--")
+        axes[0].legend(fontsize=7)
+        fig.tight_layout()
+        path = os.path.join(args.out, f"roc_fairness_{dataset}_curves.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        out.append(path)
+    return out
+
+
+def markdown_table(summary: dict, meta: dict) -> str:
+    lines = [f"Machine: {meta['machine']}; {meta['setting']}", "",
+             "| data | method | selected setting | seeds | test AUC (mean ± sd) | test max violation | "
+             "train max violation (seed mean) | s / epoch (all settings) | smallest beta, every seed feasible |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for key, sel in summary["selected"].items():
+        dataset, method = key.split("|")
+        strict = "-" if not _is_penalty(method) else (sel["smallest_beta_every_seed_feasible"] or "none")
+        if sel["feasible_found"] or method == "none":
+            lines.append(
+                f"| {dataset} | {method} | {sel['setting']} | {len(sel['seeds'])} | {sel['test_auc']:.4f} ± "
+                f"{sel['test_auc_std']:.4f} | {sel['test_max_violation']:+.4f} | "
+                f"{sel['train_max_violation_of_mean']:+.4f} | {sel['seconds_per_epoch_all_settings']:.2f} | {strict} |")
+        else:
+            lines.append(f"| {dataset} | {method} | none feasible (closest: {sel['closest']}) | | | | | "
+                         f"{sel['seconds_per_epoch_all_settings']:.2f} | {strict} |")
+    lines += ["", "Goals:", ""]
+    for dataset, goals in summary["goals"].items():
+        for name, g in goals.items():
+            detail = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in g.items() if k != "met")
+            verdict = "n/a" if g["met"] is None else ("met" if g["met"] else "not met")
+            lines.append(f"- {dataset}, {name}: **{verdict}** ({detail})")
+    lines += ["", "All settings (seed means; feasible = every seed-averaged final train constraint <= 0):", "",
+              "| data | method | setting | seeds | feasible on train | seeds feasible | train max violation | "
+              "test AUC | test max violation | s / epoch |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for v in summary["settings"].values():
+        lines.append(f"| {v['dataset']} | {v['method']} | {v['setting']} | {len(v['seeds'])} | {v['feasible']} | "
+                     f"{v['seeds_feasible_on_train']}/{len(v['seeds'])} | {v['train_max_violation_of_mean']:+.4f} | "
+                     f"{v['test_auc']:.4f} | {v['test_max_violation']:+.4f} | {v['seconds_per_epoch']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--datasets", default="adult,compas")
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--epochs", type=int, default=30, help="paper: 60")
+    p.add_argument("--hinge-betas", default=HINGE_BETAS)
+    p.add_argument("--squared-betas", default=SQUARED_BETAS)
+    p.add_argument("--sampled-constraints", type=int, default=0,
+                   help="also run the hinge with |B_c| = this many constraints sampled per step (0: skip)")
+    p.add_argument("--methods", default=None,
+                   help="run only these (comma-separated: hinge, squared_hinge, none, icppac, hinge_bc<k>)")
+    p.add_argument("--icppac-grid", default=ICPPAC_GRID, help="comma-separated eta:tau:mu")
+    p.add_argument("--icppac-inner-steps", type=int, default=100)
+    p.add_argument("--batch-pairs", type=int, default=64, help="pairs per batch: 64 pairs = 128 rows (paper)")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--hidden-sizes", default="64,32")
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--time-budget", type=float, default=None, help="seconds: submit no new run after this")
+    p.add_argument("--out", default=os.path.join(HERE, "results"))
+    p.add_argument("--machine", default=None, help="description of the machine for the report")
+    p.add_argument("--splits-cache", default=None,
+                   help="folder for <dataset>.npz copies of the preprocessed splits (reused when present)")
+    p.add_argument("--report-only", action="store_true", help="tables and figures from the existing JSONL")
+    args = p.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    jsonl = os.path.join(args.out, "roc_fairness_runs.jsonl")
+    done: dict[str, dict] = {}
+    for path, opener in ((jsonl + ".gz", gzip.open), (jsonl, open)):  # the committed copy is gzipped
+        if os.path.exists(path):
+            with opener(path, "rt") as f:
+                for line in f:
+                    if line.strip():
+                        r = json.loads(line)
+                        done[spec_key(r["spec"])] = r
+    common = {"epochs": args.epochs, "batch_pairs": args.batch_pairs, "lr": args.lr,
+              "hidden_sizes": args.hidden_sizes, "icppac_inner_steps": args.icppac_inner_steps,
+              "splits_cache": args.splits_cache}
+    specs = run_specs(args)
+    if not args.report_only:
+        todo = [s for s in specs if spec_key(s) not in done]
+        print(f"{len(specs)} runs, {len(specs) - len(todo)} already done, {len(todo)} to run on {args.workers} workers",
+              flush=True)
+        start = time.time()
+        with ProcessPoolExecutor(max_workers=args.workers) as pool, open(jsonl, "a") as sink:
+            pending = {}
+            queue = list(todo)
+            while queue or pending:
+                while queue and len(pending) < args.workers and (
+                        args.time_budget is None or time.time() - start < args.time_budget):
+                    s = queue.pop(0)
+                    pending[pool.submit(_run_one, s, common)] = s
+                if not pending:
+                    break
+                fut = next(as_completed(pending))
+                s = pending.pop(fut)
+                r = fut.result()
+                sink.write(json.dumps(r) + "\n")
+                sink.flush()
+                done[spec_key(s)] = r
+                print(f"[{time.time() - start:7.0f}s] {spec_key(s)}: test AUC {r['test_auc']:.4f}, train max viol "
+                      f"{r['train_max_violation']:+.4f}, {r['seconds_per_epoch']:.2f} s/epoch", flush=True)
+            if queue:
+                print(f"time budget reached: {len(queue)} runs not started", flush=True)
+    wanted = {spec_key(s) for s in specs}
+    runs = [r for k, r in done.items() if k in wanted]
+    if not runs:
+        raise SystemExit("no finished runs to report")
+    summary = summarise(runs, args)
+    summary_path = os.path.join(args.out, "roc_fairness_summary.json")
+    previous = {}
+    if args.report_only and os.path.exists(summary_path):  # keep where the runs were made
+        with open(summary_path) as f:
+            previous = json.load(f).get("meta", {})
+    machine = args.machine or previous.get("machine") or \
+        f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} cores".strip()
+    meta = {"machine": machine,
+            "setting": f"{args.epochs} epochs, seeds {args.seeds}, batch {2 * args.batch_pairs} rows "
+                       f"({args.batch_pairs} pairs), |B_k| = {args.batch_pairs} pairs, lr {args.lr} (AdamW; "
+                       f"ICPPAC: SGD with its eta), decay x0.1 at 50%/75%, MLP {args.hidden_sizes}, "
+                       f"kappa 0.005, thresholds -3..3, 1 torch thread per run",
+            "command": previous.get("command") or
+                       "python benchmarks/roc_fairness_comparison.py " + " ".join(sys.argv[1:] if argv is None else argv),
+            "runs": len(runs), "runs_planned": len(specs)}
+    summary["meta"] = meta
+    tmp = os.path.join(args.out, "roc_fairness_summary.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(summary, f, indent=1)
+    os.replace(tmp, summary_path)
+    table = markdown_table(summary, meta)
+    with open(os.path.join(args.out, "roc_fairness_table.md"), "w") as f:
+        f.write(table)
+    figures = make_figures(runs, summary, args)
+    print(table)
+    print("figures:", *figures, sep="\n  ")
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+"""CLIP fine-tuning under non-forgetting constraints (REFERENCE section 4, second application).
+
+* :mod:`.contrastive`: the two-way global contrastive objective with one MSVR estimator per
+  training sample (Algorithm 2, Setting II) and :class:`ContrastiveConstrainedTrainer`;
+* :mod:`.non_forgetting`: one constraint per protected class, h_k = L_k(w) - L_k(w_old);
+* :mod:`.data`: image-text / image-label rows, the collator, and the BDD100K, CSV and digits loaders;
+* :mod:`.heads`: optional per-class low-rank text heads;
+* :mod:`.tiny`: a small CLIP and word tokenizer built from configs (demo and tests, offline).
+"""
+
+from .contrastive import ContrastiveConstrainedTrainer, contrastive_terms, gather_with_grad
+from .encode import clip_embeddings
+from .heads import CLIPWithClassTextHeads
+from .non_forgetting import (
+    NonForgettingConstraint,
+    ReferenceLossDataset,
+    ZeroShotLoss,
+    non_forgetting_constraints,
+    reference_losses,
+    zero_shot_accuracy,
+)
+
+__all__ = [
+    "CLIPWithClassTextHeads",
+    "ContrastiveConstrainedTrainer",
+    "NonForgettingConstraint",
+    "ReferenceLossDataset",
+    "ZeroShotLoss",
+    "clip_embeddings",
+    "contrastive_terms",
+    "gather_with_grad",
+    "non_forgetting_constraints",
+    "reference_losses",
+    "zero_shot_accuracy",
+]

@@ -1,0 +1,279 @@
+"""Rows, the collator and the loaders of the CLIP non-forgetting task.
+
+A row is a dict. Target (objective) rows: ``image`` (a path, a PIL image or an array) or
+ready ``pixel_values``, ``caption``, ``is_positive`` (the target class's pairs are the
+anchors) and optionally ``label`` (class index) and ``text_class_id`` (for per-class text
+heads). Protected-class rows: an image and ``label``. :class:`RowDataset` adds
+``sample_index`` (the row's position), which indexes the per-sample MSVR estimators.
+
+Loaders:
+
+* :func:`load_bdd100k` - BDD100K's official label JSON (``attributes.weather`` /
+  ``attributes.scene``) and image folders ``images/100k/{train,val}``;
+  :data:`BDD100K_TASKS` holds the paper's three tasks (foggy, overcast, tunnel).
+* :func:`load_image_text_csv` - a generic CSV of (image path, caption, label), the format
+  of the reference code's LAION retrievals.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+
+
+class RowDataset(torch.utils.data.Dataset):
+    """A list of dict rows; ``dataset[i]`` also carries ``sample_index = i``."""
+
+    def __init__(self, rows: Sequence[Mapping[str, Any]]) -> None:
+        self.rows = list(rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        row = dict(self.rows[i])
+        row["sample_index"] = int(i)
+        return row
+
+    def column(self, name: str) -> list:
+        return [r[name] for r in self.rows]
+
+
+def _load_image(image: Any) -> Any:
+    if isinstance(image, (str, os.PathLike)):
+        from PIL import Image
+
+        if not os.path.exists(image):
+            raise FileNotFoundError(f"image file not found: {image}")
+        with Image.open(image) as im:
+            return im.convert("RGB")
+    return image
+
+
+@dataclass
+class CLIPCollator:
+    """Collate rows into CLIP batches.
+
+    Args:
+        image_processor: turns a list of images into ``pixel_values`` (e.g. a
+            ``CLIPImageProcessor`` or ``CLIPProcessor.image_processor``); unused for rows that
+            already hold ``pixel_values``.
+        tokenizer: tokenises ``caption`` (padding to the longest).
+        max_length: truncation length of captions (default: the tokenizer's).
+        image_transform: optional callable applied to each loaded image before the
+            processor (training augmentation of the objective only; constraint and
+            reference passes use a collator without it).
+
+    Output keys: ``pixel_values``, and where the rows have them ``input_ids`` /
+    ``attention_mask`` (captions), ``is_positive``, ``label``, ``sample_index``,
+    ``reference_loss``, ``text_class_ids``.
+    """
+
+    image_processor: Optional[Callable] = None
+    tokenizer: Optional[Callable] = None
+    max_length: Optional[int] = None
+    image_transform: Optional[Callable] = None
+    extra_keys: tuple = field(default=())
+
+    def pixel_values(self, rows: Sequence[Mapping[str, Any]]) -> torch.Tensor:
+        if all("pixel_values" in r for r in rows):
+            return torch.stack([torch.as_tensor(np.asarray(r["pixel_values"]), dtype=torch.float32) for r in rows])
+        if self.image_processor is None:
+            raise ValueError("rows hold images but the collator has no image_processor")
+        images = [_load_image(r["image"]) for r in rows]
+        if self.image_transform is not None:
+            images = [self.image_transform(im) for im in images]
+        return self.image_processor(images=images, return_tensors="pt")["pixel_values"]
+
+    def __call__(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        batch: dict[str, Any] = {"pixel_values": self.pixel_values(rows)}
+        if "caption" in rows[0]:
+            if self.tokenizer is None:
+                raise ValueError("rows have captions but the collator has no tokenizer")
+            kwargs = {"padding": True, "truncation": True, "return_tensors": "pt"}
+            if self.max_length is not None:
+                kwargs["max_length"] = self.max_length
+            tokens = self.tokenizer([r["caption"] for r in rows], **kwargs)
+            batch["input_ids"] = tokens["input_ids"]
+            if "attention_mask" in tokens:
+                batch["attention_mask"] = tokens["attention_mask"]
+        for key, out, dtype in (("is_positive", "is_positive", torch.bool), ("label", "label", torch.long),
+                                ("sample_index", "sample_index", torch.long),
+                                ("reference_loss", "reference_loss", torch.float32),
+                                ("text_class_id", "text_class_ids", torch.long)):
+            if key in rows[0]:
+                batch[out] = torch.as_tensor([r[key] for r in rows], dtype=dtype)
+        for key in self.extra_keys:
+            batch[key] = [r.get(key) for r in rows]
+        return batch
+
+
+# ---------------------------------------------------------------------------------- BDD100K
+
+
+@dataclass(frozen=True)
+class BDD100KTask:
+    """One of the paper's BDD100K tasks: the attribute, the target class, the protected ones."""
+
+    attribute: str
+    target: str
+    protected: tuple[str, ...]
+    template: str
+
+    @property
+    def classes(self) -> tuple[str, ...]:
+        """Every class of the zero-shot classifier (protected first, then the target)."""
+        return self.protected + (self.target,)
+
+
+BDD100K_TASKS: dict[str, BDD100KTask] = {
+    "foggy": BDD100KTask("weather", "foggy", ("clear", "overcast", "snowy", "rainy", "partly cloudy"),
+                         "the weather is {}."),
+    "overcast": BDD100KTask("weather", "overcast", ("clear", "snowy", "rainy", "partly cloudy"),
+                            "the weather is {}."),
+    "tunnel": BDD100KTask("scene", "tunnel", ("highway", "residential area", "city street", "parking lot"),
+                          "the scene is a {}."),
+}
+
+
+def bdd100k_label_file(root: str, split: str) -> str:
+    """The official label JSON of a split: ``labels/bdd100k_labels_images_{split}.json``."""
+    return os.path.join(root, "labels", f"bdd100k_labels_images_{split}.json")
+
+
+def load_bdd100k(root: str, split: str, attribute: str, classes: Sequence[str], *,
+                 label_file: Optional[str] = None, image_dir: Optional[str] = None,
+                 check_images: bool = True) -> dict[str, list[dict[str, Any]]]:
+    """Images of each class in ``classes`` by ``attributes[attribute]`` of the official labels.
+
+    Args:
+        root: the BDD100K folder (``images/100k/{split}`` and ``labels/``).
+        split: ``train`` or ``val``.
+        attribute: ``weather``, ``scene`` or ``timeofday``.
+        classes: the values to keep; others (e.g. ``undefined``) are skipped.
+        label_file / image_dir: override the default layout.
+
+    Returns ``{class: [{"image": path, "class_name": class}, ...]}`` in label-file order.
+    """
+    label_file = label_file or bdd100k_label_file(root, split)
+    image_dir = image_dir or os.path.join(root, "images", "100k", split)
+    if not os.path.exists(label_file):
+        raise FileNotFoundError(f"BDD100K label file not found: {label_file}")
+    with open(label_file) as f:
+        entries = json.load(f)
+    if not isinstance(entries, list):
+        raise ValueError(f"{label_file}: expected a JSON list of image entries, got {type(entries).__name__}")
+    out: dict[str, list[dict[str, Any]]] = {c: [] for c in classes}
+    for entry in entries:
+        try:
+            value = entry["attributes"][attribute]
+            name = entry["name"]
+        except (KeyError, TypeError):
+            raise ValueError(f"{label_file}: entry without name/attributes.{attribute}: {str(entry)[:200]}") from None
+        if value in out:
+            path = os.path.join(image_dir, name)
+            if check_images and not os.path.exists(path):
+                raise FileNotFoundError(f"BDD100K image listed in {label_file} is missing: {path}")
+            out[value].append({"image": path, "class_name": value})
+    return out
+
+
+def bdd100k_task_data(root: str, task: str | BDD100KTask, *, max_per_class: Optional[int] = None,
+                      negatives_per_class: Optional[int] = None, seed: int = 0,
+                      label_files: Optional[Mapping[str, str]] = None) -> dict[str, Any]:
+    """The data of one paper task: target pairs, protected-class train/val images.
+
+    The target (objective) rows are the target-class train images captioned with the
+    template (positives) and train images of the other classes captioned with theirs
+    (negatives, at most ``negatives_per_class`` each). Protected rows carry ``label`` = the
+    class index in ``task.classes``.
+    """
+    spec = BDD100K_TASKS[task] if isinstance(task, str) else task
+    label_files = label_files or {}
+    rng = np.random.default_rng(seed)
+    splits = {}
+    for split in ("train", "val"):
+        splits[split] = load_bdd100k(root, split, spec.attribute, spec.classes, label_file=label_files.get(split))
+    class_index = {c: i for i, c in enumerate(spec.classes)}
+
+    def take(rows: list, limit: Optional[int]) -> list:
+        if limit is None or len(rows) <= limit:
+            return rows
+        keep = sorted(rng.choice(len(rows), size=limit, replace=False).tolist())
+        return [rows[i] for i in keep]
+
+    target_rows = []
+    for c in spec.classes:
+        limit = max_per_class if c == spec.target else negatives_per_class
+        for r in take(splits["train"][c], limit):
+            target_rows.append({"image": r["image"], "caption": spec.template.format(c),
+                                "is_positive": c == spec.target, "label": class_index[c]})
+    protected = {split: {c: [{"image": r["image"], "label": class_index[c]} for r in take(splits[split][c], max_per_class)]
+                         for c in spec.classes} for split in ("train", "val")}
+    for split in protected:
+        for c, rows in protected[split].items():
+            if not rows and c in spec.protected:
+                raise ValueError(f"BDD100K {split}: no images of class {c!r} ({spec.attribute})")
+    if not any(r["is_positive"] for r in target_rows):
+        raise ValueError(f"BDD100K train: no images of the target class {spec.target!r}")
+    return {"task": spec, "target_rows": target_rows, "train": protected["train"], "val": protected["val"]}
+
+
+# ---------------------------------------------------------------------------------- CSV
+
+
+def load_image_text_csv(path: str, *, image_column: str = "filepath", caption_column: Optional[str] = "title",
+                        label_column: Optional[str] = "label", root: Optional[str] = None,
+                        delimiter: Optional[str] = None, check_images: bool = True) -> list[dict[str, Any]]:
+    """Rows ``{"image", "caption", "label_name"}`` of a CSV/TSV of image-text pairs.
+
+    ``caption_column=None`` reads image-label lists (rows without ``caption``).
+
+    Relative image paths are resolved against ``root`` (default: the CSV's folder).
+    The delimiter is sniffed from the extension (``.tsv`` -> tab) unless given.
+    """
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"CSV not found: {path}")
+    root = root if root is not None else os.path.dirname(os.path.abspath(path))
+    delimiter = delimiter or ("\t" if path.endswith(".tsv") else ",")
+    rows = []
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f, delimiter=delimiter)
+        needed = [image_column] + [c for c in (caption_column, label_column) if c]
+        missing = [c for c in needed if c not in (reader.fieldnames or [])]
+        if missing:
+            raise ValueError(f"{path}: missing columns {missing}; found {reader.fieldnames}")
+        for line, rec in enumerate(reader, start=2):
+            image = rec[image_column]
+            if not image:
+                raise ValueError(f"{path}:{line}: empty {image_column}")
+            image = image if os.path.isabs(image) else os.path.join(root, image)
+            if check_images and not os.path.exists(image):
+                raise FileNotFoundError(f"{path}:{line}: image not found: {image}")
+            row = {"image": image}
+            if caption_column:
+                row["caption"] = rec[caption_column]
+            if label_column:
+                row["label_name"] = rec[label_column]
+            rows.append(row)
+    if not rows:
+        raise ValueError(f"{path}: no rows")
+    return rows
+
+
+def csv_target_rows(rows: Sequence[Mapping[str, Any]], target: str, classes: Sequence[str]) -> list[dict[str, Any]]:
+    """Mark CSV rows as positives (``label_name == target``) or negatives, with class indices."""
+    index = {c: i for i, c in enumerate(classes)}
+    out = []
+    for r in rows:
+        name = r.get("label_name", target)
+        out.append({"image": r["image"], "caption": r["caption"], "is_positive": name == target,
+                    "label": index.get(name, -1)})
+    return out

@@ -1,0 +1,358 @@
+"""Data for ROC-fairness training: Adult, COMPAS, any CSV, and CheXpert's layout.
+
+Every tabular loader returns a :class:`datasets.DatasetDict` with splits ``train``,
+``validation`` and ``test`` and columns
+
+* ``features``: the preprocessed feature vector (float32): categorical columns one-hot
+  encoded, numeric columns standardised; both encoders are fitted on the TRAIN split
+  only and applied unchanged to validation and test;
+* ``label``: 1 for the positive class, 0 otherwise;
+* ``group``: 1 for group p (Adult: Male; COMPAS: Caucasian), 0 for group u.
+
+The validation split is a fixed, seeded, label-and-group-stratified fraction of the
+training data (``split_seed``, default 0, independent of the training seed), so every
+method and training seed sees the same train / validation rows. The feature names are
+kept in ``DatasetDict["train"].info.description`` as JSON and returned by
+:func:`feature_names`.
+
+The paper's groups and labels (REFERENCE section 4; paper section 5.1): Adult, sex
+(male / female), income > 50K; COMPAS, race (Caucasian / non-Caucasian),
+two_year_recid.
+
+CheXpert (:func:`load_chexpert`): the CSV layout of the CheXpert release (``Path``,
+``Sex`` and one column per finding with 1 / 0 / -1 / blank) and images on disk.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from importlib import resources
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import numpy as np
+import pandas as pd
+import torch
+
+if TYPE_CHECKING:
+    import datasets
+
+logger = logging.getLogger(__name__)
+
+ADULT_COLUMNS = [
+    "age", "workclass", "fnlwgt", "education", "education-num", "marital-status", "occupation",
+    "relationship", "race", "sex", "capital-gain", "capital-loss", "hours-per-week", "native-country", "income",
+]
+COMPAS_FEATURES = [
+    "sex", "age", "age_cat", "race", "juv_fel_count", "juv_misd_count", "juv_other_count", "priors_count",
+    "c_charge_degree",
+]
+SPLITS = ("train", "validation", "test")
+
+
+def _data_path(*parts: str) -> str:
+    return str(resources.files("hf_constrained").joinpath("data", *parts))
+
+
+# --------------------------------------------------------------------------- preprocessing
+@dataclass
+class TabularPreprocessor:
+    """One-hot for categorical columns, standardisation for numeric ones; fit on train only."""
+
+    categorical: list[str]
+    numeric: list[str]
+    categories: Optional[dict[str, list[str]]] = None
+    mean: Optional[dict[str, float]] = None
+    std: Optional[dict[str, float]] = None
+
+    def fit(self, df: pd.DataFrame) -> "TabularPreprocessor":
+        self.categories = {c: sorted(df[c].astype(str).unique().tolist()) for c in self.categorical}
+        self.mean = {c: float(df[c].astype(float).mean()) for c in self.numeric}
+        # a constant column would divide by zero: keep it centred, unscaled
+        self.std = {c: float(df[c].astype(float).std(ddof=0)) or 1.0 for c in self.numeric}
+        return self
+
+    @property
+    def feature_names(self) -> list[str]:
+        assert self.categories is not None, "call fit() first"
+        return list(self.numeric) + [f"{c}={v}" for c in self.categorical for v in self.categories[c]]
+
+    def transform(self, df: pd.DataFrame) -> np.ndarray:
+        if self.categories is None:
+            raise RuntimeError("TabularPreprocessor.transform called before fit")
+        parts = [((df[c].astype(float) - self.mean[c]) / self.std[c]).to_numpy()[:, None] for c in self.numeric]
+        for c in self.categorical:
+            values = df[c].astype(str).to_numpy()
+            # a category unseen in train gets all zeros (no column is invented from test data)
+            parts.append((values[:, None] == np.asarray(self.categories[c])[None, :]).astype(np.float32))
+        if not parts:
+            raise ValueError("no feature columns left after removing the label (and group) columns")
+        return np.concatenate(parts, axis=1).astype(np.float32)
+
+
+def _stratified_split(strata: np.ndarray, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Indices (keep, held_out) with ``fraction`` of every stratum held out, seeded."""
+    if not 0.0 < fraction < 1.0:
+        raise ValueError(f"split fraction must be in (0, 1), got {fraction}")
+    rng = np.random.default_rng(seed)
+    held = []
+    for value in np.unique(strata):
+        rows = np.flatnonzero(strata == value)
+        rng.shuffle(rows)
+        held.append(rows[: int(round(fraction * len(rows)))])
+    held_out = np.sort(np.concatenate(held))
+    keep = np.setdiff1d(np.arange(len(strata)), held_out)
+    return keep, held_out
+
+
+def _binary(series: pd.Series, value: Any, what: str, column: str) -> np.ndarray:
+    """1 where ``series == value`` (compared as stripped strings), with a clear error if absent."""
+    as_str = series.astype(str).str.strip()
+    target = str(value).strip()
+    out = (as_str == target).to_numpy().astype(np.int64)
+    if out.sum() == 0:
+        raise ValueError(
+            f"{what} value {value!r} never occurs in column {column!r} (values present: {sorted(as_str.unique())[:20]})"
+        )
+    return out
+
+
+def build_tabular_splits(
+    train_df: pd.DataFrame,
+    test_df: Optional[pd.DataFrame],
+    *,
+    label_column: str,
+    positive_label: Any,
+    group_column: str,
+    group_value: Any,
+    categorical_columns: Optional[Sequence[str]] = None,
+    drop_columns: Sequence[str] = (),
+    drop_group_feature: bool = False,
+    validation_fraction: float = 0.2,
+    test_fraction: float = 0.2,
+    split_seed: int = 0,
+) -> datasets.DatasetDict:
+    """Preprocess raw frames into the ``train`` / ``validation`` / ``test`` DatasetDict.
+
+    Args:
+        train_df, test_df: raw frames; with ``test_df=None`` a seeded, stratified
+            ``test_fraction`` of ``train_df`` becomes the test split.
+        label_column, positive_label: ``label = 1`` where the column equals ``positive_label``.
+        group_column, group_value: ``group = 1`` (group p) where the column equals ``group_value``.
+        categorical_columns: one-hot columns (default: every non-numeric column).
+        drop_columns: columns that are not features (ids, dates, leaks).
+        drop_group_feature: leave the group column out of the features.
+        validation_fraction: fraction of the training rows held out for validation.
+        split_seed: seed of the validation (and test) split, fixed across training seeds.
+    """
+    for col in (label_column, group_column):
+        if col not in train_df.columns:
+            raise ValueError(f"column {col!r} not in the data; columns are {list(train_df.columns)}")
+    frames = {"train": train_df.reset_index(drop=True)}
+    if test_df is not None:
+        missing = [c for c in train_df.columns if c not in test_df.columns]
+        if missing:
+            raise ValueError(f"test data lacks columns {missing}")
+        frames["test"] = test_df.reset_index(drop=True)
+    labels = {k: _binary(df[label_column], positive_label, "positive label", label_column) for k, df in frames.items()}
+    groups = {k: _binary(df[group_column], group_value, "group", group_column) for k, df in frames.items()}
+    if test_df is None:
+        strata = labels["train"] * 2 + groups["train"]
+        keep, held = _stratified_split(strata, test_fraction, split_seed + 1)
+        df = frames["train"]
+        frames = {"train": df.iloc[keep].reset_index(drop=True), "test": df.iloc[held].reset_index(drop=True)}
+        labels = {"train": labels["train"][keep], "test": labels["train"][held]}
+        groups = {"train": groups["train"][keep], "test": groups["train"][held]}
+    keep, held = _stratified_split(labels["train"] * 2 + groups["train"], validation_fraction, split_seed)
+    df = frames["train"]
+    frames.update(train=df.iloc[keep].reset_index(drop=True), validation=df.iloc[held].reset_index(drop=True))
+    labels.update(train=labels["train"][keep], validation=labels["train"][held])
+    groups.update(train=groups["train"][keep], validation=groups["train"][held])
+
+    excluded = set(drop_columns) | {label_column} | ({group_column} if drop_group_feature else set())
+    feature_cols = [c for c in train_df.columns if c not in excluded]
+    if categorical_columns is None:
+        categorical = [c for c in feature_cols if not pd.api.types.is_numeric_dtype(frames["train"][c])]
+    else:
+        unknown = [c for c in categorical_columns if c not in feature_cols]
+        if unknown:
+            raise ValueError(f"categorical columns {unknown} are not feature columns {feature_cols}")
+        categorical = list(categorical_columns)
+    numeric = [c for c in feature_cols if c not in categorical]
+    import datasets  # imported here so that training from cached arrays does not need it
+
+    prep = TabularPreprocessor(categorical, numeric).fit(frames["train"])  # train only
+    info = datasets.DatasetInfo(description=json.dumps({"feature_names": prep.feature_names}))
+    out = {}
+    for split in SPLITS:
+        features = prep.transform(frames[split])
+        out[split] = datasets.Dataset.from_dict(
+            {"features": features, "label": labels[split], "group": groups[split]}, info=info, split=split
+        )
+    return datasets.DatasetDict(out)
+
+
+def feature_names(ds: datasets.Dataset | datasets.DatasetDict) -> list[str]:
+    """Names of the columns of ``features`` (numeric first, then ``column=value`` one-hots)."""
+    import datasets
+
+    if isinstance(ds, datasets.DatasetDict):
+        ds = ds["train"]
+    return json.loads(ds.info.description)["feature_names"]
+
+
+# --------------------------------------------------------------------------- shipped data sets
+def load_adult(*, validation_fraction: float = 0.2, split_seed: int = 0,
+               drop_group_feature: bool = False) -> datasets.DatasetDict:
+    """UCI Adult with its official test split; label income > 50K, group p = Male (paper sec. 5.1).
+
+    Rows with a missing value (``?``) are dropped; ``fnlwgt`` (a sampling weight) is not a feature.
+    """
+    def read(name: str, skip: int) -> pd.DataFrame:
+        df = pd.read_csv(_data_path("adult", name), header=None, names=ADULT_COLUMNS, skiprows=skip,
+                         sep=",", skipinitialspace=True, na_values="?", compression="gzip")
+        df = df.dropna().reset_index(drop=True)
+        df["income"] = df["income"].str.rstrip(".")  # the test file's labels end in a dot
+        return df
+
+    return build_tabular_splits(
+        read("adult.data.gz", 0), read("adult.test.gz", 1),
+        label_column="income", positive_label=">50K", group_column="sex", group_value="Male",
+        drop_columns=("fnlwgt",), drop_group_feature=drop_group_feature,
+        validation_fraction=validation_fraction, split_seed=split_seed,
+    )
+
+
+def load_compas(*, validation_fraction: float = 0.2, test_fraction: float = 0.2, split_seed: int = 0,
+                drop_group_feature: bool = False) -> datasets.DatasetDict:
+    """ProPublica COMPAS, filtered as in ProPublica's analysis; label two_year_recid, group p = Caucasian.
+
+    No official test split exists: a seeded, stratified ``test_fraction`` is held out.
+    Features: sex, age, age category, race, juvenile counts, priors, charge degree (not
+    COMPAS's own decile score).
+    """
+    df = pd.read_csv(_data_path("compas", "compas-scores-two-years.csv.gz"), compression="gzip")
+    df = df[(df["days_b_screening_arrest"] <= 30) & (df["days_b_screening_arrest"] >= -30)
+            & (df["is_recid"] != -1) & (df["c_charge_degree"] != "O") & (df["score_text"] != "N/A")]
+    df = df[COMPAS_FEATURES + ["two_year_recid"]].reset_index(drop=True)
+    return build_tabular_splits(
+        df, None, label_column="two_year_recid", positive_label=1, group_column="race", group_value="Caucasian",
+        drop_group_feature=drop_group_feature, validation_fraction=validation_fraction,
+        test_fraction=test_fraction, split_seed=split_seed,
+    )
+
+
+def load_tabular_csv(path: str, *, label_column: str, group_column: str, positive_label: Any = 1,
+                     group_value: Any = 1, test_path: Optional[str] = None,
+                     categorical_columns: Optional[Sequence[str]] = None, drop_columns: Sequence[str] = (),
+                     drop_group_feature: bool = False, validation_fraction: float = 0.2,
+                     test_fraction: float = 0.2, split_seed: int = 0) -> datasets.DatasetDict:
+    """Any CSV with a label column and a group column (pandas reads ``.csv`` / ``.csv.gz``).
+
+    ``label = 1`` where ``label_column == positive_label``; ``group = 1`` (group p) where
+    ``group_column == group_value`` (both compared as strings). Rows with missing values
+    are dropped. Without ``test_path`` a seeded, stratified ``test_fraction`` becomes test.
+    """
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"CSV file {path!r} does not exist")
+    train_df = pd.read_csv(path).dropna().reset_index(drop=True)
+    test_df = pd.read_csv(test_path).dropna().reset_index(drop=True) if test_path else None
+    return build_tabular_splits(
+        train_df, test_df, label_column=label_column, positive_label=positive_label, group_column=group_column,
+        group_value=group_value, categorical_columns=categorical_columns, drop_columns=drop_columns,
+        drop_group_feature=drop_group_feature, validation_fraction=validation_fraction,
+        test_fraction=test_fraction, split_seed=split_seed,
+    )
+
+
+TABULAR_LOADERS: dict[str, Callable[..., datasets.DatasetDict]] = {"adult": load_adult, "compas": load_compas}
+
+
+# --------------------------------------------------------------------------- arrays for training
+@dataclass
+class TabularSplit:
+    """One split as arrays: ``features`` (n, d) float32, ``label`` and ``group`` (n,) int64."""
+
+    features: np.ndarray
+    label: np.ndarray
+    group: np.ndarray
+
+    @classmethod
+    def from_dataset(cls, ds: datasets.Dataset) -> "TabularSplit":
+        cols = ds.with_format("numpy")[:]  # one columnar read, not a row-by-row iteration
+        return cls(np.asarray(cols["features"], dtype=np.float32), np.asarray(cols["label"], dtype=np.int64),
+                   np.asarray(cols["group"], dtype=np.int64))
+
+    def __len__(self) -> int:
+        return len(self.label)
+
+    def fetch(self, rows: Sequence[int] | np.ndarray) -> torch.Tensor:
+        """The model inputs of ``rows`` (see :class:`~hf_constrained.fairness.roc.PairedRows`)."""
+        return torch.from_numpy(self.features[np.asarray(rows, dtype=np.int64)])
+
+
+# --------------------------------------------------------------------------- CheXpert
+CHEXPERT_FINDINGS = ("Cardiomegaly", "Edema", "Consolidation", "Atelectasis", "Pleural Effusion")
+
+
+def load_chexpert(root: str, *, csv_name: str = "train.csv", label: str = "Cardiomegaly",
+                  uncertain: str = "ones", group_value: str = "Male") -> datasets.Dataset:
+    """Read CheXpert's CSV (``Path``, ``Sex``, one column per finding) under ``root``.
+
+    Returns a Dataset with ``path`` (absolute image path), ``label`` (finding present:
+    1; blank: 0; uncertain -1 mapped by ``uncertain`` = ``"ones"`` or ``"zeros"``,
+    the U-Ones / U-Zeros policies of the CheXpert paper) and ``group`` (1 where
+    ``Sex == group_value``). Rows with an unknown sex are dropped; a missing image file
+    is an error naming it. ``Path`` entries are relative to the folder that holds the
+    dataset folder (``CheXpert-v1.0-small/train/...``) or to ``root`` itself.
+    """
+    if uncertain not in ("ones", "zeros"):
+        raise ValueError(f"uncertain must be 'ones' or 'zeros', got {uncertain!r}")
+    csv_path = os.path.join(root, csv_name)
+    if not os.path.exists(csv_path):
+        raise FileNotFoundError(f"CheXpert CSV {csv_path!r} not found")
+    df = pd.read_csv(csv_path)
+    for col in ("Path", "Sex", label):
+        if col not in df.columns:
+            raise ValueError(f"CheXpert CSV {csv_path!r} has no column {col!r}; columns: {list(df.columns)}")
+    df = df[df["Sex"].isin(["Male", "Female"])].reset_index(drop=True)
+    raw = df[label].fillna(0).astype(float).to_numpy()
+    labels = np.where(raw == -1, 1.0 if uncertain == "ones" else 0.0, raw).astype(np.int64)
+    paths = []
+    for p in df["Path"]:
+        candidates = [os.path.join(root, p), os.path.join(os.path.dirname(os.path.abspath(root)), p)]
+        found = next((c for c in candidates if os.path.exists(c)), None)
+        if found is None:
+            raise FileNotFoundError(f"CheXpert image {p!r} not found under {root!r} (tried {candidates})")
+        paths.append(os.path.abspath(found))
+    groups = (df["Sex"] == group_value).to_numpy().astype(np.int64)
+    import datasets
+
+    return datasets.Dataset.from_dict({"path": paths, "label": labels, "group": groups})
+
+
+class ImageRows:
+    """Rows of an image dataset for :class:`~hf_constrained.fairness.roc.PairedRows`: images
+    are read from disk and turned into ``pixel_values`` by a transformers image processor
+    only when a batch needs them."""
+
+    def __init__(self, dataset: datasets.Dataset, image_processor: Any) -> None:
+        self.paths = list(dataset["path"])
+        self.label = np.asarray(dataset["label"], dtype=np.int64)
+        self.group = np.asarray(dataset["group"], dtype=np.int64)
+        self.image_processor = image_processor
+
+    def __len__(self) -> int:
+        return len(self.label)
+
+    def fetch(self, rows: Sequence[int] | np.ndarray) -> torch.Tensor:
+        from PIL import Image
+
+        images = []
+        for r in np.asarray(rows, dtype=np.int64).tolist():
+            with Image.open(self.paths[r]) as im:
+                images.append(im.convert("RGB"))
+        return self.image_processor(images=images, return_tensors="pt")["pixel_values"]

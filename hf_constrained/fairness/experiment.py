@@ -1,0 +1,231 @@
+"""One ROC-fairness run (paper section 5.1): data, model, constraints, a method, results.
+
+:func:`run_roc_fairness` is what ``recipes/roc_fairness.py`` and the benchmark call. The
+method is one of
+
+* ``hinge``: the single-loop hinge exact penalty with MSVR estimators (Algorithm 1);
+* ``squared_hinge``: the squared-hinge penalty baseline (Li et al. 2024);
+* ``none``: the AUC objective alone (constraints evaluated, not trained on);
+* ``icppac``: the double-loop ICPPAC baseline (:mod:`hf_constrained.fairness.icppac`).
+
+All four use the same model, data, batches, number of epochs and learning-rate
+schedule (constant, then x ``lr_decay_factor`` at each fraction in ``lr_decay_at``;
+the paper decays x0.1 at 50% and 75%).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import numpy as np
+import torch
+from transformers import TrainerCallback
+
+from ..config import ConstrainedTrainingArguments
+from .data import TABULAR_LOADERS, TabularSplit, load_tabular_csv
+from .icppac import ICPPACConfig, ICPPACTrainer
+from .model import MLPConfig, MLPForScoring
+from .roc import (
+    DEFAULT_KAPPA,
+    AUCConstrainedTrainer,
+    ROCHistoryCallback,
+    collate_pairs,
+    objective_pairs,
+    pairwise_auc_loss,
+    roc_fairness_constraints,
+)
+
+logger = logging.getLogger(__name__)
+
+METHODS = ("hinge", "squared_hinge", "none", "icppac")
+
+
+@dataclass
+class ROCFairnessArguments:
+    """What to train on and with which method (the Trainer settings are in
+    :class:`~hf_constrained.ConstrainedTrainingArguments`)."""
+
+    dataset: str = field(default="adult", metadata={"help": "'adult', 'compas' or 'csv' (then set --csv_path)."})
+    method: str = field(default="hinge", metadata={"help": f"One of {METHODS}.", "choices": list(METHODS)})
+    kappa: float = field(default=DEFAULT_KAPPA, metadata={"help": "Allowed group-rate gap kappa (paper: 0.005)."})
+    thresholds: str = field(default="-3,-2,-1,0,1,2,3",
+                            metadata={"help": "Comma-separated score thresholds Gamma (paper: -3..3)."})
+    hidden_sizes: str = field(default="64,32", metadata={"help": "Widths of the MLP's hidden layers."})
+    lr_decay_at: str = field(default="0.5,0.75",
+                             metadata={"help": "Fractions of training at which the learning rate is decayed."})
+    lr_decay_factor: float = field(default=0.1, metadata={"help": "Multiplier applied at each decay point."})
+    csv_path: Optional[str] = field(default=None, metadata={"help": "--dataset csv: the CSV file (train, or all)."})
+    csv_test_path: Optional[str] = field(default=None, metadata={"help": "--dataset csv: optional test CSV."})
+    label_column: Optional[str] = field(default=None, metadata={"help": "--dataset csv: the label column."})
+    positive_label: str = field(default="1", metadata={"help": "--dataset csv: value of the positive label."})
+    group_column: Optional[str] = field(default=None, metadata={"help": "--dataset csv: the group column."})
+    group_value: str = field(default="1", metadata={"help": "--dataset csv: value that marks group p."})
+    drop_columns: str = field(default="", metadata={"help": "--dataset csv: comma-separated non-feature columns."})
+    drop_group_feature: bool = field(default=False, metadata={"help": "Leave the group attribute out of the features."})
+    split_seed: int = field(default=0, metadata={"help": "Seed of the validation/test split (fixed across seeds)."})
+    icppac_eta: float = field(default=0.1, metadata={"help": "ICPPAC primal step size (paper grid 0.1, 0.01)."})
+    icppac_tau: float = field(default=10.0, metadata={"help": "ICPPAC dual parameter tau (paper grid 1, 10, 100)."})
+    icppac_mu: float = field(default=1e-3, metadata={"help": "ICPPAC proximal weight mu (paper 1e-2, 1e-3, 1e-4)."})
+    icppac_theta: float = field(default=0.1, metadata={"help": "ICPPAC extrapolation theta (paper 0.1)."})
+    icppac_inner_steps: int = field(default=100, metadata={"help": "ConEx iterations per ICPPAC outer step."})
+    results_file: str = field(default="results.json",
+                              metadata={"help": "Results JSON, relative to output_dir unless absolute."})
+    save_model: bool = field(default=True, metadata={"help": "Save the final model to output_dir."})
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        if self.dataset not in (*TABULAR_LOADERS, "csv"):
+            raise ValueError(f"dataset must be one of {sorted(TABULAR_LOADERS)} or 'csv', got {self.dataset!r}")
+        if self.dataset == "csv" and not (self.csv_path and self.label_column and self.group_column):
+            raise ValueError("--dataset csv needs --csv_path, --label_column and --group_column")
+        self.threshold_list = _floats(self.thresholds, "thresholds")
+        self.hidden_list = [int(h) for h in _floats(self.hidden_sizes, "hidden_sizes")]
+        self.decay_list = _floats(self.lr_decay_at, "lr_decay_at") if self.lr_decay_at.strip() else []
+        if any(not 0 < f < 1 for f in self.decay_list):
+            raise ValueError(f"lr_decay_at fractions must be in (0, 1), got {self.decay_list}")
+
+
+def _floats(text: str, what: str) -> list[float]:
+    try:
+        return [float(t) for t in str(text).split(",") if t.strip()]
+    except ValueError:
+        raise ValueError(f"{what} must be comma-separated numbers, got {text!r}") from None
+
+
+def load_splits(args: ROCFairnessArguments) -> dict[str, TabularSplit]:
+    """train / validation / test arrays of the chosen data set."""
+    if args.dataset == "csv":
+        ds = load_tabular_csv(
+            args.csv_path, label_column=args.label_column, group_column=args.group_column,
+            positive_label=args.positive_label, group_value=args.group_value, test_path=args.csv_test_path,
+            drop_columns=[c for c in args.drop_columns.split(",") if c], drop_group_feature=args.drop_group_feature,
+            split_seed=args.split_seed,
+        )
+    else:
+        ds = TABULAR_LOADERS[args.dataset](split_seed=args.split_seed, drop_group_feature=args.drop_group_feature)
+    return {split: TabularSplit.from_dataset(ds[split]) for split in ("train", "validation", "test")}
+
+
+def step_decay(total_steps: int, at: list[float], factor: float):
+    """lr multiplier: 1, then x ``factor`` after each fraction ``at`` of ``total_steps``."""
+    milestones = [int(round(f * total_steps)) for f in at]
+    return lambda step: factor ** sum(step >= m for m in milestones)
+
+
+def _write_json(path: str, payload: dict[str, Any]) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(payload, f, indent=1)
+    os.replace(tmp, path)  # never a half-written results file
+
+
+def run_roc_fairness(args: ROCFairnessArguments, training_args: ConstrainedTrainingArguments,
+                     splits: Optional[dict[str, TabularSplit]] = None,
+                     callbacks: Sequence[TrainerCallback] = ()) -> dict[str, Any]:
+    """Train one method on one data set and return (and write) its results.
+
+    The results hold the final exact h = |gap| - kappa of every constraint on train /
+    validation / test, the largest violation, AUCs, wall time (training only, per epoch
+    too) and the per-epoch history. ``callbacks`` are extra Trainer callbacks (penalty
+    methods only; ICPPAC has its own loop).
+    """
+    splits = splits or load_splits(args)
+    torch.manual_seed(training_args.seed)
+    np.random.seed(training_args.seed)
+    train = splits["train"]
+    model = MLPForScoring(MLPConfig(input_dim=train.features.shape[1], hidden_sizes=args.hidden_list))
+    constraints = roc_fairness_constraints(train, splits["validation"], thresholds=args.threshold_list,
+                                           kappa=args.kappa)
+    objective = objective_pairs(train)
+    history = ROCHistoryCallback(splits, thresholds=args.threshold_list, kappa=args.kappa)
+    epochs = int(math.ceil(training_args.num_train_epochs))
+    batch = training_args.per_device_train_batch_size
+    # optimizer steps the Trainer will take: the batches are sharded across processes and
+    # grouped by gradient accumulation; max_steps, when set, wins
+    batches_per_epoch = math.ceil(len(objective) / (batch * training_args.world_size))
+    steps_per_epoch = max(1, batches_per_epoch // training_args.gradient_accumulation_steps)
+    total = training_args.max_steps if training_args.max_steps > 0 else steps_per_epoch * epochs
+    lr_factor = step_decay(total, args.decay_list, args.lr_decay_factor)
+    t_start = time.perf_counter()
+
+    if args.method == "icppac":
+        if training_args.world_size > 1:
+            raise ValueError("--method icppac runs its own single-process loop; launch it with python, not "
+                             f"with {training_args.world_size} processes")
+        model.to(training_args.device)
+        gen = torch.Generator().manual_seed(training_args.seed)
+        loader = torch.utils.data.DataLoader(objective, batch_size=batch, shuffle=True, generator=gen,
+                                             collate_fn=collate_pairs)
+        history.on_train_begin(None, None, None, model=model)
+        cfg = ICPPACConfig(eta=args.icppac_eta, tau=args.icppac_tau, mu=args.icppac_mu, theta=args.icppac_theta,
+                           inner_steps=args.icppac_inner_steps)
+        trainer = ICPPACTrainer(
+            model, pairwise_auc_loss, loader, constraints, cfg,
+            constraint_batch_size=training_args.constraint_batch_size, seed=training_args.constraint_sampling_seed,
+            lr_factor=lr_factor, disable_tqdm=training_args.disable_tqdm,
+            callbacks=[lambda ep, mdl, secs: (setattr(history, "train_seconds", secs), history.record(mdl, ep))],
+        )
+        summary = trainer.train(epochs)
+        train_seconds = summary["train_seconds"]
+    else:
+        training_args.constraint_penalty = args.method
+        training_args.remove_unused_columns = False
+        optimizer = torch.optim.AdamW(model.parameters(), lr=training_args.learning_rate,
+                                      weight_decay=training_args.weight_decay)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+        trainer = AUCConstrainedTrainer(
+            model=model, args=training_args, constraints=constraints, train_dataset=objective,
+            data_collator=collate_pairs, optimizers=(optimizer, scheduler), callbacks=[history, *callbacks],
+        )
+        trainer.train()
+        train_seconds = history.train_seconds
+        if args.save_model and training_args.should_save:
+            trainer.save_model(training_args.output_dir)
+    wall = time.perf_counter() - t_start
+
+    final = history.history[-1]
+    results = {
+        "dataset": args.dataset,
+        "method": args.method,
+        "beta": training_args.penalty_beta if args.method in ("hinge", "squared_hinge") else None,
+        "seed": training_args.seed,
+        "kappa": args.kappa,
+        "thresholds": args.threshold_list,
+        "epochs": epochs,
+        "batch_size": batch,
+        "num_processes": training_args.world_size,
+        "constraint_batch_size": training_args.constraint_batch_size,
+        "learning_rate": training_args.learning_rate if args.method != "icppac" else args.icppac_eta,
+        "icppac": ({"eta": args.icppac_eta, "tau": args.icppac_tau, "mu": args.icppac_mu,
+                    "theta": args.icppac_theta, "inner_steps": args.icppac_inner_steps}
+                   if args.method == "icppac" else None),
+        "num_parameters": sum(p.numel() for p in model.parameters()),
+        "final": {split: final[split] for split in splits},
+        "test_auc": final["test"]["auc"],
+        "train_max_violation": final["train"]["max_violation"],
+        "test_max_violation": final["test"]["max_violation"],
+        "feasible_on_train": final["train"]["feasible"],
+        "train_seconds": train_seconds,
+        "seconds_per_epoch": train_seconds / max(epochs, 1),
+        "wall_seconds": wall,
+        "history": history.history,
+    }
+    if training_args.should_save:
+        path = args.results_file if os.path.isabs(args.results_file) else os.path.join(
+            training_args.output_dir, args.results_file)
+        _write_json(path, results)
+        if args.method == "icppac" and args.save_model:
+            model.save_pretrained(training_args.output_dir)
+    return results
+
+
+__all__ = ["METHODS", "ROCFairnessArguments", "load_splits", "run_roc_fairness", "step_decay"]

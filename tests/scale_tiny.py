@@ -1,0 +1,191 @@
+"""Tiny, deterministic set-ups shared by the scale tests (distributed, resume,
+accumulation, LoRA) and by ``tests/distributed/run_ddp_check.py``.
+
+A two-layer MLP classifier on synthetic data; four constraints "cross-entropy on group
+g <= tolerance" with a tolerance low enough that they stay active, so the penalty and
+the MSVR estimators move the parameters. Nothing here depends on downloads.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments, Constraint
+
+NUM_FEATURES = 6
+NUM_GROUPS = 4
+
+
+class TinyClassifier(nn.Module):
+    """``forward(x, labels) -> {"loss", "logits"}``: what the Trainer needs, nothing else."""
+
+    def __init__(self, hidden: int = 16) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(NUM_FEATURES, hidden)
+        self.fc2 = nn.Linear(hidden, 2)
+
+    def forward(self, x: torch.Tensor, labels: Optional[torch.Tensor] = None) -> dict[str, Any]:
+        logits = self.fc2(torch.tanh(self.fc1(x)))
+        out: dict[str, Any] = {"logits": logits}
+        if labels is not None:
+            out["loss"] = F.cross_entropy(logits, labels)
+        return out
+
+
+class ListDataset(torch.utils.data.Dataset):
+    def __init__(self, rows: list[dict[str, torch.Tensor]]) -> None:
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return self.rows[i]
+
+
+def make_rows(n: int, seed: int) -> tuple[list[dict[str, torch.Tensor]], list[int]]:
+    """``n`` examples ``{"x", "labels"}`` and their group ids (the group shifts the features)."""
+    g = torch.Generator().manual_seed(seed)
+    groups = torch.randint(0, NUM_GROUPS, (n,), generator=g)
+    x = torch.randn(n, NUM_FEATURES, generator=g) + 0.7 * groups[:, None].float()
+    w = torch.randn(NUM_FEATURES, generator=g)
+    labels = ((x @ w + 0.5 * torch.randn(n, generator=g)) > 0).long()
+    rows = [{"x": x[i], "labels": labels[i]} for i in range(n)]
+    return rows, groups.tolist()
+
+
+def group_ce(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """h_g(w; B) = mean cross-entropy of the batch (all rows are from group g)."""
+    return model(x=batch["x"], labels=batch["labels"])["loss"]
+
+
+def make_data(seed: int = 0, n_train: int = 128, n_constraint: int = 96):
+    train_rows, _ = make_rows(n_train, seed)
+    c_rows, c_groups = make_rows(n_constraint, seed + 1)
+    constraints = [
+        Constraint(
+            name=f"group{k}",
+            fn=group_ce,
+            dataset=ListDataset([r for r, gk in zip(c_rows, c_groups) if gk == k]),
+            tolerance=0.25,
+        )
+        for k in range(NUM_GROUPS)
+    ]
+    return ListDataset(train_rows), constraints
+
+
+def tiny_args(output_dir: str, **overrides: Any) -> ConstrainedTrainingArguments:
+    kw: dict[str, Any] = dict(
+        output_dir=output_dir,
+        per_device_train_batch_size=8,
+        learning_rate=0.05,
+        max_steps=6,
+        lr_scheduler_type="constant",
+        optim="adamw_torch",
+        weight_decay=0.0,
+        seed=0,
+        data_seed=0,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        penalty_beta=5.0,
+        msvr_gamma=0.8,
+        msvr_gamma_prime=0.1,
+        constraints_per_step=2,
+        constraint_batch_size=6,
+    )
+    kw.update(overrides)
+    return ConstrainedTrainingArguments(**kw)
+
+
+def make_trainer(output_dir: str, model: Optional[nn.Module] = None, data_seed: int = 0,
+                 **overrides: Any) -> ConstrainedTrainer:
+    torch.manual_seed(1234)
+    model = TinyClassifier() if model is None else model
+    train, constraints = make_data(data_seed)
+    return ConstrainedTrainer(model=model, args=tiny_args(output_dir, **overrides), train_dataset=train,
+                              constraints=constraints)
+
+
+def snapshot(trainer: ConstrainedTrainer) -> dict[str, Any]:
+    """Parameters, estimator state and stream positions, detached on CPU."""
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    return {
+        "params": {n: p.detach().cpu().clone() for n, p in model.named_parameters()},
+        "estimator_values": trainer.estimator.values.detach().cpu().clone(),
+        "estimator_visited": trainer.estimator.visited.detach().cpu().clone(),
+        "streams": [None if s is None else s.state_dict() for s in trainer.streams],
+        "global_step": trainer.state.global_step,
+    }
+
+
+def record_constraint_calls(trainer: ConstrainedTrainer) -> list[tuple[str, list[int], bool]]:
+    """Wrap every constraint function so each call appends (name, sample rows, grad on?)
+    to the returned list: which rows of which constraint this process evaluated, in order."""
+    calls: list[tuple[str, list[int], bool]] = []
+
+    def wrap(name: str, fn):
+        def recorded(model, batch):
+            if trainer._in_training_step:  # not the preflight check before training
+                calls.append((name, batch["sample_index"].tolist(), torch.is_grad_enabled()))
+            return fn(model, batch)
+        return recorded
+
+    for c in trainer.constraints:
+        c.fn = wrap(c.name, c.fn)
+    return calls
+
+
+# ---------------------------------------------------------------------- Setting II (CLIP)
+CAPTIONS = ["a photo of a cat", "a photo of a dog", "a photo of a car"]
+
+
+def make_contrastive_trainer(output_dir: str, **overrides: Any):
+    """The CLIP helper's ContrastiveConstrainedTrainer (per-sample MSVR estimators,
+    Algorithm 2) on a tiny CLIP and 48 image-caption rows, a third of them positives."""
+    from hf_constrained.clip import ContrastiveConstrainedTrainer
+    from hf_constrained.clip.data import CLIPCollator, RowDataset
+    from hf_constrained.clip.tiny import tiny_clip, word_tokenizer
+
+    tok = word_tokenizer(CAPTIONS)
+    model = tiny_clip(len(tok), image_size=8, patch_size=4, hidden_size=32, layers=1, heads=2, projection_dim=16)
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for i in range(48):
+        c = i % 3
+        rows.append({"pixel_values": (torch.randn(3, 8, 8, generator=g) + c).numpy(), "caption": CAPTIONS[c],
+                     "is_positive": c == 0, "label": c})
+    # plain SGD: Adam would hide a wrong gradient scale (e.g. a factor of the world size)
+    kw: dict[str, Any] = dict(per_device_train_batch_size=8, max_steps=4, learning_rate=0.5, optim="sgd",
+                              constraint_penalty="none", objective_msvr_gamma=0.8, objective_msvr_gamma_prime=0.1)
+    kw.update(overrides)
+    return ContrastiveConstrainedTrainer(model=model, args=tiny_args(output_dir, **kw), train_dataset=RowDataset(rows),
+                                         data_collator=CLIPCollator(tokenizer=tok))
+
+
+def contrastive_snapshot(trainer) -> dict[str, Any]:
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    snap: dict[str, Any] = {"params": {n: p.detach().cpu().clone() for n, p in model.named_parameters()},
+                            "global_step": trainer.state.global_step}
+    for side, est in trainer.objective_estimators.items():
+        snap[f"{side}_values"] = est.values.detach().cpu().clone()
+        snap[f"{side}_visited"] = est.visited.detach().cpu().clone()
+    return snap
+
+
+def one_torch_thread():
+    """Generator for a module fixture: these models are tiny, and under ``pytest -n 2`` on a
+    shared 2-core machine several OpenMP threads per process make them many times slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

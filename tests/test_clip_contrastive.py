@@ -1,0 +1,197 @@
+"""The global contrastive objective (Setting II) against a direct computation, and its estimators."""
+
+import math
+
+import pytest
+import torch
+
+from hf_constrained import ConstrainedTrainingArguments
+from clip_synthetic import one_thread  # noqa: F401 (autouse fixture)
+from hf_constrained.clip import ContrastiveConstrainedTrainer, contrastive_terms, gather_with_grad
+from hf_constrained.clip.contrastive import _first_occurrence, contrastive_surrogate, contrastive_value
+from hf_constrained.clip.data import CLIPCollator, RowDataset
+from hf_constrained.clip.tiny import tiny_clip, word_tokenizer
+
+T = 0.05
+
+
+def _embeddings(n=7, d=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    img = torch.nn.functional.normalize(torch.randn(n, d, generator=g), dim=1)
+    txt = torch.nn.functional.normalize(torch.randn(n, d, generator=g), dim=1)
+    pos = torch.tensor([1, 0, 1, 1, 0, 0, 1], dtype=torch.bool)[:n]
+    return img, txt, pos
+
+
+def _direct(img, txt, pos, t):
+    """Loops over anchors i (positives) and negatives j only, straight from the definition."""
+    g_i, g_t = [], []
+    for i in range(len(pos)):
+        if not pos[i]:
+            continue
+        s_ii = img[i] @ txt[i]
+        img_side = [torch.exp((img[i] @ txt[j] - s_ii) / t) for j in range(len(pos)) if not pos[j]]
+        txt_side = [torch.exp((img[j] @ txt[i] - s_ii) / t) for j in range(len(pos)) if not pos[j]]
+        g_i.append(torch.stack(img_side).mean())
+        g_t.append(torch.stack(txt_side).mean())
+    g_i, g_t = torch.stack(g_i), torch.stack(g_t)
+    return g_i, g_t, t * (torch.log(g_i).mean() + torch.log(g_t).mean())
+
+
+def test_terms_match_direct_computation():
+    img, txt, pos = _embeddings()
+    terms = contrastive_terms(img, txt, pos, T)
+    g_i, g_t, value = _direct(img, txt, pos, T)
+    assert terms.d_image.shape == (4, 3)  # positives x negatives: other positives are never negatives
+    # exp(d/t) reaches ~1e8 here: compare with float32 relative precision
+    torch.testing.assert_close(terms.g_image, g_i, rtol=1e-5, atol=0)
+    torch.testing.assert_close(terms.g_text, g_t, rtol=1e-5, atol=0)
+    torch.testing.assert_close(contrastive_value(terms, T), value, rtol=1e-5, atol=1e-6)
+
+
+def test_surrogate_gradient_is_gradient_of_t_log_g_when_u_equals_g():
+    img, txt, pos = _embeddings(seed=1)
+    a = img.clone().requires_grad_(True)
+    b = txt.clone().requires_grad_(True)
+    terms = contrastive_terms(a, b, pos, T)
+    contrastive_surrogate(terms, terms.g_image, terms.g_text).backward()
+    a2 = img.clone().requires_grad_(True)
+    b2 = txt.clone().requires_grad_(True)
+    _direct(a2, b2, pos, T)[2].backward()
+    torch.testing.assert_close(a.grad, a2.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(b.grad, b2.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_surrogate_weights_by_the_estimator():
+    """G_1 = mean_i mean_j exp(d_ij/t)/u_i grad d_ij: doubling u_i halves anchor i's gradient."""
+    img, txt, pos = _embeddings(seed=2)
+    grads = []
+    for scale in (1.0, 2.0):
+        a = img.clone().requires_grad_(True)
+        terms = contrastive_terms(a, txt, pos, T)
+        contrastive_surrogate(terms, terms.g_image * scale, terms.g_text * scale).backward()
+        grads.append(a.grad)
+    torch.testing.assert_close(grads[1][~pos].sum(0) * 2, grads[0][~pos].sum(0))
+
+
+def test_fp32_exponentials_from_bf16_embeddings():
+    img, txt, pos = _embeddings(seed=3)
+    terms = contrastive_terms(img.bfloat16(), txt.bfloat16(), pos, T)
+    assert terms.exp_image.dtype == torch.float32
+    assert torch.isfinite(terms.exp_image).all() and torch.isfinite(terms.exp_text).all()
+
+
+def test_gather_single_process_is_identity_and_first_occurrence():
+    x = torch.randn(3, 2, requires_grad=True)
+    assert gather_with_grad(x) is x
+    assert _first_occurrence(torch.tensor([4, 2, 4, 7, 2])).tolist() == [True, True, False, True, False]
+
+
+CAPTIONS = ["a photo of a cat", "a photo of a dog", "a photo of a car"]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    tok = word_tokenizer(CAPTIONS)
+    model = tiny_clip(len(tok), image_size=8, patch_size=4, hidden_size=32, layers=1, heads=2, projection_dim=16)
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for i in range(24):
+        c = i % 3
+        rows.append({"pixel_values": (torch.randn(3, 8, 8, generator=g) + c).numpy(), "caption": CAPTIONS[c],
+                     "is_positive": c == 0, "label": c})
+    return tok, model, RowDataset(rows)
+
+
+def _trainer(tiny, tmp_path, **kw):
+    tok, model, data = tiny
+    args = ConstrainedTrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=8, max_steps=3,
+                                        learning_rate=1e-3, constraint_penalty="none", report_to=[], use_cpu=True,
+                                        save_strategy="no", disable_tqdm=True, **kw)
+    return ContrastiveConstrainedTrainer(model=model, args=args, train_dataset=data,
+                                         data_collator=CLIPCollator(tokenizer=tok))
+
+
+def test_previous_iterate_is_next_window_at_current_parameters(tiny, tmp_path):
+    """get_batch_samples returns this window and stores g_i(w_t; B^{t+1}) of the next one."""
+    tok, model, data = tiny
+    trainer = _trainer(tiny, tmp_path)
+    collate = CLIPCollator(tokenizer=tok)
+    batches = [collate([data[i] for i in range(s, s + 8)]) for s in (0, 8, 16)]
+    it = iter(batches)
+    got, _ = trainer.get_batch_samples(it, 1, torch.device("cpu"))
+    assert got[0] is batches[0]
+    with torch.no_grad():
+        terms, index = trainer._global_terms(model, batches[1])
+    prev = trainer._previous["image"][index]
+    torch.testing.assert_close(prev, terms.g_image, rtol=1e-5, atol=0)
+    got, _ = trainer.get_batch_samples(it, 1, torch.device("cpu"))
+    assert got[0] is batches[1]  # the looked-ahead window comes next, nothing skipped
+
+
+def test_msvr_update_of_per_sample_estimators(tiny, tmp_path):
+    """u <- (1-g)u + g*g_t + g'(g_t - g_prev) at the batch's positives (Algorithm 2, line 6)."""
+    tok, model, data = tiny
+    trainer = _trainer(tiny, tmp_path, objective_msvr_gamma=0.5, objective_msvr_gamma_prime=0.25)
+    batch = CLIPCollator(tokenizer=tok)([data[i] for i in range(8)])
+    est = trainer.objective_estimators["image"]
+    trainer._in_training_step = True
+    with torch.no_grad():
+        terms, index = trainer._global_terms(model, batch)
+    est.values[index] = 2.0
+    est.visited[index] = True
+    trainer._previous["image"][index] = 3.0
+    trainer.compute_objective_loss(model, batch)
+    expected = 0.5 * 2.0 + 0.5 * terms.g_image + 0.25 * (terms.g_image - 3.0)
+    torch.testing.assert_close(est.values[index], expected, rtol=1e-5, atol=1e-6)
+    assert torch.isnan(trainer._previous["image"][index]).all()  # consumed once
+    untouched = torch.ones(len(data), dtype=torch.bool)
+    untouched[index] = False
+    assert not est.visited[untouched].any()  # only positives of the batch are visited
+
+
+def test_short_training_run_updates_estimators_and_saves_state(tiny, tmp_path):
+    trainer = _trainer(tiny, tmp_path)
+    trainer.train()
+    visited = trainer.objective_estimators["text"].visited
+    pos = torch.tensor([r["is_positive"] for r in tiny[2].rows])
+    assert visited[pos].all() and not visited[~pos].any()
+    loss = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert all(math.isfinite(v) for v in loss)
+    state = trainer.constraint_state_dict()
+    assert state["objective"]["image"]["values"].shape == (len(tiny[2]),)
+
+
+def test_objective_estimators_travel_with_the_checkpoint_state(tiny, tmp_path):
+    trainer = _trainer(tiny, tmp_path)
+    trainer.train()
+    state = trainer.constraint_state_dict()
+    fresh = _trainer(tiny, tmp_path / "fresh")
+    fresh.load_constraint_state_dict(state)
+    for side in ("image", "text"):
+        torch.testing.assert_close(fresh.objective_estimators[side].values, trainer.objective_estimators[side].values)
+        assert torch.equal(fresh.objective_estimators[side].visited, trainer.objective_estimators[side].visited)
+
+
+def test_batch_without_required_keys_is_a_clear_error(tiny, tmp_path):
+    tok, model, data = tiny
+    trainer = _trainer(tiny, tmp_path)
+    batch = CLIPCollator(tokenizer=tok)([data[i] for i in range(4)])
+    del batch["is_positive"]
+    with pytest.raises(KeyError, match="is_positive"):
+        trainer.compute_objective_loss(model, batch)
+
+
+def test_half_positive_batches(tiny, tmp_path):
+    from hf_constrained.clip.contrastive import HalfPositiveSampler
+
+    sampler = HalfPositiveSampler([True, False, False, False, False, True, False], seed=0)
+    order = list(sampler)
+    assert len(order) == 10 and sorted(set(order[1::2])) == [1, 2, 3, 4, 6] and set(order[0::2]) == {0, 5}
+    assert list(sampler) != order  # a fresh shuffle next epoch
+    trainer = _trainer(tiny, tmp_path)
+    trainer.half_positive_batches = True
+    batches = list(trainer.get_train_dataloader())
+    assert all(int(b["is_positive"].sum()) == 4 for b in batches)  # 8 rows per batch: 4 positives
+    with pytest.raises(ValueError, match="both kinds"):
+        HalfPositiveSampler([True, True])

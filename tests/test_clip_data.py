@@ -1,0 +1,109 @@
+"""Loaders of the CLIP task on small synthetic folders in the BDD100K and CSV layouts."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from clip_synthetic import WEATHER, make_bdd100k, make_csv, one_thread, save_tiny_clip  # noqa: F401 (fixture)
+from hf_constrained.clip.data import (
+    BDD100K_TASKS,
+    CLIPCollator,
+    RowDataset,
+    bdd100k_task_data,
+    csv_target_rows,
+    load_bdd100k,
+    load_image_text_csv,
+)
+
+
+@pytest.fixture(scope="module")
+def bdd(tmp_path_factory):
+    return make_bdd100k(str(tmp_path_factory.mktemp("bdd100k")))
+
+
+def test_bdd100k_labels_by_attribute(bdd):
+    out = load_bdd100k(bdd, "train", "weather", ["foggy", "clear"])
+    assert set(out) == {"foggy", "clear"} and len(out["foggy"]) == 3 and len(out["clear"]) == 3
+    assert all(os.path.exists(r["image"]) and "/images/100k/train/" in r["image"] for r in out["foggy"])
+    scene = load_bdd100k(bdd, "val", "scene", ["tunnel", "highway"])
+    assert len(scene["tunnel"]) == len(WEATHER) and len(scene["highway"]) == 2 * len(WEATHER)  # undefined skipped
+
+
+def test_bdd100k_tasks_of_the_paper(bdd):
+    assert BDD100K_TASKS["foggy"].protected == ("clear", "overcast", "snowy", "rainy", "partly cloudy")
+    assert "foggy" not in BDD100K_TASKS["overcast"].protected and len(BDD100K_TASKS["overcast"].protected) == 4
+    assert BDD100K_TASKS["tunnel"].attribute == "scene" and len(BDD100K_TASKS["tunnel"].protected) == 4
+    data = bdd100k_task_data(bdd, "foggy", negatives_per_class=2)
+    pos = [r for r in data["target_rows"] if r["is_positive"]]
+    neg = [r for r in data["target_rows"] if not r["is_positive"]]
+    assert len(pos) == 3 and all(r["caption"] == "the weather is foggy." for r in pos)
+    assert len(neg) == 2 * 5 and {r["caption"] for r in neg} >= {"the weather is partly cloudy."}
+    classes = BDD100K_TASKS["foggy"].classes
+    assert all(r["label"] == classes.index("rainy") for r in data["val"]["rainy"])
+    assert len(data["train"]["clear"]) == 3 and len(data["val"]["snowy"]) == 3
+
+
+def test_bdd100k_errors_name_the_problem(bdd, tmp_path):
+    with pytest.raises(FileNotFoundError, match="label file"):
+        load_bdd100k(str(tmp_path), "train", "weather", ["foggy"])
+    broken = make_bdd100k(str(tmp_path / "broken"), per_class=1, extra_undefined=False)
+    os.remove(os.path.join(broken, "images", "100k", "train", "train_foggy_0.jpg"))
+    with pytest.raises(FileNotFoundError, match="train_foggy_0.jpg"):
+        load_bdd100k(broken, "train", "weather", ["foggy"])
+    label_file = os.path.join(broken, "labels", "bdd100k_labels_images_val.json")
+    with open(label_file, "w") as f:
+        json.dump([{"name": "x.jpg"}], f)
+    with pytest.raises(ValueError, match="attributes.weather"):
+        load_bdd100k(broken, "val", "weather", ["foggy"])
+
+
+def test_csv_loader_relative_paths_tsv_and_errors(tmp_path):
+    path = make_csv(str(tmp_path), [("img/a.jpg", "a foggy road", "foggy"), ("img/b.jpg", "a sunny road", "clear")])
+    rows = load_image_text_csv(path)
+    assert rows[0]["image"] == os.path.join(str(tmp_path), "img/a.jpg") and rows[1]["label_name"] == "clear"
+    marked = csv_target_rows(rows, "foggy", ["clear", "foggy"])
+    assert [r["is_positive"] for r in marked] == [True, False] and [r["label"] for r in marked] == [1, 0]
+    tsv = make_csv(str(tmp_path / "t"), [("c.jpg", "fog", "foggy")], name="pairs.tsv", delimiter="\t")
+    assert load_image_text_csv(tsv)[0]["caption"] == "fog"
+    with pytest.raises(ValueError, match="missing columns"):
+        load_image_text_csv(path, caption_column="caption")
+    with open(path, "a") as f:
+        f.write("img/missing.jpg,x,foggy\n")
+    with pytest.raises(FileNotFoundError, match=r"pairs.csv:4"):
+        load_image_text_csv(path)
+
+
+def test_collator_with_a_saved_processor(bdd, tmp_path):
+    from transformers import CLIPProcessor
+
+    folder = save_tiny_clip(str(tmp_path / "clip"), ["the weather is foggy."])
+    proc = CLIPProcessor.from_pretrained(folder)
+    data = bdd100k_task_data(bdd, "foggy", negatives_per_class=1)
+    ds = RowDataset(data["target_rows"])
+    batch = CLIPCollator(image_processor=proc.image_processor, tokenizer=proc.tokenizer)([ds[i] for i in range(4)])
+    assert batch["pixel_values"].shape == (4, 3, 16, 16)
+    assert batch["input_ids"].shape[0] == 4 and batch["attention_mask"].shape == batch["input_ids"].shape
+    assert batch["sample_index"].tolist() == [0, 1, 2, 3] and batch["is_positive"].dtype == torch.bool
+    with pytest.raises(ValueError, match="image_processor"):
+        CLIPCollator()([ds[0]])
+
+
+def test_digits_demo_data_design():
+    from hf_constrained import demo
+
+    cfg = demo.DemoConfig()
+    data = demo.digits_split(cfg)
+    parts = [set(data[k]) for k in ("pretrain", "constraint", "test")]
+    assert not (parts[0] & parts[1]) and not (parts[0] & parts[2]) and not (parts[1] & parts[2])
+    rows = demo.target_rows(data, cfg)
+    pos_labels = {r["label"] for r in rows if r["is_positive"]}
+    neg_labels = {r["label"] for r in rows if not r["is_positive"]}
+    assert pos_labels == {cfg.target, cfg.pulled}  # noisy positives: the pulled digit captioned as the target
+    assert cfg.pulled not in neg_labels and cfg.target not in neg_labels and len(neg_labels) == 8
+    target_name = demo.DIGIT_NAMES[cfg.target]
+    assert all(r["caption"].endswith(target_name) for r in rows if r["is_positive"])
+    # every non-held-out target image is a positive; the held-out ones stay out of the target data
+    n_clean = sum(1 for r in rows if r["is_positive"] and r["label"] == cfg.target)
+    assert n_clean == sum(1 for i in data["pretrain"] + data["constraint"] if data["labels"][i] == cfg.target)
