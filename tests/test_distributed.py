@@ -29,12 +29,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from filelock import FileLock
 
 from scale_tiny import (TinyClassifier, contrastive_snapshot, make_contrastive_trainer, make_trainer, one_torch_thread,
                         record_constraint_calls, snapshot)
-
-pytestmark = pytest.mark.xdist_group("scale_distributed")  # one worker runs the 2-process launch once
-
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_torch_thread():
@@ -55,9 +53,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def two_process_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ddp")
+def _launch_two_processes(out: Path) -> None:
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch",
         # the shipped DDP config; with use_cpu=True in the training arguments the ranks run on CPU (gloo)
@@ -70,6 +66,22 @@ def two_process_run(tmp_path_factory):
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, f"accelerate launch failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+
+
+@pytest.fixture(scope="module")
+def two_process_run(tmp_path_factory):
+    # Under pytest-xdist every worker that runs a test of this module would launch its own pair of
+    # processes; they share this run's base directory, so the first launches and the others wait
+    # for its files (the directory is new for every pytest run: nothing stale is reused).
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        out = tmp_path_factory.getbasetemp().parent / "scale_ddp_shared"
+    else:
+        out = tmp_path_factory.mktemp("ddp")
+    out.mkdir(exist_ok=True)
+    with FileLock(str(out / "launch.lock")):
+        if not (out / "done").exists():
+            _launch_two_processes(out)
+            (out / "done").write_text("ok")
     ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
     ranks[0]["out"] = str(out)
     return ranks

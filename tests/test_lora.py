@@ -17,8 +17,6 @@ from transformers import TrainerCallback
 from hf_constrained import CONSTRAINT_STATE_NAME
 from scale_tiny import TinyClassifier, make_trainer, one_torch_thread, snapshot
 
-pytestmark = pytest.mark.xdist_group("scale_lora")  # the module fixture trains once
-
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_torch_thread():

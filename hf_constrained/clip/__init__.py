@@ -8,7 +8,7 @@
 * :mod:`.tiny`: a small CLIP and word tokenizer built from configs (demo and tests, offline).
 """
 
-from .contrastive import ContrastiveConstrainedTrainer, contrastive_terms, gather_with_grad
+from .contrastive import ContrastiveConstrainedTrainer, HalfPositiveSampler, contrastive_terms, gather_with_grad
 from .encode import clip_embeddings
 from .heads import CLIPWithClassTextHeads
 from .non_forgetting import (
@@ -23,6 +23,7 @@ from .non_forgetting import (
 __all__ = [
     "CLIPWithClassTextHeads",
     "ContrastiveConstrainedTrainer",
+    "HalfPositiveSampler",
     "NonForgettingConstraint",
     "ReferenceLossDataset",
     "ZeroShotLoss",

@@ -53,18 +53,35 @@ def _distributed_world() -> int:
     return 1
 
 
+class _AllGatherWithGrad(torch.autograd.Function):
+    """All-gather along dim 0; backward sums every rank's gradient and returns the local slice."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+        parts = [torch.empty_like(x) for _ in range(world)]
+        torch.distributed.all_gather(parts, x.contiguous())
+        ctx.rank, ctx.rows = rank, x.shape[0]
+        return torch.cat(parts, dim=0)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.contiguous().clone()
+        torch.distributed.all_reduce(grad)  # d(sum of every rank's loss) / d(this rank's rows)
+        return grad[ctx.rank * ctx.rows : (ctx.rank + 1) * ctx.rows]
+
+
 def gather_with_grad(x: torch.Tensor) -> torch.Tensor:
     """Concatenate ``x`` from all processes along dim 0, keeping the autograd graph.
 
-    Single process: ``x`` itself. Multi-process: ``torch.distributed.nn.functional.all_gather``,
-    whose backward sums the gradients of every rank into the local slice. All ranks must
-    pass the same shape (use ``dataloader_drop_last`` or accelerate's ``even_batches``).
+    Single process: ``x`` itself. Multi-process: the backward sums the gradients of every
+    rank into the local slice, so with every rank computing the same global loss and DDP
+    averaging, the update is the gradient of the global loss. All ranks must pass the same
+    shape (use ``dataloader_drop_last`` or accelerate's ``even_batches``).
     """
     if _distributed_world() == 1:
         return x
-    from torch.distributed.nn.functional import all_gather
-
-    return torch.cat(all_gather(x.contiguous()), dim=0)
+    return _AllGatherWithGrad.apply(x)
 
 
 def _gather_plain(x: torch.Tensor) -> torch.Tensor:
@@ -303,7 +320,7 @@ class ContrastiveConstrainedTrainer(ConstrainedTrainer):
         image, text = clip_embeddings(model, inputs["pixel_values"], inputs["input_ids"],
                                       inputs.get("attention_mask"), inputs.get("text_class_ids"))
         image, text = gather_with_grad(image), gather_with_grad(text)
-        positive = _gather_plain(inputs["is_positive"].to(image.device).bool())
+        positive = _gather_plain(inputs["is_positive"].to(image.device).long()).bool()  # NCCL-safe dtype
         index = _gather_plain(inputs["sample_index"].to(image.device).long())
         terms = contrastive_terms(image, text, positive, self.contrastive_temperature)
         return terms, index[positive]
