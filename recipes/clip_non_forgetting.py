@@ -34,6 +34,7 @@ import torch
 from transformers import CLIPModel, CLIPProcessor, HfArgumentParser, TrainerCallback, set_seed
 
 from hf_constrained import ConstrainedTrainingArguments
+from hf_constrained.safety import finish_run
 from hf_constrained.clip import (
     CLIPWithClassTextHeads,
     ContrastiveConstrainedTrainer,
@@ -253,6 +254,17 @@ def main(argv: Optional[list[str]] = None) -> dict:
             json.dump(results, f, indent=2, default=str)
         os.replace(path + ".tmp", path)
         logger.info("saved model and %s to %s", RESULTS_FILE, args.output_dir)
+    # safety report + model card (after save_pretrained: a PEFT save writes its own README.md);
+    # a non-forgetting constraint is 0 at the old model by definition
+    report = finish_run(
+        trainer, old_model_values={c.name: 0.0 for c in constraints}, base_model_name=script.model_name_or_path,
+        dataset_description=f"target class {target!r}; protected classes {results['protected_classes']}; "
+                            f"accuracies on {results['accuracy_split']} data",
+        reproduce_command="accelerate launch recipes/clip_non_forgetting.py " + " ".join(sys.argv[1:]),
+        objective_metrics={f"accuracy/{c}": v for c, v in accuracy_new.items()},
+    )
+    results["safe"] = report.all_satisfied
+    if trainer.is_world_process_zero():
         for c in classes:
             if c in accuracy_old:
                 print(f"{c:>20}: accuracy {100 * accuracy_old[c]:5.1f} -> {100 * accuracy_new.get(c, float('nan')):5.1f}")

@@ -56,6 +56,14 @@ def test_recipe_bdd100k_hinge_saves_model_and_results(assets, tmp_path):
     assert [h["step"] for h in curve] == [2]  # --accuracy_every_steps 2 over 3 steps
     reloaded = CLIPModel.from_pretrained(out)  # the fine-tuned model loads like any checkpoint
     assert reloaded.config.projection_dim == 16
+    # the run ends with a safety report and a model card whose verdict matches the exact evaluation
+    with open(os.path.join(out, "safety_report.json")) as f:
+        report = json.load(f)
+    assert report["all_satisfied"] == bool(results["eval_metrics"]["eval_constraints_satisfied"]) == results["safe"]
+    assert sorted(c["name"] for c in report["constraints"]) == sorted(saved["constraints_train"])
+    with open(os.path.join(out, "README.md")) as f:
+        card = f.read()
+    assert ("UNSAFE" in card.split("\n---", 2)[-1][:400]) != report["all_satisfied"]
 
 
 def test_recipe_csv_lora_squared_hinge(assets, tmp_path):
@@ -74,6 +82,7 @@ def test_recipe_csv_lora_squared_hinge(assets, tmp_path):
                               *COMMON])
     assert results["accuracy_split"] == "constraint data"
     assert os.path.exists(os.path.join(out, "adapter_config.json"))  # a LoRA adapter was saved
+    assert os.path.exists(os.path.join(out, "safety_report.json")) and os.path.exists(os.path.join(out, "README.md"))
     with pytest.raises(ValueError, match="prompt_template"):
         _recipe().main(["--model_name_or_path", clip, "--data", "csv", "--target_class", "foggy",
                         "--protected_classes", "clear", "--output_dir", out, *COMMON])
