@@ -212,6 +212,12 @@ def test_recipe_on_a_csv_writes_results_and_a_loadable_model(splits, tmp_path):
     assert res["train_seconds"] > 0 and 0.5 < saved["test_auc"] <= 1.0
     loaded = AutoModel.from_pretrained(str(out))
     assert isinstance(loaded, MLPForScoring) and loaded.config.hidden_sizes == [8, 8]
+    # the run ends with a safety report on the validation split and a model card
+    report = json.loads((out / "safety_report.json").read_text())
+    values = {c["name"]: c["value"] - c["tolerance"] for c in report["constraints"]}
+    assert values == pytest.approx(saved["final"]["validation"]["constraints"], abs=1e-5)
+    assert report["objective_metrics"]["test_auc"] == pytest.approx(saved["test_auc"])
+    assert (out / "README.md").exists()
 
 
 def test_model_save_load_roundtrip(tmp_path):

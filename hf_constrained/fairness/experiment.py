@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from collections.abc import Sequence
@@ -29,6 +30,7 @@ import torch
 from transformers import TrainerCallback
 
 from ..config import ConstrainedTrainingArguments
+from ..safety import finish_run
 from .data import TABULAR_LOADERS, TabularSplit, load_tabular_csv
 from .icppac import ICPPACConfig, ICPPACTrainer
 from .model import MLPConfig, MLPForScoring
@@ -77,7 +79,8 @@ class ROCFairnessArguments:
     icppac_inner_steps: int = field(default=100, metadata={"help": "ConEx iterations per ICPPAC outer step."})
     results_file: str = field(default="results.json",
                               metadata={"help": "Results JSON, relative to output_dir unless absolute."})
-    save_model: bool = field(default=True, metadata={"help": "Save the final model to output_dir."})
+    save_model: bool = field(default=True, metadata={"help": "Save the final model to output_dir, with a safety "
+                                                      "report and model card (hinge, squared_hinge, none)."})
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -188,8 +191,17 @@ def run_roc_fairness(args: ROCFairnessArguments, training_args: ConstrainedTrain
         )
         trainer.train()
         train_seconds = history.train_seconds
-        if args.save_model and training_args.should_save:
-            trainer.save_model(training_args.output_dir)
+        if args.save_model:
+            if training_args.should_save:
+                trainer.save_model(training_args.output_dir)
+            final = history.history[-1]
+            # safety report + model card: constraints on the validation split, objective metrics on all splits
+            finish_run(trainer, base_model_name=f"MLPForScoring {args.hidden_list} (trained from scratch)",
+                       dataset_description=f"{args.dataset}: objective and constraints on train, constraint check "
+                                           f"on the validation split (kappa={args.kappa}, thresholds "
+                                           f"{args.threshold_list})",
+                       reproduce_command="python recipes/roc_fairness.py " + " ".join(sys.argv[1:]),
+                       objective_metrics={f"{split}_auc": final[split]["auc"] for split in splits})
     wall = time.perf_counter() - t_start
 
     final = history.history[-1]

@@ -14,9 +14,26 @@ import os
 import sys
 
 import torch
+from transformers import TrainerCallback
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 from scale_tiny import contrastive_snapshot, make_contrastive_trainer, make_trainer, record_constraint_calls, snapshot  # noqa: E402
+
+
+class _StopAt(TrainerCallback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step >= self.step:
+            control.should_training_stop = True
+        return control
+
+
+def _save(out: str, name: str, obj: object) -> None:
+    tmp = os.path.join(out, name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, os.path.join(out, name))
 
 
 def main() -> None:
@@ -25,6 +42,8 @@ def main() -> None:
     parser.add_argument("--per-device-batch", type=int, default=4)
     parser.add_argument("--constraint-batch", type=int, default=3)
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--extra", action="store_true",
+                        help="also run gradient accumulation (2 x 2 rows per process) and stop-at-3 / resume-to-6")
     parser.add_argument("--contrastive", action="store_true",
                         help="also run the Setting II check (ContrastiveConstrainedTrainer, per-sample estimators)")
     a = parser.parse_args()
@@ -40,6 +59,23 @@ def main() -> None:
     tmp = os.path.join(a.out, f"rank{rank}.pt.tmp")
     torch.save(snap, tmp)
     os.replace(tmp, os.path.join(a.out, f"rank{rank}.pt"))
+
+    if a.extra:
+        # gradient accumulation: 2 micro-batches of 2 rows per process = the same 8 global rows per step
+        ga = make_trainer(os.path.join(a.out, "ga"), max_steps=a.steps, per_device_train_batch_size=2,
+                          gradient_accumulation_steps=2, constraint_batch_size=a.constraint_batch)
+        ga.train()
+        _save(a.out, f"rank{rank}_ga.pt", snapshot(ga))
+        # exact resume under DDP: stop after step 3's checkpoint, resume in a fresh trainer
+        common = dict(max_steps=a.steps, per_device_train_batch_size=a.per_device_batch,
+                      constraint_batch_size=a.constraint_batch, save_strategy="steps", save_steps=3)
+        stopped = make_trainer(os.path.join(a.out, "stopped"), **common)
+        stopped.add_callback(_StopAt(3))
+        stopped.train()
+        stopped.accelerator.wait_for_everyone()  # rank 0 has written checkpoint-3
+        resumed = make_trainer(os.path.join(a.out, "resumed"), **common)
+        resumed.train(resume_from_checkpoint=os.path.join(a.out, "stopped", "checkpoint-3"))
+        _save(a.out, f"rank{rank}_resumed.pt", snapshot(resumed))
 
     if a.contrastive:  # Setting II: 4 rows per process, the 1-process reference uses 8
         clip_trainer = make_contrastive_trainer(os.path.join(a.out, "clip"), per_device_train_batch_size=4)
