@@ -15,7 +15,11 @@ rows). Asserted:
   1e-5 (absolute) after 6 steps. The difference is float rounding: a mean of two
   3-row means (all-reduce, then DDP's gradient average) instead of one 6-row mean.
 
-The same launch also trains the CLIP helper's ``ContrastiveConstrainedTrainer`` (Setting
+The same launch also trains with gradient accumulation (2 processes x 2 micro-batches of 2
+rows, against the 1-process run of 8 rows), and stops after step 3's checkpoint and resumes
+to step 6 (bitwise equal to the straight 2-process run on both ranks).
+
+It also trains the CLIP helper's ``ContrastiveConstrainedTrainer`` (Setting
 II: one MSVR estimator per training sample and side) with 4 rows per process against 8
 rows in one process, and checks its per-sample estimators the same way.
 """

@@ -1,10 +1,13 @@
 """One rank of the multi-process consistency check (tests/test_distributed.py).
 
-Launched with ``accelerate launch --multi_gpu --num_processes N`` on CPU (gloo backend,
-``use_cpu=True`` in the training arguments). Trains the tiny constrained set-up of
-``tests/scale_tiny.py`` with ``--per-device-batch`` objective rows and
-``--constraint-batch`` constraint rows per process, then writes this rank's
-parameters, estimator state and stream positions to ``OUT/rank<r>.pt``.
+Launched with ``accelerate launch --config_file recipes/accelerate_configs/multi_gpu.yaml
+--num_processes N`` on CPU (gloo backend, ``use_cpu=True`` in the training arguments). Trains
+the tiny constrained set-up of ``tests/scale_tiny.py`` with ``--per-device-batch`` objective
+rows and ``--constraint-batch`` constraint rows per process, then writes this rank's
+parameters, estimator state, stream positions and the rows of every constraint call to
+``OUT/rank<r>.pt``. ``--extra`` adds a gradient-accumulation run (``rank<r>_ga.pt``) and a
+stop/resume run (``rank<r>_resumed.pt``); ``--contrastive`` the Setting II trainer
+(``rank<r>_contrastive.pt``).
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ import torch
 from transformers import TrainerCallback
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
-from scale_tiny import contrastive_snapshot, make_contrastive_trainer, make_trainer, record_constraint_calls, snapshot  # noqa: E402
+from scale_tiny import (contrastive_snapshot, make_contrastive_trainer, make_trainer,  # noqa: E402
+                        record_constraint_calls, snapshot)
 
 
 class _StopAt(TrainerCallback):
@@ -56,9 +60,7 @@ def main() -> None:
     snap["constraint_calls"] = calls
     snap["num_processes"] = trainer.accelerator.num_processes
     snap["distributed_type"] = str(trainer.accelerator.distributed_type)
-    tmp = os.path.join(a.out, f"rank{rank}.pt.tmp")
-    torch.save(snap, tmp)
-    os.replace(tmp, os.path.join(a.out, f"rank{rank}.pt"))
+    _save(a.out, f"rank{rank}.pt", snap)
 
     if a.extra:
         # gradient accumulation: 2 micro-batches of 2 rows per process = the same 8 global rows per step
@@ -80,10 +82,7 @@ def main() -> None:
     if a.contrastive:  # Setting II: 4 rows per process, the 1-process reference uses 8
         clip_trainer = make_contrastive_trainer(os.path.join(a.out, "clip"), per_device_train_batch_size=4)
         clip_trainer.train()
-        snap = contrastive_snapshot(clip_trainer)
-        tmp = os.path.join(a.out, f"rank{rank}_contrastive.pt.tmp")
-        torch.save(snap, tmp)
-        os.replace(tmp, os.path.join(a.out, f"rank{rank}_contrastive.pt"))
+        _save(a.out, f"rank{rank}_contrastive.pt", contrastive_snapshot(clip_trainer))
 
 
 if __name__ == "__main__":
