@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from typing import Optional, Sequence
@@ -70,7 +71,17 @@ def _plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    logging.basicConfig(level=logging.WARNING)
+    run_demo(args, echo=lambda line: print(line, flush=True))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from .demo import add_demo_arguments
+
     parser = argparse.ArgumentParser(prog="hf-constrained", description="Inspect constrained fine-tuning runs.")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("report", help="print the safety table (safety_report.json) of a run or checkpoint")
@@ -83,6 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="output directory (default: RUN_DIR/figures)")
     p.add_argument("--metric", default=None, help="held-out objective key to plot (default: eval_loss or the first)")
     p.set_defaults(func=_plot)
+    p = sub.add_parser("demo", help="the embedded CLIP non-forgetting demo on digits (what `make demo` runs)",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_demo_arguments(p)
+    p.set_defaults(func=_demo)
     return parser
 
 

@@ -32,10 +32,12 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Optional
+from typing import Any, Callable
 
 import numpy as np
 import torch
+
+logger = logging.getLogger(__name__)
 
 DIGIT_NAMES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 TEMPLATE = "a photo of the digit {}"
@@ -135,10 +137,8 @@ def prompts(tokenizer: Any) -> dict[str, torch.Tensor]:
     return tokenizer([TEMPLATE.format(n) for n in DIGIT_NAMES], padding=True, return_tensors="pt")
 
 
-def pretrain_old_model(cfg: DemoConfig, cache_dir: str, log: Any = print) -> str:
+def pretrain_old_model(cfg: DemoConfig, cache_dir: str, log: Callable[[str], None] = logger.info) -> str:
     """Stage 1 (cached): a small CLIP trained as a zero-shot digit classifier, weak on the target."""
-    from transformers import CLIPModel  # noqa: F401  (the saved folder loads with it)
-
     from .clip.tiny import tiny_clip, word_tokenizer
 
     path = os.path.join(cache_dir, f"digits-clip-{_stage1_key(cfg)}")
@@ -183,7 +183,8 @@ def pretrain_old_model(cfg: DemoConfig, cache_dir: str, log: Any = print) -> str
 # ---------------------------------------------------------------------------------- stage 2
 
 
-def finetune(cfg: DemoConfig, old_path: str, penalty: str, log: Any = print) -> dict[str, Any]:
+def finetune(cfg: DemoConfig, old_path: str, penalty: str,
+             log: Callable[[str], None] = logger.info) -> dict[str, Any]:
     """Contrastive fine-tuning toward the target digit with one non-forgetting constraint per other digit."""
     from transformers import AutoTokenizer, CLIPModel
 
@@ -250,7 +251,7 @@ def report(cfg: DemoConfig, old: dict[str, float], runs: list[dict[str, Any]]) -
     target = DIGIT_NAMES[cfg.target]
     names = [r["penalty"] for r in runs]
     lines = [f"Held-out zero-shot accuracy (%), target digit: {target}; beta = {cfg.beta} for both penalties",
-             f"| class | old | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+             "| class | old | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
     for name in DIGIT_NAMES:
         cells = [f"{100 * r['accuracy'][name]:.1f}" for r in runs]
         tag = " (target)" if name == target else (" (pulled)" if name == DIGIT_NAMES[cfg.pulled] else "")
@@ -296,18 +297,21 @@ def report(cfg: DemoConfig, old: dict[str, float], runs: list[dict[str, Any]]) -
     return "\n".join(lines), summary
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    defaults = DemoConfig()
-    for name, value in asdict(defaults).items():
+def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
+    """The demo's options (every :class:`DemoConfig` field, the penalties, cache and output)."""
+    for name, value in asdict(DemoConfig()).items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
     parser.add_argument("--penalties", default="hinge,squared_hinge,none")
     parser.add_argument("--cache-dir", default=os.path.join(os.getcwd(), ".cache", "hf_constrained_demo"))
     parser.add_argument("--output", default=None, help="write the results JSON here")
-    ns = parser.parse_args(argv)
-    cfg = DemoConfig(**{k: getattr(ns, k) for k in asdict(defaults)})
-    logging.basicConfig(level=logging.WARNING)
+
+
+def run_demo(ns: argparse.Namespace, echo: Callable[[str], None]) -> dict[str, Any]:
+    """Run both stages with the options in ``ns``; ``echo`` receives the progress lines and the report.
+
+    Writes the results JSON (tmp + rename) and returns it.
+    """
+    cfg = DemoConfig(**{k: getattr(ns, k) for k in asdict(DemoConfig())})
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
@@ -315,25 +319,28 @@ def main(argv: Optional[list[str]] = None) -> int:
     torch.set_num_threads(1)  # tiny models: one thread is fastest and immune to a busy machine
     os.makedirs(ns.cache_dir, exist_ok=True)
     t0 = time.time()
-    print(f"hf_constrained demo: CLIP non-forgetting fine-tuning on digits (target: {DIGIT_NAMES[cfg.target]})")
-    old_path = pretrain_old_model(cfg, ns.cache_dir)
+    echo(f"hf_constrained demo: CLIP non-forgetting fine-tuning on digits (target: {DIGIT_NAMES[cfg.target]})")
+    old_path = pretrain_old_model(cfg, ns.cache_dir, log=echo)
     old = old_accuracy(cfg, old_path)
     runs = []
-    print("stage 2: constrained fine-tuning")
+    echo("stage 2: constrained fine-tuning")
     for penalty in ns.penalties.split(","):
-        runs.append(finetune(cfg, old_path, penalty.strip()))
+        runs.append(finetune(cfg, old_path, penalty.strip(), log=echo))
     text, summary = report(cfg, old, runs)
-    print()
-    print(text)
-    print(f"\ntotal {time.time() - t0:.0f}s on {os.cpu_count()} CPU core(s), torch {torch.__version__}")
+    echo("")
+    echo(text)
+    echo(f"\ntotal {time.time() - t0:.0f}s on {os.cpu_count()} CPU core(s), torch {torch.__version__}")
     out = ns.output or os.path.join(ns.cache_dir, "demo_results.json")
+    results = {"config": asdict(cfg), "old_accuracy": old, "runs": runs, "summary": summary}
     tmp = out + ".tmp"
     with open(tmp, "w") as f:
-        json.dump({"config": asdict(cfg), "old_accuracy": old, "runs": runs, "summary": summary}, f, indent=2)
+        json.dump(results, f, indent=2)
     os.replace(tmp, out)
-    print(f"results: {out}")
-    return 0
+    echo(f"results: {out}")
+    return results
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # `python -m hf_constrained.demo` is `hf-constrained demo`
+    from .cli import main
+
+    sys.exit(main(["demo", *sys.argv[1:]]))

@@ -5,8 +5,6 @@ import json
 import os
 
 import numpy as np
-import pytest
-import torch
 from PIL import Image
 
 WEATHER = ["clear", "overcast", "snowy", "rainy", "partly cloudy", "foggy"]
@@ -64,10 +62,3 @@ def save_tiny_clip(folder, texts):
     return folder
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run fastest on one thread, and a busy machine does not slow them down."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)

@@ -13,6 +13,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import TrainerCallback
 
 from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments, Constraint
 
@@ -180,12 +181,13 @@ def contrastive_snapshot(trainer) -> dict[str, Any]:
     return snap
 
 
-def one_torch_thread():
-    """Generator for a module fixture: these models are tiny, and under ``pytest -n 2`` on a
-    shared 2-core machine several OpenMP threads per process make them many times slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+class StopAt(TrainerCallback):
+    """Interrupts training after ``step`` (the checkpoint of that step is still written)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step >= self.step:
+            control.should_training_stop = True
+        return control

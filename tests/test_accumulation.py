@@ -8,15 +8,9 @@ up to float rounding.
 
 from __future__ import annotations
 
-import pytest
 import torch
 
-from scale_tiny import make_trainer, one_torch_thread, snapshot
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    yield from one_torch_thread()
+from scale_tiny import make_trainer, snapshot
 
 
 STEPS = 4

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from hf_constrained import ConstrainedTrainingArguments
-from clip_synthetic import one_thread  # noqa: F401 (autouse fixture)
 from hf_constrained.clip import ContrastiveConstrainedTrainer, contrastive_terms, gather_with_grad
 from hf_constrained.clip.contrastive import _first_occurrence, contrastive_surrogate, contrastive_value
 from hf_constrained.clip.data import CLIPCollator, RowDataset

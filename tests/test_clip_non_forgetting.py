@@ -5,7 +5,6 @@ import copy
 import pytest
 import torch
 
-from clip_synthetic import one_thread  # noqa: F401 (autouse fixture)
 from hf_constrained.clip import (
     CLIPWithClassTextHeads,
     NonForgettingConstraint,

@@ -9,7 +9,7 @@ import sys
 import pytest
 from transformers import CLIPModel
 
-from clip_synthetic import make_bdd100k, make_csv, one_thread, save_tiny_clip  # noqa: F401 (fixture)
+from clip_synthetic import make_bdd100k, make_csv, save_tiny_clip
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

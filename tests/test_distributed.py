@@ -35,13 +35,8 @@ import pytest
 import torch
 from filelock import FileLock
 
-from scale_tiny import (TinyClassifier, contrastive_snapshot, make_contrastive_trainer, make_trainer, one_torch_thread,
+from scale_tiny import (TinyClassifier, contrastive_snapshot, make_contrastive_trainer, make_trainer,
                         record_constraint_calls, snapshot)
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    yield from one_torch_thread()
-
 
 HERE = Path(__file__).resolve().parent
 CONFIGS = HERE.parent / "recipes" / "accelerate_configs"

@@ -21,14 +21,6 @@ from hf_constrained.fairness import (
 from hf_constrained.fairness.data import ImageRows
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def adult():
     return load_adult()

@@ -40,15 +40,6 @@ def biased_split(n: int, seed: int) -> TabularSplit:
     return TabularSplit(feats, label, group)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: extra threads only fight the other test worker for the 2 cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def splits():
     return {"train": biased_split(600, 0), "validation": biased_split(300, 1), "test": biased_split(300, 2)}

@@ -12,15 +12,9 @@ import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file
-from transformers import TrainerCallback
 
 from hf_constrained import CONSTRAINT_STATE_NAME
-from scale_tiny import TinyClassifier, make_trainer, one_torch_thread, snapshot
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    yield from one_torch_thread()
+from scale_tiny import StopAt, TinyClassifier, make_trainer, snapshot
 
 
 STEPS = 8
@@ -39,16 +33,6 @@ def _base_weights(model: PeftModel) -> dict[str, torch.Tensor]:
 
 def _adapters(model: PeftModel) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
-
-
-class _StopAt(TrainerCallback):
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step >= self.step:
-            control.should_training_stop = True
-        return control
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +82,7 @@ def test_lora_resume_is_exact(straight_run, tmp_path):
     ref = snapshot(trainer)
     stopped = make_trainer(str(tmp_path / "stopped"), model=_lora_model(), max_steps=STEPS,
                            save_strategy="steps", save_steps=4)
-    stopped.add_callback(_StopAt(4))
+    stopped.add_callback(StopAt(4))
     stopped.train()
     assert stopped.state.global_step == 4
     resumed = make_trainer(str(tmp_path / "resumed"), model=_lora_model(), max_steps=STEPS,

@@ -13,27 +13,9 @@ import os
 import pytest
 import torch
 
-from transformers import TrainerCallback
 
 from hf_constrained import CONSTRAINT_STATE_NAME
-from scale_tiny import make_contrastive_trainer, make_trainer, one_torch_thread, snapshot
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    yield from one_torch_thread()
-
-
-class _StopAt(TrainerCallback):
-    """Interrupts training after ``step`` (the checkpoint of that step is still written)."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step >= self.step:
-            control.should_training_stop = True
-        return control
+from scale_tiny import StopAt, make_contrastive_trainer, make_trainer, snapshot
 
 
 def _assert_same(a: dict, b: dict) -> None:
@@ -59,7 +41,7 @@ def test_resume_is_bitwise_exact(tmp_path, accumulation):
 
     # a run of the same configuration interrupted right after its step-10 checkpoint
     first = make_trainer(str(tmp_path / "stopped"), **common)
-    first.add_callback(_StopAt(10))
+    first.add_callback(StopAt(10))
     first.train()
     assert first.state.global_step == 10
     assert not (tmp_path / "stopped" / "checkpoint-20").exists()
@@ -91,7 +73,7 @@ def test_resume_continues_the_checkpoints_sampling_sequence(tmp_path):
     straight = make_trainer(str(tmp_path / "straight"), **common)
     straight.train()
     stopped = make_trainer(str(tmp_path / "stopped"), **common)
-    stopped.add_callback(_StopAt(3))
+    stopped.add_callback(StopAt(3))
     stopped.train()
     resumed = make_trainer(str(tmp_path / "resumed"), constraint_seed=99, **common)
     resumed.train(resume_from_checkpoint=str(tmp_path / "stopped" / "checkpoint-3"))

@@ -8,7 +8,7 @@ import pytest
 import torch
 from datasets import Dataset
 from torch import nn
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers import Trainer, TrainingArguments
 
 from hf_constrained import (ConstrainedTrainer, ConstrainedTrainingArguments, Constraint, ConstraintBatchStream,
                             ConstraintValueError, constraints_per_value)

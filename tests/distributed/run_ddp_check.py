@@ -17,21 +17,10 @@ import os
 import sys
 
 import torch
-from transformers import TrainerCallback
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
-from scale_tiny import (contrastive_snapshot, make_contrastive_trainer, make_trainer,  # noqa: E402
+from scale_tiny import (StopAt, contrastive_snapshot, make_contrastive_trainer, make_trainer,  # noqa: E402
                         record_constraint_calls, snapshot)
-
-
-class _StopAt(TrainerCallback):
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step >= self.step:
-            control.should_training_stop = True
-        return control
 
 
 def _save(out: str, name: str, obj: object) -> None:
@@ -72,7 +61,7 @@ def main() -> None:
         common = dict(max_steps=a.steps, per_device_train_batch_size=a.per_device_batch,
                       constraint_batch_size=a.constraint_batch, save_strategy="steps", save_steps=3)
         stopped = make_trainer(os.path.join(a.out, "stopped"), **common)
-        stopped.add_callback(_StopAt(3))
+        stopped.add_callback(StopAt(3))
         stopped.train()
         stopped.accelerator.wait_for_everyone()  # rank 0 has written checkpoint-3
         resumed = make_trainer(os.path.join(a.out, "resumed"), **common)
