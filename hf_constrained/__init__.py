@@ -7,6 +7,7 @@ from .config import ConstrainedTrainingArguments
 from .constraint import Constraint, collate_examples, constraints_per_value
 from .estimators import MSVREstimator, resolve_gamma_prime, theory_gamma_prime
 from .penalties import HingePenalty, NoPenalty, Penalty, SquaredHingePenalty, make_penalty
+from .safety import SafetyReport, UnsafeModelError, build_safety_report, finish_run
 from .sampling import ConstraintBatchStream, ConstraintSampler
 from .trainer import CONSTRAINT_STATE_NAME, ConstrainedTrainer, ConstraintValueError
 
@@ -24,9 +25,13 @@ __all__ = [
     "MSVREstimator",
     "NoPenalty",
     "Penalty",
+    "SafetyReport",
     "SquaredHingePenalty",
+    "UnsafeModelError",
+    "build_safety_report",
     "collate_examples",
     "constraints_per_value",
+    "finish_run",
     "make_penalty",
     "resolve_gamma_prime",
     "theory_gamma_prime",

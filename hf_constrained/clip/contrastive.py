@@ -16,7 +16,7 @@ training sample and side tracks g_i (Algorithm 2, line 6), and the gradient is
 which is what the surrogate loss ``mean_i mean_j sg(exp(d_ij/t)/u_i) d_ij`` yields. Every
 exponential is computed in fp32 (d/t reaches 40 at t = 0.05).
 
-Multi-process: features are all-gathered with gradients (``torch.distributed.nn``), every
+Multi-process: features are all-gathered with gradients (:func:`gather_with_grad`), every
 rank computes the loss and the estimator updates of the whole global batch, so the
 estimators stay identical on all ranks, and DDP's gradient average gives the gradient of
 the global loss (each rank's slice receives the sum over ranks of the identical loss).
