@@ -358,7 +358,9 @@ class ConstrainedTrainer(SafetyMixin, Trainer):
         A constraint's value is its ``exact_fn`` when given; otherwise the batch values
         averaged with batch-size weights (exact for per-sample means), then ``outer``.
         """
-        model = self.model if model is None else model
+        if model is None:
+            # FSDP shards the parameters: only the wrapped module's forward gathers them
+            model = self.model_wrapped if getattr(self, "is_fsdp_enabled", False) else self.model
         was_training = model.training
         model.eval()
         batch_size = self.args.constraint_eval_batch_size or self.args.per_device_eval_batch_size
