@@ -211,9 +211,11 @@ def summary(times: list[float]) -> dict[str, float]:
             "n": len(times)}
 
 
-def write_json(path: Optional[str], result: dict[str, Any]) -> None:
+def write_json(path: Optional[str], result: dict[str, Any], echo: bool = True) -> None:
+    """Write ``result`` to ``path`` atomically (tmp file + rename); ``echo`` also prints it."""
     text = json.dumps(result, indent=2)
-    print(text)
+    if echo:
+        print(text)
     if path:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         tmp = path + ".tmp"

@@ -11,14 +11,17 @@ Markdown table.
 
 import argparse
 import copy
-import json
 import os
 import platform
+import sys
 import tempfile
 import time
 
 import torch
 from transformers import TrainerCallback
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import write_json  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -78,10 +81,7 @@ def main(argv=None):
                "machine": f"{platform.machine()}, {os.cpu_count()} cores, 1 torch thread",
                "seconds": time.time() - t0,
                "command": "python benchmarks/roc_fairness_frvp.py " + " ".join(argv or [])}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out + ".tmp", "w") as f:
-        json.dump(payload, f, indent=1)
-    os.replace(args.out + ".tmp", args.out)
+    write_json(args.out, payload, echo=False)
     print("| epoch | violated constraints | max violation | sigma (violated) | delta = sigma/m | sigma (all 14) |")
     print("|---|---|---|---|---|---|")
     for r in rows:

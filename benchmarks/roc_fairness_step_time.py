@@ -14,15 +14,18 @@ benchmarks/results/roc_fairness_step_time.json and prints a Markdown table.
 """
 
 import argparse
-import json
 import os
 import platform
 import statistics
+import sys
 import tempfile
 import time
 
 import torch
 from transformers import TrainerCallback
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import write_json  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -107,10 +110,7 @@ def main(argv=None):
                "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
                "machine": f"{platform.machine()}, {os.cpu_count()} cores (shared), {args.threads} torch thread(s)",
                "command": "python benchmarks/roc_fairness_step_time.py " + " ".join(argv or [])}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out + ".tmp", "w") as f:
-        json.dump(payload, f, indent=1)
-    os.replace(args.out + ".tmp", args.out)
+    write_json(args.out, payload, echo=False)
     print("| MLP | method | ms / step |\n|---|---|---|")
     for r in rows:
         method = r["method"].replace("|", "\\|")  # a literal pipe would split the Markdown cell

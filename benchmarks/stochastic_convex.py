@@ -11,16 +11,19 @@ to x* for each gamma'.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import platform
+import sys
 import time
 
 import numpy as np
 import torch
 
 from hf_constrained.toy_problems import make_projection_qp, train_projection
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import write_json  # noqa: E402
 
 
 def main() -> None:
@@ -49,14 +52,10 @@ def main() -> None:
                      "distance_mean": float(np.mean(dist)), "seeds": opts.seeds})
         print(f"gamma'={gp:>6}: max violation mean {np.mean(viol):+.4f} worst {np.max(viol):+.4f} "
               f"feasible {sum(v <= 0 for v in viol)}/{opts.seeds}; |x - x*| mean {np.mean(dist):.4f}", flush=True)
-    os.makedirs(os.path.dirname(opts.out) or ".", exist_ok=True)
     result = {"beta": beta, "threshold": qp.exact_penalty_threshold, "steps": opts.steps, "rows": rows,
               "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
               "date": time.strftime("%Y-%m-%d")}
-    tmp = opts.out + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(result, f, indent=2)
-    os.replace(tmp, opts.out)
+    write_json(opts.out, result, echo=False)
 
 
 if __name__ == "__main__":
