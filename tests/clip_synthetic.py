@@ -62,3 +62,23 @@ def save_tiny_clip(folder, texts):
     return folder
 
 
+TINY_CAPTIONS = ["a photo of a cat", "a photo of a dog", "a photo of a car"]
+
+
+def tiny_contrastive_setup(num_rows: int):
+    """A tiny CLIP and ``num_rows`` image-caption rows over three captions; every third row
+    (the cats) is a positive. Returns (tokenizer, model, rows as a RowDataset)."""
+    import torch
+
+    from hf_constrained.clip.data import RowDataset
+    from hf_constrained.clip.tiny import tiny_clip, word_tokenizer
+
+    tok = word_tokenizer(TINY_CAPTIONS)
+    model = tiny_clip(len(tok), image_size=8, patch_size=4, hidden_size=32, layers=1, heads=2, projection_dim=16)
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for i in range(num_rows):
+        c = i % 3
+        rows.append({"pixel_values": (torch.randn(3, 8, 8, generator=g) + c).numpy(), "caption": TINY_CAPTIONS[c],
+                     "is_positive": c == 0, "label": c})
+    return tok, model, RowDataset(rows)

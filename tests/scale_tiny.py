@@ -145,29 +145,19 @@ def record_constraint_calls(trainer: ConstrainedTrainer) -> list[tuple[str, list
 
 
 # ---------------------------------------------------------------------- Setting II (CLIP)
-CAPTIONS = ["a photo of a cat", "a photo of a dog", "a photo of a car"]
-
-
 def make_contrastive_trainer(output_dir: str, **overrides: Any):
     """The CLIP helper's ContrastiveConstrainedTrainer (per-sample MSVR estimators,
     Algorithm 2) on a tiny CLIP and 48 image-caption rows, a third of them positives."""
+    from clip_synthetic import tiny_contrastive_setup
     from hf_constrained.clip import ContrastiveConstrainedTrainer
-    from hf_constrained.clip.data import CLIPCollator, RowDataset
-    from hf_constrained.clip.tiny import tiny_clip, word_tokenizer
+    from hf_constrained.clip.data import CLIPCollator
 
-    tok = word_tokenizer(CAPTIONS)
-    model = tiny_clip(len(tok), image_size=8, patch_size=4, hidden_size=32, layers=1, heads=2, projection_dim=16)
-    g = torch.Generator().manual_seed(0)
-    rows = []
-    for i in range(48):
-        c = i % 3
-        rows.append({"pixel_values": (torch.randn(3, 8, 8, generator=g) + c).numpy(), "caption": CAPTIONS[c],
-                     "is_positive": c == 0, "label": c})
+    tok, model, rows = tiny_contrastive_setup(48)
     # plain SGD: Adam would hide a wrong gradient scale (e.g. a factor of the world size)
     kw: dict[str, Any] = dict(per_device_train_batch_size=8, max_steps=4, learning_rate=0.5, optim="sgd",
                               constraint_penalty="none", objective_msvr_gamma=0.8, objective_msvr_gamma_prime=0.1)
     kw.update(overrides)
-    return ContrastiveConstrainedTrainer(model=model, args=tiny_args(output_dir, **kw), train_dataset=RowDataset(rows),
+    return ContrastiveConstrainedTrainer(model=model, args=tiny_args(output_dir, **kw), train_dataset=rows,
                                          data_collator=CLIPCollator(tokenizer=tok))
 
 

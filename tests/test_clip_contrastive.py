@@ -8,8 +8,9 @@ import torch
 from hf_constrained import ConstrainedTrainingArguments
 from hf_constrained.clip import ContrastiveConstrainedTrainer, contrastive_terms, gather_with_grad
 from hf_constrained.clip.contrastive import _first_occurrence, contrastive_surrogate, contrastive_value
-from hf_constrained.clip.data import CLIPCollator, RowDataset
-from hf_constrained.clip.tiny import tiny_clip, word_tokenizer
+from hf_constrained.clip.data import CLIPCollator
+
+from clip_synthetic import tiny_contrastive_setup
 
 T = 0.05
 
@@ -86,20 +87,9 @@ def test_gather_single_process_is_identity_and_first_occurrence():
     assert _first_occurrence(torch.tensor([4, 2, 4, 7, 2])).tolist() == [True, True, False, True, False]
 
 
-CAPTIONS = ["a photo of a cat", "a photo of a dog", "a photo of a car"]
-
-
 @pytest.fixture(scope="module")
 def tiny():
-    tok = word_tokenizer(CAPTIONS)
-    model = tiny_clip(len(tok), image_size=8, patch_size=4, hidden_size=32, layers=1, heads=2, projection_dim=16)
-    g = torch.Generator().manual_seed(0)
-    rows = []
-    for i in range(24):
-        c = i % 3
-        rows.append({"pixel_values": (torch.randn(3, 8, 8, generator=g) + c).numpy(), "caption": CAPTIONS[c],
-                     "is_positive": c == 0, "label": c})
-    return tok, model, RowDataset(rows)
+    return tiny_contrastive_setup(24)
 
 
 def _trainer(tiny, tmp_path, **kw):
