@@ -24,6 +24,15 @@ import torch
 ConstraintFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 """``fn(model, batch) -> scalar tensor``; ``batch`` is ``None`` for a data-free constraint."""
 
+RowFn = Callable[[torch.nn.Module, Any], torch.Tensor]
+"""``row_fn(model, batch) -> tensor`` with one entry per row of ``batch`` (dim 0): the
+model call of a row-wise constraint. Constraints that share one ``row_fn`` object form a
+group that the trainer evaluates in one call on the rows of all of them."""
+
+RowTransform = Callable[[torch.Tensor], torch.Tensor]
+"""``row_transform(outputs) -> per-row values``: the per-constraint part of a row-wise
+constraint, applied to the rows ``row_fn`` produced for it (e.g. ``sigmoid(s - tau)``)."""
+
 
 def collate_examples(examples: Sequence[Any]) -> Any:
     """Stack a list of examples into a batch.
@@ -74,10 +83,19 @@ class Constraint:
         exact_fn: optional ``exact_fn(model, dataset) -> float`` for the exact value on
             a whole dataset when h is not a per-sample mean (the default exact
             evaluation averages batch values weighted by batch size).
+        row_fn: the row-wise form, instead of ``fn``: ``row_fn(model, batch)`` returns one
+            output per row of the batch; h(w; B) is the mean of the per-row values (or,
+            with ``group_key``, a difference of two group means). Constraints sharing one
+            ``row_fn`` object are evaluated together in one model call, and the per-row
+            values give the sampling uncertainty of the exact value.
+        row_transform: optional per-constraint map from ``row_fn``'s outputs to per-row
+            values (default: the outputs themselves).
+        group_key: optional batch key holding each row's group (0 or 1); h is then the
+            mean over group 0 minus the mean over group 1.
     """
 
     name: str
-    fn: ConstraintFn
+    fn: Optional[ConstraintFn] = None
     dataset: Optional[Any] = None
     tolerance: float = 0.0
     eval_dataset: Optional[Any] = None
@@ -85,10 +103,24 @@ class Constraint:
     outer: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
     exact_fn: Optional[Callable[[torch.nn.Module, Any], float]] = None
     metadata: dict = field(default_factory=dict)
+    row_fn: Optional[RowFn] = None
+    row_transform: Optional[RowTransform] = None
+    group_key: Optional[str] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"a constraint needs a non-empty string name, got {self.name!r}")
+        if self.row_fn is not None:
+            if self.fn is not None:
+                raise ValueError(f"constraint {self.name!r}: give fn (a scalar per batch) or row_fn (per-row "
+                                 "values), not both")
+            if not callable(self.row_fn):
+                raise TypeError(f"constraint {self.name!r}: row_fn must be callable, got {type(self.row_fn).__name__}")
+            if self.dataset is None:
+                raise ValueError(f"constraint {self.name!r}: a row-wise constraint (row_fn) needs a dataset")
+            self.fn = self._reduced_row_fn
+        elif self.row_transform is not None or self.group_key is not None:
+            raise ValueError(f"constraint {self.name!r}: row_transform and group_key need row_fn")
         if not callable(self.fn):
             raise TypeError(f"constraint {self.name!r}: fn must be callable, got {type(self.fn).__name__}")
         if not math.isfinite(float(self.tolerance)):
@@ -115,6 +147,50 @@ class Constraint:
 
     def apply_outer(self, inner: torch.Tensor) -> torch.Tensor:
         return inner if self.outer is None else self.outer(inner)
+
+    # ------------------------------------------------------------------ row-wise form
+    @property
+    def rowwise(self) -> bool:
+        return self.row_fn is not None
+
+    def row_values(self, outputs: torch.Tensor) -> torch.Tensor:
+        """Per-row values of this constraint from the rows ``row_fn`` returned for it."""
+        values = outputs if self.row_transform is None else self.row_transform(outputs)
+        if values.dim() != 1:
+            raise ValueError(f"constraint {self.name!r}: per-row values must be a 1-d tensor (one value per row), "
+                             f"got shape {tuple(values.shape)}")
+        return values
+
+    def row_groups(self, batch: Any, num_rows: int, device: torch.device) -> torch.Tensor:
+        """Each row's group (0 or 1) for a difference of two group means; all 0 for a plain mean."""
+        if self.group_key is None:
+            return torch.zeros(num_rows, dtype=torch.long, device=device)
+        try:
+            groups = batch[self.group_key]
+        except (KeyError, TypeError, IndexError):
+            raise KeyError(f"constraint {self.name!r}: its batches have no {self.group_key!r} entry (group_key)") from None
+        groups = torch.as_tensor(groups, device=device).long().reshape(-1)
+        if groups.numel() != num_rows:
+            raise ValueError(f"constraint {self.name!r}: batch[{self.group_key!r}] has {groups.numel()} entries for "
+                             f"{num_rows} rows")
+        return groups
+
+    def reduce_rows(self, values: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+        """The mini-batch value h(w; B) from per-row values: their mean, or with ``group_key``
+        the mean over group 0 minus the mean over group 1 (e.g. a TPR gap between two groups)."""
+        if self.group_key is None:
+            return values.mean()
+        first, second = values[groups == 0], values[groups == 1]
+        if first.numel() == 0 or second.numel() == 0:
+            raise ValueError(f"constraint {self.name!r}: a batch needs rows of both groups of {self.group_key!r}, got "
+                             f"{first.numel()} and {second.numel()}")
+        return first.mean() - second.mean()
+
+    def _reduced_row_fn(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        """The scalar form of a row-wise constraint (one model call per constraint)."""
+        outputs = self.row_fn(model, batch)
+        values = self.row_values(outputs)
+        return self.reduce_rows(values, self.row_groups(batch, values.shape[0], values.device))
 
 
 def _column_values(dataset: Any, column: str) -> list:
