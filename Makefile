@@ -9,8 +9,11 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# The CPU build of torch; an unpinned torch would pull a multi-GB CUDA build.
-	$(PY) -m pip install -q torch==2.13.0
+	# torch first, so the package's torch>=2.4 needs nothing more. Where the index offers a
+	# CPU wheel for this pin (as on our development machines) this is the CPU build; on a plain
+	# PyPI index it is the CUDA build (several GB): for a CPU-only machine use
+	# TORCH_INDEX=https://download.pytorch.org/whl/cpu make install
+	$(PY) -m pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
