@@ -7,15 +7,21 @@ being the constraint's tolerance).
 The script trains with the hinge exact penalty, the squared hinge at the same beta
 and no penalty, and prints each constraint's exact value on unseen test data.
 
-    python recipes/quickstart_digits.py            # all three methods
-    python recipes/quickstart_digits.py --penalty hinge --beta 10
+    python recipes/quickstart_digits.py                                   # all three methods
+    python recipes/quickstart_digits.py --compare false --constraint_penalty hinge --penalty_beta 10
+    python recipes/quickstart_digits.py --config my_settings.yaml         # any flag below, as YAML
+
+Every field of ``ConstrainedTrainingArguments`` is a flag (``--penalty_beta``,
+``--msvr_gamma``, ``--learning_rate``, ...); the recipe's own flags are ``--bound`` and
+``--compare``.
 """
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import logging
 import tempfile
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -25,6 +31,23 @@ from torch import nn
 from transformers import PrinterCallback
 
 from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments, constraints_per_value
+from hf_constrained.recipe_args import parse_recipe_args
+
+# the recipe's defaults for the training arguments (each can be overridden by a flag or --config)
+TRAINING_DEFAULTS = dict(
+    output_dir="runs/quickstart_digits", num_train_epochs=20, per_device_train_batch_size=32, learning_rate=3e-3,
+    penalty_beta=20.0, constraint_batch_size=16, constraints_per_step=5, logging_steps=50, save_strategy="no",
+    report_to="none", use_cpu=True, disable_tqdm=True, seed=0,
+)
+
+
+@dataclass
+class QuickstartArguments:
+    bound: float = field(default=0.4, metadata={"help": "per-digit cross-entropy bound (each constraint's tolerance)"})
+    compare: bool = field(default=True, metadata={"help": "train with hinge, squared_hinge and none; false: only "
+                                                          "--constraint_penalty"})
+    seeds: str = field(default="", metadata={"help": "comma-separated seeds (e.g. 0,1,2,3,4): a summary over seeds "
+                                                     "instead of one run's table (default: --seed only)"})
 
 
 class DigitClassifier(nn.Module):
@@ -57,16 +80,11 @@ def make_splits(seed: int = 0) -> tuple[Dataset, Dataset, Dataset]:
     return make(train), make(constraint), make(test)
 
 
-def run(penalty: str, beta: float, bound: float, epochs: int, output_dir: str, seed: int = 0) -> dict[str, float]:
-    train, constraint_data, test = make_splits(seed)
+def run(args: ConstrainedTrainingArguments, bound: float) -> dict[str, float]:
+    train, constraint_data, test = make_splits(args.seed)
     constraints = constraints_per_value(constraint_data, "labels", class_cross_entropy, name="digit{value}",
                                         tolerance=bound, eval_dataset=test)
-    args = ConstrainedTrainingArguments(
-        output_dir=output_dir, num_train_epochs=epochs, per_device_train_batch_size=32, learning_rate=3e-3,
-        constraint_penalty=penalty, penalty_beta=beta, constraint_batch_size=16, constraints_per_step=5,
-        logging_steps=50, save_strategy="no", report_to=[], use_cpu=True, seed=seed, disable_tqdm=True,
-    )
-    torch.manual_seed(seed)
+    torch.manual_seed(args.seed)
     trainer = ConstrainedTrainer(model=DigitClassifier(), args=args, train_dataset=train, constraints=constraints)
     trainer.remove_callback(PrinterCallback)
     trainer.train()
@@ -76,22 +94,21 @@ def run(penalty: str, beta: float, bound: float, epochs: int, output_dir: str, s
     return metrics
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--penalty", choices=["hinge", "squared_hinge", "none", "all"], default="all")
-    parser.add_argument("--beta", type=float, default=20.0)
-    parser.add_argument("--bound", type=float, default=0.4, help="per-digit cross-entropy bound")
-    parser.add_argument("--epochs", type=int, default=20)
-    parser.add_argument("--seed", type=int, default=0)
-    opts = parser.parse_args()
+def main(argv: list[str] | None = None) -> None:
+    opts, args = parse_recipe_args([QuickstartArguments, ConstrainedTrainingArguments], argv, description=__doc__,
+                                   defaults=TRAINING_DEFAULTS)
     logging.getLogger("transformers").setLevel(logging.ERROR)
     torch.set_num_threads(1)  # a tiny model: threads only add overhead
-    penalties = ["hinge", "squared_hinge", "none"] if opts.penalty == "all" else [opts.penalty]
+    penalties = ["hinge", "squared_hinge", "none"] if opts.compare else [args.constraint_penalty]
+    if opts.seeds:
+        summarize_seeds(args, opts, penalties, [int(s) for s in opts.seeds.split(",")])
+        return
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for p in penalties:
-            results[p] = run(p, opts.beta, opts.bound, opts.epochs, f"{tmp}/{p}", opts.seed)
-    print(f"\nCross-entropy per digit, constraint: <= {opts.bound}, beta = {opts.beta}; "
+            results[p] = run(dataclasses.replace(args, constraint_penalty=p, output_dir=f"{tmp}/{p}"), opts.bound)
+    beta = args.penalty_beta
+    print(f"\nCross-entropy per digit, constraint: <= {opts.bound}, beta = {beta}; "
           "each cell: constraint data (what training sees) / unseen test data; * = violated")
     print(f"{'digit':>6} " + " ".join(f"{p:>18}" for p in penalties))
     for d in range(10):
@@ -106,6 +123,28 @@ def main() -> None:
     print(f"{'all hold (train)':>18} " + " ".join(f"{str(ok):>10}" for ok in train_ok))
     print(f"{'all hold (test)':>18} " + " ".join(f"{str(bool(results[p]['eval_constraints_satisfied'])):>10}"
                                                 for p in penalties))
+
+
+def summarize_seeds(args: ConstrainedTrainingArguments, opts: QuickstartArguments, penalties: list[str],
+                    seeds: list[int]) -> None:
+    """Per method over seeds: how many runs hold every constraint (constraint data / test data), and the
+    median and worst largest test violation."""
+    rows = {p: [] for p in penalties}
+    with tempfile.TemporaryDirectory() as tmp:
+        for seed in seeds:
+            for p in penalties:
+                m = run(dataclasses.replace(args, constraint_penalty=p, seed=seed, output_dir=f"{tmp}/{p}{seed}"),
+                        opts.bound)
+                train_ok = all(m[f"train_constraint/digit{d}"] <= opts.bound for d in range(10))
+                rows[p].append((train_ok, bool(m["eval_constraints_satisfied"]), m["eval_constraint_max_violation"]))
+                print(f"seed {seed} {p:>14}: hold on constraint data {train_ok}, on test {rows[p][-1][1]}, "
+                      f"test max violation {m['eval_constraint_max_violation']:+.3f}")
+    print(f"\nseeds {seeds}, bound {opts.bound}, beta {args.penalty_beta}")
+    print(f"{'method':>14} {'hold (constraint data)':>23} {'hold (test)':>12} {'test max viol. median':>22} {'worst':>7}")
+    for p in penalties:
+        viol = sorted(r[2] for r in rows[p])
+        print(f"{p:>14} {sum(r[0] for r in rows[p]):>19}/{len(seeds)} {sum(r[1] for r in rows[p]):>9}/{len(seeds)} "
+              f"{float(np.median(viol)):>+22.3f} {viol[-1]:>+7.3f}")
 
 
 if __name__ == "__main__":

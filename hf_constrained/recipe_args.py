@@ -1,0 +1,68 @@
+"""Command-line parsing shared by the recipes: dataclass flags plus ``--config x.yaml``.
+
+As in TRL's scripts (``trl sft --config x.yaml``), a YAML file gives values for any field of
+the recipe's dataclasses (e.g. :class:`~hf_constrained.ConstrainedTrainingArguments` and the
+recipe's own arguments) and flags on the command line override it. A key of the file that no
+dataclass has is an error naming the file and the key, never silently ignored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import yaml
+from transformers import HfArgumentParser
+
+
+class RecipeConfigError(ValueError):
+    """A ``--config`` file that cannot be used."""
+
+
+def load_config_file(path: str) -> dict[str, Any]:
+    """The mapping in the YAML file ``path``; a clear error when it is missing or not a mapping."""
+    if not os.path.isfile(path):
+        raise RecipeConfigError(f"--config {path}: no such file")
+    with open(path, encoding="utf-8") as f:
+        try:
+            data = yaml.safe_load(f)
+        except yaml.YAMLError as err:
+            raise RecipeConfigError(f"--config {path}: not valid YAML ({err})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise RecipeConfigError(f"--config {path}: expected a mapping of flag names to values, got {type(data).__name__}")
+    return data
+
+
+def parse_recipe_args(dataclass_types: Sequence[type], argv: Optional[Sequence[str]] = None,
+                      description: Optional[str] = None,
+                      defaults: Optional[dict[str, Any]] = None) -> tuple[Any, ...]:
+    """Parse ``argv`` into instances of ``dataclass_types``, honouring ``--config FILE.yaml``.
+
+    ``defaults`` are the recipe's own defaults (e.g. its learning rate); the file's values
+    override them and every flag given on the command line wins over both. The usual
+    validation of each dataclass (``__post_init__``) runs on the merged values.
+    """
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", default=None)
+    known, rest = pre.parse_known_args(argv)
+    parser = HfArgumentParser(list(dataclass_types), description=description)
+    parser.add_argument("--config", default=None, help="YAML file of flag values; command-line flags override it.")
+    if defaults:
+        parser.set_defaults(**defaults)
+    if known.config is not None:
+        values = load_config_file(known.config)
+        fields = {action.dest for action in parser._actions}  # the flags every dataclass declares
+        unknown = sorted(set(values) - fields)
+        if unknown:
+            raise RecipeConfigError(f"--config {known.config}: unknown keys {unknown} (not a flag of this recipe)")
+        parser.set_defaults(**values)
+        # a field the file sets no longer needs the command line (required fields included)
+        for action in parser._actions:
+            if action.dest in values:
+                action.required = False
+    outputs = parser.parse_args_into_dataclasses(args=list(rest), return_remaining_strings=False)
+    return tuple(outputs[: len(dataclass_types)])  # the last entry is the namespace holding --config
