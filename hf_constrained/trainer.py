@@ -32,8 +32,16 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 from transformers import Trainer
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
+from .checkpointing import (
+    atomic_torch_save,
+    check_named_checkpoint,
+    latest_complete_checkpoint,
+    load_constraint_state,
+    mark_complete,
+    mark_incomplete,
+)
 from .config import ConstrainedTrainingArguments
 from .constraint import Constraint, fetch_rows
 from .estimators import MSVREstimator, resolve_gamma_prime
@@ -456,27 +464,50 @@ class ConstrainedTrainer(SafetyMixin, Trainer):
                 stream.seed, stream._perm = int(seed), None
 
     def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
-        super()._save_checkpoint(model, trial)
+        """``Trainer._save_checkpoint`` made complete-or-ignored (:mod:`hf_constrained.checkpointing`).
+
+        ``Trainer._save_checkpoint`` is private, but no public hook runs between the last file
+        of a checkpoint and the rotation of old ones (``on_save`` fires after both), so the
+        constraint state and the completeness marker could only come after the rotation. Here
+        the rotation is deferred: the Trainer saves with ``save_total_limit`` unset, then the
+        constraint state and the marker are written, and only then are old checkpoints rotated
+        (with the Trainer's own ``rotate_checkpoints`` and arguments). A kill at any moment
+        leaves the previous complete checkpoint in place.
+        """
+        run_dir = self._get_output_dir(trial=trial)  # private: the Trainer's own run folder (hp search trials)
+        folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        if self.args.should_save:
+            mark_incomplete(folder)  # re-saving a step: the folder stops being complete before any file changes
+        self.accelerator.wait_for_everyone()
+        limit = self.args.save_total_limit
+        self.args.save_total_limit = None
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self.args.save_total_limit = limit
         if self.args.should_save:  # also without constraints: subclasses keep objective estimators here
-            folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-            tmp = os.path.join(folder, CONSTRAINT_STATE_NAME + ".tmp")
-            torch.save(self.constraint_state_dict(), tmp)
-            os.replace(tmp, os.path.join(folder, CONSTRAINT_STATE_NAME))  # never a half-written state
+            atomic_torch_save(self.constraint_state_dict(), os.path.join(folder, CONSTRAINT_STATE_NAME))
+        self.accelerator.wait_for_everyone()  # every rank's files (RNG states, shards) are written
+        if self.args.should_save:
+            mark_complete(folder, self.state.global_step)
+            rotate_checkpoints(output_dir=run_dir, save_total_limit=limit,
+                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
 
     def train(self, resume_from_checkpoint: Optional[Union[str, bool]] = None, *args: Any, **kwargs: Any) -> Any:
         if resume_from_checkpoint is True:
-            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
-            if resume_from_checkpoint is None:
-                raise ValueError(f"no valid checkpoint found in output directory ({self.args.output_dir})")
+            resume_from_checkpoint = latest_complete_checkpoint(self.args.output_dir)
         if resume_from_checkpoint:
             path = os.path.join(resume_from_checkpoint, CONSTRAINT_STATE_NAME)
             if os.path.exists(path):
-                self.load_constraint_state_dict(torch.load(path, map_location="cpu", weights_only=False))
+                check_named_checkpoint(resume_from_checkpoint)
+                self.load_constraint_state_dict(load_constraint_state(path))
             elif self.penalty.active:
                 raise FileNotFoundError(
                     f"{path} is missing: the checkpoint holds no constraint estimator state, so the run cannot "
                     "resume exactly"
                 )
+            else:
+                check_named_checkpoint(resume_from_checkpoint)
         if self.penalty.active:
             self.preflight_constraints()
         return super().train(resume_from_checkpoint, *args, **kwargs)
