@@ -174,27 +174,43 @@ class ConstrainedTrainer(SafetyMixin, Trainer):
         )
 
     def preflight_constraints(self) -> None:
-        """Run each distinct constraint function once on a few samples, before training.
+        """Run every constraint once on a few of its rows, before training.
 
-        Catches non-scalar values, values without grad and NaN/inf before the first
-        optimizer step, without advancing any data stream.
+        Catches non-scalar values, values without grad, NaN/inf, batches that lack a key
+        the constraint reads and rows that cannot be collated, before the first optimizer
+        step, without advancing any data stream. Every constraint runs (not each distinct
+        function once): constraints that share one function differ in their data.
         """
-        seen: set[int] = set()
         model = self.model
         was_training = model.training
         model.train()
+        bar = tqdm(self.constraints, desc="checking constraints", leave=False,
+                   disable=self.args.disable_tqdm or len(self.constraints) < 50 or not self.is_world_process_zero())
         try:
-            for k, c in enumerate(self.constraints):
-                key = id(c.fn)
-                if key in seen:
-                    continue
-                seen.add(key)
+            for k, c in enumerate(bar):
                 batch = None
+                rows: list[int] = []
                 if not c.data_free:
                     rows = list(range(min(len(c.dataset), self.args.constraint_batch_size)))
-                    batch = self._make_batch(k, rows)
-                with self.compute_loss_context_manager():
-                    value = self._check_value(k, c.fn(model, batch), need_grad=True)
+                    try:
+                        batch = self._make_batch(k, rows)
+                    except (KeyError, ValueError, TypeError, RuntimeError) as e:
+                        raise ConstraintValueError(
+                            f"constraint {c.name!r}: rows {rows[0]}..{rows[-1]} of its dataset cannot be made into a "
+                            f"batch: {type(e).__name__}: {e}"
+                        ) from e
+                try:
+                    with self.compute_loss_context_manager():
+                        value = self._check_value(k, c.fn(model, batch), need_grad=True)
+                except KeyError as e:
+                    keys = sorted(batch) if isinstance(batch, dict) else None
+                    missing = e.args[0] if e.args else None
+                    what = (f"its function reads key {missing!r}, which its batches do not have"
+                            if isinstance(missing, str) and " " not in missing else f"KeyError: {missing}")
+                    raise ConstraintValueError(
+                        f"constraint {c.name!r}: {what} (batch keys: {keys}); check the constraint's dataset "
+                        "columns or its collate_fn"
+                    ) from e
                 if not torch.isfinite(value.detach()).item():
                     raise ConstraintValueError(f"constraint {c.name!r} is {value.item()} before training")
         finally:
