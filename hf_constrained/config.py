@@ -90,7 +90,7 @@ class ConstrainedTrainingArguments(TrainingArguments):
                 f"constraint_penalty must be one of {sorted(PENALTIES)}, got {self.constraint_penalty!r}"
             )
         if self.constraint_penalty != "none" and not (math.isfinite(self.penalty_beta) and self.penalty_beta > 0):
-            raise ValueError(f"penalty_beta must be a finite number > 0, got {self.penalty_beta}")
+            raise ValueError(f"penalty_beta must be > 0 and finite, got {self.penalty_beta}")
         for name in ("msvr_gamma", "objective_msvr_gamma"):
             value = getattr(self, name)
             if not 0.0 < value <= 1.0:
@@ -123,7 +123,7 @@ def _parse_gamma_prime(name: str, value: Union[str, float]) -> Union[str, float]
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number >= 0 or 'theory', got {type(value).__name__} {value!r}")
     if not (math.isfinite(float(value)) and float(value) >= 0):
-        raise ValueError(f"{name} must be a finite number >= 0 or 'theory', got {value}")
+        raise ValueError(f"{name} must be >= 0 and finite, or 'theory', got {value}")
     return float(value)
 
 

@@ -22,12 +22,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # ----------------------------------------------------------------------------- settings
 @pytest.mark.parametrize("kw,exc,match", [
-    (dict(penalty_beta=float("inf")), ValueError, "penalty_beta must be a finite number > 0, got inf"),
-    (dict(penalty_beta=float("nan")), ValueError, "penalty_beta must be a finite number > 0, got nan"),
-    (dict(msvr_gamma_prime=float("inf")), ValueError, "msvr_gamma_prime must be a finite number >= 0"),
-    (dict(msvr_gamma_prime="inf"), ValueError, "msvr_gamma_prime must be a finite number >= 0"),
-    (dict(msvr_gamma_prime=float("nan")), ValueError, "msvr_gamma_prime must be a finite number >= 0"),
-    (dict(objective_msvr_gamma_prime=float("inf")), ValueError, "objective_msvr_gamma_prime must be a finite"),
+    (dict(penalty_beta=float("inf")), ValueError, "penalty_beta must be > 0 and finite, got inf"),
+    (dict(penalty_beta=float("nan")), ValueError, "penalty_beta must be > 0 and finite, got nan"),
+    (dict(msvr_gamma_prime=float("inf")), ValueError, "msvr_gamma_prime must be >= 0 and finite"),
+    (dict(msvr_gamma_prime="inf"), ValueError, "msvr_gamma_prime must be >= 0 and finite"),
+    (dict(msvr_gamma_prime=float("nan")), ValueError, "msvr_gamma_prime must be >= 0 and finite"),
+    (dict(objective_msvr_gamma_prime=float("inf")), ValueError, "objective_msvr_gamma_prime must be >= 0 and finite"),
     (dict(penalty_beta="10"), TypeError, "penalty_beta must be a number, got str '10'"),
     (dict(msvr_gamma="0.8"), TypeError, "msvr_gamma must be a number, got str"),
     (dict(constraint_batch_size=2.5), TypeError, "constraint_batch_size must be an integer, got float 2.5"),
