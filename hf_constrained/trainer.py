@@ -44,6 +44,7 @@ from .checkpointing import (
 )
 from .config import ConstrainedTrainingArguments
 from .constraint import Constraint, fetch_rows
+from .distributed import GradientCoverageCallback, configure_ddp_for_constraints, fsdp_requested, uses_ddp
 from .estimators import MSVREstimator, resolve_gamma_prime
 from .penalties import make_penalty
 from .safety_mixin import SafetyMixin
@@ -119,7 +120,17 @@ class ConstrainedTrainer(SafetyMixin, Trainer):
             raise ValueError(
                 f"constraints_per_step must be in [1, {m}] (there are {m} constraints), got {self.num_sampled}"
             )
+        if self.penalty.active:
+            configure_ddp_for_constraints(args)  # before the Trainer builds the Accelerator from args
         super().__init__(model=model, args=args, **kwargs)
+        if fsdp_requested(self.args) and not self.is_fsdp_enabled:
+            raise ValueError(
+                "FSDP was requested (an Accelerate FSDP config, ACCELERATE_USE_FSDP or --fsdp), but Accelerate set up "
+                f"{self.accelerator.distributed_type} without FSDP (FSDP runs on GPUs; use_cpu/--use_cpu turns it off), "
+                "so the model would not be sharded. On CPU use recipes/accelerate_configs/multi_gpu.yaml (DDP)."
+            )
+        if self.penalty.active and uses_ddp(self.args):
+            self.add_callback(GradientCoverageCallback())
         seed = self.args.constraint_sampling_seed
         if m:
             gamma_prime = resolve_gamma_prime(self.args.msvr_gamma_prime, m, self.num_sampled, self.args.msvr_gamma)
@@ -449,6 +460,9 @@ class ConstrainedTrainer(SafetyMixin, Trainer):
             "constraint_step": self._constraint_step,
             # B_c^t and the streams' permutations are functions of (seed, step): the seed is their RNG state
             "sampling_seed": self.sampler.seed if self.constraints else self.args.constraint_sampling_seed,
+            # the prefetched draw holds global batches of this size, split by rank (see _local_rows)
+            "num_processes": self.accelerator.num_processes,
+            "global_constraint_batch_size": self.args.constraint_batch_size * self.accelerator.num_processes,
         }
 
     def load_constraint_state_dict(self, state: dict[str, Any]) -> None:
@@ -462,10 +476,35 @@ class ConstrainedTrainer(SafetyMixin, Trainer):
                 stream.load_state_dict(s)
         nd = state["next_draw"]
         self._next_draw = None if nd is None else _ConstraintDraw.from_state_dict(nd)
+        self._check_process_count(state)
         if self._next_draw is not None and self._next_draw.previous is not None:
             self._next_draw.previous = self._next_draw.previous.to(self.estimator.values.device)
         self._constraint_step = state["constraint_step"]
         self._restore_sampling_seed(state.get("sampling_seed"))
+
+    def _check_process_count(self, state: dict[str, Any]) -> None:
+        """Resuming on another number of processes (or another ``constraint_batch_size``).
+
+        The estimators, streams and sampler are global (every rank holds the same values),
+        so they carry over. The prefetched draw does not: its global batches B_k^t were
+        drawn for the checkpoint's global size and each rank takes a slice of its own size,
+        so it is dropped and step t uses a fresh draw without the previous-iterate term
+        (gamma' correction of Algorithm 1, line 6) once.
+        """
+        global_b = self.args.constraint_batch_size * self.accelerator.num_processes
+        saved_procs = state.get("num_processes")
+        draw = self._next_draw
+        sizes = set() if draw is None else {len(r) for r in draw.sample_indices if r is not None}
+        if state.get("global_constraint_batch_size", global_b) == global_b and sizes <= {global_b}:
+            return
+        self._next_draw = None
+        logger.warning(
+            "resuming a checkpoint written by %s process(es) with global constraint batches of %s rows on %d "
+            "process(es) with %d rows: the estimators, streams and sampler continue, the prefetched draw of step %s "
+            "is dropped (that step uses no previous-iterate correction), and the run is not identical to an "
+            "uninterrupted run", saved_procs if saved_procs is not None else "?",
+            state.get("global_constraint_batch_size", sorted(sizes)), self.accelerator.num_processes, global_b,
+            None if draw is None else draw.step)
 
     def _restore_sampling_seed(self, seed: Optional[int]) -> None:
         """Continue the checkpoint's constraint sampling sequence (B_c^t and each stream's
