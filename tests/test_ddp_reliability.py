@@ -69,3 +69,11 @@ def test_find_unused_parameters_refused_before_training(ranks):
 def test_resume_on_more_processes_says_what_changed(ranks):
     assert "resuming a checkpoint written by 1 process(es)" in ranks[0]["_log"]
     assert "prefetched draw of step 3 is dropped" in ranks[0]["_log"]
+
+
+def test_fsdp_requested_on_cpu_is_an_error(tmp_path, monkeypatch):
+    """``accelerate launch --config_file fsdp.yaml --use_cpu true`` sets ACCELERATE_USE_FSDP but
+    Accelerate then runs without FSDP: refused instead of silently training unsharded."""
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.raises(ValueError, match="FSDP was requested .* without FSDP .*multi_gpu.yaml"):
+        make_trainer(str(tmp_path / "fsdp"))
