@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 from transformers import Trainer
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, IntervalStrategy, rotate_checkpoints
 
 from .checkpointing import (
     atomic_torch_save,
@@ -42,6 +42,7 @@ from .checkpointing import (
     mark_complete,
     mark_incomplete,
 )
+from .clipping import PENALTY_GRAD_NORM_KEY, ClipMonitor
 from .config import ConstrainedTrainingArguments
 from .constraint import Constraint, fetch_rows
 from .distributed import GradientCoverageCallback, configure_ddp_for_constraints, fsdp_requested, uses_ddp
@@ -122,7 +123,17 @@ class ConstrainedTrainer(SafetyMixin, Trainer):
             )
         if self.penalty.active:
             configure_ddp_for_constraints(args)  # before the Trainer builds the Accelerator from args
-        super().__init__(model=model, args=args, **kwargs)
+        # Constraint-only periodic evaluation: the Trainer refuses eval_strategy without an eval_dataset, but
+        # with constraints evaluate() has something to evaluate (their exact values), so the check is passed
+        # with the strategy off and the strategy restored right after.
+        constraint_only_eval = m > 0 and kwargs.get("eval_dataset") is None and args.eval_strategy != "no"
+        eval_strategy = args.eval_strategy
+        if constraint_only_eval:
+            args.eval_strategy = IntervalStrategy.NO
+        try:
+            super().__init__(model=model, args=args, **kwargs)
+        finally:
+            args.eval_strategy = eval_strategy
         if fsdp_requested(self.args) and not self.is_fsdp_enabled:
             raise ValueError(
                 "FSDP was requested (an Accelerate FSDP config, ACCELERATE_USE_FSDP or --fsdp), but Accelerate set up "
@@ -146,6 +157,11 @@ class ConstrainedTrainer(SafetyMixin, Trainer):
         self._in_training_step = False
         self._step_metrics: dict[str, list[torch.Tensor]] = defaultdict(list)
         self._eval_constraint_metrics: dict[str, float] = {}
+        self._pending_log_metrics: dict[str, float] = {}
+        self.clip_monitor = ClipMonitor(self.args.max_grad_norm, active=self.penalty.active)
+        # the exact values of the latest evaluation, all m of them (logs hold them only for small m)
+        self.last_constraint_values: dict[str, float] = {}
+        self.last_constraint_values_step: Optional[int] = None
 
     # ------------------------------------------------------------------ checks
     @staticmethod
@@ -372,12 +388,29 @@ class ConstrainedTrainer(SafetyMixin, Trainer):
         logs["constraint/penalty"] = self.penalty.value(h).sum().item() / len(self.constraints)
         return logs
 
+    def add_metrics_to_next_log(self, metrics: dict[str, float]) -> None:
+        """Queue ``metrics`` for the Trainer's next log entry (training or evaluation).
+
+        The way for a callback to report extra metrics: calling ``trainer.log`` from
+        ``on_step_end`` makes the Trainer skip its own log of that step (``on_log`` resets
+        ``control.should_log``), losing the loss and constraint estimates. Set
+        ``control.should_log = True`` as well to have the entry at this step (see
+        :class:`~hf_constrained.callbacks.PeriodicMetricsCallback`).
+        """
+        self._pending_log_metrics.update(metrics)
+
     def log(self, logs: dict[str, float], start_time: Optional[float] = None) -> None:
         if "loss" in logs and self.penalty.active:  # a training log
             logs.update(self._constraint_log_metrics())
         if self._eval_constraint_metrics and any(k.endswith("_loss") or "_runtime" in k for k in logs):
             logs.update(self._eval_constraint_metrics)
             self._eval_constraint_metrics = {}
+        if self._pending_log_metrics:
+            logs.update(self._pending_log_metrics)
+            self._pending_log_metrics = {}
+        if "loss" in logs:  # a training log: the Trainer's pre-clip grad_norm of this step
+            logs.update(self.clip_monitor.observe(logs.get("grad_norm"), self.state.global_step,
+                                                  logs.get(PENALTY_GRAD_NORM_KEY)))
         super().log(logs, start_time)
 
     # ------------------------------------------------------------------ evaluation
@@ -437,13 +470,34 @@ class ConstrainedTrainer(SafetyMixin, Trainer):
             metrics[f"{prefix}_constraints_satisfied"] = float(all(v <= 0 for v in violations))
         return metrics
 
+    def _loggable(self, metrics: dict[str, float]) -> dict[str, float]:
+        """What of the evaluation metrics goes into the logs (and ``log_history``, which every
+        checkpoint copies): per-constraint values only up to ``log_constraint_estimates_max``
+        constraints, the summaries always. The full table stays in :attr:`last_constraint_values`."""
+        if len(self.constraints) <= self.args.log_constraint_estimates_max:
+            return dict(metrics)
+        return {k: v for k, v in metrics.items() if "_constraint/" not in k}
+
     def evaluate(self, eval_dataset: Any = None, ignore_keys: Optional[list[str]] = None,
                  metric_key_prefix: str = "eval") -> dict[str, float]:
-        cmetrics = self.constraint_metrics(self.evaluate_constraints(), metric_key_prefix) if self.constraints else {}
+        """The Trainer's evaluation plus the exact value of every constraint (a full pass).
+
+        Without an objective ``eval_dataset`` only the constraints are evaluated, so periodic
+        evaluation (``eval_strategy``) and feasible-checkpoint selection work on constraints
+        alone (e.g. ``metric_for_best_model="constraint_max_violation"``). The returned metrics
+        hold every constraint's value; the logged entry holds them only for at most
+        ``log_constraint_estimates_max`` constraints (see :attr:`last_constraint_values`).
+        """
+        values = self.evaluate_constraints() if self.constraints else {}
+        if values:
+            self.last_constraint_values = dict(values)
+            self.last_constraint_values_step = self.state.global_step
+        cmetrics = self.constraint_metrics(values, metric_key_prefix) if self.constraints else {}
         if eval_dataset is None and self.eval_dataset is None:
-            self.log(dict(cmetrics))
+            self.log(self._loggable(cmetrics))
+            self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, cmetrics)
             return cmetrics
-        self._eval_constraint_metrics = dict(cmetrics)  # merged into the evaluation's log entry
+        self._eval_constraint_metrics = self._loggable(cmetrics)  # merged into the evaluation's log entry
         metrics = super().evaluate(eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
         self._eval_constraint_metrics = {}
         metrics.update(cmetrics)
