@@ -13,6 +13,7 @@ included, can be hit); a second forked process then resumes with
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -156,10 +157,17 @@ def _run(out: str, limit, *, kill_at: int = 0, count_file: str = "", snap_file: 
     events = [0]
     original = trainer._save_checkpoint
 
+    rotations: list[list[int]] = []  # [first, last] event of each rotate_checkpoints call
+
     def profiler(frame, event, arg):
         events[0] += 1
         if events[0] == kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
+        if event in ("call", "return") and frame.f_code.co_name == "rotate_checkpoints":
+            if event == "call":
+                rotations.append([events[0], events[0]])
+            else:
+                rotations[-1][1] = events[0]
 
     def counted_save(model, trial):
         if trainer.state.global_step <= 2:  # the first save completes: a previous checkpoint exists
@@ -174,29 +182,37 @@ def _run(out: str, limit, *, kill_at: int = 0, count_file: str = "", snap_file: 
     trainer.train(resume_from_checkpoint=True if resume else None)
     if count_file:
         with open(count_file, "w") as f:
-            f.write(str(events[0]))
+            json.dump({"total": events[0], "rotations": rotations}, f)
     if snap_file:
         torch.save(snapshot(trainer), snap_file)
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_kill9_during_checkpoint_saves_then_resume(tmp_path):
-    """Seeded kill points: 3 runs with ``save_total_limit=1`` (rotation deletes the previous
-    checkpoint), 2 without a limit (the newest folder is the half-written one)."""
+    """Seeded kill points: 3 runs with ``save_total_limit=1`` killed anywhere in a save, 1 killed
+    while the rotation deletes the previous checkpoint, 1 without a limit (the newest folder
+    is the half-written one). The limit does not change the weights, so one uninterrupted
+    run is the reference of all."""
+    ref_snap, count = str(tmp_path / "ref.pt"), str(tmp_path / "count.txt")
+    assert _in_child(lambda: _run(str(tmp_path / "ref"), 1, count_file=count, snap_file=ref_snap)) == 0
+    reference = torch.load(ref_snap, weights_only=False)
+    with open(count) as f:
+        counted = json.load(f)
+    total = counted["total"]
+    # the Trainer's own call returns at once (rotation deferred: no limit); the trainer's call deletes
+    rotations = [r for r in counted["rotations"] if r[1] - r[0] > 10]
+    assert total > 1000 and len(rotations) == 2  # the saves of steps 4 and 6 under the profiler
     rng = random.Random(1234)
-    for limit, trials in ((1, 3), (None, 2)):
-        ref_snap, count = str(tmp_path / f"ref{limit}.pt"), str(tmp_path / f"count{limit}.txt")
-        ref_out = str(tmp_path / f"ref{limit}")
-        assert _in_child(lambda: _run(ref_out, limit, count_file=count, snap_file=ref_snap)) == 0
-        reference = torch.load(ref_snap, weights_only=False)
-        total = int(open(count).read())
-        assert total > 1000  # the saves of steps 4 and 6 under the profiler
-        for trial in range(trials):
-            kill_at = rng.randint(1, total)
-            out = str(tmp_path / f"kill{limit}_{trial}")
-            status = _in_child(lambda: _run(out, limit, kill_at=kill_at))
-            assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, (kill_at, status)
-            resume_snap = str(tmp_path / f"resumed{limit}_{trial}.pt")
-            status = _in_child(lambda: _run(out, limit, resume=True, snap_file=resume_snap))
-            assert status == 0, f"resume after a kill at save event {kill_at}/{total} failed (see captured stderr)"
-            _assert_same(reference, torch.load(resume_snap, weights_only=False))
+    plan = [(1, rng.randint(1, total)) for _ in range(3)]
+    # the rotation is a small part of a save: one kill inside the step-4 rotation (deleting checkpoint-2)
+    plan.append((1, rng.randint(*rotations[0])))
+    # without a limit there is no rotation: its saves have fewer events, the first half are surely inside them
+    plan.append((None, rng.randint(1, total // 2)))
+    for trial, (limit, kill_at) in enumerate(plan):
+        out = str(tmp_path / f"kill{trial}")
+        status = _in_child(lambda: _run(out, limit, kill_at=kill_at))
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, (limit, kill_at, status)
+        resume_snap = str(tmp_path / f"resumed{trial}.pt")
+        status = _in_child(lambda: _run(out, limit, resume=True, snap_file=resume_snap))
+        assert status == 0, f"resume after a kill at save event {kill_at}/{total} failed (see captured stderr)"
+        _assert_same(reference, torch.load(resume_snap, weights_only=False))

@@ -14,6 +14,9 @@ import pytest
 
 from scale_tiny import StopAt, make_trainer
 
+# one worker runs the whole module under `pytest -n 2 --dist loadgroup`: one 2-process launch, not one per worker
+pytestmark = pytest.mark.xdist_group("ddp_reliability")
+
 HERE = Path(__file__).resolve().parent
 CONFIGS = HERE.parent / "recipes" / "accelerate_configs"
 
