@@ -493,7 +493,7 @@ class ConstrainedTrainer(SafetyMixin, Trainer):
             self.last_constraint_values = dict(values)
             self.last_constraint_values_step = self.state.global_step
         cmetrics = self.constraint_metrics(values, metric_key_prefix) if self.constraints else {}
-        if eval_dataset is None and self.eval_dataset is None:
+        if eval_dataset is None and self.eval_dataset is None and self.constraints:
             self.log(self._loggable(cmetrics))
             self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, cmetrics)
             return cmetrics
