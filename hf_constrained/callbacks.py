@@ -53,7 +53,8 @@ def penalty_gradient_norm(trainer: "ConstrainedTrainer") -> float:
     line 9, with every constraint in B_c, ``(1/m) sum_k weight(u_k) * grad h_k(w; B_k)``, the
     weights from the current estimates and B_k the first ``constraint_batch_size`` rows of
     each constraint (no data stream advances). An extra forward and backward through the
-    constraints with a nonzero weight; 0 when none is active."""
+    constraints with a nonzero weight; 0 when none is active. It calls the unwrapped model:
+    under DDP the norm is this process's, under FSDP it is not supported."""
     m = len(trainer.constraints)
     if not m or not trainer.penalty.active:
         return 0.0
@@ -70,7 +71,8 @@ def penalty_gradient_norm(trainer: "ConstrainedTrainer") -> float:
         if not c.data_free:
             rows = list(range(min(len(c.dataset), trainer.args.constraint_batch_size)))
             batch = c.collate(fetch_rows(c.dataset, rows))
-            batch = trainer._prepare_input(batch)  # the Trainer's own device placement
+            # private, but the Trainer's only placement of a batch on its device and dtype (no public equivalent)
+            batch = trainer._prepare_input(batch)
         with trainer.compute_loss_context_manager():
             term = float(weights[k]) * c.fn(model, batch).float() / m
         loss = term if loss is None else loss + term

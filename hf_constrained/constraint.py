@@ -142,10 +142,13 @@ class Constraint:
             raise ValueError(f"constraint {self.name!r}: row_transform and group_key need row_fn")
         if not callable(self.fn):
             raise TypeError(f"constraint {self.name!r}: fn must be callable, got {type(self.fn).__name__}")
+        if isinstance(self.tolerance, torch.Tensor) and self.tolerance.numel() == 1:
+            self.tolerance = float(self.tolerance.item())
         if isinstance(self.tolerance, bool) or not isinstance(self.tolerance, numbers.Real):
             raise TypeError(f"constraint {self.name!r}: tolerance must be a number, got "
                             f"{type(self.tolerance).__name__} {self.tolerance!r}")
-        if not math.isfinite(float(self.tolerance)):
+        self.tolerance = float(self.tolerance)
+        if not math.isfinite(self.tolerance):
             raise ValueError(f"constraint {self.name!r}: tolerance must be finite, got {self.tolerance}")
         for attr in ("dataset", "eval_dataset"):
             data = getattr(self, attr)
