@@ -3,7 +3,6 @@ at large m, and the gradient-clipping diagnostics."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 
