@@ -11,11 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 from scale_tiny import StopAt, make_trainer
-
-# one worker runs the whole module under `pytest -n 2 --dist loadgroup`: one 2-process launch, not one per worker
-pytestmark = pytest.mark.xdist_group("ddp_reliability")
 
 HERE = Path(__file__).resolve().parent
 CONFIGS = HERE.parent / "recipes" / "accelerate_configs"
@@ -29,9 +27,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ddp_reliability")
+def _launch(out: Path) -> None:
     one = make_trainer(str(out / "one"), max_steps=6, save_strategy="steps", save_steps=3)
     one.add_callback(StopAt(3))
     one.train()  # a 1-process checkpoint at step 3
@@ -42,8 +38,24 @@ def ranks(tmp_path_factory):
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, f"accelerate launch failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    (out / "launch_stderr.txt").write_text(proc.stderr)
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    # The module's tests may be interleaved with others on a worker (the fixture then runs again) or
+    # spread over workers: the first launch writes into this pytest run's shared directory, later ones read it.
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        out = tmp_path_factory.getbasetemp().parent / "ddp_reliability_shared"
+    else:
+        out = tmp_path_factory.mktemp("ddp_reliability")
+    out.mkdir(exist_ok=True)
+    with FileLock(str(out / "launch.lock")):
+        if not (out / "done").exists():
+            _launch(out)
+            (out / "done").write_text("ok")
     results = [json.loads((out / f"reliability_rank{r}.json").read_text()) for r in range(2)]
-    results[0]["_log"] = proc.stderr
+    results[0]["_log"] = (out / "launch_stderr.txt").read_text()
     return results
 
 
