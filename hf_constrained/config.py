@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
@@ -37,7 +39,9 @@ class ConstrainedTrainingArguments(TrainingArguments):
         metadata={"help": "MSVR moving-average weight gamma in (0, 1] for the constraint estimators "
                   "(Algorithm 1, line 6)."},
     )
-    msvr_gamma_prime: Union[str, float] = field(
+    # typed str so that HfArgumentParser passes "theory" through (a Union[str, float] becomes float);
+    # __post_init__ turns it into a float or "theory", and Python callers may pass a float
+    msvr_gamma_prime: str = field(
         default="0.1",
         metadata={"help": "MSVR variance-reduction weight gamma' >= 0, or 'theory' for "
                   "(m-|B_c|)/(|B_c|(1-gamma)) + (1-gamma). 0 gives a plain moving average."},
@@ -63,7 +67,7 @@ class ConstrainedTrainingArguments(TrainingArguments):
         default=0.8,
         metadata={"help": "Setting II only: MSVR gamma of the per-sample inner-function estimators u_{1,i}."},
     )
-    objective_msvr_gamma_prime: Union[str, float] = field(
+    objective_msvr_gamma_prime: str = field(
         default="0.1",
         metadata={"help": "Setting II only: MSVR gamma' of the per-sample estimators, or 'theory'."},
     )
@@ -80,12 +84,13 @@ class ConstrainedTrainingArguments(TrainingArguments):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        _check_types(self)
         if self.constraint_penalty not in PENALTIES:
             raise ValueError(
                 f"constraint_penalty must be one of {sorted(PENALTIES)}, got {self.constraint_penalty!r}"
             )
-        if self.constraint_penalty != "none" and not self.penalty_beta > 0:
-            raise ValueError(f"penalty_beta must be > 0, got {self.penalty_beta}")
+        if self.constraint_penalty != "none" and not (math.isfinite(self.penalty_beta) and self.penalty_beta > 0):
+            raise ValueError(f"penalty_beta must be > 0 and finite, got {self.penalty_beta}")
         for name in ("msvr_gamma", "objective_msvr_gamma"):
             value = getattr(self, name)
             if not 0.0 < value <= 1.0:
@@ -98,6 +103,8 @@ class ConstrainedTrainingArguments(TrainingArguments):
             raise ValueError(f"constraint_batch_size must be >= 1, got {self.constraint_batch_size}")
         if self.constraint_eval_batch_size is not None and self.constraint_eval_batch_size < 1:
             raise ValueError(f"constraint_eval_batch_size must be >= 1, got {self.constraint_eval_batch_size}")
+        if self.log_constraint_estimates_max < 0:
+            raise ValueError(f"log_constraint_estimates_max must be >= 0, got {self.log_constraint_estimates_max}")
 
     @property
     def constraint_sampling_seed(self) -> int:
@@ -105,6 +112,7 @@ class ConstrainedTrainingArguments(TrainingArguments):
 
 
 def _parse_gamma_prime(name: str, value: Union[str, float]) -> Union[str, float]:
+    """A finite number >= 0 or ``"theory"`` (the gamma' of Algorithm 1, line 6)."""
     if isinstance(value, str):
         if value.strip().lower() == "theory":
             return "theory"
@@ -112,6 +120,31 @@ def _parse_gamma_prime(name: str, value: Union[str, float]) -> Union[str, float]
             value = float(value)
         except ValueError:
             raise ValueError(f"{name} must be a number >= 0 or 'theory', got {value!r}") from None
-    if not float(value) >= 0:
-        raise ValueError(f"{name} must be >= 0 or 'theory', got {value}")
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number >= 0 or 'theory', got {type(value).__name__} {value!r}")
+    if not (math.isfinite(float(value)) and float(value) >= 0):
+        raise ValueError(f"{name} must be >= 0 and finite, or 'theory', got {value}")
     return float(value)
+
+
+# fields that must hold Python numbers when set from Python (the command line converts them already)
+_REAL_FIELDS = ("penalty_beta", "msvr_gamma", "objective_msvr_gamma")
+_INT_FIELDS = ("constraint_batch_size", "log_constraint_estimates_max")
+_OPTIONAL_INT_FIELDS = ("constraints_per_step", "constraint_eval_batch_size", "constraint_seed")
+
+
+def _check_types(args: ConstrainedTrainingArguments) -> None:
+    """A setting of the wrong Python type (``penalty_beta="10"``, ``constraint_batch_size=2.5``)
+    is a :class:`TypeError` naming the field, not a failed comparison deep inside training."""
+    for name in _REAL_FIELDS:
+        value = getattr(args, name)
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    for name in _INT_FIELDS + _OPTIONAL_INT_FIELDS:
+        value = getattr(args, name)
+        if value is None and name in _OPTIONAL_INT_FIELDS:
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
+    if not isinstance(args.check_constraint_finite, bool):
+        raise TypeError(f"check_constraint_finite must be True or False, got {args.check_constraint_finite!r}")

@@ -14,6 +14,7 @@ constraint is ``outer(inner) <= tolerance``; the gradient weight is chained thro
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -39,11 +40,29 @@ def collate_examples(examples: Sequence[Any]) -> Any:
 
     Dict examples become a dict of stacked tensors; numbers, numpy arrays and tensors are
     stacked; anything else (strings, images) stays a list for the constraint function
-    to process.
+    to process. Rows that cannot be stacked (a key missing from some rows, or values of
+    different shapes, e.g. unpadded token ids) give an error naming the key and the shapes.
     """
     first = examples[0]
     if isinstance(first, Mapping):
-        return {key: collate_examples([ex[key] for ex in examples]) for key in first}
+        batch = {}
+        for key in first:
+            lacking = [i for i, ex in enumerate(examples) if key not in ex]
+            if lacking:
+                raise KeyError(f"collate_examples: {len(lacking)} of {len(examples)} rows have no key {key!r} "
+                               f"(the first row has {sorted(first)})")
+            try:
+                batch[key] = collate_examples([ex[key] for ex in examples])
+            except (ValueError, KeyError) as e:
+                msg = e.args[0] if e.args else str(e)
+                raise type(e)(f"key {key!r}: {msg}") from None
+        return batch
+    if isinstance(first, (torch.Tensor, np.ndarray)) or (
+            isinstance(first, (list, tuple)) and first and isinstance(first[0], (int, float, np.number))):
+        shapes = sorted({tuple(np.shape(ex)) for ex in examples})
+        if len(shapes) > 1:
+            raise ValueError(f"collate_examples: rows of different shapes {shapes[:5]} cannot be stacked; pad them "
+                             "to one length (e.g. a tokenizer with padding) or give the constraint a collate_fn")
     if isinstance(first, torch.Tensor):
         return torch.stack(list(examples))
     if isinstance(first, np.ndarray):
@@ -123,7 +142,13 @@ class Constraint:
             raise ValueError(f"constraint {self.name!r}: row_transform and group_key need row_fn")
         if not callable(self.fn):
             raise TypeError(f"constraint {self.name!r}: fn must be callable, got {type(self.fn).__name__}")
-        if not math.isfinite(float(self.tolerance)):
+        if isinstance(self.tolerance, torch.Tensor) and self.tolerance.numel() == 1:
+            self.tolerance = float(self.tolerance.item())
+        if isinstance(self.tolerance, bool) or not isinstance(self.tolerance, numbers.Real):
+            raise TypeError(f"constraint {self.name!r}: tolerance must be a number, got "
+                            f"{type(self.tolerance).__name__} {self.tolerance!r}")
+        self.tolerance = float(self.tolerance)
+        if not math.isfinite(self.tolerance):
             raise ValueError(f"constraint {self.name!r}: tolerance must be finite, got {self.tolerance}")
         for attr in ("dataset", "eval_dataset"):
             data = getattr(self, attr)

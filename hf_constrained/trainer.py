@@ -32,10 +32,20 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 from transformers import Trainer
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, IntervalStrategy, rotate_checkpoints
 
+from .checkpointing import (
+    atomic_torch_save,
+    check_named_checkpoint,
+    latest_complete_checkpoint,
+    load_constraint_state,
+    mark_complete,
+    mark_incomplete,
+)
+from .clipping import PENALTY_GRAD_NORM_KEY, ClipMonitor
 from .config import ConstrainedTrainingArguments
 from .constraint import Constraint, fetch_rows
+from .distributed import GradientCoverageCallback, configure_ddp_for_constraints, fsdp_requested, uses_ddp
 from .estimators import MSVREstimator, resolve_gamma_prime
 from .penalties import make_penalty
 from .safety_mixin import SafetyMixin
@@ -111,7 +121,27 @@ class ConstrainedTrainer(SafetyMixin, Trainer):
             raise ValueError(
                 f"constraints_per_step must be in [1, {m}] (there are {m} constraints), got {self.num_sampled}"
             )
-        super().__init__(model=model, args=args, **kwargs)
+        if self.penalty.active:
+            configure_ddp_for_constraints(args)  # before the Trainer builds the Accelerator from args
+        # Constraint-only periodic evaluation: the Trainer refuses eval_strategy without an eval_dataset, but
+        # with constraints evaluate() has something to evaluate (their exact values), so the check is passed
+        # with the strategy off and the strategy restored right after.
+        constraint_only_eval = m > 0 and kwargs.get("eval_dataset") is None and args.eval_strategy != "no"
+        eval_strategy = args.eval_strategy
+        if constraint_only_eval:
+            args.eval_strategy = IntervalStrategy.NO
+        try:
+            super().__init__(model=model, args=args, **kwargs)
+        finally:
+            args.eval_strategy = eval_strategy
+        if fsdp_requested(self.args) and not self.is_fsdp_enabled:
+            raise ValueError(
+                "FSDP was requested (an Accelerate FSDP config, ACCELERATE_USE_FSDP or --fsdp), but Accelerate set up "
+                f"{self.accelerator.distributed_type} without FSDP (FSDP runs on GPUs; use_cpu/--use_cpu turns it off), "
+                "so the model would not be sharded. On CPU use recipes/accelerate_configs/multi_gpu.yaml (DDP)."
+            )
+        if self.penalty.active and uses_ddp(self.args):
+            self.add_callback(GradientCoverageCallback())
         seed = self.args.constraint_sampling_seed
         if m:
             gamma_prime = resolve_gamma_prime(self.args.msvr_gamma_prime, m, self.num_sampled, self.args.msvr_gamma)
@@ -127,6 +157,11 @@ class ConstrainedTrainer(SafetyMixin, Trainer):
         self._in_training_step = False
         self._step_metrics: dict[str, list[torch.Tensor]] = defaultdict(list)
         self._eval_constraint_metrics: dict[str, float] = {}
+        self._pending_log_metrics: dict[str, float] = {}
+        self.clip_monitor = ClipMonitor(self.args.max_grad_norm, active=self.penalty.active)
+        # the exact values of the latest evaluation, all m of them (logs hold them only for small m)
+        self.last_constraint_values: dict[str, float] = {}
+        self.last_constraint_values_step: Optional[int] = None
 
     # ------------------------------------------------------------------ checks
     @staticmethod
@@ -166,27 +201,43 @@ class ConstrainedTrainer(SafetyMixin, Trainer):
         )
 
     def preflight_constraints(self) -> None:
-        """Run each distinct constraint function once on a few samples, before training.
+        """Run every constraint once on a few of its rows, before training.
 
-        Catches non-scalar values, values without grad and NaN/inf before the first
-        optimizer step, without advancing any data stream.
+        Catches non-scalar values, values without grad, NaN/inf, batches that lack a key
+        the constraint reads and rows that cannot be collated, before the first optimizer
+        step, without advancing any data stream. Every constraint runs (not each distinct
+        function once): constraints that share one function differ in their data.
         """
-        seen: set[int] = set()
         model = self.model
         was_training = model.training
         model.train()
+        bar = tqdm(self.constraints, desc="checking constraints", leave=False,
+                   disable=self.args.disable_tqdm or len(self.constraints) < 50 or not self.is_world_process_zero())
         try:
-            for k, c in enumerate(self.constraints):
-                key = id(c.fn)
-                if key in seen:
-                    continue
-                seen.add(key)
+            for k, c in enumerate(bar):
                 batch = None
+                rows: list[int] = []
                 if not c.data_free:
                     rows = list(range(min(len(c.dataset), self.args.constraint_batch_size)))
-                    batch = self._make_batch(k, rows)
-                with self.compute_loss_context_manager():
-                    value = self._check_value(k, c.fn(model, batch), need_grad=True)
+                    try:
+                        batch = self._make_batch(k, rows)
+                    except (KeyError, ValueError, TypeError, RuntimeError) as e:
+                        raise ConstraintValueError(
+                            f"constraint {c.name!r}: rows {rows[0]}..{rows[-1]} of its dataset cannot be made into a "
+                            f"batch: {type(e).__name__}: {e}"
+                        ) from e
+                try:
+                    with self.compute_loss_context_manager():
+                        value = self._check_value(k, c.fn(model, batch), need_grad=True)
+                except KeyError as e:
+                    keys = sorted(batch) if isinstance(batch, dict) else None
+                    missing = e.args[0] if e.args else None
+                    what = (f"its function reads key {missing!r}, which its batches do not have"
+                            if isinstance(missing, str) and " " not in missing else f"KeyError: {missing}")
+                    raise ConstraintValueError(
+                        f"constraint {c.name!r}: {what} (batch keys: {keys}); check the constraint's dataset "
+                        "columns or its collate_fn"
+                    ) from e
                 if not torch.isfinite(value.detach()).item():
                     raise ConstraintValueError(f"constraint {c.name!r} is {value.item()} before training")
         finally:
@@ -337,12 +388,29 @@ class ConstrainedTrainer(SafetyMixin, Trainer):
         logs["constraint/penalty"] = self.penalty.value(h).sum().item() / len(self.constraints)
         return logs
 
+    def add_metrics_to_next_log(self, metrics: dict[str, float]) -> None:
+        """Queue ``metrics`` for the Trainer's next log entry (training or evaluation).
+
+        The way for a callback to report extra metrics: calling ``trainer.log`` from
+        ``on_step_end`` makes the Trainer skip its own log of that step (``on_log`` resets
+        ``control.should_log``), losing the loss and constraint estimates. Set
+        ``control.should_log = True`` as well to have the entry at this step (see
+        :class:`~hf_constrained.callbacks.PeriodicMetricsCallback`).
+        """
+        self._pending_log_metrics.update(metrics)
+
     def log(self, logs: dict[str, float], start_time: Optional[float] = None) -> None:
         if "loss" in logs and self.penalty.active:  # a training log
             logs.update(self._constraint_log_metrics())
         if self._eval_constraint_metrics and any(k.endswith("_loss") or "_runtime" in k for k in logs):
             logs.update(self._eval_constraint_metrics)
             self._eval_constraint_metrics = {}
+        if self._pending_log_metrics:
+            logs.update(self._pending_log_metrics)
+            self._pending_log_metrics = {}
+        if "loss" in logs:  # a training log: the Trainer's pre-clip grad_norm of this step
+            logs.update(self.clip_monitor.observe(logs.get("grad_norm"), self.state.global_step,
+                                                  logs.get(PENALTY_GRAD_NORM_KEY)))
         super().log(logs, start_time)
 
     # ------------------------------------------------------------------ evaluation
@@ -402,13 +470,34 @@ class ConstrainedTrainer(SafetyMixin, Trainer):
             metrics[f"{prefix}_constraints_satisfied"] = float(all(v <= 0 for v in violations))
         return metrics
 
+    def _loggable(self, metrics: dict[str, float]) -> dict[str, float]:
+        """What of the evaluation metrics goes into the logs (and ``log_history``, which every
+        checkpoint copies): per-constraint values only up to ``log_constraint_estimates_max``
+        constraints, the summaries always. The full table stays in :attr:`last_constraint_values`."""
+        if len(self.constraints) <= self.args.log_constraint_estimates_max:
+            return dict(metrics)
+        return {k: v for k, v in metrics.items() if "_constraint/" not in k}
+
     def evaluate(self, eval_dataset: Any = None, ignore_keys: Optional[list[str]] = None,
                  metric_key_prefix: str = "eval") -> dict[str, float]:
-        cmetrics = self.constraint_metrics(self.evaluate_constraints(), metric_key_prefix) if self.constraints else {}
-        if eval_dataset is None and self.eval_dataset is None:
-            self.log(dict(cmetrics))
+        """The Trainer's evaluation plus the exact value of every constraint (a full pass).
+
+        Without an objective ``eval_dataset`` only the constraints are evaluated, so periodic
+        evaluation (``eval_strategy``) and feasible-checkpoint selection work on constraints
+        alone (e.g. ``metric_for_best_model="constraint_max_violation"``). The returned metrics
+        hold every constraint's value; the logged entry holds them only for at most
+        ``log_constraint_estimates_max`` constraints (see :attr:`last_constraint_values`).
+        """
+        values = self.evaluate_constraints() if self.constraints else {}
+        if values:
+            self.last_constraint_values = dict(values)
+            self.last_constraint_values_step = self.state.global_step
+        cmetrics = self.constraint_metrics(values, metric_key_prefix) if self.constraints else {}
+        if eval_dataset is None and self.eval_dataset is None and self.constraints:
+            self.log(self._loggable(cmetrics))
+            self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, cmetrics)
             return cmetrics
-        self._eval_constraint_metrics = dict(cmetrics)  # merged into the evaluation's log entry
+        self._eval_constraint_metrics = self._loggable(cmetrics)  # merged into the evaluation's log entry
         metrics = super().evaluate(eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
         self._eval_constraint_metrics = {}
         metrics.update(cmetrics)
@@ -425,6 +514,9 @@ class ConstrainedTrainer(SafetyMixin, Trainer):
             "constraint_step": self._constraint_step,
             # B_c^t and the streams' permutations are functions of (seed, step): the seed is their RNG state
             "sampling_seed": self.sampler.seed if self.constraints else self.args.constraint_sampling_seed,
+            # the prefetched draw holds global batches of this size, split by rank (see _local_rows)
+            "num_processes": self.accelerator.num_processes,
+            "global_constraint_batch_size": self.args.constraint_batch_size * self.accelerator.num_processes,
         }
 
     def load_constraint_state_dict(self, state: dict[str, Any]) -> None:
@@ -438,10 +530,35 @@ class ConstrainedTrainer(SafetyMixin, Trainer):
                 stream.load_state_dict(s)
         nd = state["next_draw"]
         self._next_draw = None if nd is None else _ConstraintDraw.from_state_dict(nd)
+        self._check_process_count(state)
         if self._next_draw is not None and self._next_draw.previous is not None:
             self._next_draw.previous = self._next_draw.previous.to(self.estimator.values.device)
         self._constraint_step = state["constraint_step"]
         self._restore_sampling_seed(state.get("sampling_seed"))
+
+    def _check_process_count(self, state: dict[str, Any]) -> None:
+        """Resuming on another number of processes (or another ``constraint_batch_size``).
+
+        The estimators, streams and sampler are global (every rank holds the same values),
+        so they carry over. The prefetched draw does not: its global batches B_k^t were
+        drawn for the checkpoint's global size and each rank takes a slice of its own size,
+        so it is dropped and step t uses a fresh draw without the previous-iterate term
+        (gamma' correction of Algorithm 1, line 6) once.
+        """
+        global_b = self.args.constraint_batch_size * self.accelerator.num_processes
+        saved_procs = state.get("num_processes")
+        draw = self._next_draw
+        sizes = set() if draw is None else {len(r) for r in draw.sample_indices if r is not None}
+        if state.get("global_constraint_batch_size", global_b) == global_b and sizes <= {global_b}:
+            return
+        self._next_draw = None
+        logger.warning(
+            "resuming a checkpoint written by %s process(es) with global constraint batches of %s rows on %d "
+            "process(es) with %d rows: the estimators, streams and sampler continue, the prefetched draw of step %s "
+            "is dropped (that step uses no previous-iterate correction), and the run is not identical to an "
+            "uninterrupted run", saved_procs if saved_procs is not None else "?",
+            state.get("global_constraint_batch_size", sorted(sizes)), self.accelerator.num_processes, global_b,
+            None if draw is None else draw.step)
 
     def _restore_sampling_seed(self, seed: Optional[int]) -> None:
         """Continue the checkpoint's constraint sampling sequence (B_c^t and each stream's
@@ -456,27 +573,50 @@ class ConstrainedTrainer(SafetyMixin, Trainer):
                 stream.seed, stream._perm = int(seed), None
 
     def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
-        super()._save_checkpoint(model, trial)
+        """``Trainer._save_checkpoint`` made complete-or-ignored (:mod:`hf_constrained.checkpointing`).
+
+        ``Trainer._save_checkpoint`` is private, but no public hook runs between the last file
+        of a checkpoint and the rotation of old ones (``on_save`` fires after both), so the
+        constraint state and the completeness marker could only come after the rotation. Here
+        the rotation is deferred: the Trainer saves with ``save_total_limit`` unset, then the
+        constraint state and the marker are written, and only then are old checkpoints rotated
+        (with the Trainer's own ``rotate_checkpoints`` and arguments). A kill at any moment
+        leaves the previous complete checkpoint in place.
+        """
+        run_dir = self._get_output_dir(trial=trial)  # private: the Trainer's own run folder (hp search trials)
+        folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        if self.args.should_save:
+            mark_incomplete(folder)  # re-saving a step: the folder stops being complete before any file changes
+        self.accelerator.wait_for_everyone()
+        limit = self.args.save_total_limit
+        self.args.save_total_limit = None
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self.args.save_total_limit = limit
         if self.args.should_save:  # also without constraints: subclasses keep objective estimators here
-            folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-            tmp = os.path.join(folder, CONSTRAINT_STATE_NAME + ".tmp")
-            torch.save(self.constraint_state_dict(), tmp)
-            os.replace(tmp, os.path.join(folder, CONSTRAINT_STATE_NAME))  # never a half-written state
+            atomic_torch_save(self.constraint_state_dict(), os.path.join(folder, CONSTRAINT_STATE_NAME))
+        self.accelerator.wait_for_everyone()  # every rank's files (RNG states, shards) are written
+        if self.args.should_save:
+            mark_complete(folder, self.state.global_step)
+            rotate_checkpoints(output_dir=run_dir, save_total_limit=limit,
+                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
 
     def train(self, resume_from_checkpoint: Optional[Union[str, bool]] = None, *args: Any, **kwargs: Any) -> Any:
         if resume_from_checkpoint is True:
-            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
-            if resume_from_checkpoint is None:
-                raise ValueError(f"no valid checkpoint found in output directory ({self.args.output_dir})")
+            resume_from_checkpoint = latest_complete_checkpoint(self.args.output_dir)
         if resume_from_checkpoint:
             path = os.path.join(resume_from_checkpoint, CONSTRAINT_STATE_NAME)
             if os.path.exists(path):
-                self.load_constraint_state_dict(torch.load(path, map_location="cpu", weights_only=False))
+                check_named_checkpoint(resume_from_checkpoint)
+                self.load_constraint_state_dict(load_constraint_state(path))
             elif self.penalty.active:
                 raise FileNotFoundError(
                     f"{path} is missing: the checkpoint holds no constraint estimator state, so the run cannot "
                     "resume exactly"
                 )
+            else:
+                check_named_checkpoint(resume_from_checkpoint)
         if self.penalty.active:
             self.preflight_constraints()
         return super().train(resume_from_checkpoint, *args, **kwargs)

@@ -35,6 +35,7 @@ from transformers import CLIPModel, CLIPProcessor, HfArgumentParser, TrainerCall
 
 from hf_constrained import ConstrainedTrainingArguments
 from hf_constrained.safety import finish_run
+from hf_constrained.errors import check_model_path
 from hf_constrained.clip import (
     CLIPWithClassTextHeads,
     ContrastiveConstrainedTrainer,
@@ -172,6 +173,7 @@ class AccuracyCallback(TrainerCallback):
 def main(argv: Optional[list[str]] = None) -> dict:
     parser = HfArgumentParser((ScriptArguments, ConstrainedTrainingArguments))
     script, args = parser.parse_args_into_dataclasses(args=argv)
+    check_model_path(script.model_name_or_path)  # before any data is read
     logging.basicConfig(level=logging.INFO if args.should_log else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.remove_unused_columns:

@@ -253,19 +253,101 @@ def load_tabular_csv(path: str, *, label_column: str, group_column: str, positiv
     """Any CSV with a label column and a group column (pandas reads ``.csv`` / ``.csv.gz``).
 
     ``label = 1`` where ``label_column == positive_label``; ``group = 1`` (group p) where
-    ``group_column == group_value`` (both compared as strings). Rows with missing values
-    are dropped. Without ``test_path`` a seeded, stratified ``test_fraction`` becomes test.
+    ``group_column == group_value`` (both compared as strings). Without ``test_path`` a
+    seeded, stratified ``test_fraction`` becomes test.
+
+    The file is checked before anything is encoded (:func:`_read_checked_csv`): a stray
+    string in an otherwise numeric column, an infinite value, or a label/group column that
+    is entirely empty is an error naming the column, the row count and CSV line numbers;
+    an all-empty feature column is dropped and rows with missing values are dropped, each
+    with a warning naming the columns and counts; a label or group column with more than
+    two values is binarised with a warning giving both sides' row counts.
     """
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"CSV file {path!r} does not exist")
-    train_df = pd.read_csv(path).dropna().reset_index(drop=True)
-    test_df = pd.read_csv(test_path).dropna().reset_index(drop=True) if test_path else None
+    checks = dict(label_column=label_column, group_column=group_column, categorical_columns=categorical_columns,
+                  drop_columns=drop_columns)
+    train_df = _read_checked_csv(path, **checks)
+    test_df = _read_checked_csv(test_path, **checks) if test_path else None
+    for name, df in (("", train_df), (" (test)", test_df)):
+        if df is None or label_column not in df or group_column not in df:
+            continue  # build_tabular_splits names the missing column
+        _log_binarised(df[label_column], positive_label, label_column, f"label{name}")
+        _log_binarised(df[group_column], group_value, group_column, f"group{name}")
     return build_tabular_splits(
         train_df, test_df, label_column=label_column, positive_label=positive_label, group_column=group_column,
         group_value=group_value, categorical_columns=categorical_columns, drop_columns=drop_columns,
         drop_group_feature=drop_group_feature, validation_fraction=validation_fraction,
         test_fraction=test_fraction, split_seed=split_seed,
     )
+
+
+def _lines(rows: Sequence[int], limit: int = 5) -> str:
+    """CSV line numbers of 0-based data rows (line 1 is the header)."""
+    shown = ", ".join(str(int(r) + 2) for r in list(rows)[:limit])
+    return shown + (f" and {len(rows) - limit} more" if len(rows) > limit else "")
+
+
+def _read_checked_csv(path: str, *, label_column: str, group_column: str,
+                      categorical_columns: Optional[Sequence[str]], drop_columns: Sequence[str]) -> pd.DataFrame:
+    """Read ``path`` and check it column by column (see :func:`load_tabular_csv`)."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"CSV file {path!r} does not exist")
+    df = pd.read_csv(path)
+    if df.empty:
+        raise ValueError(f"CSV file {path!r} has no data rows")
+    skip = set(drop_columns)
+    declared_categorical = set(categorical_columns or ())
+    empty = [c for c in df.columns if df[c].isna().all() and c not in skip]
+    for col in (label_column, group_column):
+        if col in empty:
+            raise ValueError(f"{path}: column {col!r} is empty in all {len(df)} rows")
+    if empty:
+        logger.warning("%s: dropping column(s) %s: empty in all %d rows", path, empty, len(df))
+        df = df.drop(columns=empty)
+    for col in df.columns:
+        if col in skip or col in (label_column, group_column):
+            continue
+        values = df[col]
+        if not pd.api.types.is_numeric_dtype(values) and col not in declared_categorical:
+            present = values.dropna()
+            numeric = pd.to_numeric(present, errors="coerce")
+            bad = present[numeric.isna()]
+            if len(bad) and len(bad) <= len(present) // 2:  # mostly numbers: the strings are errors
+                examples = ", ".join(f"line {int(i) + 2}: {v!r}" for i, v in list(bad.items())[:3])
+                raise ValueError(
+                    f"{path}: column {col!r} is numeric except {len(bad)} of {len(present)} rows ({examples}); fix "
+                    "those values, or list the column in categorical_columns to one-hot encode it as text"
+                )
+            if not len(bad):
+                df[col] = pd.to_numeric(values)
+                values = df[col]
+        if pd.api.types.is_numeric_dtype(values):
+            inf_rows = np.flatnonzero(np.isinf(values.to_numpy(dtype=float, na_value=np.nan)))
+            if len(inf_rows):
+                raise ValueError(f"{path}: column {col!r} has {len(inf_rows)} infinite value(s) "
+                                 f"(lines {_lines(inf_rows)}); replace or drop them")
+    missing = df.drop(columns=[c for c in df.columns if c in skip]).isna()  # gaps in dropped columns do not matter
+    dropped = int(missing.any(axis=1).sum())
+    if dropped:
+        per_column = {c: int(n) for c, n in missing.sum().items() if n}
+        if dropped == len(df):
+            raise ValueError(f"{path}: every one of the {len(df)} rows has a missing value (missing per column: "
+                             f"{per_column}); drop the columns with many gaps (drop_columns) or fill them")
+        logger.warning("%s: dropping %d of %d rows with missing values (missing per column: %s)",
+                       path, dropped, len(df), per_column)
+        df = df[~missing.any(axis=1)]
+    return df.reset_index(drop=True)
+
+
+def _log_binarised(series: pd.Series, value: Any, column: str, what: str) -> None:
+    """Warn when a column with more than two values is turned into 1 (== value) / 0 (the rest)."""
+    as_str = series.astype(str).str.strip()
+    distinct = as_str.unique()
+    if len(distinct) <= 2:
+        return
+    ones = int((as_str == str(value).strip()).sum())
+    others = sorted(v for v in distinct if v != str(value).strip())
+    logger.warning("%s column %r has %d values: %s = 1 for %r (%d rows), 0 for %s (%d rows)", what, column,
+                   len(distinct), what.split()[0], value, ones, others[:10], len(series) - ones)
 
 
 TABULAR_LOADERS: dict[str, Callable[..., datasets.DatasetDict]] = {"adult": load_adult, "compas": load_compas}
