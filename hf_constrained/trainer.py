@@ -38,7 +38,7 @@ from .config import ConstrainedTrainingArguments
 from .constraint import Constraint, fetch_rows
 from .estimators import MSVREstimator, resolve_gamma_prime
 from .penalties import make_penalty
-from .safety_mixin import SafetyMixin
+from .safety.gate import SafetyMixin
 from .sampling import ConstraintBatchStream, ConstraintSampler
 
 logger = logging.getLogger(__name__)

@@ -11,7 +11,8 @@ import pytest
 from safety_tiny import make_trainer, theta_at
 
 from hf_constrained.cli import main
-from hf_constrained.safety import SafetyReport, finish_run
+from hf_constrained.safety.finish import finish_run
+from hf_constrained.safety.report import SafetyReport
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -65,7 +66,7 @@ def test_plot_writes_constraint_and_objective_figures(run_dir, tmp_path, capsys)
 
 def test_plot_uses_training_estimates_and_heldout_values(run_dir):
     """The plotted series are the log history's: estimates (constraint/<name>) and exact values."""
-    from hf_constrained.plotting import _series, split_at_train_end
+    from hf_constrained.safety.figures import _series, split_at_train_end
 
     with open(run_dir / "trainer_state.json") as f:
         history = json.load(f)["log_history"]

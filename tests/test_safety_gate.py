@@ -15,7 +15,7 @@ from safety_tiny import make_trainer, theta_at
 from test_safety_report import assert_card_matches_report, card_body
 
 import transformers.trainer as hf_trainer
-from hf_constrained.safety import SafetyReport, UnsafeModelError
+from hf_constrained.safety.report import SafetyReport, UnsafeModelError
 
 
 class RecordingHub:

@@ -13,8 +13,9 @@ import pytest
 import torch
 from safety_tiny import ThetaConfig, ThetaModel, make_trainer, theta_at
 
-from hf_constrained.model_card import TEMPLATE_NAME, template_path
-from hf_constrained.safety import SAFETY_REPORT_NAME, SafetyReport, finish_run
+from hf_constrained.safety.card import TEMPLATE_NAME, template_path
+from hf_constrained.safety.finish import finish_run
+from hf_constrained.safety.report import SAFETY_REPORT_NAME, SafetyReport
 
 
 def card_body(text: str) -> list[str]:
@@ -140,7 +141,7 @@ def test_tensorboard_groups_constraint_scalars(run):
 
 
 def test_tensorboard_rewrite_of_training_estimates():
-    from hf_constrained.tensorboard import rewrite_constraint_logs
+    from hf_constrained.safety.tensorboard import rewrite_constraint_logs
 
     tags = rewrite_constraint_logs({"loss": 1.0, "constraint/a": 0.3, "constraint/max_estimate": 0.3,
                                     "constraint/penalty": 2.0, "eval_constraint/a": 0.2, "eval_loss": 0.9}, ["a"])
@@ -171,8 +172,8 @@ def test_template_ships_from_model_cards_in_editable_and_wheel_installs(tmp_path
 
 
 def test_constraints_without_heldout_data_are_flagged():
-    from hf_constrained.model_card import render_model_card
-    from hf_constrained.safety import ConstraintResult
+    from hf_constrained.safety.card import render_model_card
+    from hf_constrained.safety.report import ConstraintResult
 
     report = SafetyReport([ConstraintResult("a", 0.1, 0.2, 0.0, "held-out"),
                            ConstraintResult("b", 0.3, 0.2, None, "training")], {"eval_loss": 1.0})

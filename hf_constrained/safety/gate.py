@@ -5,7 +5,7 @@ Trainer)``), it extends, not replaces, the Trainer's hooks:
 
 - ``_determine_best_metric``: ``load_best_model_at_end`` / ``save_strategy="best"`` pick the
   best ``metric_for_best_model`` among evaluations whose constraints all hold on the
-  validation data (:mod:`hf_constrained.selection`); with none feasible, the
+  validation data (:mod:`hf_constrained.safety.selection`); with none feasible, the
   least-violating one, with a warning at the end of training;
 - ``save_model``: every checkpoint and the final model get ``README.md`` (the model
   card) and, when the constraints were evaluated for those weights,
@@ -17,11 +17,12 @@ Trainer)``), it extends, not replaces, the Trainer's hooks:
   during training (``hub_strategy``) are skipped while the latest evaluation is infeasible
   or missing;
 - the stock TensorBoard callback is replaced by
-  :class:`~hf_constrained.tensorboard.ConstraintTensorBoardCallback` (constraint scalars grouped).
+  :class:`~hf_constrained.safety.tensorboard.ConstraintTensorBoardCallback` (constraint scalars grouped).
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 from collections.abc import Mapping
@@ -29,15 +30,9 @@ from typing import Any, Optional
 
 from transformers.integrations import TensorBoardCallback
 
-from .model_card import ModelCardInfo, render_model_card, write_model_card
-from .safety import (
-    SafetyReport,
-    UnsafeModelError,
-    build_checkpoint_safety_report,
-    build_safety_report,
-    method_settings,
-    report_from_metrics,
-)
+from .card import ModelCardInfo, render_model_card, write_model_card
+from .evaluation import build_safety_report, checkpoint_safety_report, method_settings, report_from_metrics
+from .report import SafetyReport, UnsafeModelError
 from .selection import (
     EvaluationRecord,
     FeasibleSelection,
@@ -57,7 +52,7 @@ class SafetyMixin:
     """Safety report, feasible-checkpoint selection, model cards and a gated ``push_to_hub``.
 
     Extra keyword arguments of the trainer:
-        model_card_info: :class:`~hf_constrained.model_card.ModelCardInfo` (base model,
+        model_card_info: :class:`~hf_constrained.safety.card.ModelCardInfo` (base model,
             data, reproduce command) for the cards.
         reference_constraint_values: the old model's held-out constraint values
             (name -> value), shown next to the new model's in reports and cards.
@@ -93,7 +88,7 @@ class SafetyMixin:
     # ------------------------------------------------------------------ feasible-checkpoint selection
     def _determine_best_metric(self, metrics: dict[str, float], trial: Any) -> bool:
         """Best objective among feasible evaluations (lexicographic order of
-        :mod:`hf_constrained.selection`); the stock rule when no constraint was evaluated."""
+        :mod:`hf_constrained.safety.selection`); the stock rule when no constraint was evaluated."""
         step = self.state.global_step
         self._weights_eval = (step, dict(metrics), step, None)
         feasibility = constraint_feasibility(metrics)
@@ -161,14 +156,36 @@ class SafetyMixin:
     def build_safety_report(self, checkpoint: Optional[str] = None, **kwargs: Any) -> SafetyReport:
         """Evaluate the current weights (or a saved ``checkpoint``) on held-out data.
 
-        Keyword arguments go to :func:`~hf_constrained.safety.build_safety_report`
+        Keyword arguments go to :func:`~hf_constrained.safety.evaluation.build_safety_report`
         (``old_model``, ``old_model_values``, ``objective_metrics``). The report of the
         current weights is kept as ``self.safety_report`` (used by cards and the push gate).
         """
         if checkpoint is not None:
-            return build_checkpoint_safety_report(self, checkpoint, **kwargs)
+            return self._checkpoint_safety_report(checkpoint, **kwargs)
         self.set_safety_report(build_safety_report(self, **kwargs))
         return self.safety_report
+
+    def _checkpoint_safety_report(self, checkpoint: str, *, save: bool = True, **kwargs: Any) -> SafetyReport:
+        """The report of a saved checkpoint, leaving ``self.model`` untouched: its weights are
+        loaded into a copy of the model (``Trainer._load_from_checkpoint`` knows every format:
+        safetensors, sharded, adapters, FSDP) and evaluated exactly on held-out data. With
+        ``save`` the report is written into the checkpoint directory."""
+        if not os.path.isdir(checkpoint):
+            raise FileNotFoundError(f"checkpoint directory {checkpoint} does not exist")
+        model = copy.deepcopy(self.accelerator.unwrap_model(self.model))
+        self._load_from_checkpoint(checkpoint, model=model)
+        report = checkpoint_safety_report(self, checkpoint, model, **kwargs)
+        if save and self.is_world_process_zero():
+            report.save(checkpoint)
+        return report
+
+    def weights_origin(self) -> Optional[tuple[int, str]]:
+        """(step, checkpoint) the weights now in the model were loaded from, when
+        ``load_best_model_at_end`` put a checkpoint's weights there; else ``None``."""
+        weights = self._weights_eval
+        if weights is None or weights[0] != self.state.global_step or weights[3] is None:
+            return None
+        return weights[2], weights[3]
 
     def set_safety_report(self, report: SafetyReport) -> None:
         """Record ``report`` as the report of the weights now in the model (until they change)."""
@@ -223,7 +240,7 @@ class SafetyMixin:
 
         The constraints of the current weights are checked on held-out data (the report
         built after training, else a new exact evaluation). If any fails, raises
-        :class:`~hf_constrained.safety.UnsafeModelError` before any repository is created
+        :class:`~hf_constrained.safety.report.UnsafeModelError` before any repository is created
         or file uploaded, unless ``allow_unsafe=True``: then the push goes ahead and the
         card says UNSAFE at the top.
         """
@@ -237,7 +254,7 @@ class SafetyMixin:
 
     def check_safe_to_push(self, allow_unsafe: bool = False) -> Optional[SafetyReport]:
         """The gate of :meth:`push_to_hub`, uploading nothing: the safety report of the
-        current weights (built if needed), or :class:`~hf_constrained.safety.UnsafeModelError`
+        current weights (built if needed), or :class:`~hf_constrained.safety.report.UnsafeModelError`
         when a constraint fails on held-out data and ``allow_unsafe`` is false (the local
         card and report are then updated with the verdict)."""
         if not getattr(self, "constraints", None):

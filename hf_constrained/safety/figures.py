@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .safety import SafetyReport
+from .report import SafetyReport
+from .selection import after_training_flags
 
 SUMMARY_KEYS = ("max_estimate", "active_fraction", "penalty", "penalty_loss", "sampled_active_fraction")
 
@@ -34,8 +34,6 @@ def split_at_train_end(log_history: Sequence[Mapping[str, Any]]) -> tuple[list, 
     """(entries logged during training, entries logged after it): evaluations after
     training (e.g. the safety report's) are of the selected weights, not of the weights
     at their logged step (:func:`~hf_constrained.selection.after_training_flags`)."""
-    from .selection import after_training_flags
-
     flags = after_training_flags(log_history)
     during = [e for e, after in zip(log_history, flags) if not after or "train_runtime" in e]
     return during, [e for e, after in zip(log_history, flags) if after and "train_runtime" not in e]
@@ -54,7 +52,7 @@ def constraint_names_in(log_history: Sequence[Mapping[str, Any]]) -> list[str]:
 
 
 def plot_log_history(log_history: Sequence[Mapping[str, Any]], out_dir: str, *,
-                     report: Optional["SafetyReport"] = None, tolerances: Optional[Mapping[str, float]] = None,
+                     report: Optional[SafetyReport] = None, tolerances: Optional[Mapping[str, float]] = None,
                      objective_metric: Optional[str] = None, title: Optional[str] = None) -> list[str]:
     """Write ``constraints.png`` and ``objective.png`` into ``out_dir``; returns their paths.
 

@@ -4,7 +4,7 @@ The template is ``model_cards/constrained_model_card.md`` in the repository (the
 source; a wheel carries a build-time copy as ``hf_constrained/model_cards/``, see
 ``setup.py``). The card holds the base model, the data, the method and its settings
 (penalty, beta, gammas, sampling), the constraint table of the
-:class:`~hf_constrained.safety.SafetyReport`, the held-out objective metrics, how to
+:class:`~hf_constrained.safety.report.SafetyReport`, the held-out objective metrics, how to
 reproduce the run and the paper's citation. When any constraint fails on held-out data
 the card's first line says UNSAFE.
 """
@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 from huggingface_hub import ModelCard, ModelCardData
 
-from .safety import SafetyReport, format_number
+from .report import SafetyReport, format_number
 from .selection import FeasibleSelection
 
 TEMPLATE_NAME = "constrained_model_card.md"
@@ -42,7 +42,7 @@ def template_path() -> str:
     packaged = resources.files("hf_constrained").joinpath("model_cards", TEMPLATE_NAME)
     if packaged.is_file():
         return str(packaged)
-    repo = Path(__file__).resolve().parent.parent / "model_cards" / TEMPLATE_NAME
+    repo = Path(__file__).resolve().parents[2] / "model_cards" / TEMPLATE_NAME
     if repo.is_file():
         return str(repo)
     raise FileNotFoundError(
@@ -91,7 +91,7 @@ def render_model_card(
 ) -> ModelCard:
     """Render the card for ``report`` (``None``: weights not checked on held-out data).
 
-    Numbers are printed with :func:`~hf_constrained.safety.format_number`, the same
+    Numbers are printed with :func:`~hf_constrained.safety.report.format_number`, the same
     formatting as ``hf-constrained report``.
     """
     info = info or ModelCardInfo()
