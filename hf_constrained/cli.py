@@ -46,6 +46,9 @@ def find_trainer_state(run_dir: str) -> str:
 
 def _report(args: argparse.Namespace) -> int:
     report = SafetyReport.load(args.run_dir)
+    if args.check and not report.checked:
+        raise ValueError(f"{os.path.join(args.run_dir, SAFETY_REPORT_NAME)} holds no constraints: there is nothing "
+                         "to check, so it cannot pass --check (was the trainer given its constraints?)")
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:

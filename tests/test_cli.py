@@ -86,3 +86,13 @@ def test_console_script(run_dir):
                             env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert result.returncode == 0, result.stderr
     assert "held-out value" in result.stdout and "theta_cap" in result.stdout
+
+
+def test_check_refuses_a_report_without_constraints(tmp_path, capsys):
+    from hf_constrained.safety.report import SafetyReport as Report
+
+    Report(constraints=[]).save(str(tmp_path))
+    assert main(["report", str(tmp_path)]) == 0
+    assert "NOT CHECKED: the report has no constraints" in capsys.readouterr().out
+    assert main(["report", str(tmp_path), "--check"]) == 2
+    assert "holds no constraints" in capsys.readouterr().err

@@ -18,6 +18,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional, Protocol, runtime_checkable
 
+from .fingerprint import weights_fingerprint
 from .report import EVAL_CONSTRAINT_PREFIX, ConstraintResult, SafetyReport, objective_metrics_from
 
 logger = logging.getLogger(__name__)
@@ -38,6 +39,7 @@ class ReportableTrainer(Protocol):
     constraints: Sequence[Any]
     args: Any
     state: Any
+    model: Any
 
     def evaluate(self) -> dict[str, float]: ...
 
@@ -176,15 +178,18 @@ def build_safety_report(
         selection=selection,
         method=method_settings(trainer),
         model_name=model_name or os.path.basename(os.path.normpath(trainer.args.output_dir)),
+        weights_fingerprint=weights_fingerprint(trainer.model),
     )
     logger.info("%s", report.summary())
     return report
 
 
 def report_from_metrics(trainer: ReportableTrainer, metrics: Mapping[str, Any], *,
-                        step: Optional[int] = None, checkpoint: Optional[str] = None) -> Optional[SafetyReport]:
+                        step: Optional[int] = None, checkpoint: Optional[str] = None,
+                        fingerprint: Optional[str] = None) -> Optional[SafetyReport]:
     """A report from the metrics of an evaluation that already ran (no extra pass);
-    ``None`` when those metrics hold no exact constraint values."""
+    ``None`` when those metrics hold no exact constraint values. ``fingerprint`` is the
+    :func:`weights_fingerprint` of the weights that evaluation saw."""
     if not trainer.constraints or any(EVAL_CONSTRAINT_PREFIX + c.name not in metrics for c in trainer.constraints):
         return None
     old = getattr(trainer, "reference_constraint_values", None)
@@ -196,6 +201,7 @@ def report_from_metrics(trainer: ReportableTrainer, metrics: Mapping[str, Any], 
         checkpoint=checkpoint,
         method=method_settings(trainer),
         model_name=os.path.basename(os.path.normpath(checkpoint or trainer.args.output_dir)),
+        weights_fingerprint=fingerprint,
     )
 
 
@@ -232,6 +238,7 @@ def checkpoint_safety_report(trainer: ReportableTrainer, checkpoint: str, model:
         checkpoint=checkpoint,
         method=method_settings(trainer),
         model_name=os.path.basename(os.path.normpath(checkpoint)),
+        weights_fingerprint=weights_fingerprint(model),
     )
 
 

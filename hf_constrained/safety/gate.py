@@ -26,13 +26,15 @@ import copy
 import logging
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from transformers.integrations import TensorBoardCallback
 
 from .card import ModelCardInfo, render_model_card, write_model_card
 from .evaluation import build_safety_report, checkpoint_safety_report, method_settings, report_from_metrics
-from .report import SafetyReport, UnsafeModelError
+from .fingerprint import weights_fingerprint
+from .report import EVAL_CONSTRAINT_PREFIX, SafetyReport, UnsafeModelError
 from .selection import (
     EvaluationRecord,
     FeasibleSelection,
@@ -48,6 +50,18 @@ from .tensorboard import ConstraintTensorBoardCallback
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class WeightsEvaluation:
+    """An exact evaluation of the weights in the model: the metrics it logged, the step it
+    is valid at, where the weights come from, and their fingerprint when evaluated."""
+
+    valid_at: int  # the trainer's global step when it describes the model's weights
+    metrics: dict[str, Any]
+    weights_step: int  # the step the weights were trained to
+    checkpoint: Optional[str]  # the checkpoint they were loaded from (load_best_model_at_end)
+    fingerprint: str
+
+
 class SafetyMixin:
     """Safety report, feasible-checkpoint selection, model cards and a gated ``push_to_hub``.
 
@@ -56,11 +70,22 @@ class SafetyMixin:
             data, reproduce command) for the cards.
         reference_constraint_values: the old model's held-out constraint values
             (name -> value), shown next to the new model's in reports and cards.
+
+    A report is tied to the weights it describes by their
+    :func:`~hf_constrained.safety.fingerprint.weights_fingerprint`: when the weights change
+    after it (more training, ``load_state_dict``, an edit), the cards say NOT CHECKED and
+    the gate evaluates them again before anything is published. With ``push_to_hub=True``
+    in the arguments the Hub repository is created only when the gate first passes (the
+    Trainer would create it when it is built).
     """
 
     def __init__(self, *args: Any, model_card_info: Optional[ModelCardInfo] = None,
                  reference_constraint_values: Optional[Mapping[str, float]] = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+        self._defer_hub_repo = True  # Trainer.__init__ calls init_hf_repo: not before the gate
+        try:
+            super().__init__(*args, **kwargs)
+        finally:
+            self._defer_hub_repo = False
         self.model_card_info: ModelCardInfo = model_card_info or ModelCardInfo()
         if self.model_card_info.base_model is None:
             config = getattr(getattr(self, "model", None), "config", None)
@@ -69,11 +94,9 @@ class SafetyMixin:
         self.reference_constraint_values: Optional[dict[str, float]] = (
             None if reference_constraint_values is None else {k: float(v) for k, v in reference_constraint_values.items()}
         )
-        self.safety_report: Optional[SafetyReport] = None  # the report of the current weights, once built
-        self._report_step: Optional[int] = None
-        # the evaluation of the weights now in the model: (global step it is valid at, metrics,
-        # step the weights come from, checkpoint they were loaded from)
-        self._weights_eval: Optional[tuple[int, dict[str, Any], int, Optional[str]]] = None
+        self.safety_report: Optional[SafetyReport] = None  # the last report built (see current_safety_report)
+        self._weights_eval: Optional[WeightsEvaluation] = None  # the last exact evaluation of the model
+        self._stale_note = ""  # why the last report no longer describes the weights
         self._push_allow_unsafe = False
         self._group_constraint_tensorboard()
 
@@ -90,7 +113,9 @@ class SafetyMixin:
         """Best objective among feasible evaluations (lexicographic order of
         :mod:`hf_constrained.safety.selection`); the stock rule when no constraint was evaluated."""
         step = self.state.global_step
-        self._weights_eval = (step, dict(metrics), step, None)
+        # evaluate() has just logged (and fingerprinted) these weights: no second hash
+        record = self._weights_eval
+        self._record_evaluation(metrics, record.fingerprint if record is not None and record.valid_at == step else None)
         feasibility = constraint_feasibility(metrics)
         if self.args.metric_for_best_model is None or feasibility is None:
             return super()._determine_best_metric(metrics, trial)
@@ -131,7 +156,10 @@ class SafetyMixin:
             for entry in self.state.log_history:
                 if entry.get("step") == self.state.best_global_step and any(k.startswith("eval_") for k in entry):
                     merged.update(entry)
-            self._weights_eval = (self.state.global_step, merged, self.state.best_global_step, best) if merged else None
+            self._weights_eval = None
+            if merged:
+                self._weights_eval = WeightsEvaluation(self.state.global_step, merged, self.state.best_global_step,
+                                                       best, self.current_weights_fingerprint())
         selection = self.feasible_selection()
         if selection is not None and selection.num_evaluations:
             if selection.any_feasible:
@@ -140,17 +168,55 @@ class SafetyMixin:
                 logger.warning("Feasible-checkpoint selection: %s", selection.message())
         return result
 
+    # ------------------------------------------------------------------ which weights were evaluated
+    def current_weights_fingerprint(self) -> str:
+        """:func:`~hf_constrained.safety.fingerprint.weights_fingerprint` of the model now in the trainer."""
+        return weights_fingerprint(self.model)
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        super().log(logs, *args, **kwargs)
+        self._record_evaluation(logs)  # evaluate() outside training logs here too
+
+    def _record_evaluation(self, metrics: Mapping[str, Any], fingerprint: Optional[str] = None) -> None:
+        """Keep an exact evaluation of every constraint (``eval_constraint/<name>``) as the
+        evaluation of the weights now in the model, with their fingerprint (computed unless given)."""
+        constraints = getattr(self, "constraints", None)
+        if not constraints or any(EVAL_CONSTRAINT_PREFIX + c.name not in metrics for c in constraints):
+            return
+        step = self.state.global_step
+        fingerprint = fingerprint or self.current_weights_fingerprint()
+        previous = self._weights_eval
+        if previous is not None and previous.valid_at == step and previous.fingerprint == fingerprint:
+            previous.metrics.update(metrics)  # another entry of the same evaluation
+            return
+        self._weights_eval = WeightsEvaluation(step, dict(metrics), step, None, fingerprint)
+
     # ------------------------------------------------------------------ reports and cards
     def current_safety_report(self) -> Optional[SafetyReport]:
-        """The report of the weights now in the trainer, without a new evaluation pass:
-        the one built after training, or the evaluation at the current step; ``None``
-        when these weights were not evaluated on held-out data."""
-        step = self.state.global_step
-        if self.safety_report is not None and self._report_step == step:
-            return self.safety_report
-        if self._weights_eval is not None and self._weights_eval[0] == step:
-            _, metrics, weights_step, checkpoint = self._weights_eval
-            return report_from_metrics(self, metrics, step=weights_step, checkpoint=checkpoint)
+        """The report of the weights now in the trainer, without a new evaluation pass: the
+        last report built, or the last exact evaluation, if its weights fingerprint is the
+        current weights'; ``None`` when these weights were not evaluated on held-out data
+        (never evaluated, or changed since)."""
+        self._stale_note = ""
+        candidates = []
+        if self.safety_report is not None:
+            candidates.append(self.safety_report)
+        record = self._weights_eval
+        if record is not None:
+            from_metrics = report_from_metrics(self, record.metrics, step=record.weights_step,
+                                               checkpoint=record.checkpoint, fingerprint=record.fingerprint)
+            if from_metrics is not None:
+                candidates.append(from_metrics)
+        if not candidates:
+            return None
+        current = self.current_weights_fingerprint()
+        for report in candidates:
+            if report.weights_fingerprint == current:
+                self._stale_note = ""
+                return report
+        self._stale_note = (f"the weights changed after the last safety report (step {candidates[0].global_step}, "
+                            f"weights {candidates[0].weights_fingerprint}; now {current})")
+        logger.warning("%s: it no longer describes the model", self._stale_note)
         return None
 
     def build_safety_report(self, checkpoint: Optional[str] = None, **kwargs: Any) -> SafetyReport:
@@ -182,15 +248,17 @@ class SafetyMixin:
     def weights_origin(self) -> Optional[tuple[int, str]]:
         """(step, checkpoint) the weights now in the model were loaded from, when
         ``load_best_model_at_end`` put a checkpoint's weights there; else ``None``."""
-        weights = self._weights_eval
-        if weights is None or weights[0] != self.state.global_step or weights[3] is None:
+        record = self._weights_eval
+        if record is None or record.valid_at != self.state.global_step or record.checkpoint is None:
             return None
-        return weights[2], weights[3]
+        return record.weights_step, record.checkpoint
 
     def set_safety_report(self, report: SafetyReport) -> None:
-        """Record ``report`` as the report of the weights now in the model (until they change)."""
+        """Record ``report`` as the report of the weights now in the model (until they change:
+        it is used while its ``weights_fingerprint`` is the current weights')."""
+        if report.weights_fingerprint is None:
+            report.weights_fingerprint = self.current_weights_fingerprint()
         self.safety_report = report
-        self._report_step = self.state.global_step
 
     def write_model_card(self, directory: Optional[str] = None, report: Optional[SafetyReport] = None,
                          **card_kwargs: Any) -> Optional[str]:
@@ -259,13 +327,20 @@ class SafetyMixin:
         card and report are then updated with the verdict)."""
         if not getattr(self, "constraints", None):
             return None
-        report = self.current_safety_report() or self.build_safety_report()
+        report = self.current_safety_report()
+        note = ""
+        if report is None:
+            # never evaluated, or the weights changed since: evaluate these weights now
+            if self._stale_note:
+                note = f"The constraints were evaluated again because {self._stale_note}. "
+                logger.warning("%s", note)
+            report = self.build_safety_report()
         self.set_safety_report(report)
         if not report.all_satisfied and not allow_unsafe:
             if self.args.should_save and os.path.isdir(self.args.output_dir):
                 self.write_model_card(self.args.output_dir, report)  # local files only: the verdict
             raise UnsafeModelError(
-                f"push_to_hub refused, nothing was uploaded. {report.summary()}.\n{report.format_table()}\n"
+                f"push_to_hub refused, nothing was uploaded. {note}{report.summary()}.\n{report.format_table()}\n"
                 "Retrain (e.g. a larger penalty_beta, load_best_model_at_end with metric_for_best_model) or pass "
                 "push_to_hub(..., allow_unsafe=True) to publish anyway with an UNSAFE model card."
             )
@@ -283,7 +358,19 @@ class SafetyMixin:
                 return
             if self.is_world_process_zero():
                 self.write_model_card(self.args.output_dir, report)  # the pushed folder's card: these weights
+        if self.hub_model_id is None:
+            self.init_hf_repo()  # the first push that passed the gate creates the repository
         super()._push_from_checkpoint(checkpoint_folder)
+
+    def init_hf_repo(self, token: Optional[str] = None, private: Optional[bool] = None) -> None:
+        """``Trainer.init_hf_repo``, except while the trainer is being built: the repository
+        is created by the first push that passes the gate (``push_to_hub`` or a feasible
+        checkpoint push), so an unsafe run never creates one."""
+        if self._defer_hub_repo:
+            logger.info("push_to_hub: the Hub repository will be created when the safety gate first passes")
+            self.push_in_progress = None
+            return
+        super().init_hf_repo(token=token, private=private)
 
 
 __all__ = ["SafetyMixin"]

@@ -78,6 +78,8 @@ class SafetyReport:
             :mod:`hf_constrained.selection`), when there was one.
         method: the method and its settings (penalty, beta, gammas, sampling).
         model_name: what the report is about (run or model name).
+        weights_fingerprint: :func:`~hf_constrained.safety.fingerprint.weights_fingerprint`
+            of the evaluated weights; the gate re-evaluates when the weights no longer match.
     """
 
     constraints: list[ConstraintResult]
@@ -88,13 +90,20 @@ class SafetyReport:
     selection: Optional[dict[str, Any]] = None
     method: dict[str, Any] = field(default_factory=dict)
     model_name: Optional[str] = None
+    weights_fingerprint: Optional[str] = None
     created_at: str = field(default_factory=lambda: _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
 
     # ------------------------------------------------------------------ verdict
     @property
     def all_satisfied(self) -> bool:
-        """True when every constraint holds on the held-out data (vacuously true with none)."""
+        """True when every constraint holds on the held-out data (vacuously true with none:
+        see :attr:`checked`)."""
         return all(c.satisfied for c in self.constraints)
+
+    @property
+    def checked(self) -> bool:
+        """False for a report without constraints: it proves nothing."""
+        return bool(self.constraints)
 
     @property
     def failed(self) -> list[str]:
@@ -120,6 +129,7 @@ class SafetyReport:
             "global_step": self.global_step,
             "checkpoint": self.checkpoint,
             "model_name": self.model_name,
+            "weights_fingerprint": self.weights_fingerprint,
             "created_at": self.created_at,
             "constraints": [c.to_dict() for c in self.constraints],
             "objective_metrics": dict(self.objective_metrics),
@@ -147,6 +157,7 @@ class SafetyReport:
             selection=data.get("selection"),
             method=dict(data.get("method") or {}),
             model_name=data.get("model_name"),
+            weights_fingerprint=data.get("weights_fingerprint"),
             created_at=data.get("created_at", ""),
         )
 
@@ -174,8 +185,9 @@ class SafetyReport:
             path = os.path.join(path, SAFETY_REPORT_NAME)
         if not os.path.isfile(path):
             raise FileNotFoundError(
-                f"no safety report at {path}: it is written by hf_constrained.safety.finish_run(trainer, ...) "
-                "or trainer.safety_report() after training"
+                f"no safety report at {path}: hf_constrained.finish_run(trainer, ...) writes one into the output "
+                "directory after training, trainer.build_safety_report(checkpoint=DIR) into a checkpoint, and "
+                "every checkpoint evaluated during training (eval_strategy) gets its own"
             )
         with open(path, encoding="utf-8") as f:
             return cls.from_dict(json.load(f))
@@ -206,6 +218,8 @@ class SafetyReport:
     def summary(self) -> str:
         """One line: SAFE/UNSAFE, how many constraints fail, the largest violation."""
         n = len(self.constraints)
+        if not n:
+            return "NOT CHECKED: the report has no constraints, so it shows nothing about the model's safety"
         caveat = ""
         if self.not_held_out:
             caveat = (f"; {len(self.not_held_out)} constraint(s) have no held-out data and were checked on their "
