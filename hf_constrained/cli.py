@@ -19,7 +19,7 @@ import sys
 from typing import Optional, Sequence
 
 from .safety.figures import plot_log_history
-from .safety.report import SAFETY_REPORT_NAME, SafetyReport, format_number
+from .safety.report import SAFETY_REPORT_NAME, SAFETY_RULES, SafetyReport, format_number
 from .safety.selection import FeasibleSelection
 
 _CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")  # the Trainer's checkpoint-<step> folders
@@ -46,6 +46,8 @@ def find_trainer_state(run_dir: str) -> str:
 
 def _report(args: argparse.Namespace) -> int:
     report = SafetyReport.load(args.run_dir)
+    if args.rule is not None:
+        report = report.with_rule(args.rule)
     if args.check and not report.checked:
         raise ValueError(f"{os.path.join(args.run_dir, SAFETY_REPORT_NAME)} holds no constraints: there is nothing "
                          "to check, so it cannot pass --check (was the trainer given its constraints?)")
@@ -105,7 +107,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="print the safety table (safety_report.json) of a run or checkpoint")
     p.add_argument("run_dir", metavar="RUN_DIR")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.add_argument("--check", action="store_true", help="exit with status 1 when a constraint fails")
+    p.add_argument("--check", action="store_true",
+                   help="exit with status 1 when a constraint fails (status 2 for a report without constraints)")
+    p.add_argument("--rule", choices=SAFETY_RULES, default=None,
+                   help="what decides pass/fail: 'point' (each held-out value within its tolerance) or "
+                        "'upper_bound' (each upper confidence bound within its tolerance; constraints without a "
+                        "bound are judged on their value). Default: the report's own rule (point unless "
+                        "finish_run(..., safety_rule=...) said otherwise)")
     p.set_defaults(func=_report)
     p = sub.add_parser("plot", help="write PNG figures of the constraints and the objective over training")
     p.add_argument("run_dir", metavar="RUN_DIR")

@@ -12,6 +12,7 @@ Algorithm 1, line 6 (Yang et al., TMLR 2026).
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
@@ -19,7 +20,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Optional, Protocol, runtime_checkable
 
 from .fingerprint import weights_fingerprint
-from .report import EVAL_CONSTRAINT_PREFIX, ConstraintResult, SafetyReport, objective_metrics_from
+from .report import EVAL_CONSTRAINT_PREFIX, ConstraintResult, SafetyReport, check_safety_rule, objective_metrics_from
+
+BOUND_METHOD = "CLT"  # hf_constrained.statistics: value + z_c * s / sqrt(n), one-sided
+DEFAULT_CONFIDENCE = 0.95
 
 logger = logging.getLogger(__name__)
 
@@ -30,10 +34,11 @@ CHECKPOINT_PREFIX = "checkpoint"  # transformers.trainer_utils.PREFIX_CHECKPOINT
 class ReportableTrainer(Protocol):
     """What a report needs from a trainer (``hf_constrained.ConstrainedTrainer`` has it all).
 
-    Optional, looked up with ``getattr``: ``feasible_selection()``,
+    Optional, looked up with ``getattr``: ``constraint_statistics(split, confidence)``
+    (name -> :class:`~hf_constrained.statistics.ConstraintStatistic`: the upper confidence
+    bounds), ``constraint_margins()`` (name -> the margin in force), ``feasible_selection()``,
     ``weights_origin()`` (the step and checkpoint the current weights come from),
-    ``reference_constraint_values`` (the old model's values), ``estimator``,
-    ``num_sampled``.
+    ``reference_constraint_values`` (the old model's values), ``estimator``, ``num_sampled``.
     """
 
     constraints: Sequence[Any]
@@ -105,16 +110,82 @@ def old_model_constraint_values(trainer: ReportableTrainer, old_model: Optional[
     return None
 
 
+def _field(stat: Any, key: str) -> Any:
+    """A field of a ConstraintStatistic or of its dict form."""
+    return stat.get(key) if isinstance(stat, Mapping) else getattr(stat, key, None)
+
+
+def constraint_statistics(trainer: ReportableTrainer, confidence: float, model: Optional[Any] = None
+                          ) -> Optional[Mapping[str, Any]]:
+    """The trainer's ``constraint_statistics(split="eval", confidence=...)`` (per-row values ->
+    CLT upper confidence bounds, :mod:`hf_constrained.statistics`), or ``None`` when the
+    trainer does not provide them (or cannot for another ``model``)."""
+    method = getattr(trainer, "constraint_statistics", None)
+    if method is None:
+        return None
+    if model is None:
+        return method(split="eval", confidence=confidence)
+    if "model" in inspect.signature(method).parameters:
+        return method(split="eval", confidence=confidence, model=model)
+    return None
+
+
+def check_extra_columns(trainer: ReportableTrainer, extra_columns: Optional[Mapping[str, Mapping[str, Any]]]
+                        ) -> dict[str, dict[str, Any]]:
+    """``{column: {constraint name: value}}`` checked against the trainer's constraints."""
+    if not extra_columns:
+        return {}
+    names = [c.name for c in trainer.constraints]
+    out = {}
+    for column, values in extra_columns.items():
+        if not isinstance(values, Mapping):
+            raise TypeError(f"extra_columns[{column!r}] must map constraint names to values, got "
+                            f"{type(values).__name__}")
+        unknown = [n for n in values if n not in names]
+        if unknown:
+            raise ValueError(f"extra_columns[{column!r}] names unknown constraint(s) {unknown}; the constraints "
+                             f"are {names}")
+        out[str(column)] = dict(values)
+    return out
+
+
 def constraint_results(trainer: ReportableTrainer, values: Mapping[str, float],
-                       old: Optional[Mapping[str, float]]) -> list[ConstraintResult]:
+                       old: Optional[Mapping[str, float]], *,
+                       statistics: Optional[Mapping[str, Any]] = None,
+                       margins: Optional[Mapping[str, Optional[float]]] = None,
+                       extra_columns: Optional[Mapping[str, Mapping[str, Any]]] = None,
+                       confidence: Optional[float] = None) -> list[ConstraintResult]:
     """One :class:`ConstraintResult` per constraint of ``trainer``, recording whether its value
-    comes from held-out data (its ``eval_dataset``) or, lacking one, from its training data."""
+    comes from held-out data (its ``eval_dataset``) or, lacking one, from its training data,
+    with its upper confidence bound (from ``statistics``), margin and extra columns."""
     out = []
     for c in trainer.constraints:
         data = "data-free" if c.data_free else ("held-out" if c.eval_dataset is not None else "training")
-        out.append(ConstraintResult(c.name, float(values[c.name]), float(c.tolerance),
-                                    None if old is None or old.get(c.name) is None else float(old[c.name]), data))
+        value = float(values[c.name])
+        result = ConstraintResult(c.name, value, float(c.tolerance),
+                                  None if old is None or old.get(c.name) is None else float(old[c.name]), data)
+        if data == "data-free":
+            # no data, no sampling error: the value is exact
+            result.upper_bound, result.bound_method = value, "exact"
+        elif statistics is not None and _field(statistics.get(c.name), "upper_bound") is not None:
+            stat = statistics[c.name]
+            result.upper_bound = float(_field(stat, "upper_bound"))
+            result.confidence = float(_field(stat, "confidence") or confidence)
+            result.bound_method = BOUND_METHOD
+            se, rows = _field(stat, "std_error"), _field(stat, "num_rows")
+            result.std_error = None if se is None else float(se)
+            result.num_rows = None if rows is None else int(rows)
+        if margins is not None and margins.get(c.name) is not None:
+            result.margin = float(margins[c.name])
+        result.extra = {col: vals[c.name] for col, vals in (extra_columns or {}).items() if c.name in vals}
+        out.append(result)
     return out
+
+
+def constraint_margins(trainer: ReportableTrainer) -> Optional[Mapping[str, Optional[float]]]:
+    """The trainer's ``constraint_margins()`` (calibrated constraints), if it has them."""
+    method = getattr(trainer, "constraint_margins", None)
+    return None if method is None else method()
 
 
 # ---------------------------------------------------------------------- reports
@@ -132,6 +203,9 @@ def build_safety_report(
     objective_metrics: Optional[Mapping[str, float]] = None,
     checkpoint: Optional[str] = None,
     model_name: Optional[str] = None,
+    confidence: float = DEFAULT_CONFIDENCE,
+    safety_rule: str = "point",
+    extra_columns: Optional[Mapping[str, Mapping[str, Any]]] = None,
 ) -> SafetyReport:
     """Evaluate ``trainer.model`` on held-out data and build its :class:`SafetyReport`.
 
@@ -147,9 +221,18 @@ def build_safety_report(
         checkpoint: recorded as the origin of the weights (``trainer.build_safety_report(
             checkpoint=...)`` evaluates a saved checkpoint).
         model_name: recorded name (default: the output directory's name).
+        confidence: the level of the upper confidence bounds (from the trainer's
+            ``constraint_statistics``, when it has them; data-free constraints are exact).
+        safety_rule: ``"point"`` (a constraint holds when its value is within tolerance) or
+            ``"upper_bound"`` (when its upper confidence bound is).
+        extra_columns: caller-supplied per-constraint columns, ``{column: {name: value}}``
+            (e.g. zero-one accuracy of the old and new model per protected class), shown in
+            the table, the JSON and the card.
     """
     if not trainer.constraints:
         raise ValueError("a safety report needs constraints: this trainer has none")
+    check_safety_rule(safety_rule)
+    extras = check_extra_columns(trainer, extra_columns)
     if objective_metrics is None:
         metrics = trainer.evaluate()
         values = {c.name: float(metrics[EVAL_CONSTRAINT_PREFIX + c.name]) for c in trainer.constraints}
@@ -170,7 +253,9 @@ def build_safety_report(
         # after training, load_best_model_at_end put the best checkpoint's weights in the model
         step, checkpoint = origin
     report = SafetyReport(
-        constraints=constraint_results(trainer, values, old),
+        constraints=constraint_results(trainer, values, old, statistics=constraint_statistics(trainer, confidence),
+                                       margins=constraint_margins(trainer), extra_columns=extras,
+                                       confidence=confidence),
         objective_metrics=objective,
         split="eval",
         global_step=step,
@@ -179,6 +264,8 @@ def build_safety_report(
         method=method_settings(trainer),
         model_name=model_name or os.path.basename(os.path.normpath(trainer.args.output_dir)),
         weights_fingerprint=weights_fingerprint(trainer.model),
+        safety_rule=safety_rule,
+        extra_columns=list(extras),
     )
     logger.info("%s", report.summary())
     return report
@@ -195,7 +282,8 @@ def report_from_metrics(trainer: ReportableTrainer, metrics: Mapping[str, Any], 
     old = getattr(trainer, "reference_constraint_values", None)
     return SafetyReport(
         constraints=constraint_results(trainer, {c.name: metrics[EVAL_CONSTRAINT_PREFIX + c.name]
-                                                 for c in trainer.constraints}, old),
+                                                 for c in trainer.constraints}, old,
+                                       margins=constraint_margins(trainer)),
         objective_metrics=objective_metrics_from(metrics),
         global_step=trainer.state.global_step if step is None else step,
         checkpoint=checkpoint,
@@ -214,7 +302,8 @@ def checkpoint_step(checkpoint: str) -> Optional[int]:
 
 def checkpoint_safety_report(trainer: ReportableTrainer, checkpoint: str, model: Any, *,
                              old_model: Optional[Any] = None,
-                             old_model_values: Optional[Mapping[str, float]] = None) -> SafetyReport:
+                             old_model_values: Optional[Mapping[str, float]] = None,
+                             confidence: float = DEFAULT_CONFIDENCE, safety_rule: str = "point") -> SafetyReport:
     """The report of a saved checkpoint whose weights are already loaded into ``model``
     (a copy: ``trainer.model`` is left alone). The objective metrics are those logged at
     the checkpoint's step (its ``trainer_state.json``), if any."""
@@ -232,18 +321,26 @@ def checkpoint_safety_report(trainer: ReportableTrainer, checkpoint: str, model:
     else:
         step = checkpoint_step(checkpoint)
     return SafetyReport(
-        constraints=constraint_results(trainer, values, _old_values(trainer, old_model, old_model_values)),
+        constraints=constraint_results(trainer, values, _old_values(trainer, old_model, old_model_values),
+                                       statistics=constraint_statistics(trainer, confidence, model),
+                                       confidence=confidence),
         objective_metrics=objective,
         global_step=step,
         checkpoint=checkpoint,
         method=method_settings(trainer),
         model_name=os.path.basename(os.path.normpath(checkpoint)),
         weights_fingerprint=weights_fingerprint(model),
+        safety_rule=check_safety_rule(safety_rule),
     )
 
 
 __all__ = [
+    "BOUND_METHOD",
+    "DEFAULT_CONFIDENCE",
     "ReportableTrainer",
+    "check_extra_columns",
+    "constraint_margins",
+    "constraint_statistics",
     "build_safety_report",
     "checkpoint_safety_report",
     "checkpoint_step",

@@ -18,9 +18,9 @@ from collections.abc import Mapping
 from typing import Any, Optional, Protocol
 
 from .card import ModelCardInfo
-from .evaluation import ReportableTrainer, build_safety_report, old_model_constraint_values
+from .evaluation import DEFAULT_CONFIDENCE, ReportableTrainer, build_safety_report, old_model_constraint_values
 from .figures import plot_log_history
-from .report import SafetyReport
+from .report import SafetyReport, check_safety_rule
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +31,8 @@ class FinishableTrainer(ReportableTrainer, Protocol):
 
     model_card_info: Optional[ModelCardInfo]
     reference_constraint_values: Optional[dict[str, float]]
+    safety_rule: str
+    safety_confidence: float
 
     def set_safety_report(self, report: SafetyReport) -> None: ...
 
@@ -51,6 +53,9 @@ def finish_run(
     reproduce_command: Optional[str] = None,
     objective_metrics: Optional[Mapping[str, float]] = None,
     plots: bool = True,
+    safety_rule: str = "point",
+    confidence: float = DEFAULT_CONFIDENCE,
+    extra_columns: Optional[Mapping[str, Mapping[str, Any]]] = None,
 ) -> SafetyReport:
     """End a run: safety report, model card, trainer state and figures in the output directory.
 
@@ -71,7 +76,19 @@ def finish_run(
         objective_metrics: held-out objective metrics, if ``trainer.evaluate()`` is not
             the right way to get them.
         plots: also write the training-curve figures.
+        safety_rule: what decides SAFE/UNSAFE, here and in later ``push_to_hub`` calls:
+            ``"point"`` (default; each held-out value within its tolerance) or
+            ``"upper_bound"`` (each upper confidence bound within its tolerance; a
+            constraint without per-row values, hence without a bound, is judged on its
+            value and the report lists it).
+        confidence: the level of the upper confidence bounds (CLT, one-sided; they come
+            from ``trainer.constraint_statistics`` when the trainer provides them).
+        extra_columns: per-constraint columns to show next to the values,
+            ``{column: {constraint name: value}}``, e.g. ``{"old accuracy": {...},
+            "new accuracy": {...}}`` for a non-forgetting run (zero-one accuracy per
+            protected class beside the loss-based constraint value).
     """
+    check_safety_rule(safety_rule)
     info = getattr(trainer, "model_card_info", None) or ModelCardInfo()
     if base_model_name is not None:
         info.base_model = base_model_name
@@ -85,7 +102,9 @@ def finish_run(
     old = old_model_constraint_values(trainer, old_model, old_model_values)
     if old is not None:
         trainer.reference_constraint_values = old
-    report = build_safety_report(trainer, objective_metrics=objective_metrics)
+    trainer.safety_rule, trainer.safety_confidence = safety_rule, confidence
+    report = build_safety_report(trainer, objective_metrics=objective_metrics, confidence=confidence,
+                                 safety_rule=safety_rule, extra_columns=extra_columns)
     trainer.set_safety_report(report)
     if trainer.is_world_process_zero():
         out = trainer.args.output_dir

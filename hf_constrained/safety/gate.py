@@ -32,9 +32,15 @@ from typing import Any, Optional
 from transformers.integrations import TensorBoardCallback
 
 from .card import ModelCardInfo, render_model_card, write_model_card
-from .evaluation import build_safety_report, checkpoint_safety_report, method_settings, report_from_metrics
+from .evaluation import (
+    DEFAULT_CONFIDENCE,
+    build_safety_report,
+    checkpoint_safety_report,
+    method_settings,
+    report_from_metrics,
+)
 from .fingerprint import weights_fingerprint
-from .report import EVAL_CONSTRAINT_PREFIX, SafetyReport, UnsafeModelError
+from .report import EVAL_CONSTRAINT_PREFIX, SafetyReport, UnsafeModelError, check_safety_rule
 from .selection import (
     EvaluationRecord,
     FeasibleSelection,
@@ -98,6 +104,9 @@ class SafetyMixin:
         self._weights_eval: Optional[WeightsEvaluation] = None  # the last exact evaluation of the model
         self._stale_note = ""  # why the last report no longer describes the weights
         self._push_allow_unsafe = False
+        # what decides SAFE/UNSAFE ("point" or "upper_bound") and the bounds' level; finish_run sets them
+        self.safety_rule = "point"
+        self.safety_confidence = DEFAULT_CONFIDENCE
         self._group_constraint_tensorboard()
 
     # ------------------------------------------------------------------ TensorBoard
@@ -213,7 +222,7 @@ class SafetyMixin:
         for report in candidates:
             if report.weights_fingerprint == current:
                 self._stale_note = ""
-                return report
+                return report if report.safety_rule == self.safety_rule else report.with_rule(self.safety_rule)
         self._stale_note = (f"the weights changed after the last safety report (step {candidates[0].global_step}, "
                             f"weights {candidates[0].weights_fingerprint}; now {current})")
         logger.warning("%s: it no longer describes the model", self._stale_note)
@@ -226,6 +235,8 @@ class SafetyMixin:
         (``old_model``, ``old_model_values``, ``objective_metrics``). The report of the
         current weights is kept as ``self.safety_report`` (used by cards and the push gate).
         """
+        kwargs.setdefault("confidence", self.safety_confidence)
+        kwargs.setdefault("safety_rule", self.safety_rule)
         if checkpoint is not None:
             return self._checkpoint_safety_report(checkpoint, **kwargs)
         self.set_safety_report(build_safety_report(self, **kwargs))
@@ -303,16 +314,18 @@ class SafetyMixin:
     # ------------------------------------------------------------------ the gated push
     def push_to_hub(self, commit_message: Optional[str] = "End of training", blocking: bool = True,
                     token: Optional[str] = None, revision: Optional[str] = None, private: Optional[bool] = None,
-                    *, allow_unsafe: bool = False, **kwargs: Any) -> Any:
+                    *, allow_unsafe: bool = False, safety_rule: Optional[str] = None, **kwargs: Any) -> Any:
         """``Trainer.push_to_hub`` behind the safety gate.
 
         The constraints of the current weights are checked on held-out data (the report
-        built after training, else a new exact evaluation). If any fails, raises
+        built after training if it still describes these weights, else a new exact
+        evaluation). If any fails under ``safety_rule`` (default ``self.safety_rule``:
+        ``"point"``, or what ``finish_run`` was given), raises
         :class:`~hf_constrained.safety.report.UnsafeModelError` before any repository is created
         or file uploaded, unless ``allow_unsafe=True``: then the push goes ahead and the
-        card says UNSAFE at the top.
+        card says UNSAFE at the top. Other keyword arguments go to :meth:`create_model_card`.
         """
-        self.check_safe_to_push(allow_unsafe=allow_unsafe)
+        self.check_safe_to_push(allow_unsafe=allow_unsafe, safety_rule=safety_rule)
         self._push_allow_unsafe = allow_unsafe
         try:
             return super().push_to_hub(commit_message=commit_message, blocking=blocking, token=token,
@@ -320,14 +333,21 @@ class SafetyMixin:
         finally:
             self._push_allow_unsafe = False
 
-    def check_safe_to_push(self, allow_unsafe: bool = False) -> Optional[SafetyReport]:
+    def check_safe_to_push(self, allow_unsafe: bool = False, safety_rule: Optional[str] = None
+                           ) -> Optional[SafetyReport]:
         """The gate of :meth:`push_to_hub`, uploading nothing: the safety report of the
         current weights (built if needed), or :class:`~hf_constrained.safety.report.UnsafeModelError`
-        when a constraint fails on held-out data and ``allow_unsafe`` is false (the local
-        card and report are then updated with the verdict)."""
+        when a constraint fails on held-out data under ``safety_rule`` (``"point"`` or
+        ``"upper_bound"``; default ``self.safety_rule``) and ``allow_unsafe`` is false (the
+        local card and report are then updated with the verdict)."""
         if not getattr(self, "constraints", None):
             return None
+        if safety_rule is not None:
+            self.safety_rule = check_safety_rule(safety_rule)
         report = self.current_safety_report()
+        if (report is not None and self.safety_rule == "upper_bound" and report.without_bound
+                and hasattr(self, "constraint_statistics")):
+            report = None  # the bounds decide: evaluate again with the per-row statistics
         note = ""
         if report is None:
             # never evaluated, or the weights changed since: evaluate these weights now
