@@ -259,7 +259,7 @@ def build_safety_report(
         objective_metrics=objective,
         split="eval",
         global_step=step,
-        checkpoint=checkpoint,
+        checkpoint=relative_checkpoint(trainer, checkpoint),
         selection=selection,
         method=method_settings(trainer),
         model_name=model_name or os.path.basename(os.path.normpath(trainer.args.output_dir)),
@@ -286,11 +286,23 @@ def report_from_metrics(trainer: ReportableTrainer, metrics: Mapping[str, Any], 
                                        margins=constraint_margins(trainer)),
         objective_metrics=objective_metrics_from(metrics),
         global_step=trainer.state.global_step if step is None else step,
-        checkpoint=checkpoint,
+        checkpoint=relative_checkpoint(trainer, checkpoint),
         method=method_settings(trainer),
         model_name=os.path.basename(os.path.normpath(checkpoint or trainer.args.output_dir)),
         weights_fingerprint=fingerprint,
     )
+
+
+def relative_checkpoint(trainer: ReportableTrainer, checkpoint: Optional[str]) -> Optional[str]:
+    """A checkpoint as reports record it: relative to the output directory when inside it
+    (``checkpoint-2``), else its name; reports and cards carry no absolute local paths."""
+    if not checkpoint:
+        return checkpoint
+    output_dir = os.path.abspath(trainer.args.output_dir)
+    path = os.path.abspath(checkpoint)
+    if os.path.commonpath([output_dir, path]) == output_dir and path != output_dir:
+        return os.path.relpath(path, output_dir)
+    return os.path.basename(os.path.normpath(checkpoint))
 
 
 def checkpoint_step(checkpoint: str) -> Optional[int]:
@@ -326,7 +338,7 @@ def checkpoint_safety_report(trainer: ReportableTrainer, checkpoint: str, model:
                                        confidence=confidence),
         objective_metrics=objective,
         global_step=step,
-        checkpoint=checkpoint,
+        checkpoint=relative_checkpoint(trainer, checkpoint),
         method=method_settings(trainer),
         model_name=os.path.basename(os.path.normpath(checkpoint)),
         weights_fingerprint=weights_fingerprint(model),
@@ -344,6 +356,7 @@ __all__ = [
     "build_safety_report",
     "checkpoint_safety_report",
     "checkpoint_step",
+    "relative_checkpoint",
     "constraint_results",
     "method_settings",
     "old_model_constraint_values",

@@ -31,12 +31,13 @@ from typing import Any, Optional
 
 from transformers.integrations import TensorBoardCallback
 
-from .card import ModelCardInfo, render_model_card, write_model_card
+from .card import ModelCardInfo, describe_model, render_model_card, write_model_card
 from .evaluation import (
     DEFAULT_CONFIDENCE,
     build_safety_report,
     checkpoint_safety_report,
     method_settings,
+    relative_checkpoint,
     report_from_metrics,
 )
 from .fingerprint import weights_fingerprint
@@ -153,7 +154,8 @@ class SafetyMixin:
         if self.args.metric_for_best_model is None or not getattr(self, "constraints", None):
             return None
         return summarize_selection(self.state.log_history, self.args.metric_for_best_model,
-                                   bool(self.args.greater_is_better), self.state.best_model_checkpoint)
+                                   bool(self.args.greater_is_better),
+                                   relative_checkpoint(self, self.state.best_model_checkpoint))
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         self.safety_report = None
@@ -271,21 +273,32 @@ class SafetyMixin:
             report.weights_fingerprint = self.current_weights_fingerprint()
         self.safety_report = report
 
-    def write_model_card(self, directory: Optional[str] = None, report: Optional[SafetyReport] = None,
-                         **card_kwargs: Any) -> Optional[str]:
+    def write_model_card(self, directory: Optional[str] = None, report: Optional[SafetyReport] = None, *,
+                         model_name: Optional[str] = None, language: Optional[str] = None,
+                         license: Optional[str] = None, tags: Any = None, finetuned_from: Optional[str] = None,
+                         tasks: Any = None, dataset_tags: Any = None, dataset: Any = None,
+                         dataset_args: Any = None) -> Optional[str]:
         """Render the card for ``report`` (default: :meth:`current_safety_report`) into
-        ``directory/README.md`` and, with a report, ``safety_report.json`` next to it."""
+        ``directory/README.md`` and, with a report, ``safety_report.json`` next to it.
+
+        The other arguments are those of ``Trainer.create_model_card`` and override
+        :attr:`model_card_info` for this card (``finetuned_from``: the base model;
+        ``dataset`` / ``dataset_tags``: the datasets; ``tasks``: the model-index task).
+        """
         if not self.is_world_process_zero() or not getattr(self, "constraints", None):
             return None
+        if dataset_args is not None:
+            logger.warning("create_model_card: dataset_args=%r is not used by the constrained card", dataset_args)
         directory = directory or self.args.output_dir
         report = report if report is not None else self.current_safety_report()
-        name = card_kwargs.pop("model_name", None) or os.path.basename(os.path.normpath(self.args.output_dir))
-        info = self.model_card_info
-        extra_tags = card_kwargs.pop("tags", None)
-        if isinstance(extra_tags, str):
-            extra_tags = [extra_tags]
+        name = model_name or os.path.basename(os.path.normpath(self.args.output_dir))
+        info = self.model_card_info.with_trainer_card_arguments(
+            language=language, license=license, tags=tags, finetuned_from=finetuned_from, tasks=tasks,
+            dataset_tags=dataset_tags, dataset=dataset)
+        model = self.accelerator.unwrap_model(self.model)
         card = render_model_card(report, model_name=name, method=method_settings(self), info=info,
-                                 allow_unsafe=self._push_allow_unsafe, extra_tags=extra_tags)
+                                 allow_unsafe=self._push_allow_unsafe, source=describe_model(model),
+                                 repo_id=self.hub_model_id or self.args.hub_model_id or name)
         if report is not None:
             report.save(directory)
         return write_model_card(directory, card)
@@ -302,14 +315,20 @@ class SafetyMixin:
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
-    def create_model_card(self, **kwargs: Any) -> None:
-        """The constrained card (constraint table, method, citation) in ``output_dir/README.md``;
-        ``model_name`` and ``tags`` are honoured, the other Trainer arguments are ignored.
-        Without constraints: the Trainer's card."""
+    def create_model_card(self, language: Optional[str] = None, license: Optional[str] = None, tags: Any = None,
+                          model_name: Optional[str] = None, finetuned_from: Optional[str] = None,
+                          tasks: Any = None, dataset_tags: Any = None, dataset: Any = None,
+                          dataset_args: Any = None) -> None:
+        """The constrained card (verdict, constraint table, model-index, usage, method,
+        citation) in ``output_dir/README.md``, with every argument of
+        ``Trainer.create_model_card`` honoured (see :meth:`write_model_card`); ``push_to_hub``
+        passes its keyword arguments here. Without constraints: the Trainer's card."""
+        card_args = dict(language=language, license=license, tags=tags, model_name=model_name,
+                         finetuned_from=finetuned_from, tasks=tasks, dataset_tags=dataset_tags, dataset=dataset,
+                         dataset_args=dataset_args)
         if not getattr(self, "constraints", None):
-            return super().create_model_card(**kwargs)
-        allowed = {k: kwargs[k] for k in ("model_name", "tags") if kwargs.get(k) is not None}
-        self.write_model_card(self.args.output_dir, **allowed)
+            return super().create_model_card(**card_args)
+        self.write_model_card(self.args.output_dir, **card_args)
 
     # ------------------------------------------------------------------ the gated push
     def push_to_hub(self, commit_message: Optional[str] = "End of training", blocking: bool = True,

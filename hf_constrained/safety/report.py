@@ -39,6 +39,9 @@ def check_safety_rule(rule: str) -> str:
 # speed/bookkeeping keys of Trainer.evaluate that are not objective metrics
 _NOT_OBJECTIVE = ("_runtime", "_samples_per_second", "_steps_per_second", "epoch", "_constraint_max_violation",
                   "_constraints_satisfied")
+# what the Trainer logs while training (not evaluation results)
+_TRAINING_LOG_KEYS = frozenset({"loss", "learning_rate", "grad_norm", "epoch", "total_flos", "step",
+                                "num_input_tokens_seen"})
 
 
 class UnsafeModelError(RuntimeError):
@@ -368,11 +371,13 @@ def _escape_md(text: str) -> str:
 
 
 def objective_metrics_from(metrics: Mapping[str, Any]) -> dict[str, float]:
-    """The objective part of ``Trainer.evaluate`` metrics: no constraint, speed or epoch keys."""
+    """The held-out objective part of ``Trainer.evaluate`` metrics (``<prefix>_<metric>``, e.g.
+    ``eval_loss``): no constraint, speed or epoch keys, and nothing from training (``train_*``,
+    or keys without a prefix such as ``loss`` and ``learning_rate``)."""
     out = {}
     for key, value in metrics.items():
-        if (key in ("step", "total_flos") or "constraint/" in key or key.endswith(_NOT_OBJECTIVE)
-                or isinstance(value, bool) or not isinstance(value, (int, float))):
+        if ("_" not in key or key.startswith("train_") or key in _TRAINING_LOG_KEYS or "constraint/" in key
+                or key.endswith(_NOT_OBJECTIVE) or isinstance(value, bool) or not isinstance(value, (int, float))):
             continue
         out[key] = float(value)
     return out
