@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata, resources
@@ -138,7 +139,12 @@ class ModelSource:
 
 
 def _custom_module(cls: type) -> Optional[str]:
+    """The module to import for ``cls`` (``None`` for a ``transformers`` class); a class
+    defined in the script that ran (``__main__``) is named by the script's file."""
     module = cls.__module__
+    if module == "__main__":
+        script = getattr(sys.modules.get("__main__"), "__file__", None)
+        return os.path.splitext(os.path.basename(script))[0] if script else module
     return None if module.split(".")[0] == "transformers" else module
 
 
@@ -153,7 +159,7 @@ def describe_model(model: Any) -> ModelSource:
                            getattr(config, "base_model_name_or_path", None))
     cls = type(model)
     if not hasattr(cls, "from_pretrained"):
-        return ModelSource(None, cls.__name__, cls.__module__, from_pretrained=False)
+        return ModelSource(None, cls.__name__, _custom_module(cls) or cls.__module__, from_pretrained=False)
     return ModelSource("transformers", cls.__name__, _custom_module(cls))
 
 
