@@ -149,3 +149,12 @@ def test_info_overrides_do_not_leak_between_cards():
     other = info.with_trainer_card_arguments(finetuned_from="org/b", tags=["u"], dataset="org/d")
     assert (other.base_model, other.tags, other.datasets) == ("org/b", ["t", "u"], ["org/d"])
     assert (info.base_model, info.tags, info.datasets) == ("org/a", ["t"], [])
+
+
+def test_training_metrics_passed_explicitly_are_not_held_out(tmp_path, caplog):
+    trainer = make_trainer(str(tmp_path / "run"), max_steps=1, eval_strategy="no", save_strategy="no",
+                           load_best_model_at_end=False, metric_for_best_model=None)
+    trainer.train()
+    report = finish_run(trainer, plots=False, objective_metrics={"train_auc": 0.9, "test_auc": 0.8})
+    assert report.objective_metrics == {"test_auc": 0.8}
+    assert "train_auc measured on training data" in caplog.text

@@ -240,6 +240,11 @@ def build_safety_report(
     else:
         values = trainer.evaluate_constraints(split="eval")
         objective = {k: float(v) for k, v in objective_metrics.items()}
+        training = [k for k in objective if k.startswith("train_")]
+        if training:  # the report's objective metrics are held-out ones
+            logger.warning("objective_metrics: %s measured on training data, not recorded as held-out metrics",
+                           ", ".join(training))
+            objective = {k: v for k, v in objective.items() if k not in training}
     old = _old_values(trainer, old_model, old_model_values)
     selection = None
     feasible_selection = getattr(trainer, "feasible_selection", None)
