@@ -21,10 +21,14 @@ PACKAGE = "hf_constrained"
 
 
 def package_modules() -> dict[str, str]:
-    """module name -> file, for every ``.py`` file of the package."""
+    """module name -> file, for every ``.py`` file of the package's (regular) packages; files in
+    folders without ``__init__.py`` are resources, e.g. the ``evaluate`` metric script under
+    ``metrics/constraint_satisfaction/``, which ``evaluate.load`` reads by path."""
     out = {}
     root = os.path.join(REPO, PACKAGE)
     for directory, _, files in os.walk(root):
+        if "__init__.py" not in files:
+            continue
         for f in files:
             if not f.endswith(".py"):
                 continue
@@ -165,16 +169,26 @@ def _fresh(code: str) -> subprocess.CompletedProcess:
                           timeout=120)
 
 
-def third_party_imports() -> list[str]:
-    """The modules outside the package that the package imports (``import x.y`` / ``from x.y import``)."""
-    names: set[str] = set()
+def third_party_imports() -> list[tuple[str, list[str]]]:
+    """(module, names imported from it) for every module outside the package that the package
+    imports when its modules are imported; the names matter: ``from transformers import Trainer``
+    loads a lazy submodule."""
+    found: dict[str, set[str]] = {}
+
+    def module_level(node: ast.AST):  # what runs at import: not function bodies
+        yield node
+        for child in ast.iter_child_nodes(node):
+            if not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                yield from module_level(child)
+
     for path in package_modules().values():
-        for node in ast.walk(ast.parse(open(path, encoding="utf-8").read(), path)):
+        for node in module_level(ast.parse(open(path, encoding="utf-8").read(), path)):
             if isinstance(node, ast.Import):
-                names |= {a.name for a in node.names}
+                for alias in node.names:
+                    found.setdefault(alias.name, set())
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                names.add(node.module)
-    return sorted(n for n in names if n.split(".")[0] != PACKAGE)
+                found.setdefault(node.module, set()).update(a.name for a in node.names)
+    return sorted((m, sorted(names)) for m, names in found.items() if m.split(".")[0] != PACKAGE)
 
 
 def test_every_module_imports_alone_in_a_fresh_interpreter():
@@ -185,8 +199,10 @@ def test_every_module_imports_alone_in_a_fresh_interpreter():
     modules = sorted(package_modules())
     code = (
         "import importlib, os, sys\n"
-        f"for name in {third_party_imports()!r}:\n"
-        "    try: importlib.import_module(name)\n"
+        f"for name, attributes in {third_party_imports()!r}:\n"
+        "    try:\n"
+        "        module = importlib.import_module(name)\n"
+        "        for attribute in attributes: getattr(module, attribute, None)\n"
         "    except Exception: pass\n"
         f"assert not [m for m in sys.modules if m.split('.')[0] == {PACKAGE!r}]\n"
         "bad = []\n"

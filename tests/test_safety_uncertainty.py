@@ -14,6 +14,7 @@ from statistics import NormalDist
 
 import numpy as np
 import pytest
+import torch
 from safety_tiny import make_trainer, theta_at
 from test_safety_gate import hub  # noqa: F401 (fixture)
 from test_safety_report import assert_card_matches_report, card_constraint_rows
@@ -30,6 +31,7 @@ HELD_OUT_X = np.array([0.25, 1.75, 1.0] * 3)  # safety_tiny.constraints(): scale
 class StatsTrainer(ConstrainedTrainer):
     """A trainer with per-row statistics and margins (the interface the report uses)."""
 
+    @torch.no_grad()
     def constraint_statistics(self, split="eval", confidence=0.95, model=None):
         model = model if model is not None else self.model
         out = {}
