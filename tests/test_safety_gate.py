@@ -210,3 +210,18 @@ def test_no_method_named_in_a_hint_is_missing(tmp_path):
         SafetyReport.load(str(tmp_path))
     methods = re.findall(r"trainer\.(\w+)\(", str(err.value))
     assert methods and all(hasattr(ConstrainedTrainer, m) for m in methods), methods
+
+
+def test_checkpoints_between_evaluations_are_not_checked_and_not_flagged(tmp_path, caplog):
+    """Saved every step, evaluated every second step: cards of unevaluated checkpoints say
+    NOT CHECKED, evaluated ones carry their evaluation; training is no 'weights changed' event."""
+    import logging
+
+    trainer = make_trainer(str(tmp_path / "run"), tolerance=2.0, max_steps=4, eval_steps=2, save_steps=1,
+                           load_best_model_at_end=False, metric_for_best_model=None)
+    with caplog.at_level(logging.WARNING, logger="hf_constrained.safety.gate"):
+        trainer.train()
+    assert "weights changed" not in caplog.text
+    for step in (1, 2, 3, 4):
+        card = (tmp_path / "run" / f"checkpoint-{step}" / "README.md").read_text()
+        assert card_body(card)[0].startswith("> **NOT CHECKED") == (step % 2 == 1)

@@ -213,7 +213,8 @@ class SafetyMixin:
         if self.safety_report is not None:
             candidates.append(self.safety_report)
         record = self._weights_eval
-        if record is not None:
+        # an evaluation logged at an earlier step is of earlier weights (training moved on): not a candidate
+        if record is not None and record.valid_at == self.state.global_step:
             from_metrics = report_from_metrics(self, record.metrics, step=record.weights_step,
                                                checkpoint=record.checkpoint, fingerprint=record.fingerprint)
             if from_metrics is not None:
