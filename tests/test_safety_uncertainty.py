@@ -74,7 +74,7 @@ def test_upper_bound_matches_numpy(tmp_path, confidence):
                            trainer_cls=StatsTrainer)
     trainer.train()
     report = trainer.build_safety_report(confidence=confidence)
-    theta = float(trainer.model.theta)
+    theta = float(trainer.model.theta.detach())
     scaled = report.constraints[1]
     assert scaled.value == pytest.approx(float(HELD_OUT_X.mean() * theta), rel=1e-6)
     assert scaled.upper_bound == pytest.approx(numpy_upper_bound(theta, confidence), rel=1e-6)
