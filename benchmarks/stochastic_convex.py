@@ -20,10 +20,9 @@ import time
 import numpy as np
 import torch
 
-from hf_constrained.toy_problems import make_projection_qp, train_projection
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import write_json  # noqa: E402
+from toy_problems import make_projection_qp, train_projection  # noqa: E402
 
 
 def main() -> None:

@@ -1,38 +1,70 @@
 """hf_constrained: fine-tune Hugging Face models under constraints.
 
-The single-loop hinge exact penalty with MSVR constraint estimators (Yang et al., TMLR 2026).
+The single-loop hinge exact penalty with MSVR constraint estimators (Yang et al., TMLR 2026):
+declare :class:`Constraint` s, train with :class:`ConstrainedTrainer` and
+:class:`ConstrainedTrainingArguments`, end with :func:`finish_run` (the
+:class:`SafetyReport` on held-out data, the model card and figures); ``push_to_hub``
+refuses a model whose constraints fail (:class:`UnsafeModelError`).
+
+Names are imported on first use, so ``import hf_constrained`` (and the ``hf-constrained``
+command line) does not load torch or transformers until a name that needs them is used.
 """
 
-from .config import ConstrainedTrainingArguments
-from .constraint import Constraint, collate_examples, constraints_per_value
-from .estimators import MSVREstimator, resolve_gamma_prime, theory_gamma_prime
-from .penalties import HingePenalty, NoPenalty, Penalty, SquaredHingePenalty, make_penalty
-from .safety import SafetyReport, UnsafeModelError, build_safety_report, finish_run
-from .sampling import ConstraintBatchStream, ConstraintSampler
-from .trainer import CONSTRAINT_STATE_NAME, ConstrainedTrainer, ConstraintValueError
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .config import ConstrainedTrainingArguments
+    from .constraint import Constraint, collate_examples, constraints_per_value
+    from .estimators import MSVREstimator, resolve_gamma_prime, theory_gamma_prime
+    from .penalties import HingePenalty, NoPenalty, Penalty, SquaredHingePenalty, make_penalty
+    from .safety.evaluation import build_safety_report
+    from .safety.finish import finish_run
+    from .safety.report import SafetyReport, UnsafeModelError
+    from .sampling import ConstraintBatchStream, ConstraintSampler
+    from .trainer import CONSTRAINT_STATE_NAME, ConstrainedTrainer, ConstraintValueError
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "CONSTRAINT_STATE_NAME",
-    "ConstrainedTrainer",
-    "ConstrainedTrainingArguments",
-    "Constraint",
-    "ConstraintBatchStream",
-    "ConstraintSampler",
-    "ConstraintValueError",
-    "HingePenalty",
-    "MSVREstimator",
-    "NoPenalty",
-    "Penalty",
-    "SafetyReport",
-    "SquaredHingePenalty",
-    "UnsafeModelError",
-    "build_safety_report",
-    "collate_examples",
-    "constraints_per_value",
-    "finish_run",
-    "make_penalty",
-    "resolve_gamma_prime",
-    "theory_gamma_prime",
-]
+# public name -> the module that defines it
+_LAZY = {
+    "ConstrainedTrainingArguments": ".config",
+    "Constraint": ".constraint",
+    "collate_examples": ".constraint",
+    "constraints_per_value": ".constraint",
+    "MSVREstimator": ".estimators",
+    "resolve_gamma_prime": ".estimators",
+    "theory_gamma_prime": ".estimators",
+    "HingePenalty": ".penalties",
+    "NoPenalty": ".penalties",
+    "Penalty": ".penalties",
+    "SquaredHingePenalty": ".penalties",
+    "make_penalty": ".penalties",
+    "build_safety_report": ".safety.evaluation",
+    "finish_run": ".safety.finish",
+    "SafetyReport": ".safety.report",
+    "UnsafeModelError": ".safety.report",
+    "ConstraintBatchStream": ".sampling",
+    "ConstraintSampler": ".sampling",
+    "CONSTRAINT_STATE_NAME": ".trainer",
+    "ConstrainedTrainer": ".trainer",
+    "ConstraintValueError": ".trainer",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Import the module that defines ``name`` on first access (PEP 562)."""
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value  # later lookups skip this function
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])
+
+
+__all__ = sorted(_LAZY)

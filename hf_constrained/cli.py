@@ -2,6 +2,10 @@
 
     hf-constrained report RUN_DIR [--json] [--check]   print the safety table of a run or checkpoint
     hf-constrained plot RUN_DIR [--out DIR]            write constraints.png and objective.png
+    hf-constrained demo [...]                          the CLIP non-forgetting demo on digits
+
+The command line depends on the library, never the reverse. ``report`` and ``plot`` read
+files only (no torch, no transformers), so they start in well under a second.
 """
 
 from __future__ import annotations
@@ -10,10 +14,15 @@ import argparse
 import json
 import logging
 import os
+import re
 import sys
 from typing import Optional, Sequence
 
-from .safety import SAFETY_REPORT_NAME, SafetyReport, format_number
+from .safety.figures import plot_log_history
+from .safety.report import SAFETY_REPORT_NAME, SAFETY_RULES, SafetyReport, format_number
+from .safety.selection import FeasibleSelection
+
+_CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")  # the Trainer's checkpoint-<step> folders
 
 
 def find_trainer_state(run_dir: str) -> str:
@@ -21,11 +30,14 @@ def find_trainer_state(run_dir: str) -> str:
     path = os.path.join(run_dir, "trainer_state.json")
     if os.path.isfile(path):
         return path
-    from transformers.trainer_utils import get_last_checkpoint
-
-    last = get_last_checkpoint(run_dir) if os.path.isdir(run_dir) else None
-    if last is not None and os.path.isfile(os.path.join(last, "trainer_state.json")):
-        return os.path.join(last, "trainer_state.json")
+    steps = []
+    if os.path.isdir(run_dir):
+        for name in os.listdir(run_dir):
+            match = _CHECKPOINT_DIR.match(name)
+            if match and os.path.isfile(os.path.join(run_dir, name, "trainer_state.json")):
+                steps.append((int(match.group(1)), name))
+    if steps:
+        return os.path.join(run_dir, max(steps)[1], "trainer_state.json")
     raise FileNotFoundError(
         f"no trainer_state.json in {run_dir} or its checkpoints: pass a Trainer output directory "
         "(finish_run / trainer.save_state() write it) or a checkpoint-N directory"
@@ -34,6 +46,11 @@ def find_trainer_state(run_dir: str) -> str:
 
 def _report(args: argparse.Namespace) -> int:
     report = SafetyReport.load(args.run_dir)
+    if args.rule is not None:
+        report = report.with_rule(args.rule)
+    if args.check and not report.checked:
+        raise ValueError(f"{os.path.join(args.run_dir, SAFETY_REPORT_NAME)} holds no constraints: there is nothing "
+                         "to check, so it cannot pass --check (was the trainer given its constraints?)")
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:
@@ -48,8 +65,6 @@ def _report(args: argparse.Namespace) -> int:
             print("Objective metrics (held-out): " + ", ".join(
                 f"{k} = {format_number(v)}" for k, v in report.objective_metrics.items()))
         if report.selection:
-            from .selection import FeasibleSelection
-
             known = {k: v for k, v in report.selection.items() if k in FeasibleSelection.__dataclass_fields__}
             print("Checkpoint selection: " + FeasibleSelection(**known).message())
         print(report.summary())
@@ -57,8 +72,6 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from .plotting import plot_log_history
-
     with open(find_trainer_state(args.run_dir), encoding="utf-8") as f:
         log_history = json.load(f).get("log_history", [])
     report: Optional[SafetyReport] = None
@@ -72,37 +85,55 @@ def _plot(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
+    # imported here, not at the top: the demo imports torch and transformers, which would
+    # make every other command (and --help) take seconds to start
+    from . import demo
 
+    parser = argparse.ArgumentParser(prog="hf-constrained demo", description=DEMO_HELP,
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    demo.add_demo_arguments(parser)
+    options = parser.parse_args(args.demo_args)
     logging.basicConfig(level=logging.WARNING)
-    run_demo(args, echo=lambda line: print(line, flush=True))
+    demo.run_demo(options, echo=lambda line: print(line, flush=True))
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from .demo import add_demo_arguments
+DEMO_HELP = "the embedded CLIP non-forgetting demo on digits (what `make demo` runs); `demo --help` lists its options"
 
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-constrained", description="Inspect constrained fine-tuning runs.")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("report", help="print the safety table (safety_report.json) of a run or checkpoint")
     p.add_argument("run_dir", metavar="RUN_DIR")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.add_argument("--check", action="store_true", help="exit with status 1 when a constraint fails")
+    p.add_argument("--check", action="store_true",
+                   help="exit with status 1 when a constraint fails (status 2 for a report without constraints)")
+    p.add_argument("--rule", choices=SAFETY_RULES, default=None,
+                   help="what decides pass/fail: 'point' (each held-out value within its tolerance) or "
+                        "'upper_bound' (each upper confidence bound within its tolerance; constraints without a "
+                        "bound are judged on their value). Default: the report's own rule (point unless "
+                        "finish_run(..., safety_rule=...) said otherwise)")
     p.set_defaults(func=_report)
     p = sub.add_parser("plot", help="write PNG figures of the constraints and the objective over training")
     p.add_argument("run_dir", metavar="RUN_DIR")
     p.add_argument("--out", default=None, help="output directory (default: RUN_DIR/figures)")
-    p.add_argument("--metric", default=None, help="held-out objective key to plot (default: eval_loss or the first)")
+    p.add_argument("--metric", default=None,
+                   help="held-out objective key to plot (default: eval_loss, else the selection metric)")
     p.set_defaults(func=_plot)
-    p = sub.add_parser("demo", help="the embedded CLIP non-forgetting demo on digits (what `make demo` runs)",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_demo_arguments(p)
-    p.set_defaults(func=_demo)
+    # the demo's own options are parsed by _demo (they live with the demo, see hf_constrained.demo)
+    p = sub.add_parser("demo", help=DEMO_HELP, add_help=False)
+    p.set_defaults(func=_demo, demo_args=[])
     return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "demo":
+        args.demo_args = rest
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
         return args.func(args)
     except (FileNotFoundError, ValueError) as exc:

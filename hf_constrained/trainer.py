@@ -48,7 +48,7 @@ from .constraint import Constraint, fetch_rows
 from .distributed import GradientCoverageCallback, configure_ddp_for_constraints, fsdp_requested, uses_ddp
 from .estimators import MSVREstimator, resolve_gamma_prime
 from .penalties import make_penalty
-from .safety_mixin import SafetyMixin
+from .safety.gate import SafetyMixin
 from .sampling import ConstraintBatchStream, ConstraintSampler
 
 logger = logging.getLogger(__name__)

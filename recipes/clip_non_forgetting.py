@@ -34,7 +34,7 @@ import torch
 from transformers import CLIPModel, CLIPProcessor, HfArgumentParser, TrainerCallback, set_seed
 
 from hf_constrained import ConstrainedTrainingArguments
-from hf_constrained.safety import finish_run
+from hf_constrained import finish_run
 from hf_constrained.errors import check_model_path
 from hf_constrained.clip import (
     CLIPWithClassTextHeads,

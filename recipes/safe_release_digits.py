@@ -35,7 +35,7 @@ from sklearn.model_selection import train_test_split
 from torch import nn
 
 from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments, constraints_per_value
-from hf_constrained.safety import UnsafeModelError, finish_run
+from hf_constrained import UnsafeModelError, finish_run
 
 OLD_DIGITS = list(range(8))
 NEW_DIGITS = [8, 9]

@@ -11,7 +11,8 @@ import pytest
 from safety_tiny import make_trainer, theta_at
 
 from hf_constrained.cli import main
-from hf_constrained.safety import SafetyReport, finish_run
+from hf_constrained.safety.finish import finish_run
+from hf_constrained.safety.report import SafetyReport
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -65,7 +66,7 @@ def test_plot_writes_constraint_and_objective_figures(run_dir, tmp_path, capsys)
 
 def test_plot_uses_training_estimates_and_heldout_values(run_dir):
     """The plotted series are the log history's: estimates (constraint/<name>) and exact values."""
-    from hf_constrained.plotting import _series, split_at_train_end
+    from hf_constrained.safety.figures import _series, split_at_train_end
 
     with open(run_dir / "trainer_state.json") as f:
         history = json.load(f)["log_history"]
@@ -85,3 +86,13 @@ def test_console_script(run_dir):
                             env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert result.returncode == 0, result.stderr
     assert "held-out value" in result.stdout and "theta_cap" in result.stdout
+
+
+def test_check_refuses_a_report_without_constraints(tmp_path, capsys):
+    from hf_constrained.safety.report import SafetyReport as Report
+
+    Report(constraints=[]).save(str(tmp_path))
+    assert main(["report", str(tmp_path)]) == 0
+    assert "NOT CHECKED: the report has no constraints" in capsys.readouterr().out
+    assert main(["report", str(tmp_path), "--check"]) == 2
+    assert "holds no constraints" in capsys.readouterr().err

@@ -11,11 +11,14 @@ from concurrent.futures import Future
 from types import SimpleNamespace
 
 import pytest
-from safety_tiny import make_trainer, theta_at
+import torch
+from safety_tiny import ThetaConfig, ThetaModel, make_trainer, theta_at
 from test_safety_report import assert_card_matches_report, card_body
 
 import transformers.trainer as hf_trainer
-from hf_constrained.safety import SafetyReport, UnsafeModelError
+from hf_constrained import ConstrainedTrainer
+from hf_constrained.safety.finish import finish_run
+from hf_constrained.safety.report import SafetyReport, UnsafeModelError
 
 
 class RecordingHub:
@@ -103,10 +106,10 @@ def test_save_model_with_push_to_hub_goes_through_the_gate(tmp_path, hub):
                            save_strategy="no", load_best_model_at_end=False, metric_for_best_model=None,
                            push_to_hub=True, hub_model_id="user/theta")
     trainer.train()
-    assert hub.names() == ["create_repo"]  # the Trainer creates the repository at init
+    assert hub.names() == []  # no repository before the gate has passed (the Trainer would create it at init)
     with pytest.raises(UnsafeModelError):
         trainer.save_model()
-    assert "upload_folder" not in hub.names()
+    assert hub.names() == []
     # the weights and the (UNSAFE) card were still written locally
     out = trainer.args.output_dir
     assert os.path.isfile(os.path.join(out, "model.safetensors"))
@@ -119,6 +122,106 @@ def test_checkpoint_pushes_during_training_only_for_feasible_checkpoints(tmp_pat
     trainer = make_trainer(str(tmp_path / "run"), tolerance=2.0, max_steps=5, push_to_hub=True,
                            hub_model_id="user/theta", hub_strategy="every_save")
     trainer.train()
+    # the repository is created by the first push that passed the gate, once
+    assert hub.names() == ["create_repo", "upload_folder", "upload_folder"]
     uploads = [kw for name, kw in hub.calls if name == "upload_folder"]
     assert [u["commit_message"] for u in uploads] == ["Training in progress, step 1", "Training in progress, step 2"]
     assert all(r.all_satisfied for r in hub.reports)
+
+
+def test_push_to_hub_in_arguments_creates_no_repository_for_an_unsafe_model(tmp_path, hub):
+    trainer = make_trainer(str(tmp_path / "run"), tolerance=2.0, max_steps=4, eval_strategy="no",
+                           save_strategy="no", load_best_model_at_end=False, metric_for_best_model=None,
+                           push_to_hub=True, hub_model_id="user/theta")
+    assert hub.names() == []
+    trainer.train()
+    with pytest.raises(UnsafeModelError):
+        trainer.push_to_hub()
+    assert hub.names() == []
+    trainer.push_to_hub(allow_unsafe=True)  # an explicit override: now the repository is created
+    assert hub.names() == ["create_repo", "upload_folder"] and hub.calls[0][1]["repo_id"] == "user/theta"
+
+
+def unsafe_state_dict() -> dict:
+    unsafe = ThetaModel(ThetaConfig())
+    with torch.no_grad():
+        unsafe.theta.fill_(10.0)  # both constraints: 10 against a tolerance of 2
+    return unsafe.state_dict()
+
+
+def test_report_is_tied_to_the_weights_it_describes(tmp_path, hub):
+    """finish_run says SAFE; then the weights are replaced by an unsafe model's: the cached SAFE
+    report must not be used (the gate evaluates again and refuses), and cards stop saying SAFE."""
+    trainer = trained(tmp_path, steps=2)
+    report = finish_run(trainer, old_model_values={"theta_cap": 0.0, "scaled_theta": 0.0}, plots=False)
+    assert report.all_satisfied and report.weights_fingerprint.startswith("sha256:")
+    assert trainer.current_safety_report() is report
+    evaluated = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    trainer.model.load_state_dict(unsafe_state_dict())
+    assert trainer.current_safety_report() is None  # the report no longer describes these weights
+    trainer.create_model_card()
+    card = (tmp_path / "run" / "README.md").read_text()
+    assert card_body(card)[0].startswith("> **NOT CHECKED") and "SAFE: all" not in card
+    with pytest.raises(UnsafeModelError) as err:
+        trainer.check_safe_to_push()
+    assert "weights changed after the last safety report" in str(err.value)
+    with pytest.raises(UnsafeModelError) as err:
+        trainer.push_to_hub()
+    assert "UNSAFE: 2 of 2" in str(err.value) and hub.calls == []
+    refused = trainer.safety_report  # the re-evaluation, of the weights now in the model
+    assert refused.constraints[0].value == pytest.approx(10.0) and refused.constraints[0].old_value == 0.0
+    assert refused.weights_fingerprint == trainer.current_weights_fingerprint() != report.weights_fingerprint
+    # back to the evaluated weights: evaluated again, SAFE, pushed
+    trainer.model.load_state_dict(evaluated)
+    trainer.push_to_hub()
+    assert hub.names() == ["create_repo", "upload_folder"] and hub.reports[0].all_satisfied
+    assert hub.reports[0].weights_fingerprint == report.weights_fingerprint
+
+
+def test_card_after_evaluate_shows_the_evaluation(tmp_path):
+    """evaluate() outside training is an exact evaluation of these weights: the card shows it."""
+    trainer = trained(tmp_path, steps=2)
+    trainer.evaluate()
+    trainer.create_model_card()
+    card = (tmp_path / "run" / "README.md").read_text()
+    assert "NOT CHECKED" not in card and "SAFE: all 2 constraints hold" in card_body(card)[1]
+
+
+def test_weights_fingerprint_changes_with_any_weight():
+    from hf_constrained.safety.fingerprint import weights_fingerprint
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    before = weights_fingerprint(model)
+    assert weights_fingerprint(model) == before  # deterministic
+    for tensor in [model[0].weight, model[0].bias, model[1].running_mean]:
+        with torch.no_grad():
+            tensor.view(-1)[-1] += 1e-6
+        after = weights_fingerprint(model)
+        assert after != before
+        before = after
+    assert weights_fingerprint(model.to(torch.bfloat16)) != before  # dtype is part of the state
+
+
+def test_no_method_named_in_a_hint_is_missing(tmp_path):
+    """The error hints name methods that exist."""
+    import re
+
+    with pytest.raises(FileNotFoundError) as err:
+        SafetyReport.load(str(tmp_path))
+    methods = re.findall(r"trainer\.(\w+)\(", str(err.value))
+    assert methods and all(hasattr(ConstrainedTrainer, m) for m in methods), methods
+
+
+def test_checkpoints_between_evaluations_are_not_checked_and_not_flagged(tmp_path, caplog):
+    """Saved every step, evaluated every second step: cards of unevaluated checkpoints say
+    NOT CHECKED, evaluated ones carry their evaluation; training is no 'weights changed' event."""
+    import logging
+
+    trainer = make_trainer(str(tmp_path / "run"), tolerance=2.0, max_steps=4, eval_steps=2, save_steps=1,
+                           load_best_model_at_end=False, metric_for_best_model=None)
+    with caplog.at_level(logging.WARNING, logger="hf_constrained.safety.gate"):
+        trainer.train()
+    assert "weights changed" not in caplog.text
+    for step in (1, 2, 3, 4):
+        card = (tmp_path / "run" / f"checkpoint-{step}" / "README.md").read_text()
+        assert card_body(card)[0].startswith("> **NOT CHECKED") == (step % 2 == 1)

@@ -13,8 +13,9 @@ import pytest
 import torch
 from safety_tiny import ThetaConfig, ThetaModel, make_trainer, theta_at
 
-from hf_constrained.model_card import TEMPLATE_NAME, template_path
-from hf_constrained.safety import SAFETY_REPORT_NAME, SafetyReport, finish_run
+from hf_constrained.safety.card import TEMPLATE_NAME, template_path
+from hf_constrained.safety.finish import finish_run
+from hf_constrained.safety.report import SAFETY_REPORT_NAME, SafetyReport
 
 
 def card_body(text: str) -> list[str]:
@@ -24,30 +25,43 @@ def card_body(text: str) -> list[str]:
     return [line for line in text[end + 5:].splitlines() if line.strip()]
 
 
-def card_constraint_rows(text: str) -> dict[str, list[str]]:
-    """The constraint table of a card: name -> [value, old, tolerance, violation, satisfied]."""
+def card_constraint_rows(text: str) -> dict[str, dict[str, str]]:
+    """The constraint table of a card: name -> {column header: cell}."""
     rows = {}
     lines = text.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("| constraint |"))
+
+    def cells(line: str) -> list[str]:
+        return [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
+
+    header = cells(lines[start])
     for line in lines[start + 2:]:
         if not line.startswith("|"):
             break
-        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
-        rows[cells[0]] = cells[1:]
+        row = cells(line)
+        rows[row[0]] = dict(zip(header[1:], row[1:]))
     return rows
+
+
+def _close(cell: str, value) -> bool:
+    if value is None:
+        return cell == "n/a"
+    return math.isclose(float(cell), value, rel_tol=1e-5, abs_tol=1e-9)
 
 
 def assert_card_matches_report(card: str, report: SafetyReport) -> None:
     rows = card_constraint_rows(card)
     assert list(rows) == [c.name for c in report.constraints]
     for c in report.constraints:
-        value, old, tol, violation, satisfied = rows[c.name]
-        assert math.isclose(float(value), c.value, rel_tol=1e-5, abs_tol=1e-9)
-        assert math.isclose(float(tol), c.tolerance, rel_tol=1e-5, abs_tol=1e-9)
-        assert math.isclose(float(violation), c.violation, rel_tol=1e-5, abs_tol=1e-9)
-        if c.old_value is not None:
-            assert math.isclose(float(old), c.old_value, rel_tol=1e-5, abs_tol=1e-9)
-        assert satisfied == ("yes" if c.satisfied else "NO")
+        row = rows[c.name]
+        assert _close(row["held-out value"], c.value) and _close(row["tolerance"], c.tolerance)
+        assert _close(row["violation"], c.violation) and _close(row["old model"], c.old_value)
+        assert row["verdict"] == ("FAILS" if c.verdict == "fails" else c.verdict)
+        bound = [k for k in row if k.startswith("upper bound")]
+        if bound:
+            assert _close(row[bound[0]], c.upper_bound)
+        for column in report.extra_columns:
+            assert _close(row[column], c.extra.get(column))
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +154,7 @@ def test_tensorboard_groups_constraint_scalars(run):
 
 
 def test_tensorboard_rewrite_of_training_estimates():
-    from hf_constrained.tensorboard import rewrite_constraint_logs
+    from hf_constrained.safety.tensorboard import rewrite_constraint_logs
 
     tags = rewrite_constraint_logs({"loss": 1.0, "constraint/a": 0.3, "constraint/max_estimate": 0.3,
                                     "constraint/penalty": 2.0, "eval_constraint/a": 0.2, "eval_loss": 0.9}, ["a"])
@@ -171,8 +185,8 @@ def test_template_ships_from_model_cards_in_editable_and_wheel_installs(tmp_path
 
 
 def test_constraints_without_heldout_data_are_flagged():
-    from hf_constrained.model_card import render_model_card
-    from hf_constrained.safety import ConstraintResult
+    from hf_constrained.safety.card import render_model_card
+    from hf_constrained.safety.report import ConstraintResult
 
     report = SafetyReport([ConstraintResult("a", 0.1, 0.2, 0.0, "held-out"),
                            ConstraintResult("b", 0.3, 0.2, None, "training")], {"eval_loss": 1.0})
@@ -180,6 +194,6 @@ def test_constraints_without_heldout_data_are_flagged():
     assert "no held-out data and were checked on their training data: b" in report.summary()
     assert "b (training data)" in report.format_table()
     card = str(render_model_card(report, model_name="m"))
-    assert "| b (training data) | 0.3 | n/a | 0.2 | 0.1 | NO |" in card
+    assert "| b (training data) | 0.3 | n/a | 0.2 | 0.1 | FAILS |" in card
     assert "1 constraint(s) without held-out data" in card
     assert SafetyReport.from_dict(report.to_dict()).not_held_out == ["b"]

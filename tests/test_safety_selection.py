@@ -9,9 +9,9 @@ import os
 import pytest
 from safety_tiny import make_trainer, theta_at
 
-from hf_constrained.safety import finish_run
-from hf_constrained.selection import (EvaluationRecord, constraint_feasibility, evaluation_records, is_better,
-                                      select_best, summarize_selection)
+from hf_constrained.safety.finish import finish_run
+from hf_constrained.safety.selection import (EvaluationRecord, constraint_feasibility, evaluation_records, is_better,
+                                             select_best, summarize_selection)
 
 
 def eval_entry(step, loss, satisfied, violation):
@@ -93,7 +93,7 @@ def test_no_feasible_checkpoint_is_said_clearly(tmp_path, caplog):
     """Tolerance -1: nothing is feasible; the least-violating checkpoint (step 1) is loaded,
     training warns, and the report records it."""
     trainer = make_trainer(str(tmp_path / "run"), tolerance=-1.0, max_steps=4)
-    with caplog.at_level(logging.WARNING, logger="hf_constrained.safety_mixin"):
+    with caplog.at_level(logging.WARNING, logger="hf_constrained.safety.gate"):
         trainer.train()
     assert any("NO feasible checkpoint" in r.getMessage() for r in caplog.records)
     assert trainer.state.best_model_checkpoint.endswith("checkpoint-1")

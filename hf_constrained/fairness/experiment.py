@@ -30,7 +30,7 @@ import torch
 from transformers import TrainerCallback
 
 from ..config import ConstrainedTrainingArguments
-from ..safety import finish_run
+from ..safety.finish import finish_run
 from .data import TABULAR_LOADERS, TabularSplit, load_tabular_csv
 from .icppac import ICPPACConfig, ICPPACTrainer
 from .model import MLPConfig, MLPForScoring

@@ -8,7 +8,7 @@ An ``evaluate`` module, loadable from a local path without the Hub::
 
 The exact value of a per-sample-mean constraint is h_k = mean_{i in D_k} values_i
 (minus mean_{i in D_k} reference_values_i for a non-forgetting constraint,
-h_k(w) = L_k(w, D_k) - L_k(w_old, D_k), REFERENCE section 4); it is satisfied when
+h_k(w) = L_k(w, D_k) - L_k(w_old, D_k), the non-forgetting constraints of section 5.2); it is satisfied when
 h_k <= tolerance_k (the feasibility condition of problem (1) of Yang et al., TMLR 2026).
 For a constraint that is not a per-sample mean (e.g. the ROC-fairness rate gaps), pass
 its exact value as one row.

@@ -3,7 +3,8 @@
 ``min_x ||x - a||^2  s.t.  A x <= b`` is solved by scipy (SLSQP) and its KKT multipliers
 by non-negative least squares, so the exact-penalty threshold of Theorem 1 is known:
 the hinge penalty ``(beta/m) sum_k [h_k]_+`` is exact iff ``beta/m > max_k lambda_k``.
-Used by the test suite and by ``benchmarks/stochastic_convex.py``.
+Used by ``benchmarks/stochastic_convex.py`` and by the test suite (``tests/test_convex_kkt.py``
+loads it from this file).
 """
 
 from __future__ import annotations
@@ -14,8 +15,12 @@ from typing import Optional, Union
 
 import numpy as np
 import torch
+from datasets import Dataset
 from scipy.optimize import minimize, nnls
 from torch import nn
+from transformers import PrinterCallback
+
+from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments, Constraint
 
 
 @dataclass
@@ -102,13 +107,6 @@ def train_projection(qp: ProjectionQP, penalty: str, beta: float, *, noisy: bool
     adds mean-zero noise to the objective's gradient and to every constraint's mini-batch
     value and uses gamma = 0.8. Returns the final x.
     """
-    from datasets import Dataset
-    from transformers import PrinterCallback
-
-    from .config import ConstrainedTrainingArguments
-    from .constraint import Constraint
-    from .trainer import ConstrainedTrainer
-
     rng = np.random.default_rng(seed)
     d = qp.A.shape[1]
     n_obj = steps * 4

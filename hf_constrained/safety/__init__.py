@@ -1,0 +1,59 @@
+"""The safety loop: is the fine-tuned model safe to publish?
+
+Modules, each importing only those above it (no trainer import anywhere here: the
+trainer imports :mod:`~hf_constrained.safety.gate`, never the other way round):
+
+- :mod:`~hf_constrained.safety.report`: :class:`SafetyReport` (exact held-out constraint
+  values, old model's values, tolerances, verdict), its JSON file and text/Markdown tables;
+- :mod:`~hf_constrained.safety.selection`: feasible-checkpoint selection from a log history;
+- :mod:`~hf_constrained.safety.card`: the model card of a report (``huggingface_hub.ModelCard``);
+- :mod:`~hf_constrained.safety.figures`: training-curve figures of a log history and report;
+- :mod:`~hf_constrained.safety.tensorboard`: TensorBoard with the constraint scalars grouped;
+- :mod:`~hf_constrained.safety.evaluation`: building a report from a trainer's public methods;
+- :mod:`~hf_constrained.safety.finish`: :func:`finish_run`, report + card + figures in one call;
+- :mod:`~hf_constrained.safety.gate`: the Trainer side, :class:`SafetyMixin` (selection hook,
+  cards next to every checkpoint, the gated ``push_to_hub``).
+
+The report names are imported eagerly (plain data, no torch); the rest on first use, so
+``hf-constrained report`` starts without loading transformers.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from .report import SAFETY_REPORT_NAME, ConstraintResult, SafetyReport, UnsafeModelError, format_number
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .card import ModelCardInfo
+    from .evaluation import build_safety_report
+    from .finish import finish_run
+    from .gate import SafetyMixin
+
+_LAZY = {
+    "ModelCardInfo": "card",
+    "build_safety_report": "evaluation",
+    "finish_run": "finish",
+    "SafetyMixin": "gate",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Heavy names (they import transformers / huggingface_hub) on first access."""
+    if name in _LAZY:
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = [
+    "SAFETY_REPORT_NAME",
+    "ConstraintResult",
+    "ModelCardInfo",
+    "SafetyMixin",
+    "SafetyReport",
+    "UnsafeModelError",
+    "build_safety_report",
+    "finish_run",
+    "format_number",
+]

@@ -1,0 +1,341 @@
+"""Model cards for constrained fine-tunes, built with ``huggingface_hub`` (``ModelCardData``,
+``EvalResult``, ``ModelCard.from_template``).
+
+The template is ``model_cards/constrained_model_card.md`` in the repository (the one
+source; a wheel carries a build-time copy as ``hf_constrained/model_cards/``, see
+``setup.py``). The card holds:
+
+- metadata the Hub reads: ``library_name`` (``peft`` for adapters, with their
+  ``base_model``; ``transformers`` otherwise), ``base_model``, license, language,
+  datasets, tags and a ``model-index`` with every held-out constraint value (metric type
+  ``constraint_value``, its tolerance, upper confidence bound and verdict as metric
+  arguments) and the held-out objective metrics;
+- the verdict (UNSAFE on the first line when a constraint fails), the constraint table of
+  the :class:`~hf_constrained.safety.report.SafetyReport`, the objective metrics, the
+  checkpoint selection, a usage snippet that loads the model (naming the module to import
+  for an architecture that is not in ``transformers``), the method and its settings, how
+  to reproduce, framework versions, and the paper (Yang et al., TMLR 2026) with its link.
+
+Only relative paths appear: local base-model and checkpoint paths are shown by their names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from importlib import metadata, resources
+from pathlib import Path
+from typing import Any, Optional
+
+from huggingface_hub import EvalResult, ModelCard, ModelCardData
+
+from .report import SafetyReport, format_number
+from .selection import FeasibleSelection
+
+TEMPLATE_NAME = "constrained_model_card.md"
+
+PAPER_TITLE = "Single-loop Algorithms for Stochastic Non-Convex Optimization with Weakly-Convex Constraints"
+PAPER_URL = "https://openreview.net/forum?id=aCgOR2KvAI"
+CITATION = f"""@article{{yang2026singleloop,
+  title   = {{{PAPER_TITLE}}},
+  author  = {{Yang, Ming and Li, Gang and Hu, Quanqi and Lin, Qihang and Yang, Tianbao}},
+  journal = {{Transactions on Machine Learning Research}},
+  year    = {{2026}},
+  url     = {{{PAPER_URL}}}
+}}"""
+
+CONSTRAINT_METRIC_TYPE = "constraint_value"
+DEFAULT_TASK = "other"  # model-index needs a task; ModelCardInfo.task or create_model_card(tasks=...) names it
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+_VERSIONED = ("hf_constrained", "transformers", "torch", "huggingface_hub", "datasets", "accelerate")
+
+
+def template_path() -> str:
+    """Where the card template is: inside the installed package (wheel), else the
+    repository's ``model_cards/`` (editable install, source checkout)."""
+    packaged = resources.files("hf_constrained").joinpath("model_cards", TEMPLATE_NAME)
+    if packaged.is_file():
+        return str(packaged)
+    repo = Path(__file__).resolve().parents[2] / "model_cards" / TEMPLATE_NAME
+    if repo.is_file():
+        return str(repo)
+    raise FileNotFoundError(
+        f"model card template {TEMPLATE_NAME} not found in the package or in {repo.parent}; "
+        "reinstall hf_constrained"
+    )
+
+
+def _as_list(value: Any) -> list[str]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, str) else [str(v) for v in value]
+
+
+@dataclass
+class ModelCardInfo:
+    """What the trainer cannot know by itself: where the model and data come from.
+
+    Args:
+        base_model: Hub id or path of the model that was fine-tuned (default: the
+            model config's ``_name_or_path``).
+        dataset_description: a sentence or two on training, constraint and held-out data.
+        datasets: Hub dataset ids for the card metadata.
+        reproduce_command: the command that reproduces the run.
+        license, language, tags: card metadata.
+        task: the Hub task id of the model-index results (e.g. ``"image-classification"``).
+    """
+
+    base_model: Optional[str] = None
+    dataset_description: Optional[str] = None
+    datasets: list[str] = field(default_factory=list)
+    reproduce_command: Optional[str] = None
+    license: Optional[str] = None
+    language: Optional[str] = None
+    tags: list[str] = field(default_factory=list)
+    task: Optional[str] = None
+
+    def with_trainer_card_arguments(self, *, language: Optional[str] = None, license: Optional[str] = None,
+                                    tags: Any = None, finetuned_from: Optional[str] = None, tasks: Any = None,
+                                    dataset_tags: Any = None, dataset: Any = None) -> "ModelCardInfo":
+        """A copy with the arguments of ``Trainer.create_model_card`` / ``push_to_hub`` applied
+        (those given win): ``finetuned_from`` is the base model, ``dataset`` / ``dataset_tags``
+        the datasets, ``tasks`` the task of the results."""
+        changes: dict[str, Any] = {}
+        if language is not None:
+            changes["language"] = language
+        if license is not None:
+            changes["license"] = license
+        if finetuned_from is not None:
+            changes["base_model"] = finetuned_from
+        datasets = _as_list(dataset_tags) + _as_list(dataset)
+        if datasets:
+            changes["datasets"] = list(dict.fromkeys(datasets))
+        if tasks is not None:
+            changes["task"] = _as_list(tasks)[0]
+        if tags is not None:
+            changes["tags"] = list(dict.fromkeys(self.tags + _as_list(tags)))
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass
+class ModelSource:
+    """How the saved model is loaded: its library, class, the module that defines a class
+    ``transformers`` does not know, and, for an adapter, its base model."""
+
+    library_name: Optional[str]
+    class_name: str
+    module: Optional[str] = None
+    adapter_base_model: Optional[str] = None
+    from_pretrained: bool = True
+
+    @property
+    def is_adapter(self) -> bool:
+        return self.library_name == "peft"
+
+
+def _custom_module(cls: type) -> Optional[str]:
+    """The module to import for ``cls`` (``None`` for a ``transformers`` class); a class
+    defined in the script that ran (``__main__``) is named by the script's file."""
+    module = cls.__module__
+    if module == "__main__":
+        script = getattr(sys.modules.get("__main__"), "__file__", None)
+        return os.path.splitext(os.path.basename(script))[0] if script else module
+    return None if module.split(".")[0] == "transformers" else module
+
+
+def describe_model(model: Any) -> ModelSource:
+    """:class:`ModelSource` of a model, by duck typing (no import of peft or transformers):
+    a ``peft`` model has ``peft_config`` (its adapters) and ``get_base_model()``."""
+    peft_config = getattr(model, "peft_config", None)
+    if isinstance(peft_config, Mapping) and peft_config:
+        config = next(iter(peft_config.values()))
+        base = model.get_base_model() if hasattr(model, "get_base_model") else None
+        return ModelSource("peft", "AutoPeftModel", None if base is None else _custom_module(type(base)),
+                           getattr(config, "base_model_name_or_path", None))
+    cls = type(model)
+    if not hasattr(cls, "from_pretrained"):
+        return ModelSource(None, cls.__name__, _custom_module(cls) or cls.__module__, from_pretrained=False)
+    return ModelSource("transformers", cls.__name__, _custom_module(cls))
+
+
+def usage_snippet(source: ModelSource, repo_id: str) -> str:
+    """Python that loads the published model."""
+    lines = []
+    if source.module and source.is_adapter:
+        lines.append(f"import {source.module}  # defines the base model's architecture")
+    if source.is_adapter:
+        lines += ["from peft import AutoPeftModel", "",
+                  f'model = AutoPeftModel.from_pretrained("{repo_id}")  # the base model, with the adapters']
+    elif not source.from_pretrained:
+        lines += [f"from {source.module} import {source.class_name}",
+                  "from huggingface_hub import hf_hub_download",
+                  "from safetensors.torch import load_model", "",
+                  f"model = {source.class_name}(...)  # built as for training",
+                  f'load_model(model, hf_hub_download("{repo_id}", "model.safetensors"))']
+    else:
+        where = source.module or "transformers"
+        comment = "  # the architecture is defined there, not in transformers" if source.module else ""
+        lines += [f"from {where} import {source.class_name}{comment}", "",
+                  f'model = {source.class_name}.from_pretrained("{repo_id}")']
+    return "\n".join(lines)
+
+
+def framework_versions(with_peft: bool = False) -> dict[str, str]:
+    """Installed versions of the libraries the model was trained with."""
+    out = {}
+    for name in _VERSIONED + (("peft",) if with_peft else ()):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return out
+
+
+def _display_name(path_or_id: Optional[str]) -> Optional[str]:
+    """A Hub id as is; a local path by its last component (cards carry no local paths)."""
+    if not path_or_id:
+        return None
+    if os.path.isabs(path_or_id) or os.path.exists(path_or_id) or not _HUB_ID.match(path_or_id):
+        return os.path.basename(os.path.normpath(path_or_id))
+    return path_or_id
+
+
+def _hub_id(path_or_id: Optional[str]) -> Optional[str]:
+    if path_or_id and _HUB_ID.match(path_or_id) and not os.path.exists(path_or_id):
+        return path_or_id
+    return None
+
+
+def eval_results(report: SafetyReport, *, model_name: str, info: ModelCardInfo) -> list[EvalResult]:
+    """The ``model-index`` results: each constraint's held-out value (with its tolerance,
+    upper bound and verdict as arguments) and each held-out objective metric."""
+    dataset_id = info.datasets[0] if info.datasets else "held-out"
+    task = info.task or DEFAULT_TASK
+    results = []
+    for c in report.constraints:
+        args: dict[str, Any] = {"tolerance": c.tolerance, "satisfied": c.satisfied, "verdict": c.verdict}
+        if c.upper_bound is not None:
+            args.update(upper_bound=c.upper_bound, confidence=c.confidence, bound_method=c.bound_method)
+        if c.old_value is not None:
+            args["old_model_value"] = c.old_value
+        # one result per constraint: the Hub groups results by task, dataset, config and split
+        results.append(EvalResult(
+            task_type=task, dataset_type="none" if c.data == "data-free" else dataset_id,
+            dataset_name=f"{c.name} constraint data", dataset_config=c.name,
+            dataset_split="held-out" if c.data == "held-out" else c.data, metric_type=CONSTRAINT_METRIC_TYPE,
+            metric_name=c.name, metric_value=c.value, metric_args=args, verified=False,
+        ))
+    for key, value in report.objective_metrics.items():
+        metric = key.split("_", 1)[1] if "_" in key else key
+        results.append(EvalResult(task_type=task, dataset_type=dataset_id, dataset_name="held-out objective data",
+                                  dataset_split="held-out", metric_type=metric, metric_name=key,
+                                  metric_value=value, verified=False))
+    return results
+
+
+def card_status(report: Optional[SafetyReport]) -> str:
+    """``safe``, ``unsafe`` or ``unchecked`` (no held-out evaluation of these weights)."""
+    if report is None or not report.checked:
+        return "unchecked"
+    return "safe" if report.all_satisfied else "unsafe"
+
+
+def render_model_card(
+    report: Optional[SafetyReport],
+    *,
+    model_name: str,
+    method: Optional[dict[str, Any]] = None,
+    info: Optional[ModelCardInfo] = None,
+    allow_unsafe: bool = False,
+    extra_tags: Optional[Sequence[str]] = None,
+    source: Optional[ModelSource] = None,
+    repo_id: Optional[str] = None,
+    versions: Optional[Mapping[str, str]] = None,
+) -> ModelCard:
+    """Render the card for ``report`` (``None``: weights not checked on held-out data).
+
+    Args:
+        source: how the model loads (:func:`describe_model`); default: a ``transformers`` model.
+        repo_id: the Hub repository for the usage snippet (default: ``model_name``).
+        versions: framework versions (default: :func:`framework_versions`).
+
+    Numbers are printed with :func:`~hf_constrained.safety.report.format_number`, the same
+    formatting as ``hf-constrained report``.
+    """
+    info = info or ModelCardInfo()
+    source = source or ModelSource("transformers", "AutoModel")
+    method = dict(method if method is not None else (report.method if report is not None else {}))
+    method.setdefault("method", "single-loop hinge exact penalty with MSVR constraint estimators (Algorithm 1)")
+    method.setdefault("num_constraints", len(report.constraints) if report is not None else "unknown")
+    status = card_status(report)
+    tags = ["hf_constrained", "constrained-fine-tuning"] + list(info.tags) + list(extra_tags or [])
+    if status == "unsafe":
+        tags.append("constraints-violated")
+    base_model = source.adapter_base_model if source.is_adapter and source.adapter_base_model else info.base_model
+    card_data = ModelCardData(
+        library_name=source.library_name,
+        base_model=_hub_id(base_model),
+        datasets=info.datasets or None,
+        license=info.license,
+        language=info.language,
+        tags=list(dict.fromkeys(tags)),
+        model_name=model_name,
+        eval_results=eval_results(report, model_name=model_name, info=info) if report is not None and report.checked
+        else None,
+    )
+    selection = report.selection if report is not None else None
+    selection_message = None
+    if selection:
+        known = {k: v for k, v in selection.items() if k in FeasibleSelection.__dataclass_fields__}
+        selection_message = FeasibleSelection(**known).message()
+    checkpoint = None if report is None or not report.checkpoint else os.path.basename(os.path.normpath(report.checkpoint))
+    bounds = report is not None and any(c.upper_bound is not None and c.bound_method != "exact"
+                                        for c in report.constraints)
+    return ModelCard.from_template(
+        card_data,
+        template_path=template_path(),
+        status=status,
+        report=report,
+        summary=report.summary() if report is not None else "",
+        failed=report.failed if report is not None else [],
+        allow_unsafe=allow_unsafe,
+        model_name=model_name,
+        base_model=_display_name(base_model),
+        source=source,
+        usage=usage_snippet(source, repo_id or model_name),
+        versions=dict(versions if versions is not None else framework_versions(source.is_adapter)),
+        constraint_table=report.format_table(markdown=True) if report is not None else "",
+        bounds=bounds,
+        objective_metrics=report.objective_metrics if report is not None else {},
+        selection=selection,
+        selection_message=selection_message,
+        checkpoint_name=checkpoint,
+        method=method,
+        dataset_description=info.dataset_description,
+        reproduce_command=info.reproduce_command,
+        citation=CITATION,
+        paper_title=PAPER_TITLE,
+        paper_url=PAPER_URL,
+        fmt=format_number,
+    )
+
+
+def write_model_card(directory: str, card: ModelCard) -> str:
+    """Write ``README.md`` into ``directory`` through a temporary file; returns the path."""
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, "README.md")
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(str(card))
+    os.replace(tmp, path)
+    return path
+
+
+__all__ = ["CITATION", "CONSTRAINT_METRIC_TYPE", "ModelCardInfo", "ModelSource", "PAPER_TITLE", "PAPER_URL",
+           "TEMPLATE_NAME", "card_status", "describe_model", "eval_results", "framework_versions",
+           "render_model_card", "template_path", "usage_snippet", "write_model_card"]
