@@ -1,0 +1,206 @@
+"""The fused constraint step: every sampled row-wise constraint of a group in one model call.
+
+Algorithm 1 needs, for each sampled constraint k in B_c^t (line 3), the mini-batch value
+h_k(w_t; B_k^t) with grad (lines 5-6, 9) and, when gamma' > 0, the previous-iterate value
+h_k(w_{t-1}; B_k^t) on the same batch (line 6). Constraints declared in the row-wise form
+(:class:`~hf_constrained.Constraint` with ``row_fn``) that share one ``row_fn`` object and
+one collate function form a :class:`RowGroup`. For a group, one step:
+
+1. fetches the rows B_k^t of every sampled member, collates them in ONE call of the shared
+   collate and runs ``row_fn`` ONCE on the concatenation (:func:`collate_units`);
+2. maps each member's slice of the outputs to its per-row values (``row_transform``) and
+   reads each row's group (``group_key``: 0/1, else 0);
+3. accumulates per-(constraint, group) sums of the values (with grad) and, detached in
+   float64, sums, sums of squares and row counts, by ``index_add`` over an owner index
+   ``2 * position + group`` (:func:`segment_sums`): no per-constraint loop over model calls
+   and no host synchronisation (counts stay on the device).
+
+Across processes the detached sums and counts are all-reduced (summed), never means of
+means, so ``h_k(w; B_k) = S_k0 / N_k0`` (or ``S_k0 / N_k0 - S_k1 / N_k1`` for a difference
+of two group means, e.g. a TPR gap) is the value on the GLOBAL batch whatever the split of
+rows between processes (:func:`inner_values`). The gradient flows through each process's
+local sums divided by the global counts (:func:`local_contribution`), so the data-parallel
+gradient average yields exactly the gradient of the global value.
+
+With ``share_constraint_batches`` the members of a group whose ``dataset`` is the same
+object draw ONE batch per step from one stream (a :class:`RowUnit` with several members):
+its rows are collated and scored once and every member's ``row_transform`` is applied to
+the same outputs. That is a different sampling (the members' batches are no longer
+independent), hence opt-in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import MutableMapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+from .constraint import Constraint, RowFn, fetch_rows
+
+Collate = Callable[[Sequence[Any]], Any]
+
+
+@dataclass
+class RowGroup:
+    """Row-wise constraints evaluated together: one ``row_fn`` object, one collate function."""
+
+    members: list[int]
+    row_fn: RowFn
+    collate: Collate
+
+
+@dataclass
+class RowUnit:
+    """One set of rows of one dataset in a fused call, and the sampled constraints evaluated on them.
+
+    ``positions`` are the constraints' positions in the step's B_c^t (the draw's order);
+    ``rows`` are this process's row indices into ``dataset``.
+    """
+
+    dataset: Any
+    rows: list[int]
+    positions: list[int] = field(default_factory=list)
+    constraints: list[int] = field(default_factory=list)
+
+
+def _same_callable(a: Any, b: Any) -> bool:
+    # bound methods are re-created on each attribute access: compare them by ==; callables that
+    # define __eq__ without __hash__ (dataclass collators) too
+    try:
+        return a is b or bool(a == b)
+    except Exception:  # an __eq__ that raises on a foreign type
+        return False
+
+
+def plan_row_groups(constraints: Sequence[Constraint], collate_of: Callable[[Constraint], Collate]) -> list[RowGroup]:
+    """Group the row-wise constraints by their shared ``row_fn`` object and collate function.
+
+    Constraints with one ``row_fn`` but different collate functions cannot be collated in
+    one call; they form separate groups (each still one call for its own members).
+    """
+    groups: list[RowGroup] = []
+    for k, c in enumerate(constraints):
+        if not c.rowwise:
+            continue
+        collate = collate_of(c)
+        for g in groups:
+            if g.row_fn is c.row_fn and _same_callable(g.collate, collate):
+                g.members.append(k)
+                break
+        else:
+            groups.append(RowGroup([k], c.row_fn, collate))
+    return groups
+
+
+def collate_units(units: Sequence[RowUnit], collate: Collate) -> tuple[Any, list[tuple[int, int]]]:
+    """The rows of all units in ONE collate call, and each unit's (start, end) slice of the batch.
+
+    Dict-like batches get ``batch["sample_index"]``: each row's index in its own dataset.
+    """
+    examples: list[Any] = []
+    slices: list[tuple[int, int]] = []
+    sample_index: list[int] = []
+    for unit in units:
+        start = len(examples)
+        examples.extend(fetch_rows(unit.dataset, unit.rows))
+        sample_index.extend(unit.rows)
+        slices.append((start, len(examples)))
+    batch = collate(examples)
+    if isinstance(batch, MutableMapping):
+        batch["sample_index"] = torch.as_tensor(sample_index, dtype=torch.long)
+    return batch, slices
+
+
+def _group_labels(c: Constraint, batch: Any, num_rows: int, device: torch.device,
+                  cache: dict[str, torch.Tensor]) -> Optional[torch.Tensor]:
+    """Each row's group (0/1) from the fused batch, read once per ``group_key``."""
+    if c.group_key is None:
+        return None
+    if c.group_key not in cache:
+        cache[c.group_key] = c.row_groups(batch, num_rows, device)
+    return cache[c.group_key]
+
+
+def row_values_and_owners(constraints: Sequence[Constraint], units: Sequence[RowUnit], slices: Sequence[tuple[int, int]],
+                          outputs: torch.Tensor, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row values of every (unit, constraint) pair, concatenated, and each value's owner
+    ``2 * position + group`` (``position`` in B_c^t, ``group`` 0 or 1)."""
+    num_rows = outputs.shape[0]
+    device = outputs.device
+    labels_cache: dict[str, torch.Tensor] = {}
+    values, owners = [], []
+    for unit, (start, end) in zip(units, slices):
+        piece = outputs[start:end] if (start, end) != (0, num_rows) else outputs
+        for pos, k in zip(unit.positions, unit.constraints):
+            c = constraints[k]
+            v = c.row_values(piece)
+            if v.shape[0] != end - start:
+                raise ValueError(f"constraint {c.name!r}: row_transform returned {v.shape[0]} values for "
+                                 f"{end - start} rows")
+            labels = _group_labels(c, batch, num_rows, device, labels_cache)
+            owner = torch.full((end - start,), 2 * pos, dtype=torch.long, device=device)
+            if labels is not None:
+                owner = owner + labels[start:end]
+            values.append(v)
+            owners.append(owner)
+    return torch.cat(values), torch.cat(owners)
+
+
+def stats_dtype(device: torch.device) -> torch.dtype:
+    """Detached sums are accumulated in float64 (MPS has none: float32 there)."""
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+def segment_sums(values: torch.Tensor, owners: torch.Tensor, num_constraints: int,
+                 *, need_grad: bool) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+    """Per-owner sums by ``index_add``.
+
+    Returns ``(sums, stats)``: ``sums`` (``2 n`` entries, in the values' dtype promoted to at
+    least float32, with grad; ``None`` without ``need_grad``) and ``stats``, a detached
+    ``(3, 2 n)`` tensor of sums, sums of squares and row counts in float64.
+    """
+    n2 = 2 * num_constraints
+    sums = None
+    if need_grad:
+        dtype = torch.promote_types(values.dtype, torch.float32)
+        sums = torch.zeros(n2, dtype=dtype, device=values.device).index_add(0, owners, values.to(dtype))
+    v = values.detach().to(stats_dtype(values.device))
+    stacked = torch.stack([v, v * v, torch.ones_like(v)], dim=1)
+    stats = torch.zeros(n2, 3, dtype=v.dtype, device=v.device).index_add_(0, owners, stacked).t().contiguous()
+    return sums, stats
+
+
+def inner_values(stats: torch.Tensor) -> torch.Tensor:
+    """h(w; B) per constraint from (global) sums and counts: ``S_0/N_0 - S_1/N_1`` with the
+    group-1 term taken as 0 where a constraint has no group-1 rows (a plain mean).
+
+    A group-key constraint whose batch lacks one of its groups gives NaN (0/0) on purpose:
+    the finite check then names it.
+    """
+    s, n = stats[0].view(-1, 2), stats[2].view(-1, 2)
+    mean0 = s[:, 0] / n[:, 0]
+    mean1 = torch.where(n[:, 1] > 0, s[:, 1] / n[:, 1].clamp(min=1), torch.zeros_like(s[:, 1]))
+    return mean0 - mean1
+
+
+def local_contribution(sums: torch.Tensor, counts: torch.Tensor, world_size: int) -> torch.Tensor:
+    """This process's share of h(w; B) per constraint, carrying the gradient.
+
+    ``world * (S_local_0 / N_0 - S_local_1 / N_1)`` with the GLOBAL counts N: the
+    data-parallel gradient average (divide by ``world``) then gives the gradient of the
+    global value exactly, whatever the split of rows and groups between processes.
+    """
+    n = counts.to(sums.dtype)
+    sign = torch.tensor([1.0, -1.0], dtype=sums.dtype, device=sums.device).repeat(n.numel() // 2)
+    coef = torch.where(n > 0, sign / n.clamp(min=1), torch.zeros_like(n)) * world_size
+    return (sums * coef).view(-1, 2).sum(dim=1)
+
+
+def batch_variances(stats: torch.Tensor) -> torch.Tensor:
+    """Per-(constraint, group) sample variance of the per-row values (``n - 1`` degrees of
+    freedom; 0 where fewer than two rows)."""
+    s, ss, n = stats
+    var = (ss - s * s / n.clamp(min=1)) / (n - 1).clamp(min=1)
+    return torch.where(n > 1, var.clamp(min=0), torch.zeros_like(var))

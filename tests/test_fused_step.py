@@ -1,0 +1,222 @@
+"""The fused constraint step (hf_constrained.fused) against the per-constraint step.
+
+The same constraints are declared twice: row-wise (one shared ``row_fn``: the trainer
+evaluates every sampled constraint of the group in one model call, per-constraint values
+by segment sums) and as the equivalent scalar ``fn`` (one call per constraint, the
+reference path). In float64, with sampled constraints (|B_c| < m), tolerances, ``outer``,
+a ``group_key`` difference, a scalar data-free constraint mixed in, the look-ahead
+(gamma' > 0) and gradient accumulation, both runs must end with the same parameters,
+estimators and streams to float64 round-off.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import pytest
+import torch
+from datasets import Dataset
+from torch import nn
+
+from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments, Constraint, constraints_per_value
+
+
+class Net64(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin1 = nn.Linear(3, 8)
+        self.lin2 = nn.Linear(8, 2)
+        self.double()
+
+    def forward(self, x, labels=None, **_):
+        logits = self.lin2(torch.tanh(self.lin1(x.to(self.lin1.weight.dtype))))
+        loss = nn.functional.cross_entropy(logits, labels) if labels is not None else None
+        return {"loss": loss, "logits": logits}
+
+
+def make_data(n: int, seed: int) -> Dataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 3, generator=g, dtype=torch.float64)
+    y = (x[:, 0] + 0.5 * torch.randn(n, generator=g, dtype=torch.float64) > 0).long()
+    grp = torch.arange(n) % 2
+    cls = torch.randint(0, 3, (n,), generator=g)
+    return Dataset.from_dict({"x": x.tolist(), "labels": y.tolist(), "g": grp.tolist(), "cls": cls.tolist()})
+
+
+def per_row_ce(model, batch):
+    """One output per row: the per-sample cross-entropy (the shared row_fn of the group)."""
+    logits = model(batch["x"].double())["logits"]
+    return nn.functional.cross_entropy(logits, batch["labels"], reduction="none")
+
+
+def rowwise_constraints(data: Dataset) -> list[Constraint]:
+    cons = constraints_per_value(data, "cls", row_fn=per_row_ce, name="ce_cls{value}",
+                                 tolerance={0: 0.2, 1: 0.35, 2: 0.5})
+    cons.append(Constraint("soft_rate", row_fn=per_row_ce, dataset=data, tolerance=0.02,
+                           row_transform=lambda o: torch.sigmoid(4.0 * (o - 0.6)),
+                           outer=lambda x: torch.abs(x - 0.3)))
+    cons.append(Constraint("ce_gap", row_fn=per_row_ce, dataset=data.select(range(40)), tolerance=-0.05,
+                           group_key="g"))
+    cons.append(Constraint("weight_norm", fn=lambda m, b: 0.05 * (m.lin1.weight ** 2).sum(), tolerance=0.1))
+    return cons
+
+
+def scalar_twin(c: Constraint) -> Constraint:
+    """The same constraint through the per-constraint path (one call of its own per step)."""
+    if not c.rowwise:
+        return c
+    return Constraint(c.name, fn=c._reduced_row_fn, dataset=c.dataset, tolerance=c.tolerance, outer=c.outer,
+                      metadata=dict(c.metadata))
+
+
+def make_args(tmp_path, name: str, **kw) -> ConstrainedTrainingArguments:
+    base = dict(output_dir=str(tmp_path / name), per_device_train_batch_size=16, learning_rate=0.2, optim="sgd",
+                weight_decay=0.0, max_grad_norm=0.0, lr_scheduler_type="constant", report_to=[],
+                save_strategy="no", disable_tqdm=True, use_cpu=True, seed=0, logging_steps=3, max_steps=8,
+                penalty_beta=3.0, msvr_gamma=0.5, msvr_gamma_prime=0.3, constraints_per_step=3,
+                constraint_batch_size=8)
+    base.update(kw)
+    return ConstrainedTrainingArguments(**base)
+
+
+def run(tmp_path, name: str, constraints: list[Constraint], holder: dict | None = None, **kw) -> ConstrainedTrainer:
+    train = make_data(64, 1)
+    trainer = ConstrainedTrainer(model=Net64(), args=make_args(tmp_path, name, **kw), train_dataset=train,
+                                 constraints=constraints)
+    if holder is not None:
+        holder["trainer"] = trainer
+    trainer.train()
+    return trainer
+
+
+def count_calls(fn, calls: list, holder: dict):
+    def counted(model, batch):
+        if holder["trainer"]._in_training_step:  # not the preflight check before training
+            calls.append((len(batch["sample_index"]), torch.is_grad_enabled()))
+        return fn(model, batch)
+    return counted
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_fused_step_equals_per_constraint_step(tmp_path, accumulation):
+    data = make_data(90, 0)
+    fused_cons = rowwise_constraints(data)
+    calls: list = []
+    holder: dict = {}
+    shared_fn = count_calls(per_row_ce, calls, holder)
+    for c in fused_cons:
+        if c.rowwise:
+            c.row_fn = shared_fn
+    reference_cons = [scalar_twin(c) for c in rowwise_constraints(data)]
+    kw = dict(gradient_accumulation_steps=accumulation, per_device_train_batch_size=16 // accumulation)
+    fused = run(tmp_path, f"fused{accumulation}", fused_cons, holder, **kw)
+    reference = run(tmp_path, f"ref{accumulation}", reference_cons, **kw)
+
+    assert len(fused._row_groups) == 1 and len(fused._row_groups[0].members) == 5
+    assert reference._row_groups == []
+    # one row_fn call with grad and one without (the look-ahead) per step, on all sampled rows at once
+    grad_calls = [n for n, g in calls if g]
+    assert len(grad_calls) == 8 and len([n for n, g in calls if not g]) == 8
+    assert max(grad_calls) > 8  # several constraints in one call
+    for name, p in reference.model.named_parameters():
+        q = dict(fused.model.named_parameters())[name]
+        torch.testing.assert_close(q, p, rtol=1e-12, atol=1e-13, msg=lambda m, n=name: f"{n}: {m}")
+    assert torch.equal(fused.estimator.visited, reference.estimator.visited)
+    torch.testing.assert_close(fused.estimator.values, reference.estimator.values, rtol=1e-6, atol=1e-7)
+    def streams(t):
+        return [None if s is None else s.state_dict() for s in t.streams]
+
+    assert streams(fused) == streams(reference)
+    assert fused._next_draw.sample_indices == reference._next_draw.sample_indices
+    torch.testing.assert_close(fused._next_draw.previous, reference._next_draw.previous, rtol=1e-6, atol=1e-7)
+    # the comparison is not vacuous: the penalty moved the parameters
+    plain = run(tmp_path, f"plain{accumulation}", rowwise_constraints(data), constraint_penalty="none", **kw)
+    gap = max((dict(plain.model.named_parameters())[n] - p).abs().max().item()
+              for n, p in reference.model.named_parameters())
+    assert gap > 1e-3
+
+
+def test_fused_values_are_segment_means_of_the_rows(tmp_path):
+    """h_k(w; B_k) from the fused call equals a direct computation on each constraint's rows,
+    including the group difference and the row_transform."""
+    data = make_data(90, 0)
+    cons = rowwise_constraints(data)
+    trainer = ConstrainedTrainer(model=Net64(), args=make_args(tmp_path, "direct", constraints_per_step=6),
+                                 train_dataset=make_data(16, 1), constraints=cons)
+    draw = trainer._draw(0)
+    with torch.no_grad():
+        _, current, stats = trainer._evaluate_draw(trainer.model, draw, need_grad=False)
+        for p, k in enumerate(draw.constraint_ids.tolist()):
+            c = cons[k]
+            rows = draw.sample_indices[p]
+            batch = c.collate([c.dataset[i] for i in rows]) if rows is not None else None
+            direct = c.fn(trainer.model, batch)
+            # the scalar path keeps its float32 values (as before the fused step)
+            assert abs(float(current[p]) - float(direct)) < (1e-12 if c.rowwise else 1e-7), c.name
+
+
+def test_row_fn_output_errors_name_the_constraints(tmp_path):
+    data = make_data(30, 0)
+    bad = constraints_per_value(data, "cls", row_fn=lambda m, b: per_row_ce(m, b).mean())
+    trainer = ConstrainedTrainer(model=Net64(), args=make_args(tmp_path, "bad"), train_dataset=make_data(16, 1),
+                                 constraints=bad)
+    with pytest.raises(Exception, match="cls=0"):
+        trainer._evaluate_draw(trainer.model, trainer._draw(0), need_grad=True)
+
+
+def test_non_finite_look_ahead_is_an_error_naming_constraint_and_step(tmp_path):
+    data = make_data(60, 0)
+    state = {"calls": 0}
+
+    def flaky(model, batch):
+        out = per_row_ce(model, batch)
+        if not torch.is_grad_enabled():  # the look-ahead (previous-iterate) call
+            state["calls"] += 1
+            if state["calls"] == 2:
+                out = out + float("inf")
+        return out
+
+    cons = constraints_per_value(data, "cls", row_fn=flaky)
+    trainer = ConstrainedTrainer(model=Net64(), args=make_args(tmp_path, "inf", max_steps=5, constraints_per_step=None),
+                                 train_dataset=make_data(16, 1), constraints=cons)
+    with pytest.raises(Exception, match=r"look-ahead.*step 1") as err:
+        trainer.train()
+    assert "cls=0" in str(err.value)
+
+
+def test_constraints_per_value_is_fast_for_many_values(tmp_path):
+    """200 constraints of one formula (rows A_k x <= b_k) declared in one call: set-up is one
+    pass over the column, and each step evaluates every sampled one in one row_fn call."""
+    n, m = 4000, 200
+    rng = np.random.default_rng(0)
+    data = Dataset.from_dict({"a": rng.normal(size=(n, 3)).tolist(), "k": (np.arange(n) % m).tolist(),
+                              "b": rng.normal(size=n).tolist()})
+    start = time.perf_counter()
+    calls: list = []
+
+    def row_fn(model, batch):
+        calls.append(len(batch["sample_index"]))
+        return batch["a"].to(model.w) @ model.w - batch["b"].to(model.w)
+
+    cons = constraints_per_value(data, "k", row_fn=row_fn, name="row{value}")
+    elapsed = time.perf_counter() - start
+    assert len(cons) == m and elapsed < 3.0, elapsed
+    assert all(c.row_fn is row_fn for c in cons)
+
+    class Lin(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.zeros(3))
+
+        def forward(self, x, labels=None):
+            return {"loss": ((x @ self.w - labels) ** 2).mean()}
+
+    train = Dataset.from_dict({"x": rng.normal(size=(32, 3)).tolist(), "labels": rng.normal(size=32).tolist()})
+    trainer = ConstrainedTrainer(model=Lin(), args=make_args(tmp_path, "many", constraints_per_step=20, max_steps=3,
+                                                             msvr_gamma_prime=0.0),
+                                 train_dataset=train, constraints=cons)
+    trainer.train()
+    assert calls[-3:] == [20 * 8] * 3  # one call per step on all 20 sampled constraints' rows
