@@ -220,3 +220,61 @@ def test_constraints_per_value_is_fast_for_many_values(tmp_path):
                                  train_dataset=train, constraints=cons)
     trainer.train()
     assert calls[-3:] == [20 * 8] * 3  # one call per step on all 20 sampled constraints' rows
+
+
+# ------------------------------------------------------------------ shared constraint batches
+def soft_rate_constraints(data: Dataset, row_fn) -> list[Constraint]:
+    """Three soft rates of one score at three thresholds, all on the SAME dataset object (ROC style)."""
+    return [Constraint(f"rate@{tau}", row_fn=row_fn, dataset=data, tolerance=0.3,
+                       row_transform=lambda o, tau=tau: torch.sigmoid(o - tau)) for tau in (-1.0, 0.0, 1.0)]
+
+
+def score_rows(model, batch):
+    return model(batch["x"].double())["logits"][:, 1]
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_shared_constraint_batches_score_one_batch_per_step(tmp_path, share):
+    data = make_data(50, 0)
+    calls: list = []
+    holder: dict = {}
+    cons = soft_rate_constraints(data, count_calls(score_rows, calls, holder))
+    trainer = run(tmp_path, f"share{share}", cons, holder, share_constraint_batches=share, constraints_per_step=None,
+                  max_steps=4)
+    grad_rows = [n for n, g in calls if g]
+    assert len(grad_rows) == 4
+    assert grad_rows == ([8] * 4 if share else [24] * 4)  # one batch for the three, or one each
+    positions = [s.state_dict()["position"] + 50 * s.state_dict()["epoch"] for s in trainer.streams]
+    # 5 draws of 8 rows (steps 0-3 and step 4's, drawn early for the look-ahead); shared: only the
+    # first constraint's stream moved
+    assert positions == ([40, 0, 0] if share else [40, 40, 40])
+    # each constraint's value is its transform's mean over the ONE shared batch
+    draw = trainer._draw(99)
+    if share:
+        assert draw.sample_indices[0] is draw.sample_indices[1] is draw.sample_indices[2]
+    with torch.no_grad():
+        _, current, _ = trainer._evaluate_draw(trainer.model, draw, need_grad=False)
+        for p, c in enumerate(cons):
+            rows = draw.sample_indices[p]
+            batch = c.collate([data[i] for i in rows])
+            direct = torch.sigmoid(score_rows(trainer.model, batch) - [-1.0, 0.0, 1.0][p]).mean()
+            assert abs(float(current[p]) - float(direct)) < 1e-12
+
+
+def test_constraint_batches_use_the_trainers_data_collator(tmp_path):
+    """Without its own collate_fn a constraint's rows go through the trainer's data_collator
+    (when it is not the default one), in the step and in the exact evaluation."""
+    seen: list = []
+
+    def collator(examples):
+        seen.append(len(examples))
+        return {"x": torch.tensor([e["x"] for e in examples]), "labels": torch.tensor([e["labels"] for e in examples])}
+
+    data = make_data(40, 0)
+    cons = constraints_per_value(data, "cls", row_fn=per_row_ce, tolerance=0.3)
+    trainer = ConstrainedTrainer(model=Net64(), args=make_args(tmp_path, "coll", max_steps=2), data_collator=collator,
+                                 train_dataset=make_data(16, 1).remove_columns(["g", "cls"]), constraints=cons)
+    assert all(trainer._collate_of(c) is collator for c in cons)
+    seen.clear()
+    trainer.train()
+    assert 24 in seen  # a fused constraint batch: 3 constraints x 8 rows in one collate call
