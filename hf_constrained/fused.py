@@ -65,7 +65,7 @@ class RowUnit:
     constraints: list[int] = field(default_factory=list)
 
 
-def _same_callable(a: Any, b: Any) -> bool:
+def same_callable(a: Any, b: Any) -> bool:
     # bound methods are re-created on each attribute access: compare them by ==; callables that
     # define __eq__ without __hash__ (dataclass collators) too
     try:
@@ -86,7 +86,7 @@ def plan_row_groups(constraints: Sequence[Constraint], collate_of: Callable[[Con
             continue
         collate = collate_of(c)
         for g in groups:
-            if g.row_fn is c.row_fn and _same_callable(g.collate, collate):
+            if g.row_fn is c.row_fn and same_callable(g.collate, collate):
                 g.members.append(k)
                 break
         else:

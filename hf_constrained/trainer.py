@@ -38,11 +38,11 @@ from .config import ConstrainedTrainingArguments
 from .constraint import Constraint, collate_examples, fetch_rows
 from .estimators import MSVREstimator, resolve_gamma_prime
 from .fused import (RowGroup, RowUnit, batch_variances, collate_units, inner_values, local_contribution,
-                    plan_row_groups, row_values_and_owners, segment_sums, stats_dtype)
+                    plan_row_groups, row_values_and_owners, same_callable, segment_sums, stats_dtype)
 from .penalties import make_penalty
 from .safety_mixin import SafetyMixin
 from .sampling import ConstraintBatchStream, ConstraintSampler
-from .statistics import z_value
+from .statistics import ConstraintStatistic, constraint_statistic, z_value
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +56,11 @@ SPREAD_DECAY = 0.1
 
 class ConstraintValueError(RuntimeError):
     """A constraint function returned something the method cannot use."""
+
+
+def _float_outer(c: Constraint) -> Any:
+    """A constraint's ``outer`` as a float -> float map (for :mod:`hf_constrained.statistics`)."""
+    return lambda x: float(c.apply_outer(torch.tensor(x, dtype=torch.float64)))
 
 
 def _pinned_to(data: Any, device: torch.device) -> Any:
@@ -720,52 +725,108 @@ class ConstrainedTrainer(SafetyMixin, Trainer):
         super().log(logs, start_time)
 
     # ------------------------------------------------------------------ evaluation
-    @torch.no_grad()
-    def evaluate_constraints(self, model: Optional[nn.Module] = None, split: str = "eval") -> dict[str, float]:
-        """Exact value of every constraint on its data: a full pass, not the estimator.
-
-        Args:
-            model: the model to evaluate (default: the trainer's).
-            split: ``"eval"`` uses each constraint's ``eval_dataset`` (falling back to its
-                training data), ``"train"`` its training data.
-
-        A constraint's value is its ``exact_fn`` when given; otherwise the batch values
-        averaged with batch-size weights (exact for per-sample means), then ``outer``.
-        """
+    def _eval_model(self, model: Optional[nn.Module]) -> nn.Module:
         if model is None:
             # FSDP shards the parameters: only the wrapped module's forward gathers them
             model = self.model_wrapped if getattr(self, "is_fsdp_enabled", False) else self.model
+        return model
+
+    def _eval_batches(self, c: Constraint, data: Any, collate: Any) -> Any:
+        """The batches of ``data`` for exact evaluation (with ``sample_index``), on the device."""
+        batch_size = self.args.constraint_eval_batch_size or self.args.per_device_eval_batch_size
+        starts = range(0, len(data), batch_size)
+        bar = tqdm(starts, desc=f"constraint {c.name}", leave=False,
+                   disable=self.args.disable_tqdm or len(starts) < 20 or not self.is_world_process_zero())
+        for start in bar:
+            rows = list(range(start, min(start + batch_size, len(data))))
+            batch = collate(fetch_rows(data, rows))
+            if isinstance(batch, MutableMapping):
+                batch["sample_index"] = torch.as_tensor(rows, dtype=torch.long)
+            yield rows, self._to_device(batch)
+
+    @torch.no_grad()
+    def constraint_statistics(self, model: Optional[nn.Module] = None, split: str = "eval",
+                              confidence: float = 0.95) -> dict[str, ConstraintStatistic]:
+        """Exact value of every constraint on its data (a full pass, not the estimator), with its
+        one-sided upper confidence bound where the constraint gives per-row values.
+
+        Args:
+            model: the model to evaluate (default: the trainer's; under FSDP the wrapped one).
+            split: ``"eval"`` uses each constraint's ``eval_dataset`` (falling back to its
+                training data), ``"train"`` its training data.
+            confidence: the one-sided confidence of the bounds.
+
+        Row-wise constraints: the per-row values over the whole data, batched (one ``row_fn``
+        call per batch, shared by the constraints with the same ``row_fn``, collate and data),
+        then :func:`~hf_constrained.statistics.constraint_statistic` (value, CLT upper bound,
+        standard error). A constraint's ``exact_fn`` wins when given; scalar ``fn`` constraints
+        give their batch values averaged with batch-size weights (exact for per-sample means)
+        and data-free ones their value: value only (``upper_bound`` None).
+        """
+        if split not in ("eval", "train"):
+            raise ValueError(f"split must be 'eval' or 'train', got {split!r}")
+        model = self._eval_model(model)
         was_training = model.training
         model.eval()
-        batch_size = self.args.constraint_eval_batch_size or self.args.per_device_eval_batch_size
-        out: dict[str, float] = {}
+        out: dict[str, ConstraintStatistic] = {}
         try:
+            data_of = [c.dataset if split == "train" or c.eval_dataset is None else c.eval_dataset
+                       for c in self.constraints]
+            # row-wise constraints sharing row_fn, collate and data: one pass for all of them
+            passes: list[tuple[Any, Any, Any, list[int]]] = []
             for k, c in enumerate(self.constraints):
-                data = c.dataset if split == "train" or c.eval_dataset is None else c.eval_dataset
+                if c.exact_fn is not None or not c.rowwise:
+                    continue
+                collate = self._collate_of(c)
+                for fn, coll, data, members in passes:
+                    if fn is c.row_fn and data is data_of[k] and same_callable(coll, collate):
+                        members.append(k)
+                        break
+                else:
+                    passes.append((c.row_fn, collate, data_of[k], [k]))
+            for row_fn, collate, data, members in passes:
+                values: dict[int, list[torch.Tensor]] = {k: [] for k in members}
+                groups: dict[int, list[torch.Tensor]] = {k: [] for k in members}
+                for rows, batch in self._eval_batches(self.constraints[members[0]], data, collate):
+                    with self.compute_loss_context_manager():
+                        outputs = row_fn(model, batch)
+                    for k in members:
+                        c = self.constraints[k]
+                        v = c.row_values(outputs)
+                        values[k].append(v.detach().double().cpu())
+                        if c.group_key is not None:
+                            groups[k].append(c.row_groups(batch, v.shape[0], v.device).cpu())
+                for k in members:
+                    c = self.constraints[k]
+                    outer = None if c.outer is None else _float_outer(c)
+                    out[c.name] = constraint_statistic(
+                        torch.cat(values[k]).numpy(), groups=torch.cat(groups[k]).numpy() if groups[k] else None,
+                        outer=outer, confidence=confidence)
+            for k, c in enumerate(self.constraints):
+                if c.name in out:
+                    continue
+                data = data_of[k]
                 if c.exact_fn is not None:
-                    out[c.name] = float(c.exact_fn(model, data))
-                    continue
-                if data is None:
+                    value = float(c.exact_fn(model, data))
+                elif data is None:
                     with self.compute_loss_context_manager():
-                        out[c.name] = float(c.apply_outer(c.fn(model, None).float()))
-                    continue
-                total, count = 0.0, 0
-                starts = range(0, len(data), batch_size)
-                bar = tqdm(starts, desc=f"constraint {c.name}", leave=False,
-                           disable=self.args.disable_tqdm or len(starts) < 20 or not self.is_world_process_zero())
-                for start in bar:
-                    rows = list(range(start, min(start + batch_size, len(data))))
-                    batch = c.collate(fetch_rows(data, rows))
-                    if isinstance(batch, dict):
-                        batch["sample_index"] = torch.as_tensor(rows, dtype=torch.long)
-                    with self.compute_loss_context_manager():
-                        value = c.fn(model, self._prepare_input(batch))
-                    total += float(value) * len(rows)
-                    count += len(rows)
-                out[c.name] = float(c.apply_outer(torch.tensor(total / count)))
+                        value = float(c.apply_outer(c.fn(model, None).float()))
+                else:
+                    total, count = 0.0, 0
+                    for rows, batch in self._eval_batches(c, data, self._collate_of(c)):
+                        with self.compute_loss_context_manager():
+                            total += float(c.fn(model, batch)) * len(rows)
+                        count += len(rows)
+                    value = float(c.apply_outer(torch.tensor(total / count)))
+                out[c.name] = ConstraintStatistic(value=value, confidence=confidence)
         finally:
             model.train(was_training)
-        return out
+        return {c.name: out[c.name] for c in self.constraints}
+
+    def evaluate_constraints(self, model: Optional[nn.Module] = None, split: str = "eval") -> dict[str, float]:
+        """Exact value of every constraint on its data (the ``value`` of
+        :meth:`constraint_statistics`): a full pass, not the estimator."""
+        return {name: stat.value for name, stat in self.constraint_statistics(model, split).items()}
 
     def constraint_metrics(self, values: dict[str, float], prefix: str = "eval") -> dict[str, float]:
         """``{prefix}_constraint/<name>``, the largest violation and whether all hold."""

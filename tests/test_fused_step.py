@@ -278,3 +278,52 @@ def test_constraint_batches_use_the_trainers_data_collator(tmp_path):
     seen.clear()
     trainer.train()
     assert 24 in seen  # a fused constraint batch: 3 constraints x 8 rows in one collate call
+
+
+# ------------------------------------------------------------------ exact evaluation with statistics
+def test_constraint_statistics_match_numpy(tmp_path):
+    """Per-row values over the whole eval data give the value, standard error and upper bound of
+    :func:`~hf_constrained.statistics.constraint_statistic`; recomputed here with numpy."""
+    from scipy.stats import norm
+
+    data, held_out = make_data(90, 0), make_data(77, 5)
+    cons = rowwise_constraints(data)
+    cons[3] = Constraint("soft_rate", row_fn=per_row_ce, dataset=data, eval_dataset=held_out, tolerance=0.02,
+                         row_transform=lambda o: torch.sigmoid(4.0 * (o - 0.6)), outer=lambda x: torch.abs(x - 0.3))
+    cons[4] = Constraint("ce_gap", row_fn=per_row_ce, dataset=data, eval_dataset=held_out, tolerance=-0.05,
+                         group_key="g")
+    trainer = ConstrainedTrainer(model=Net64(), args=make_args(tmp_path, "stats", constraint_eval_batch_size=16),
+                                 train_dataset=make_data(16, 1), constraints=cons)
+    stats = trainer.constraint_statistics(split="eval", confidence=0.9)
+    z = norm.ppf(0.9)
+    model = trainer.model
+    with torch.no_grad():
+        full = {"x": torch.tensor(held_out["x"]).double(), "labels": torch.tensor(held_out["labels"])}
+        ce = per_row_ce(model, full).numpy()
+        ce_train = per_row_ce(model, {"x": torch.tensor(data["x"]).double(),
+                                      "labels": torch.tensor(data["labels"])}).numpy()
+    g = np.array(held_out["g"])
+    # soft rate with outer |x - 0.3|: bound = max over the ends of the inner interval
+    soft = 1 / (1 + np.exp(-4.0 * (ce - 0.6)))
+    se = soft.std(ddof=1) / np.sqrt(soft.size)
+    inner = soft.mean()
+    s = stats["soft_rate"]
+    assert s.num_rows == 77 and abs(s.value - abs(inner - 0.3)) < 1e-12 and abs(s.std_error - se) < 1e-12
+    assert abs(s.upper_bound - max(abs(inner - z * se - 0.3), abs(inner + z * se - 0.3))) < 1e-12
+    # group difference: se = sqrt(s0^2/n0 + s1^2/n1)
+    a, b = ce[g == 0], ce[g == 1]
+    se = np.sqrt(a.var(ddof=1) / a.size + b.var(ddof=1) / b.size)
+    s = stats["ce_gap"]
+    assert abs(s.value - (a.mean() - b.mean())) < 1e-12 and abs(s.upper_bound - (a.mean() - b.mean() + z * se)) < 1e-12
+    # per-class constraints (no eval_dataset: their training rows)
+    cls = np.array(data["cls"])
+    for v in range(3):
+        rows = ce_train[cls == v]
+        s = stats[f"ce_cls{v}"]
+        assert s.num_rows == rows.size and abs(s.value - rows.mean()) < 1e-12
+        assert abs(s.upper_bound - (rows.mean() + z * rows.std(ddof=1) / np.sqrt(rows.size))) < 1e-12
+    # scalar, data-free: value only
+    assert stats["weight_norm"].upper_bound is None
+    assert abs(stats["weight_norm"].value - float(0.05 * (model.lin1.weight.detach() ** 2).sum())) < 1e-6
+    # evaluate_constraints: the values
+    assert trainer.evaluate_constraints() == {n: st.value for n, st in trainer.constraint_statistics().items()}
