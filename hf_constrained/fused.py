@@ -193,9 +193,8 @@ def local_contribution(sums: torch.Tensor, counts: torch.Tensor, world_size: int
     global value exactly, whatever the split of rows and groups between processes.
     """
     n = counts.to(sums.dtype)
-    sign = torch.tensor([1.0, -1.0], dtype=sums.dtype, device=sums.device).repeat(n.numel() // 2)
-    coef = torch.where(n > 0, sign / n.clamp(min=1), torch.zeros_like(n)) * world_size
-    return (sums * coef).view(-1, 2).sum(dim=1)
+    per_group = (torch.where(n > 0, sums / n.clamp(min=1), torch.zeros_like(sums)) * world_size).view(-1, 2)
+    return per_group[:, 0] - per_group[:, 1]
 
 
 def batch_variances(stats: torch.Tensor) -> torch.Tensor:

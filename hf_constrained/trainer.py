@@ -25,7 +25,7 @@ import math
 import os
 from collections import defaultdict
 from collections.abc import Mapping, MutableMapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 import torch
@@ -63,6 +63,11 @@ def _float_outer(c: Constraint) -> Any:
     return lambda x: float(c.apply_outer(torch.tensor(x, dtype=torch.float64)))
 
 
+def _shallow_copy(batch: Any) -> Any:
+    """A new dict around the same tensors, so a function that pops keys cannot change the cached batch."""
+    return type(batch)(batch) if isinstance(batch, MutableMapping) else batch
+
+
 def _pinned_to(data: Any, device: torch.device) -> Any:
     """``data`` (nested dicts/lists of tensors) on ``device``, copied from pinned memory without blocking."""
     if isinstance(data, Mapping):
@@ -85,6 +90,9 @@ class _ConstraintDraw:
     constraint_ids: torch.Tensor
     sample_indices: list[Optional[list[int]]]
     previous: Optional[torch.Tensor] = None
+    # the collated device batches of the look-ahead, reused by the step itself (same rows, new
+    # parameters): not part of the state (a resumed run collates them again)
+    batches: dict[Any, Any] = field(default_factory=dict)
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -336,10 +344,17 @@ class ConstrainedTrainer(SafetyMixin, Trainer):
             rows.append(drawn[owner])
         return _ConstraintDraw(step, ids, rows)
 
-    def _row_outputs(self, model: nn.Module, group: RowGroup, units: list[RowUnit], *, need_grad: bool) -> Any:
-        """One collate call and ONE ``row_fn`` call for all sampled members of ``group``."""
-        batch, slices = collate_units(units, group.collate)
-        batch = self._to_device(batch)
+    def _row_outputs(self, model: nn.Module, group: RowGroup, units: list[RowUnit], *, need_grad: bool,
+                     cache: Optional[dict] = None, key: Any = None) -> Any:
+        """One collate call and ONE ``row_fn`` call for all sampled members of ``group``
+        (the collated batch is kept in ``cache`` for the step that reuses the look-ahead's rows)."""
+        if cache is not None and key in cache:
+            batch, slices = cache.pop(key)
+        else:
+            batch, slices = collate_units(units, group.collate)
+            batch = self._to_device(batch)
+            if cache is not None and not need_grad:  # a look-ahead: the step evaluates the same rows next
+                cache[key] = (_shallow_copy(batch), slices)
         outputs = group.row_fn(model, batch)
         names = [self.constraints[k].name for u in units for k in u.constraints]
         num_rows = slices[-1][1]
@@ -391,7 +406,8 @@ class ConstrainedTrainer(SafetyMixin, Trainer):
         stats: Optional[torch.Tensor] = None
         for gi, unit_map in buckets.items():
             units = list(unit_map.values())
-            batch, slices, outputs = self._row_outputs(model, self._row_groups[gi], units, need_grad=need_grad)
+            batch, slices, outputs = self._row_outputs(model, self._row_groups[gi], units, need_grad=need_grad,
+                                                       cache=draw.batches, key=("group", gi))
             values, owners = row_values_and_owners(self.constraints, units, slices, outputs, batch)
             g_sums, g_stats = segment_sums(values, owners, n, need_grad=need_grad)
             sums = g_sums if sums is None else (g_sums if g_sums is None else sums + g_sums)
@@ -401,7 +417,12 @@ class ConstrainedTrainer(SafetyMixin, Trainer):
         for p in scalar_pos:
             k = ids[p]
             rows = draw.sample_indices[p]
-            batch = None if rows is None else self._make_batch(k, self._local_rows(rows))
+            if ("scalar", p) in draw.batches:
+                batch = draw.batches.pop(("scalar", p))
+            else:
+                batch = None if rows is None else self._make_batch(k, self._local_rows(rows))
+                if not need_grad and batch is not None:
+                    draw.batches[("scalar", p)] = _shallow_copy(batch)
             scalar_local.append(self._check_value(k, self.constraints[k].fn(model, batch), need_grad=need_grad).float())
 
         acc = stats_dtype(device)
