@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import statistics
 import sys
 
 import torch
@@ -36,23 +37,24 @@ from rowwise_clip import make_rowwise_constrained  # noqa: E402
 
 
 class CountOps(TrainerCallback):
-    """Counts the aten operators dispatched during ``steps`` optimizer steps after ``start``."""
+    """Counts the aten operators dispatched in each of ``steps`` optimizer steps after ``start``
+    (profiled one step at a time; the median is robust to a step that starts a new data epoch)."""
 
     def __init__(self, start: int, steps: int) -> None:
         self.start, self.steps = start, steps
         self.prof: torch.profiler.profile | None = None
-        self.ops_per_step: float | None = None
+        self.counts: list[int] = []
 
     def on_step_begin(self, args, state, control, **kwargs):
-        if state.global_step == self.start and self.prof is None:
+        if self.start <= state.global_step < self.start + self.steps:
             self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
             self.prof.__enter__()
 
     def on_step_end(self, args, state, control, **kwargs):
-        if self.prof is not None and self.ops_per_step is None and state.global_step == self.start + self.steps:
+        if self.prof is not None:
             self.prof.__exit__(None, None, None)
-            ops = sum(1 for e in self.prof.events() if e.name.startswith("aten::"))
-            self.ops_per_step = ops / self.steps
+            self.counts.append(sum(1 for e in self.prof.events() if e.name.startswith("aten::")))
+            self.prof = None
 
 
 def build(key: str, a: argparse.Namespace, steps: int):
@@ -78,7 +80,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=23)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--op-steps", type=int, default=3, help="steps profiled for the aten operator counts")
+    parser.add_argument("--op-steps", type=int, default=5,
+                        help="steps profiled (one at a time) for the aten operator counts; the median is reported")
     a = parser.parse_args()
     setup_threads(a.threads)
     clock = default_clock(a.device, a.threads) if a.clock == "auto" else a.clock
@@ -97,7 +100,7 @@ def main() -> None:
         counter = CountOps(a.warmup, a.op_steps)
         trainer.add_callback(counter)
         trainer.train()
-        ops[key] = counter.ops_per_step
+        ops[key] = float(statistics.median(counter.counts))
         del trainer
         gc.collect()
     stats = {k: summary(v) for k, v in times.items()}
