@@ -68,6 +68,7 @@ def main() -> None:
         "gamma_prime": a.gamma_prime, "steps_timed_per_round": a.steps - a.warmup, "rounds": a.rounds,
         "step_time": stats,
         "ratio_to_first_m": {str(m): stats[str(m)]["median_s"] / base for m in ms},
+        "min_ratio_to_first_m": {str(m): stats[str(m)]["min_s"] / stats[str(ms[0])]["min_s"] for m in ms},
         "estimator_state_bytes": {str(m): b for m, b in state_bytes.items()},
         "target": f"m={ms[-1]} within 1.10x of m={ms[0]}",
         "machine": machine(),

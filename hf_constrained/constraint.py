@@ -13,6 +13,7 @@ constraint is ``outer(inner) <= tolerance``; the gradient weight is chained thro
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -76,9 +77,11 @@ class Constraint:
             ``Dataset`` or any indexable sequence); ``None`` for a data-free constraint.
         tolerance: the constraint holds when h <= tolerance (default 0).
         eval_dataset: held-out data for exact evaluation; defaults to ``dataset``.
-        collate_fn: turns a list of examples into ``batch``; default
+        collate_fn: turns a list of examples into ``batch``; default: the trainer's
+            ``data_collator`` when one other than ``default_data_collator`` is set, else
             :func:`collate_examples`. The trainer adds ``batch["sample_index"]`` (the
-            examples' positions in ``dataset``) when batches are dicts.
+            examples' positions in ``dataset``) when batches are dicts. Row-wise constraints
+            of one group are collated together, so their examples must collate as one batch.
         outer: optional scalar map for compositional constraints, h = outer(inner).
         exact_fn: optional ``exact_fn(model, dataset) -> float`` for the exact value on
             a whole dataset when h is not a per-sample mean (the default exact
@@ -212,16 +215,35 @@ class Constraint:
         return self.reduce_rows(values, self.row_groups(batch, values.shape[0], values.device))
 
 
+def _hashable(value: Any) -> Any:
+    """A one-element tensor or numpy scalar as the Python number it holds (tensors hash by identity)."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
 def _column_values(dataset: Any, column: str) -> list:
+    """The column as a list, read in one call for a ``datasets.Dataset`` (through Arrow: row-by-row
+    formatting of a 100k-row column costs seconds)."""
     if hasattr(dataset, "column_names"):  # datasets.Dataset
         if column not in dataset.column_names:
             raise ValueError(f"column {column!r} not in dataset columns {dataset.column_names}")
-        return list(dataset[column])
-    return [dataset[i][column] for i in range(len(dataset))]
+        try:
+            return dataset.with_format("arrow")[column].to_pylist()
+        except Exception:  # an object that looks like a Dataset without Arrow formatting
+            return [_hashable(v) for v in dataset[column]]
+    return [_hashable(dataset[i][column]) for i in range(len(dataset))]
 
 
-def _subset(dataset: Any, indices: list[int]) -> Any:
+def _subset(dataset: Any, indices: list[int], tag: str = "") -> Any:
     if hasattr(dataset, "select"):
+        fingerprint = getattr(dataset, "_fingerprint", None)
+        if isinstance(fingerprint, str) and tag:
+            # a fingerprint from (parent, column, value, rows) instead of hashing the index list (28 ms each)
+            new = hashlib.sha256(f"{fingerprint}|{tag}|{len(indices)}|{indices[:8]}".encode()).hexdigest()[:32]
+            return dataset.select(indices, new_fingerprint=new)
         return dataset.select(indices)
     return torch.utils.data.Subset(dataset, indices)
 
@@ -281,14 +303,14 @@ def constraints_per_value(
             eval_rows = eval_rows_of.get(value)
             if not eval_rows:
                 raise ValueError(f"no rows with {column} == {value!r} in eval_dataset")
-            eval_part = _subset(eval_dataset, eval_rows)
+            eval_part = _subset(eval_dataset, eval_rows, f"eval|{column}|{value!r}")
         tol = tolerance[value] if isinstance(tolerance, Mapping) else tolerance
         metadata = {**extra_metadata, "column": column, "value": value}
         out.append(
             Constraint(
                 name=name.format(column=column, value=value),
                 fn=None if fn is None else (fn(value) if per_value_fn else fn),
-                dataset=_subset(dataset, rows),
+                dataset=_subset(dataset, rows, f"train|{column}|{value!r}"),
                 tolerance=float(tol),
                 eval_dataset=eval_part,
                 metadata=metadata,

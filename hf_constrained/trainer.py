@@ -16,6 +16,23 @@ One optimizer step of Algorithm 1 (REFERENCE section 2), done inside
 
 Under gradient accumulation the parameters stay w_t for the whole window, so the
 constraint part runs on the window's first micro-batch only (scaled so it counts once).
+
+Row-wise constraints (``Constraint(row_fn=...)``) that share one ``row_fn`` object and one
+collate function are evaluated by the fused step of :mod:`hf_constrained.fused`: ONE
+``row_fn`` call with grad for all sampled members of the group (step 2) and ONE call under
+``no_grad`` for their look-ahead, per-constraint values from segment sums, one all-reduce of
+sums and counts across processes. Scalar ``fn`` constraints keep one call each. The two paths
+give the same update up to float round-off (``tests/test_fused_step.py``).
+
+Constraint batches are collated by the constraint's ``collate_fn``; without one, by the
+trainer's ``data_collator`` when one other than ``default_data_collator`` was given (e.g.
+padding tokenized text), else by :func:`~hf_constrained.collate_examples`.
+
+For row-wise constraints the trainer also keeps the running spread of the per-row values:
+it logs the standard error of each mini-batch value (``constraint_std/<name>``, noise you can
+compare with the tolerance; :meth:`ConstrainedTrainer.constraint_noise`) and, for calibrated
+constraints (``constraint_confidence``, ``Constraint.confidence``/``margin``), enforces the
+margin ``z_c * s_k / sqrt(|D_k|)`` (:meth:`ConstrainedTrainer.constraint_margins`).
 """
 
 from __future__ import annotations
