@@ -243,8 +243,14 @@ def _subset(dataset: Any, indices: list[int], tag: str = "") -> Any:
         if isinstance(fingerprint, str) and tag:
             # a fingerprint from (parent, column, value, rows) instead of hashing the index list (28 ms each)
             new = hashlib.sha256(f"{fingerprint}|{tag}|{len(indices)}|{indices[:8]}".encode()).hexdigest()[:32]
-            return dataset.select(indices, new_fingerprint=new)
-        return dataset.select(indices)
+            subset = dataset.select(indices, new_fingerprint=new)
+        else:
+            subset = dataset.select(indices)
+        try:  # lets the fused step read the rows of many such subsets in one call of the parent
+            setattr(subset, "hfc_row_source", (dataset, np.asarray(indices, dtype=np.int64)))
+        except AttributeError:
+            pass
+        return subset
     return torch.utils.data.Subset(dataset, indices)
 
 

@@ -35,6 +35,7 @@ from collections.abc import MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+import numpy as np
 import torch
 
 from .constraint import Constraint, RowFn, fetch_rows
@@ -94,6 +95,47 @@ def plan_row_groups(constraints: Sequence[Constraint], collate_of: Callable[[Con
     return groups
 
 
+ROW_SOURCE_ATTR = "hfc_row_source"
+"""Attribute :func:`~hf_constrained.constraints_per_value` sets on each constraint's subset of a
+``datasets.Dataset``: ``(parent, absolute rows)``, so rows of many constraints drawn from one
+parent are read in ONE ``parent.__getitems__`` call (per-call formatting dominates small reads)."""
+
+
+def row_source(dataset: Any) -> Optional[tuple[Any, Any]]:
+    """``(parent, absolute row of each local row)`` when ``dataset`` is a row subset of ``parent``
+    with the same output format (a ``torch.utils.data.Subset``, or a subset made by
+    ``constraints_per_value``); else ``None``."""
+    source = getattr(dataset, ROW_SOURCE_ATTR, None)
+    if source is not None:
+        parent, rows = source
+        # a format changed on one side since the subset was made: read the subset itself
+        return (parent, rows) if getattr(dataset, "format", None) == getattr(parent, "format", None) else None
+    if isinstance(dataset, torch.utils.data.Subset):
+        return dataset.dataset, dataset.indices
+    return None
+
+
+def fetch_unit_examples(units: Sequence[RowUnit]) -> list[list[Any]]:
+    """The examples of every unit, reading the units that share a parent dataset in one call."""
+    reads: dict[int, tuple[Any, list[int], list[tuple[int, int, int]]]] = {}
+    out: list[Optional[list[Any]]] = [None] * len(units)
+    for u, unit in enumerate(units):
+        source = row_source(unit.dataset)
+        if source is None:
+            out[u] = fetch_rows(unit.dataset, unit.rows)
+            continue
+        parent, absolute = source
+        parent_rows = reads.setdefault(id(parent), (parent, [], []))
+        start = len(parent_rows[1])
+        parent_rows[1].extend(int(absolute[i]) for i in unit.rows)
+        parent_rows[2].append((u, start, len(parent_rows[1])))
+    for parent, rows, spans in reads.values():
+        examples = fetch_rows(parent, rows)
+        for u, start, end in spans:
+            out[u] = examples[start:end]
+    return out  # type: ignore[return-value]
+
+
 def collate_units(units: Sequence[RowUnit], collate: Collate) -> tuple[Any, list[tuple[int, int]]]:
     """The rows of all units in ONE collate call, and each unit's (start, end) slice of the batch.
 
@@ -102,9 +144,9 @@ def collate_units(units: Sequence[RowUnit], collate: Collate) -> tuple[Any, list
     examples: list[Any] = []
     slices: list[tuple[int, int]] = []
     sample_index: list[int] = []
-    for unit in units:
+    for unit, unit_examples in zip(units, fetch_unit_examples(units)):
         start = len(examples)
-        examples.extend(fetch_rows(unit.dataset, unit.rows))
+        examples.extend(unit_examples)
         sample_index.extend(unit.rows)
         slices.append((start, len(examples)))
     batch = collate(examples)
@@ -126,26 +168,52 @@ def _group_labels(c: Constraint, batch: Any, num_rows: int, device: torch.device
 def row_values_and_owners(constraints: Sequence[Constraint], units: Sequence[RowUnit], slices: Sequence[tuple[int, int]],
                           outputs: torch.Tensor, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row values of every (unit, constraint) pair, concatenated, and each value's owner
-    ``2 * position + group`` (``position`` in B_c^t, ``group`` 0 or 1)."""
+    ``2 * position + group`` (``position`` in B_c^t, ``group`` 0 or 1).
+
+    The owners are laid out on the host and copied once; when every unit holds one constraint
+    without ``row_transform`` (e.g. many constraints of one formula) the outputs ARE the values
+    (no per-constraint slicing)."""
     num_rows = outputs.shape[0]
     device = outputs.device
     labels_cache: dict[str, torch.Tensor] = {}
-    values, owners = [], []
+    plain = all(len(u.constraints) == 1 and constraints[u.constraints[0]].row_transform is None for u in units)
+    values: list[torch.Tensor] = []
+    owner_base: list[np.ndarray] = []
+    grouped: list[tuple[int, int, torch.Tensor]] = []  # (start, end, labels) of group_key constraints
+    offset = 0
     for unit, (start, end) in zip(units, slices):
-        piece = outputs[start:end] if (start, end) != (0, num_rows) else outputs
+        piece = None if plain else outputs[start:end]
         for pos, k in zip(unit.positions, unit.constraints):
             c = constraints[k]
-            v = c.row_values(piece)
-            if v.shape[0] != end - start:
-                raise ValueError(f"constraint {c.name!r}: row_transform returned {v.shape[0]} values for "
-                                 f"{end - start} rows")
+            if plain:
+                n = end - start
+            else:
+                v = c.row_values(piece)
+                n = v.shape[0]
+                if n != end - start:
+                    raise ValueError(f"constraint {c.name!r}: row_transform returned {n} values for "
+                                     f"{end - start} rows")
+                values.append(v)
+            owner_base.append(np.full(n, 2 * pos, dtype=np.int64))
             labels = _group_labels(c, batch, num_rows, device, labels_cache)
-            owner = torch.full((end - start,), 2 * pos, dtype=torch.long, device=device)
             if labels is not None:
-                owner = owner + labels[start:end]
-            values.append(v)
-            owners.append(owner)
-    return torch.cat(values), torch.cat(owners)
+                grouped.append((offset, offset + n, labels[start:end]))
+            offset += n
+    if plain:
+        if outputs.dim() != 1:
+            raise ValueError(f"constraints {[constraints[u.constraints[0]].name for u in units][:5]}: per-row values "
+                             f"must be a 1-d tensor (one value per row), got shape {tuple(outputs.shape)}")
+        all_values = outputs
+    else:
+        all_values = torch.cat(values)
+    owners = torch.from_numpy(np.concatenate(owner_base))
+    owners = owners.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else owners.to(device)
+    if grouped:
+        extra = torch.zeros_like(owners)
+        for start, end, labels in grouped:
+            extra[start:end] = labels
+        owners = owners + extra
+    return all_values, owners
 
 
 def stats_dtype(device: torch.device) -> torch.dtype:
