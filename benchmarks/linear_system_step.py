@@ -5,7 +5,9 @@ Each constraint k has its own noisy rows (a, b) with E[a] = A_k, E[b] = b_k and 
 ``row_fn``. Objective: mean ||x - c||^2 over a batch of noisy targets c. Timed, alternating
 in one process over ``--rounds`` rounds (process CPU time per optimizer step, one thread):
 
-* ``plain``: a plain ``Trainer`` step on the objective alone;
+* ``plain``: a plain ``Trainer`` step on the objective alone (``--batch`` rows);
+* ``plain_same_rows``: a plain ``Trainer`` step on ``--batch + |B_c| |B_k|`` objective rows (the
+  rows a constrained step reads and collates, at the same per-row data cost);
 * ``fused``: the ConstrainedTrainer, |B_c| = 20 sampled constraints, gamma' = 0.1, the
   row-wise form (one ``row_fn`` call with grad and one without per step);
 * ``per_constraint``: the same constraints as scalar ``fn``s (20 + 20 calls per step).
@@ -70,8 +72,9 @@ def common_args(out: str, steps: int, batch: int) -> dict:
 
 def build(key: str, cons: list[Constraint], train: Dataset, a: argparse.Namespace):
     out = os.path.join(a.workdir, f"linsys_{key}")
-    if key == "plain":
-        return Trainer(model=Point(a.dim), args=TrainingArguments(**common_args(out, a.steps, a.batch)),
+    if key.startswith("plain"):
+        batch = a.batch if key == "plain" else a.batch + a.per_step * a.constraint_batch
+        return Trainer(model=Point(a.dim), args=TrainingArguments(**common_args(out, a.steps, batch)),
                        train_dataset=train)
     if key == "per_constraint":
         cons = [Constraint(c.name, fn=c._reduced_row_fn, dataset=c.dataset, tolerance=c.tolerance) for c in cons]
@@ -100,7 +103,7 @@ def main() -> None:
     start = time.process_time()
     cons = constraints_per_value(rows, "k", row_fn=row_values, name="row{value}")
     setup_s = time.process_time() - start
-    keys = ["plain", "fused", "per_constraint"]
+    keys = ["plain", "plain_same_rows", "fused", "per_constraint"]
     times: dict[str, list[float]] = {k: [] for k in keys}
     for r in range(a.rounds):
         for key in keys:
@@ -122,6 +125,8 @@ def main() -> None:
         "constraints_per_value_setup_s": setup_s,
         "step_time": stats,
         "ratio_to_plain": {k: stats[k]["median_s"] / stats["plain"]["median_s"] for k in keys if k != "plain"},
+        "ratio_to_plain_same_rows": {k: stats[k]["median_s"] / stats["plain_same_rows"]["median_s"]
+                                     for k in ("fused", "per_constraint")},
         "per_constraint_over_fused": stats["per_constraint"]["median_s"] / stats["fused"]["median_s"],
         "machine": machine(),
     }

@@ -427,7 +427,9 @@ class ConstrainedTrainer(SafetyMixin, Trainer):
                                                        cache=draw.batches, key=("group", gi))
             values, owners = row_values_and_owners(self.constraints, units, slices, outputs, batch)
             g_sums, g_stats = segment_sums(values, owners, n, need_grad=need_grad)
-            sums = g_sums if sums is None else (g_sums if g_sums is None else sums + g_sums)
+            # each group's owners are its own positions of B_c: adding the groups' sums merges them
+            if g_sums is not None:
+                sums = g_sums if sums is None else sums + g_sums
             stats = g_stats if stats is None else stats + g_stats
 
         scalar_local: list[torch.Tensor] = []
