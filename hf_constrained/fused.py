@@ -31,14 +31,14 @@ independent), hence opt-in.
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
 
-from .constraint import Constraint, RowFn, fetch_rows
+from .constraint import Constraint, RowFn, collate_examples, fetch_rows
 
 Collate = Callable[[Sequence[Any]], Any]
 
@@ -112,7 +112,19 @@ def row_source(dataset: Any) -> Optional[tuple[Any, Any]]:
         return (parent, rows) if getattr(dataset, "format", None) == getattr(parent, "format", None) else None
     if isinstance(dataset, torch.utils.data.Subset):
         return dataset.dataset, dataset.indices
+    if hasattr(dataset, "column_names") and hasattr(dataset, "format"):  # a datasets.Dataset: its own parent
+        return dataset, _IDENTITY
     return None
+
+
+class _Identity:
+    """Row i of a dataset is row i of itself."""
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+_IDENTITY = _Identity()
 
 
 def fetch_unit_examples(units: Sequence[RowUnit]) -> list[list[Any]]:
@@ -136,11 +148,44 @@ def fetch_unit_examples(units: Sequence[RowUnit]) -> list[list[Any]]:
     return out  # type: ignore[return-value]
 
 
+def _torch_batch_read(units: Sequence[RowUnit], collate: Collate) -> Optional[dict[str, Any]]:
+    """The batch of all units read as ONE column batch, where that equals collating the rows.
+
+    Only for the default collate (:func:`~hf_constrained.collate_examples`) over subsets of ONE
+    torch-formatted ``datasets.Dataset``: ``parent[rows]`` then gives the same stacked tensors
+    without splitting the read into per-row dicts and stacking them again. ``None`` otherwise.
+    """
+    if collate is not collate_examples:
+        return None
+    sources = [row_source(u.dataset) for u in units]
+    if any(src is None for src in sources) or len({id(src[0]) for src in sources}) != 1:
+        return None
+    parent = sources[0][0]
+    fmt = getattr(parent, "format", None)
+    if not isinstance(fmt, Mapping) or fmt.get("type") != "torch" or not hasattr(parent, "column_names"):
+        return None
+    rows = [int(src[1][i]) for src, u in zip(sources, units) for i in u.rows]
+    batch = parent[rows]
+    if not isinstance(batch, Mapping) or not all(isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == len(rows)
+                                                 for v in batch.values()):
+        return None  # ragged or non-numeric columns: collate the rows
+    return dict(batch)
+
+
 def collate_units(units: Sequence[RowUnit], collate: Collate) -> tuple[Any, list[tuple[int, int]]]:
     """The rows of all units in ONE collate call, and each unit's (start, end) slice of the batch.
 
     Dict-like batches get ``batch["sample_index"]``: each row's index in its own dataset.
     """
+    fast = _torch_batch_read(units, collate)
+    if fast is not None:
+        slices, sample_index, start = [], [], 0
+        for unit in units:
+            slices.append((start, start + len(unit.rows)))
+            sample_index.extend(unit.rows)
+            start += len(unit.rows)
+        fast["sample_index"] = torch.as_tensor(sample_index, dtype=torch.long)
+        return fast, slices
     examples: list[Any] = []
     slices: list[tuple[int, int]] = []
     sample_index: list[int] = []

@@ -20,6 +20,7 @@ import torch
 from datasets import Dataset
 from torch import nn
 
+import hf_constrained.fused as fused_module
 from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments, Constraint, constraints_per_value
 
 
@@ -52,13 +53,14 @@ def per_row_ce(model, batch):
     return nn.functional.cross_entropy(logits, batch["labels"], reduction="none")
 
 
-def rowwise_constraints(data: Dataset) -> list[Constraint]:
+def rowwise_constraints(data: Dataset, gap_rows: int = 40) -> list[Constraint]:
     cons = constraints_per_value(data, "cls", row_fn=per_row_ce, name="ce_cls{value}",
                                  tolerance={0: 0.2, 1: 0.35, 2: 0.5})
     cons.append(Constraint("soft_rate", row_fn=per_row_ce, dataset=data, tolerance=0.02,
                            row_transform=lambda o: torch.sigmoid(4.0 * (o - 0.6)),
                            outer=lambda x: torch.abs(x - 0.3)))
-    cons.append(Constraint("ce_gap", row_fn=per_row_ce, dataset=data.select(range(40)), tolerance=-0.05,
+    cons.append(Constraint("ce_gap", row_fn=per_row_ce, dataset=data if gap_rows is None else data.select(range(gap_rows)),
+                           tolerance=-0.05,
                            group_key="g"))
     cons.append(Constraint("weight_norm", fn=lambda m, b: 0.05 * (m.lin1.weight ** 2).sum(), tolerance=0.1))
     return cons
@@ -100,22 +102,37 @@ def count_calls(fn, calls: list, holder: dict):
     return counted
 
 
-@pytest.mark.parametrize("accumulation", [1, 2])
-def test_fused_step_equals_per_constraint_step(tmp_path, accumulation):
+@pytest.mark.parametrize("accumulation,torch_format", [(1, False), (2, False), (1, True)])
+def test_fused_step_equals_per_constraint_step(tmp_path, monkeypatch, accumulation, torch_format):
     data = make_data(90, 0)
-    fused_cons = rowwise_constraints(data)
+    if torch_format:  # the fused step reads the rows of all sampled constraints as one column batch
+        data = data.with_format("torch")
+    gap_rows = None if torch_format else 40  # torch: every row-wise constraint reads from one parent
+    fused_cons = rowwise_constraints(data, gap_rows)
     calls: list = []
     holder: dict = {}
     shared_fn = count_calls(per_row_ce, calls, holder)
     for c in fused_cons:
         if c.rowwise:
             c.row_fn = shared_fn
-    reference_cons = [scalar_twin(c) for c in rowwise_constraints(data)]
+    reference_cons = [scalar_twin(c) for c in rowwise_constraints(data, gap_rows)]
+    fast_reads: list = []
+    if torch_format:
+        original = fused_module._torch_batch_read
+
+        def counted(units, collate):
+            batch = original(units, collate)
+            fast_reads.append(batch is not None)
+            return batch
+
+        monkeypatch.setattr(fused_module, "_torch_batch_read", counted)
     kw = dict(gradient_accumulation_steps=accumulation, per_device_train_batch_size=16 // accumulation)
-    fused = run(tmp_path, f"fused{accumulation}", fused_cons, holder, **kw)
-    reference = run(tmp_path, f"ref{accumulation}", reference_cons, **kw)
+    fused = run(tmp_path, f"fused{accumulation}{torch_format}", fused_cons, holder, **kw)
+    reference = run(tmp_path, f"ref{accumulation}{torch_format}", reference_cons, **kw)
 
     assert len(fused._row_groups) == 1 and len(fused._row_groups[0].members) == 5
+    if torch_format:  # the column-batch read was taken, every step and look-ahead
+        assert len(fast_reads) >= 8 and all(fast_reads)
     assert reference._row_groups == []
     # one row_fn call with grad and one without (the look-ahead) per step, on all sampled rows at once
     grad_calls = [n for n, g in calls if g]
@@ -133,7 +150,8 @@ def test_fused_step_equals_per_constraint_step(tmp_path, accumulation):
     assert fused._next_draw.sample_indices == reference._next_draw.sample_indices
     torch.testing.assert_close(fused._next_draw.previous, reference._next_draw.previous, rtol=1e-6, atol=1e-7)
     # the comparison is not vacuous: the penalty moved the parameters
-    plain = run(tmp_path, f"plain{accumulation}", rowwise_constraints(data), constraint_penalty="none", **kw)
+    plain = run(tmp_path, f"plain{accumulation}{torch_format}", rowwise_constraints(data), constraint_penalty="none",
+                **kw)
     gap = max((dict(plain.model.named_parameters())[n] - p).abs().max().item()
               for n, p in reference.model.named_parameters())
     assert gap > 1e-3
