@@ -33,7 +33,8 @@ from transformers import Trainer, TrainingArguments
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import StepTimer, machine, summary, write_json  # noqa: E402
-from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments, Constraint, constraints_per_value  # noqa: E402
+from hf_constrained import (ConstrainedTrainer, ConstrainedTrainingArguments, Constraint,  # noqa: E402
+                            constraints_per_value)
 
 
 class Point(nn.Module):
@@ -60,7 +61,8 @@ def make_data(m: int, rows_per: int, dim: int, seed: int = 0) -> tuple[Dataset, 
     rows = Dataset.from_dict({"a": a.astype(np.float32).tolist(), "b": (b[k] + 0.1 * rng.normal(size=k.size)).tolist(),
                               "k": k.tolist()}).with_format("torch")
     target = rng.normal(size=dim) * 2
-    train = Dataset.from_dict({"c": (target + rng.normal(size=(4096, dim))).astype(np.float32).tolist()}).with_format("torch")
+    c = (target + rng.normal(size=(4096, dim))).astype(np.float32)
+    train = Dataset.from_dict({"c": c.tolist()}).with_format("torch")
     return rows, train
 
 

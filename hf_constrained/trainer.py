@@ -223,7 +223,8 @@ class ConstrainedTrainer(SafetyMixin, Trainer):
         """Per-constraint margin rule: an explicit margin, or z_c for a confidence (calibrated
         constraints); a constraint's own setting wins over the run's."""
         m = len(self.constraints)
-        z, fixed, rows = torch.zeros(m, dtype=torch.float64), torch.zeros(m, dtype=torch.float64), torch.ones(m, dtype=torch.float64)
+        z, fixed = torch.zeros(m, dtype=torch.float64), torch.zeros(m, dtype=torch.float64)
+        rows = torch.ones(m, dtype=torch.float64)
         no_rows = []
         for k, c in enumerate(self.constraints):
             if c.rowwise:

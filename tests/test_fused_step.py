@@ -11,7 +11,6 @@ estimators and streams to float64 round-off.
 
 from __future__ import annotations
 
-import logging
 import time
 
 import numpy as np
