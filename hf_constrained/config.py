@@ -81,6 +81,25 @@ class ConstrainedTrainingArguments(TrainingArguments):
         metadata={"help": "Stop with an error naming the constraint and step when a constraint value is NaN/inf "
                   "(costs one host sync per step)."},
     )
+    share_constraint_batches: bool = field(
+        default=False,
+        metadata={"help": "Row-wise constraints with one row_fn, one collate function and the SAME dataset object "
+                  "draw ONE batch per step from one stream and are scored once (e.g. every TPR constraint on one "
+                  "batch of positives). A different sampling: their batches are no longer independent."},
+    )
+    constraint_confidence: Optional[float] = field(
+        default=None,
+        metadata={"help": "Calibrated constraints: enforce h_k <= tol_k with the margin z_c * s_k / sqrt(|D_k|) "
+                  "(s_k the running spread of the per-row values, z_c the one-sided normal quantile at this "
+                  "confidence, in [0.5, 1)), so the constraint also holds on unseen data of the same population "
+                  "with about this confidence. Row-wise constraints only; Constraint.confidence overrides it."},
+    )
+    constraint_margin: Optional[float] = field(
+        default=None,
+        metadata={"help": "An explicit margin >= 0 for every constraint: the hinge acts when the estimate exceeds "
+                  "tol_k - margin (on the inner value of a compositional constraint). Constraint.margin overrides "
+                  "it; exclusive with constraint_confidence."},
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()

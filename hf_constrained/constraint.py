@@ -13,6 +13,7 @@ constraint is ``outer(inner) <= tolerance``; the gradient weight is chained thro
 
 from __future__ import annotations
 
+import hashlib
 import math
 import numbers
 from collections.abc import Mapping, Sequence
@@ -95,9 +96,11 @@ class Constraint:
             ``Dataset`` or any indexable sequence); ``None`` for a data-free constraint.
         tolerance: the constraint holds when h <= tolerance (default 0).
         eval_dataset: held-out data for exact evaluation; defaults to ``dataset``.
-        collate_fn: turns a list of examples into ``batch``; default
+        collate_fn: turns a list of examples into ``batch``; default: the trainer's
+            ``data_collator`` when one other than ``default_data_collator`` is set, else
             :func:`collate_examples`. The trainer adds ``batch["sample_index"]`` (the
-            examples' positions in ``dataset``) when batches are dicts.
+            examples' positions in ``dataset``) when batches are dicts. Row-wise constraints
+            of one group are collated together, so their examples must collate as one batch.
         outer: optional scalar map for compositional constraints, h = outer(inner).
         exact_fn: optional ``exact_fn(model, dataset) -> float`` for the exact value on
             a whole dataset when h is not a per-sample mean (the default exact
@@ -111,6 +114,13 @@ class Constraint:
             values (default: the outputs themselves).
         group_key: optional batch key holding each row's group (0 or 1); h is then the
             mean over group 0 minus the mean over group 1.
+        confidence: calibrated constraint (row-wise only): ask that h hold on unseen data of
+            the same population with this one-sided confidence in [0.5, 1); the trainer then
+            enforces the margin ``z_c * s / sqrt(|dataset|)`` from the running spread ``s`` of
+            the per-row values. Overrides the run's ``constraint_confidence``.
+        margin: an explicit margin >= 0: the hinge acts when the estimate exceeds
+            ``tolerance - margin`` (on the inner value when ``outer`` is set). Overrides the
+            run's settings; exclusive with ``confidence``.
     """
 
     name: str
@@ -125,6 +135,8 @@ class Constraint:
     row_fn: Optional[RowFn] = None
     row_transform: Optional[RowTransform] = None
     group_key: Optional[str] = None
+    confidence: Optional[float] = None
+    margin: Optional[float] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -150,6 +162,16 @@ class Constraint:
         self.tolerance = float(self.tolerance)
         if not math.isfinite(self.tolerance):
             raise ValueError(f"constraint {self.name!r}: tolerance must be finite, got {self.tolerance}")
+        if self.confidence is not None and self.margin is not None:
+            raise ValueError(f"constraint {self.name!r}: give confidence or margin, not both")
+        if self.confidence is not None:
+            if not 0.5 <= float(self.confidence) < 1.0:
+                raise ValueError(f"constraint {self.name!r}: confidence must be in [0.5, 1), got {self.confidence}")
+            if self.row_fn is None:
+                raise ValueError(f"constraint {self.name!r}: confidence needs per-row values (declare it with row_fn), "
+                                 "or give an explicit margin")
+        if self.margin is not None and not (math.isfinite(float(self.margin)) and float(self.margin) >= 0):
+            raise ValueError(f"constraint {self.name!r}: margin must be a finite number >= 0, got {self.margin}")
         for attr in ("dataset", "eval_dataset"):
             data = getattr(self, attr)
             if data is not None:
@@ -218,24 +240,57 @@ class Constraint:
         return self.reduce_rows(values, self.row_groups(batch, values.shape[0], values.device))
 
 
+def _hashable(value: Any) -> Any:
+    """A one-element tensor or numpy scalar as the Python number it holds (tensors hash by identity)."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
 def _column_values(dataset: Any, column: str) -> list:
+    """The column as a list, read in one call for a ``datasets.Dataset`` (through Arrow: row-by-row
+    formatting of a 100k-row column costs seconds)."""
     if hasattr(dataset, "column_names"):  # datasets.Dataset
         if column not in dataset.column_names:
             raise ValueError(f"column {column!r} not in dataset columns {dataset.column_names}")
-        return list(dataset[column])
-    return [dataset[i][column] for i in range(len(dataset))]
+        try:
+            return dataset.with_format("arrow")[column].to_pylist()
+        except Exception:  # an object that looks like a Dataset without Arrow formatting
+            return [_hashable(v) for v in dataset[column]]
+    return [_hashable(dataset[i][column]) for i in range(len(dataset))]
 
 
-def _subset(dataset: Any, indices: list[int]) -> Any:
+def _subset(dataset: Any, indices: list[int], tag: str = "") -> Any:
     if hasattr(dataset, "select"):
-        return dataset.select(indices)
+        fingerprint = getattr(dataset, "_fingerprint", None)
+        if isinstance(fingerprint, str) and tag:
+            # a fingerprint from (parent, column, value, rows) instead of hashing the index list (28 ms each)
+            new = hashlib.sha256(f"{fingerprint}|{tag}|{len(indices)}|{indices[:8]}".encode()).hexdigest()[:32]
+            subset = dataset.select(indices, new_fingerprint=new)
+        else:
+            subset = dataset.select(indices)
+        try:  # lets the fused step read the rows of many such subsets in one call of the parent
+            setattr(subset, "hfc_row_source", (dataset, np.asarray(indices, dtype=np.int64)))
+        except AttributeError:
+            pass
+        return subset
     return torch.utils.data.Subset(dataset, indices)
+
+
+def _rows_by_value(column_values: Sequence[Any]) -> dict[Any, list[int]]:
+    """Row indices of each value, in one pass (not one scan of the column per value)."""
+    rows: dict[Any, list[int]] = {}
+    for i, v in enumerate(column_values):
+        rows.setdefault(v, []).append(i)
+    return rows
 
 
 def constraints_per_value(
     dataset: Any,
     column: str,
-    fn: ConstraintFn | Callable[[Any], ConstraintFn],
+    fn: Optional[ConstraintFn | Callable[[Any], ConstraintFn]] = None,
     *,
     values: Optional[Sequence[Any]] = None,
     name: str = "{column}={value}",
@@ -250,38 +305,46 @@ def constraints_per_value(
         dataset: the data to split; each constraint gets the rows with its value.
         column: the column (or dict key of each example) to split on.
         fn: the constraint function shared by all, or, with ``per_value_fn=True``, a
-            factory ``fn(value) -> constraint function``.
+            factory ``fn(value) -> constraint function``. Leave it out and pass ``row_fn=``
+            (row-wise form): the constraints then share that one ``row_fn`` and the trainer
+            evaluates all sampled ones in one model call per step.
         values: which values get a constraint (default: every value present, sorted).
         name: a format string with ``{column}`` and ``{value}``.
         tolerance: one tolerance for all, or a mapping value -> tolerance.
         eval_dataset: held-out data split on the same column.
-        **kwargs: passed on to :class:`Constraint` (``collate_fn``, ``outer``, ...).
+        **kwargs: passed on to :class:`Constraint` (``row_fn``, ``collate_fn``, ``outer``, ...).
+
+    The column is read once and split in one pass, so m values cost O(rows + m) to set up.
     """
-    column_values = _column_values(dataset, column)
-    present = sorted(set(column_values), key=lambda v: (str(type(v)), v))
+    if fn is None and kwargs.get("row_fn") is None:
+        raise ValueError("constraints_per_value needs fn (a scalar per batch) or row_fn= (per-row values)")
+    extra_metadata = dict(kwargs.pop("metadata", None) or {})
+    rows_of = _rows_by_value(_column_values(dataset, column))
+    present = sorted(rows_of, key=lambda v: (str(type(v)), v))
     if values is None:
         values = present
-    eval_values = _column_values(eval_dataset, column) if eval_dataset is not None else None
+    eval_rows_of = _rows_by_value(_column_values(eval_dataset, column)) if eval_dataset is not None else None
     out = []
     for value in values:
-        rows = [i for i, v in enumerate(column_values) if v == value]
+        rows = rows_of.get(value)
         if not rows:
-            raise ValueError(f"no rows with {column} == {value!r} in the dataset (present: {present})")
+            raise ValueError(f"no rows with {column} == {value!r} in the dataset (present: {present[:20]})")
         eval_part = None
-        if eval_values is not None:
-            eval_rows = [i for i, v in enumerate(eval_values) if v == value]
+        if eval_rows_of is not None:
+            eval_rows = eval_rows_of.get(value)
             if not eval_rows:
                 raise ValueError(f"no rows with {column} == {value!r} in eval_dataset")
-            eval_part = _subset(eval_dataset, eval_rows)
+            eval_part = _subset(eval_dataset, eval_rows, f"eval|{column}|{value!r}")
         tol = tolerance[value] if isinstance(tolerance, Mapping) else tolerance
+        metadata = {**extra_metadata, "column": column, "value": value}
         out.append(
             Constraint(
                 name=name.format(column=column, value=value),
-                fn=fn(value) if per_value_fn else fn,
-                dataset=_subset(dataset, rows),
+                fn=None if fn is None else (fn(value) if per_value_fn else fn),
+                dataset=_subset(dataset, rows, f"train|{column}|{value!r}"),
                 tolerance=float(tol),
                 eval_dataset=eval_part,
-                metadata={"column": column, "value": value},
+                metadata=metadata,
                 **kwargs,
             )
         )

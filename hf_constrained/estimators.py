@@ -97,17 +97,20 @@ class MSVREstimator:
     # ------------------------------------------------------------------ update
     @torch.no_grad()
     def update(self, index: torch.Tensor, current: torch.Tensor,
-               previous: Optional[torch.Tensor] = None) -> torch.Tensor:
+               previous: Optional[torch.Tensor] = None, *, check_unique: bool = True) -> torch.Tensor:
         """Apply the MSVR recurrence at ``index`` and return the new values there.
 
         Args:
             index: long tensor of estimator indices (no duplicates).
+            check_unique: check that (a sync on a GPU); off where unique by construction.
             current: h(w_t; B) at those indices.
             previous: h(w_{t-1}; B) on the SAME batches B; ``None`` (or NaN entries)
                 means "not available", which drops the correction term.
         """
         index = index.to(self.values.device).long()
-        if index.numel() != torch.unique(index).numel():
+        # on a GPU this check is a host sync (unique's size): callers whose indices are unique by
+        # construction (B_c is drawn without replacement) pass check_unique=False
+        if check_unique and index.numel() != torch.unique(index).numel():
             raise ValueError("MSVREstimator.update got duplicate indices")
         current = current.detach().to(self.values)
         if previous is None:

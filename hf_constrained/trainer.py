@@ -16,6 +16,23 @@ One optimizer step of Algorithm 1 (REFERENCE section 2), done inside
 
 Under gradient accumulation the parameters stay w_t for the whole window, so the
 constraint part runs on the window's first micro-batch only (scaled so it counts once).
+
+Row-wise constraints (``Constraint(row_fn=...)``) that share one ``row_fn`` object and one
+collate function are evaluated by the fused step of :mod:`hf_constrained.fused`: ONE
+``row_fn`` call with grad for all sampled members of the group (step 2) and ONE call under
+``no_grad`` for their look-ahead, per-constraint values from segment sums, one all-reduce of
+sums and counts across processes. Scalar ``fn`` constraints keep one call each. The two paths
+give the same update up to float round-off (``tests/test_fused_step.py``).
+
+Constraint batches are collated by the constraint's ``collate_fn``; without one, by the
+trainer's ``data_collator`` when one other than ``default_data_collator`` was given (e.g.
+padding tokenized text), else by :func:`~hf_constrained.collate_examples`.
+
+For row-wise constraints the trainer also keeps the running spread of the per-row values:
+it logs the standard error of each mini-batch value (``constraint_std/<name>``, noise you can
+compare with the tolerance; :meth:`ConstrainedTrainer.constraint_noise`) and, for calibrated
+constraints (``constraint_confidence``, ``Constraint.confidence``/``margin``), enforces the
+margin ``z_c * s_k / sqrt(|D_k|)`` (:meth:`ConstrainedTrainer.constraint_margins`).
 """
 
 from __future__ import annotations
@@ -24,14 +41,14 @@ import logging
 import math
 import os
 from collections import defaultdict
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, MutableMapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
-from transformers import Trainer
+from transformers import Trainer, default_data_collator
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, IntervalStrategy, rotate_checkpoints
 
 from .checkpointing import (
@@ -44,20 +61,52 @@ from .checkpointing import (
 )
 from .clipping import PENALTY_GRAD_NORM_KEY, ClipMonitor
 from .config import ConstrainedTrainingArguments
-from .constraint import Constraint, fetch_rows
+from .constraint import Constraint, collate_examples, fetch_rows
 from .distributed import GradientCoverageCallback, configure_ddp_for_constraints, fsdp_requested, uses_ddp
 from .estimators import MSVREstimator, resolve_gamma_prime
+from .fused import (RowGroup, RowUnit, batch_variances, collate_units, inner_values, local_contribution,
+                    plan_row_groups, row_values_and_owners, same_callable, segment_sums, stats_dtype)
 from .penalties import make_penalty
 from .safety.gate import SafetyMixin
 from .sampling import ConstraintBatchStream, ConstraintSampler
+from .statistics import ConstraintStatistic, constraint_statistic, z_value
 
 logger = logging.getLogger(__name__)
 
 CONSTRAINT_STATE_NAME = "constraint_state.pt"
+PREFLIGHT_CHUNK = 64  # row-wise constraints checked per no-grad row_fn call before training
+
+
+SPREAD_DECAY = 0.1
+"""Weight of the newest batch in the running per-row variance of a row-wise constraint
+(a running mean over the first 10 visits, then an exponential average over about 10)."""
 
 
 class ConstraintValueError(RuntimeError):
     """A constraint function returned something the method cannot use."""
+
+
+def _float_outer(c: Constraint) -> Any:
+    """A constraint's ``outer`` as a float -> float map (for :mod:`hf_constrained.statistics`)."""
+    return lambda x: float(c.apply_outer(torch.tensor(x, dtype=torch.float64)))
+
+
+def _shallow_copy(batch: Any) -> Any:
+    """A new dict around the same tensors, so a function that pops keys cannot change the cached batch."""
+    return type(batch)(batch) if isinstance(batch, MutableMapping) else batch
+
+
+def _pinned_to(data: Any, device: torch.device) -> Any:
+    """``data`` (nested dicts/lists of tensors) on ``device``, copied from pinned memory without blocking."""
+    if isinstance(data, Mapping):
+        return type(data)({k: _pinned_to(v, device) for k, v in data.items()})
+    if isinstance(data, (list, tuple)):
+        return type(data)(_pinned_to(v, device) for v in data)
+    if isinstance(data, torch.Tensor):
+        if data.device.type == "cpu":
+            return data.pin_memory().to(device, non_blocking=True)
+        return data.to(device)
+    return data
 
 
 @dataclass
@@ -69,6 +118,9 @@ class _ConstraintDraw:
     constraint_ids: torch.Tensor
     sample_indices: list[Optional[list[int]]]
     previous: Optional[torch.Tensor] = None
+    # the collated device batches of the look-ahead, reused by the step itself (same rows, new
+    # parameters): not part of the state (a resumed run collates them again)
+    batches: dict[Any, Any] = field(default_factory=dict)
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -109,6 +161,7 @@ class ConstrainedTrainer(SafetyMixin, Trainer):
         if args is None:
             args = ConstrainedTrainingArguments(output_dir="trainer_output")
         self.constraints: list[Constraint] = self._check_constraints(constraints)
+        self._check_margin_arguments(args)
         m = len(self.constraints)
         self.penalty = make_penalty(args.constraint_penalty, args.penalty_beta)
         if self.penalty.active and m == 0:
@@ -162,6 +215,75 @@ class ConstrainedTrainer(SafetyMixin, Trainer):
         # the exact values of the latest evaluation, all m of them (logs hold them only for small m)
         self.last_constraint_values: dict[str, float] = {}
         self.last_constraint_values_step: Optional[int] = None
+        # the fused step (hf_constrained.fused): groups of row-wise constraints, shared streams
+        self._tolerance_cache: dict[torch.device, torch.Tensor] = {}
+        self._row_groups: list[RowGroup] = plan_row_groups(self.constraints, self._collate_of)
+        self._group_of: dict[int, int] = {k: gi for gi, g in enumerate(self._row_groups) for k in g.members}
+        self._stream_owner: list[int] = self._plan_stream_owners()
+        # running per-row spread of the row-wise constraints, per (constraint, group): noise and margins
+        acc = stats_dtype(self.args.device)
+        self._spread_var = torch.zeros(2 * m, dtype=acc, device=self.args.device)
+        self._spread_rows = torch.zeros(2 * m, dtype=acc, device=self.args.device)
+        self._spread_visits = torch.zeros(m, dtype=acc, device=self.args.device)
+        self._setup_margins()
+        self._noise_warned = False
+
+    def _plan_stream_owners(self) -> list[int]:
+        """Which constraint's stream draws each constraint's rows: its own, or with
+        ``share_constraint_batches`` the first member of its row group on the same dataset object."""
+        owners = list(range(len(self.constraints)))
+        if not self.args.share_constraint_batches:
+            return owners
+        shared = 0
+        for group in self._row_groups:
+            leader_of: dict[int, int] = {}
+            for k in group.members:
+                key = id(self.constraints[k].dataset)  # identity: the objects live as long as the trainer
+                owners[k] = leader_of.setdefault(key, k)
+                shared += owners[k] != k
+        logger.info("share_constraint_batches: %d of %d constraints draw their batch from another constraint's "
+                    "stream (same row_fn, collate and dataset)", shared, len(owners))
+        return owners
+
+    @staticmethod
+    def _check_margin_arguments(args: ConstrainedTrainingArguments) -> None:
+        if args.constraint_confidence is not None and args.constraint_margin is not None:
+            raise ValueError("give constraint_confidence or constraint_margin, not both")
+        if args.constraint_confidence is not None and not 0.5 <= float(args.constraint_confidence) < 1.0:
+            raise ValueError(f"constraint_confidence must be in [0.5, 1), got {args.constraint_confidence}")
+        if args.constraint_margin is not None and not (math.isfinite(float(args.constraint_margin))
+                                                       and float(args.constraint_margin) >= 0):
+            raise ValueError(f"constraint_margin must be a finite number >= 0, got {args.constraint_margin}")
+
+    def _setup_margins(self) -> None:
+        """Per-constraint margin rule: an explicit margin, or z_c for a confidence (calibrated
+        constraints); a constraint's own setting wins over the run's."""
+        m = len(self.constraints)
+        z, fixed = torch.zeros(m, dtype=torch.float64), torch.zeros(m, dtype=torch.float64)
+        rows = torch.ones(m, dtype=torch.float64)
+        no_rows = []
+        for k, c in enumerate(self.constraints):
+            if c.rowwise:
+                rows[k] = len(c.dataset)
+            if c.margin is not None:
+                fixed[k] = c.margin
+            elif c.confidence is not None:
+                z[k] = z_value(c.confidence)
+            elif self.args.constraint_margin is not None:
+                fixed[k] = float(self.args.constraint_margin)
+            elif self.args.constraint_confidence is not None:
+                if c.rowwise:
+                    z[k] = z_value(float(self.args.constraint_confidence))
+                else:
+                    no_rows.append(c.name)
+        if no_rows:
+            logger.warning("constraint_confidence=%s gives no margin to %d constraint(s) without per-row values "
+                           "(scalar fn): %s. Declare them with row_fn or give them Constraint(margin=...).",
+                           self.args.constraint_confidence, len(no_rows), no_rows[:10])
+        dev, acc = self.args.device, stats_dtype(self.args.device)
+        self._margin_z, self._margin_fixed = z.to(dev, acc), fixed.to(dev, acc)
+        self._data_rows = rows.to(dev, acc)
+        self._has_margins = bool((z > 0).any() or (fixed > 0).any())
 
     # ------------------------------------------------------------------ checks
     @staticmethod
@@ -205,51 +327,104 @@ class ConstrainedTrainer(SafetyMixin, Trainer):
 
         Catches non-scalar values, values without grad, NaN/inf, batches that lack a key
         the constraint reads and rows that cannot be collated, before the first optimizer
-        step, without advancing any data stream. Every constraint runs (not each distinct
-        function once): constraints that share one function differ in their data.
+        step, without advancing any data stream. Every constraint is checked (not each
+        distinct function once): constraints that share one function differ in their data.
+        Row-wise constraints of one group are checked together, up to
+        ``PREFLIGHT_CHUNK`` per no-grad ``row_fn`` call (the group's first constraint also runs
+        alone with grad), so many constraints of one formula cost a few calls; a chunk that
+        fails is re-run constraint by constraint to name the culprit.
         """
         model = self.model
         was_training = model.training
         model.train()
-        bar = tqdm(self.constraints, desc="checking constraints", leave=False,
-                   disable=self.args.disable_tqdm or len(self.constraints) < 50 or not self.is_world_process_zero())
+        b = self.args.constraint_batch_size
+        pending: list[int] = []
         try:
-            for k, c in enumerate(bar):
-                batch = None
-                rows: list[int] = []
-                if not c.data_free:
-                    rows = list(range(min(len(c.dataset), self.args.constraint_batch_size)))
-                    try:
-                        batch = self._make_batch(k, rows)
-                    except (KeyError, ValueError, TypeError, RuntimeError) as e:
-                        raise ConstraintValueError(
-                            f"constraint {c.name!r}: rows {rows[0]}..{rows[-1]} of its dataset cannot be made into a "
-                            f"batch: {type(e).__name__}: {e}"
-                        ) from e
-                try:
-                    with self.compute_loss_context_manager():
-                        value = self._check_value(k, c.fn(model, batch), need_grad=True)
-                except KeyError as e:
-                    keys = sorted(batch) if isinstance(batch, dict) else None
-                    missing = e.args[0] if e.args else None
-                    what = (f"its function reads key {missing!r}, which its batches do not have"
-                            if isinstance(missing, str) and " " not in missing else f"KeyError: {missing}")
-                    raise ConstraintValueError(
-                        f"constraint {c.name!r}: {what} (batch keys: {keys}); check the constraint's dataset "
-                        "columns or its collate_fn"
-                    ) from e
-                if not torch.isfinite(value.detach()).item():
-                    raise ConstraintValueError(f"constraint {c.name!r} is {value.item()} before training")
+            for group in self._row_groups:
+                members = list(group.members)
+                self._preflight_one(model, members[0], b)  # the gradient path, once per group
+                for start in range(0, len(members), PREFLIGHT_CHUNK):
+                    chunk = members[start:start + PREFLIGHT_CHUNK]
+                    if not self._preflight_row_chunk(model, group, chunk, b):
+                        pending.extend(chunk)
+            grouped = {k for g in self._row_groups for k in g.members}
+            pending.extend(k for k in range(len(self.constraints)) if k not in grouped)
+            bar = tqdm(sorted(pending), desc="checking constraints", leave=False,
+                       disable=self.args.disable_tqdm or len(pending) < 50 or not self.is_world_process_zero())
+            for k in bar:
+                self._preflight_one(model, k, b)
         finally:
             model.train(was_training)
 
+    def _preflight_row_chunk(self, model: nn.Module, group: RowGroup, chunk: list[int], b: int) -> bool:
+        """One no-grad ``row_fn`` call on ``b`` rows of each constraint of ``chunk``; False when
+        anything about it fails (the caller then checks the constraints one by one)."""
+        units = []
+        for p, k in enumerate(chunk):
+            rows = list(range(min(len(self.constraints[k].dataset), b)))
+            units.append(RowUnit(self.constraints[k].dataset, rows, positions=[p], constraints=[k]))
+        try:
+            with torch.no_grad(), self.compute_loss_context_manager():
+                batch, slices, outputs = self._row_outputs(model, group, units, need_grad=False)
+                values, owners = row_values_and_owners(self.constraints, units, slices, outputs, batch)
+                _, stats = segment_sums(values, owners, len(chunk), need_grad=False)
+            return bool(torch.isfinite(inner_values(stats)).all().item())
+        except Exception:  # noqa: BLE001 - any failure is re-diagnosed per constraint, with its name
+            return False
+
+    def _preflight_one(self, model: nn.Module, k: int, b: int) -> None:
+        c = self.constraints[k]
+        batch = None
+        rows: list[int] = []
+        if not c.data_free:
+            rows = list(range(min(len(c.dataset), b)))
+            try:
+                batch = self._make_batch(k, rows)
+            except (KeyError, ValueError, TypeError, RuntimeError) as e:
+                raise ConstraintValueError(
+                    f"constraint {c.name!r}: rows {rows[0]}..{rows[-1]} of its dataset cannot be made into a "
+                    f"batch: {type(e).__name__}: {e}"
+                ) from e
+        try:
+            with self.compute_loss_context_manager():
+                value = self._check_value(k, c.fn(model, batch), need_grad=True)
+        except KeyError as e:
+            keys = sorted(batch) if isinstance(batch, dict) else None
+            missing = e.args[0] if e.args else None
+            what = (f"its function reads key {missing!r}, which its batches do not have"
+                    if isinstance(missing, str) and " " not in missing else f"KeyError: {missing}")
+            raise ConstraintValueError(
+                f"constraint {c.name!r}: {what} (batch keys: {keys}); check the constraint's dataset "
+                "columns or its collate_fn"
+            ) from e
+        if not torch.isfinite(value.detach()).item():
+            raise ConstraintValueError(f"constraint {c.name!r} is {value.item()} before training")
+
     # ------------------------------------------------------------------ batches
+    def _collate_of(self, c: Constraint) -> Any:
+        """The collate function of constraint ``c``'s batches: its own ``collate_fn``; else the
+        trainer's ``data_collator`` when one other than ``default_data_collator`` is set (e.g.
+        padding tokenized text); else :func:`~hf_constrained.collate_examples`."""
+        if c.collate_fn is not None:
+            return c.collate_fn
+        collator = getattr(self, "data_collator", None)
+        if collator is not None and collator is not default_data_collator:
+            return collator
+        return collate_examples
+
+    def _to_device(self, batch: Any) -> Any:
+        """Move a collated batch to the device. On CUDA the tensors are pinned and copied with
+        ``non_blocking=True``: a pageable copy would block the host until the device is idle."""
+        if self.args.device.type != "cuda" or getattr(self, "is_deepspeed_enabled", False):
+            return self._prepare_input(batch)
+        return _pinned_to(batch, self.args.device)
+
     def _make_batch(self, k: int, indices: list[int]) -> Any:
         c = self.constraints[k]
-        batch = c.collate(fetch_rows(c.dataset, indices))
-        if isinstance(batch, dict):
+        batch = self._collate_of(c)(fetch_rows(c.dataset, indices))
+        if isinstance(batch, MutableMapping):
             batch["sample_index"] = torch.as_tensor(indices, dtype=torch.long)
-        return self._prepare_input(batch)
+        return self._to_device(batch)
 
     def _local_rows(self, rows: list[int]) -> list[int]:
         """This process's share of a global constraint batch (contiguous slice by rank)."""
@@ -258,53 +433,197 @@ class ConstrainedTrainer(SafetyMixin, Trainer):
         return rows[r * b : (r + 1) * b]
 
     def _draw(self, step: int) -> _ConstraintDraw:
+        """B_c^t (Algorithm 1, line 3) and the global rows of each B_k^t (line 5). Constraints that
+        share a batch (``share_constraint_batches``) get the same rows from their group's one stream."""
         ids = self.sampler.sample(step)
         global_b = self.args.constraint_batch_size * self.accelerator.num_processes
-        rows = [None if self.streams[k] is None else self.streams[k].next_indices(global_b) for k in ids.tolist()]
+        drawn: dict[int, list[int]] = {}
+        rows: list[Optional[list[int]]] = []
+        for k in ids.tolist():
+            if self.streams[k] is None:
+                rows.append(None)
+                continue
+            owner = self._stream_owner[k]
+            if owner not in drawn:
+                drawn[owner] = self.streams[owner].next_indices(global_b)
+            rows.append(drawn[owner])
         return _ConstraintDraw(step, ids, rows)
 
-    def _constraint_values(self, model: nn.Module, draw: _ConstraintDraw, *, need_grad: bool) -> torch.Tensor:
-        values = []
-        for k, rows in zip(draw.constraint_ids.tolist(), draw.sample_indices):
-            batch = None if rows is None else self._make_batch(k, self._local_rows(rows))
-            values.append(self._check_value(k, self.constraints[k].fn(model, batch), need_grad=need_grad))
-        return torch.stack([v.float() for v in values])
+    def _row_outputs(self, model: nn.Module, group: RowGroup, units: list[RowUnit], *, need_grad: bool,
+                     cache: Optional[dict] = None, key: Any = None) -> Any:
+        """One collate call and ONE ``row_fn`` call for all sampled members of ``group``
+        (the collated batch is kept in ``cache`` for the step that reuses the look-ahead's rows)."""
+        if cache is not None and key in cache:
+            batch, slices = cache.pop(key)
+        else:
+            batch, slices = collate_units(units, group.collate)
+            batch = self._to_device(batch)
+            if cache is not None and not need_grad:  # a look-ahead: the step evaluates the same rows next
+                cache[key] = (_shallow_copy(batch), slices)
+        outputs = group.row_fn(model, batch)
+        names = [self.constraints[k].name for u in units for k in u.constraints]
+        num_rows = slices[-1][1]
+        if not isinstance(outputs, torch.Tensor):
+            raise ConstraintValueError(f"row_fn of constraints {names} returned {type(outputs).__name__}, expected a "
+                                       "tensor with one entry per row")
+        if outputs.dim() == 0 or outputs.shape[0] != num_rows:
+            raise ConstraintValueError(f"row_fn of constraints {names} returned shape {tuple(outputs.shape)} for a "
+                                       f"batch of {num_rows} rows: dim 0 must be the rows")
+        if need_grad and not outputs.requires_grad:
+            raise ConstraintValueError(f"row_fn of constraints {names} returned a tensor without grad: compute it from "
+                                       "the model passed to row_fn without .detach()/.item()/torch.no_grad()")
+        return batch, slices, outputs
 
-    def _all_reduce_mean(self, values: torch.Tensor) -> torch.Tensor:
-        if self.accelerator.num_processes > 1:
-            values = self.accelerator.reduce(values.contiguous(), reduction="mean")
-        return values
+    def _evaluate_draw(self, model: nn.Module, draw: _ConstraintDraw, *,
+                       need_grad: bool) -> tuple[Optional[torch.Tensor], torch.Tensor, Optional[torch.Tensor]]:
+        """h_k(w; B_k) of every constraint of ``draw`` at the current parameters.
+
+        Row-wise constraints go through the fused path (:mod:`hf_constrained.fused`): one
+        ``row_fn`` call per group, per-(constraint, group) sums by ``index_add``; scalar ``fn``
+        constraints are called one by one. Everything that crosses processes travels in ONE
+        all-reduce (a sum): the row sums and counts, and the scalar values (then divided by the
+        number of processes, as before).
+
+        Returns ``(local, current, stats)``: ``local`` (with ``need_grad``) this process's part
+        of each value, carrying the gradient, scaled so that the data-parallel gradient average
+        gives the gradient of the global value; ``current`` the global values, detached (float64
+        where the device has it); ``stats`` the global ``(3, 2 |B_c|)`` row sums, sums of squares
+        and counts (``None`` without row-wise constraints in the draw).
+        """
+        ids = draw.constraint_ids.tolist()
+        n = len(ids)
+        device = self.args.device
+        buckets: dict[int, dict[int, RowUnit]] = defaultdict(dict)
+        scalar_pos: list[int] = []
+        for p, k in enumerate(ids):
+            gi = self._group_of.get(k)
+            if gi is None:
+                scalar_pos.append(p)
+                continue
+            unit_key = self._stream_owner[k]
+            units = buckets[gi]
+            if unit_key not in units:
+                units[unit_key] = RowUnit(self.constraints[k].dataset, self._local_rows(draw.sample_indices[p]))
+            units[unit_key].positions.append(p)
+            units[unit_key].constraints.append(k)
+
+        sums: Optional[torch.Tensor] = None
+        stats: Optional[torch.Tensor] = None
+        for gi, unit_map in buckets.items():
+            units = list(unit_map.values())
+            batch, slices, outputs = self._row_outputs(model, self._row_groups[gi], units, need_grad=need_grad,
+                                                       cache=draw.batches, key=("group", gi))
+            values, owners = row_values_and_owners(self.constraints, units, slices, outputs, batch)
+            g_sums, g_stats = segment_sums(values, owners, n, need_grad=need_grad)
+            # each group's owners are its own positions of B_c: adding the groups' sums merges them
+            if g_sums is not None:
+                sums = g_sums if sums is None else sums + g_sums
+            stats = g_stats if stats is None else stats + g_stats
+
+        scalar_local: list[torch.Tensor] = []
+        for p in scalar_pos:
+            k = ids[p]
+            rows = draw.sample_indices[p]
+            if ("scalar", p) in draw.batches:
+                batch = draw.batches.pop(("scalar", p))
+            else:
+                batch = None if rows is None else self._make_batch(k, self._local_rows(rows))
+                if not need_grad and batch is not None:
+                    draw.batches[("scalar", p)] = _shallow_copy(batch)
+            scalar_local.append(self._check_value(k, self.constraints[k].fn(model, batch), need_grad=need_grad).float())
+
+        acc = stats_dtype(device)
+        world = self.accelerator.num_processes
+        pos_t = torch.tensor(scalar_pos, dtype=torch.long).to(device, non_blocking=True) if scalar_pos else None
+        scalar_vec = torch.zeros(n, dtype=acc, device=device)
+        if scalar_local:
+            scalar_vec = scalar_vec.index_copy(0, pos_t, torch.stack(scalar_local).detach().to(acc))
+        if world > 1:  # one collective per evaluation: sums and counts, never means of means
+            parts = [scalar_vec] if stats is None else [stats.reshape(-1), scalar_vec]
+            packed = self.accelerator.reduce(torch.cat(parts), reduction="sum")
+            scalar_vec = packed[-n:] / world
+            if stats is not None:
+                stats = packed[: 6 * n].view(3, 2 * n)
+        if stats is None:
+            current = scalar_vec
+        elif not scalar_pos:
+            current = inner_values(stats)
+        else:
+            is_row = torch.ones(n, dtype=torch.bool).index_fill_(0, torch.tensor(scalar_pos), False)
+            current = torch.where(is_row.to(device, non_blocking=True), inner_values(stats), scalar_vec)
+
+        local = None
+        if need_grad:
+            dtype = torch.float32 if sums is None else sums.dtype
+            local = torch.zeros(n, dtype=dtype, device=device)
+            if sums is not None:
+                local = local + local_contribution(sums, stats[2], world)
+            if scalar_local:
+                local = local.index_add(0, pos_t, torch.stack(scalar_local).to(dtype))
+        return local, current, stats
 
     # ------------------------------------------------------------------ the step
-    def _outer(self, ids: torch.Tensor, inner: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """h = outer(inner) - tolerance and d outer / d inner, per constraint."""
-        tol = self._tolerances.to(inner.device)[ids.to(inner.device)]
-        if all(self.constraints[k].outer is None for k in ids.tolist()):
-            return inner - tol, torch.ones_like(inner)
+    def _outer(self, ids: torch.Tensor, inner: torch.Tensor,
+               margin: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """h = outer(inner) - tolerance and d outer / d inner, per constraint.
+
+        With ``margin`` (a calibrated constraint, :meth:`constraint_margins`) h is the upper
+        end of ``outer`` over ``[inner - margin, inner + margin]``: ``inner + margin - tol``
+        without ``outer``, ``max(outer(inner - margin), outer(inner + margin)) - tol`` with a
+        convex ``outer``; the slope stays d outer / d inner at ``inner``.
+        """
+        id_list = ids.tolist()  # the step passes host ids: no sync
+        tol = self._tolerance_on(inner.device)[ids.to(inner.device, non_blocking=True)]
+        if not any(self.constraints[k].outer is not None for k in id_list):
+            h = inner if margin is None else inner + margin.to(inner)
+            return h - tol, torch.ones_like(inner)
         with torch.enable_grad():
             x = inner.detach().clone().requires_grad_(True)
-            h = torch.stack([self.constraints[k].apply_outer(x[i]) for i, k in enumerate(ids.tolist())])
+            h = torch.stack([self.constraints[k].apply_outer(x[i]) for i, k in enumerate(id_list)])
             (slope,) = torch.autograd.grad(h.sum(), x, allow_unused=True)
         slope = torch.zeros_like(x) if slope is None else slope
-        return h.detach() - tol, slope.detach()
+        h = h.detach()
+        if margin is not None:
+            margin = margin.to(inner)
+            lo = torch.stack([self.constraints[k].apply_outer(x[i] - margin[i]) for i, k in enumerate(id_list)])
+            hi = torch.stack([self.constraints[k].apply_outer(x[i] + margin[i]) for i, k in enumerate(id_list)])
+            h = torch.maximum(lo, hi).detach()
+        return h - tol, slope.detach()
+
+    def _tolerance_on(self, device: torch.device) -> torch.Tensor:
+        cached = self._tolerance_cache.get(device)
+        if cached is None:
+            cached = self._tolerance_cache[device] = self._tolerances.to(device)
+        return cached
 
     def constraint_penalty_loss(self, model: nn.Module) -> torch.Tensor:
-        """One step of Algorithm 1, lines 3-9; returns the loss whose gradient is G_2."""
+        """One step of Algorithm 1, lines 3-9; returns the loss whose gradient is G_2.
+
+        Host synchronisations left in the step (on a GPU): ONE ``.item()`` for the finite
+        check of the step's values and of the look-ahead values it consumes
+        (``check_constraint_finite``; off means no sync but a NaN/inf then corrupts the
+        estimator silently); the collective of a multi-process run. Batches are collated on
+        the host and copied from pinned memory without blocking; the constraint ids are small
+        host tensors (B_c is a function of (seed, step), drawn on the host by design).
+        """
         step = self.state.global_step
         draw = self._next_draw if self._next_draw is not None and self._next_draw.step == step else self._draw(step)
         self._next_draw = None
-        ids = draw.constraint_ids.to(self.estimator.values.device)
+        ids_cpu = draw.constraint_ids.cpu()
+        ids = ids_cpu.to(self.estimator.values.device, non_blocking=True)
 
-        values = self._constraint_values(model, draw, need_grad=True)  # h_k(w_t; B_k^t), with grad
-        current = self._all_reduce_mean(values.detach())
-        if self.args.check_constraint_finite and not torch.isfinite(current).all().item():
-            self._raise_non_finite(ids, current, "h_k(w_t; B_k)")
+        values, current, stats = self._evaluate_draw(model, draw, need_grad=True)  # h_k(w_t; B_k^t), with grad
+        if self.args.check_constraint_finite:
+            self._check_finite(ids_cpu, current, draw.previous)
 
         u_t = self.estimator.get(ids, fallback=current)  # Algorithm 1 weighs with u^t, before the update
-        self.estimator.update(ids, current, draw.previous)
-        h_t, slope = self._outer(ids, u_t)
+        self.estimator.update(ids, current, draw.previous, check_unique=False)  # B_c is drawn without replacement
+        if stats is not None:
+            self._update_row_spread(ids, stats)
+        margin = self._margin_values(ids) if self._has_margins else None
+        h_t, slope = self._outer(ids_cpu, u_t, margin)
         weights = self.penalty.weight(h_t) * slope
-        penalty_loss = (weights.detach() * values).sum() / ids.numel()
+        penalty_loss = (weights.detach().to(values.dtype) * values).sum() / ids.numel()
 
         if self.estimator.gamma_prime > 0:
             self._next_draw = self._prefetch(model, step + 1)
@@ -313,14 +632,150 @@ class ConstrainedTrainer(SafetyMixin, Trainer):
         self._step_metrics["constraint/penalty_loss"].append(penalty_loss.detach())
         return penalty_loss
 
+    def _check_finite(self, ids: torch.Tensor, current: torch.Tensor, previous: Optional[torch.Tensor]) -> None:
+        """Every value that feeds the estimator is finite: this step's h_k(w_t; B_k^t) and the
+        look-ahead h_k(w_{t-1}; B_k^t) computed at the previous step (one host sync for both)."""
+        check = current if previous is None else torch.cat([current, previous.to(current)])
+        if bool(torch.isfinite(check).all()):
+            return
+        n = ids.numel()
+        if not bool(torch.isfinite(current).all()):
+            what = "h_k(w_t; B_k) at this step's parameters"
+            bad = [self.constraints[k] for k, v in zip(ids.tolist(), current.cpu().tolist()) if not math.isfinite(v)]
+            if any(c.group_key is not None for c in bad):
+                what += ("; a group_key constraint is NaN when its batch lacks rows of one group: raise "
+                         "constraint_batch_size or balance its dataset")
+            self._raise_non_finite(ids, current.cpu(), what)
+        self._raise_non_finite(ids, check[n:].cpu(),
+                               f"the look-ahead h_k(w_(t-1); B_k^t) computed at step {self.state.global_step - 1}")
+
     @torch.no_grad()
     def _prefetch(self, model: nn.Module, step: int) -> _ConstraintDraw:
         """Draw step ``step``'s constraint batches now and evaluate them at the current
-        parameters, which are w_{step-1} from that step's point of view."""
+        parameters, which are w_{step-1} from that step's point of view (one no-grad
+        ``row_fn`` call per group)."""
         draw = self._draw(step)
-        previous = self._all_reduce_mean(self._constraint_values(model, draw, need_grad=False))
-        draw.previous = previous.to(self.estimator.values.device)
+        _, previous, _ = self._evaluate_draw(model, draw, need_grad=False)
+        draw.previous = previous.to(self.estimator.values.device, torch.float32)
         return draw
+
+    # ------------------------------------------------------------------ per-row spread, noise, margins
+    @torch.no_grad()
+    def _update_row_spread(self, ids: torch.Tensor, stats: torch.Tensor) -> None:
+        """Running per-row variance s_k^2 (per group) and rows per batch of each visited row-wise
+        constraint, from this step's global sums (at w_t): ``V <- (1 - rho) V + rho s^2_batch``
+        with ``rho = max(1 / visits, SPREAD_DECAY)``, so the first visits average equally and
+        later ones forget old parameters (non-forgetting constraints start with every per-row
+        value 0: the spread grows during training)."""
+        n = ids.numel()
+        var, rows = batch_variances(stats), stats[2]
+        has_rows = rows.view(n, 2).sum(dim=1) > 0  # the row-wise positions of B_c
+        visits = self._spread_visits[ids] + has_rows.to(self._spread_visits.dtype)
+        rho = torch.where(has_rows, (1.0 / visits.clamp(min=1)).clamp(min=SPREAD_DECAY), torch.zeros_like(visits))
+        rho2 = rho.repeat_interleave(2)
+        owner = torch.stack([2 * ids, 2 * ids + 1], dim=1).reshape(-1)
+        self._spread_var[owner] = (1 - rho2) * self._spread_var[owner] + rho2 * var.to(self._spread_var)
+        self._spread_rows[owner] = (1 - rho2) * self._spread_rows[owner] + rho2 * rows.to(self._spread_rows)
+        self._spread_visits[ids] = visits
+
+    def _spread_at(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        owner = torch.stack([2 * ids, 2 * ids + 1], dim=1).reshape(-1)
+        return self._spread_var[owner].view(-1, 2), self._spread_rows[owner].view(-1, 2)
+
+    def _batch_std_error(self, ids: torch.Tensor) -> torch.Tensor:
+        """Standard error of the mini-batch value h_k(w; B_k) from the per-row spread:
+        ``s_k / sqrt(|B_k|)``, or ``sqrt(s_0^2 / n_0 + s_1^2 / n_1)`` for a group difference."""
+        var, rows = self._spread_at(ids)
+        return torch.where(rows > 0, var / rows.clamp(min=1e-12), torch.zeros_like(var)).sum(dim=1).sqrt()
+
+    def _margin_values(self, ids: torch.Tensor) -> torch.Tensor:
+        """The margin in force per constraint: the explicit one, or ``z_c * s_k / sqrt(n_k)``
+        with n_k = |D_k| (for a group difference ``z_c * sqrt(s_0^2 / n_0 + s_1^2 / n_1)`` with
+        n_g = |D_k| times group g's running share of the batch rows)."""
+        var, rows = self._spread_at(ids)
+        share = rows / rows.sum(dim=1, keepdim=True).clamp(min=1e-12)
+        n_data = (self._data_rows[ids].unsqueeze(1) * share).clamp(min=1.0)
+        se = torch.where(rows > 0, var / n_data, torch.zeros_like(var)).sum(dim=1).sqrt()
+        return self._margin_fixed[ids] + self._margin_z[ids] * se
+
+    def constraint_margins(self) -> dict[str, float]:
+        """The margin in force for each constraint that has one (explicit, or from a confidence):
+        the hinge's indicator acts on ``u_k + margin > tol_k`` (on the inner value of a
+        compositional constraint; see :meth:`_outer`). Empty when no margin is configured."""
+        if not self.constraints or not self._has_margins:
+            return {}
+        ids = torch.arange(len(self.constraints), device=self._spread_var.device)
+        margins = self._margin_values(ids).cpu().tolist()
+        configured = ((self._margin_z > 0) | (self._margin_fixed > 0)).cpu().tolist()
+        return {c.name: float(v) for c, v, on in zip(self.constraints, margins, configured) if on}
+
+    def constraint_noise(self) -> dict[str, float]:
+        """Standard error of each visited row-wise constraint's mini-batch value h_k(w; B_k),
+        from the running per-row spread (:meth:`_update_row_spread`). Scalar ``fn`` constraints
+        give no per-row values and are not listed."""
+        if not self.constraints:
+            return {}
+        ids = torch.arange(len(self.constraints), device=self._spread_var.device)
+        se = self._batch_std_error(ids).cpu().tolist()
+        visited = (self._spread_visits > 0).cpu().tolist()
+        return {c.name: float(v) for c, v, seen in zip(self.constraints, se, visited) if seen}
+
+    def _noise_scale(self, c: Constraint) -> Optional[float]:
+        """The scale a constraint's noise is compared with: ``metadata["noise_scale"]`` (e.g. the
+        ROC constraints' kappa), else ``|tolerance|`` when nonzero, else none (no warning)."""
+        scale = c.metadata.get("noise_scale") if isinstance(c.metadata, Mapping) else None
+        if scale is None and c.tolerance != 0:
+            scale = abs(float(c.tolerance))
+        return None if scale is None or not scale > 0 else float(scale)
+
+    def _row_noise_log_metrics(self) -> dict[str, float]:
+        """``constraint_std/<name>`` (standard error of h_k(w; B_k)) and ``constraint_margin/<name>``
+        when m <= ``log_constraint_estimates_max``; their maxima always. Warns once when the noise
+        an estimate keeps dwarfs a constraint's scale."""
+        logs: dict[str, float] = {}
+        noise = self.constraint_noise()
+        few = len(self.constraints) <= self.args.log_constraint_estimates_max
+        if noise:
+            if few:
+                logs.update({f"constraint_std/{n}": v for n, v in noise.items()})
+            logs["constraint_std/max"] = max(noise.values())
+            self._maybe_warn_noise(noise)
+        margins = self.constraint_margins()
+        if margins:
+            if few:
+                logs.update({f"constraint_margin/{n}": v for n, v in margins.items()})
+            logs["constraint_margin/max"] = max(margins.values())
+        return logs
+
+    def _maybe_warn_noise(self, noise: dict[str, float]) -> None:
+        """ONE warning per run when the noise left in an estimate exceeds the constraint's scale.
+
+        With independent batch noise of standard error se, an exponential average with weight
+        gamma keeps a standard deviation of ``se * sqrt(gamma / (2 - gamma))``; when that exceeds
+        the scale the hinge's indicator 1[u_k > 0] is close to a coin flip."""
+        if self._noise_warned:
+            return
+        g = self.args.msvr_gamma
+        keep = math.sqrt(g / (2.0 - g))
+        bad = []
+        for k, c in enumerate(self.constraints):
+            scale = self._noise_scale(c)
+            if scale is None or c.name not in noise:
+                continue
+            if noise[c.name] * keep > scale:
+                bad.append((noise[c.name] * keep / scale, c.name, noise[c.name], scale))
+        if not bad:
+            return
+        self._noise_warned = True
+        bad.sort(reverse=True)
+        ratio, name, se, scale = bad[0]
+        logger.warning(
+            "constraint noise: the mini-batch value of %r has standard error %.3g; with msvr_gamma=%g its estimate "
+            "keeps about %.3g of it, %.1fx the constraint's scale %.3g (metadata['noise_scale'] or |tolerance|), so the "
+            "hinge acts on noise. %d of %d constraints are in this state (worst: %s). Lower msvr_gamma (e.g. 0.1; the "
+            "estimate then averages about 2/gamma batches) or raise constraint_batch_size (the noise falls as "
+            "1/sqrt(|B_k|)).", name, se, g, se * keep, ratio, scale, len(bad), len(self.constraints),
+            [b[1] for b in bad[:5]])
 
     def compute_objective_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                                num_items_in_batch: Optional[Union[torch.Tensor, int]] = None) -> Any:
@@ -402,6 +857,7 @@ class ConstrainedTrainer(SafetyMixin, Trainer):
     def log(self, logs: dict[str, float], start_time: Optional[float] = None) -> None:
         if "loss" in logs and self.penalty.active:  # a training log
             logs.update(self._constraint_log_metrics())
+            logs.update(self._row_noise_log_metrics())
         if self._eval_constraint_metrics and any(k.endswith("_loss") or "_runtime" in k for k in logs):
             logs.update(self._eval_constraint_metrics)
             self._eval_constraint_metrics = {}
@@ -414,52 +870,108 @@ class ConstrainedTrainer(SafetyMixin, Trainer):
         super().log(logs, start_time)
 
     # ------------------------------------------------------------------ evaluation
-    @torch.no_grad()
-    def evaluate_constraints(self, model: Optional[nn.Module] = None, split: str = "eval") -> dict[str, float]:
-        """Exact value of every constraint on its data: a full pass, not the estimator.
-
-        Args:
-            model: the model to evaluate (default: the trainer's).
-            split: ``"eval"`` uses each constraint's ``eval_dataset`` (falling back to its
-                training data), ``"train"`` its training data.
-
-        A constraint's value is its ``exact_fn`` when given; otherwise the batch values
-        averaged with batch-size weights (exact for per-sample means), then ``outer``.
-        """
+    def _eval_model(self, model: Optional[nn.Module]) -> nn.Module:
         if model is None:
             # FSDP shards the parameters: only the wrapped module's forward gathers them
             model = self.model_wrapped if getattr(self, "is_fsdp_enabled", False) else self.model
+        return model
+
+    def _eval_batches(self, c: Constraint, data: Any, collate: Any) -> Any:
+        """The batches of ``data`` for exact evaluation (with ``sample_index``), on the device."""
+        batch_size = self.args.constraint_eval_batch_size or self.args.per_device_eval_batch_size
+        starts = range(0, len(data), batch_size)
+        bar = tqdm(starts, desc=f"constraint {c.name}", leave=False,
+                   disable=self.args.disable_tqdm or len(starts) < 20 or not self.is_world_process_zero())
+        for start in bar:
+            rows = list(range(start, min(start + batch_size, len(data))))
+            batch = collate(fetch_rows(data, rows))
+            if isinstance(batch, MutableMapping):
+                batch["sample_index"] = torch.as_tensor(rows, dtype=torch.long)
+            yield rows, self._to_device(batch)
+
+    @torch.no_grad()
+    def constraint_statistics(self, model: Optional[nn.Module] = None, split: str = "eval",
+                              confidence: float = 0.95) -> dict[str, ConstraintStatistic]:
+        """Exact value of every constraint on its data (a full pass, not the estimator), with its
+        one-sided upper confidence bound where the constraint gives per-row values.
+
+        Args:
+            model: the model to evaluate (default: the trainer's; under FSDP the wrapped one).
+            split: ``"eval"`` uses each constraint's ``eval_dataset`` (falling back to its
+                training data), ``"train"`` its training data.
+            confidence: the one-sided confidence of the bounds.
+
+        Row-wise constraints: the per-row values over the whole data, batched (one ``row_fn``
+        call per batch, shared by the constraints with the same ``row_fn``, collate and data),
+        then :func:`~hf_constrained.statistics.constraint_statistic` (value, CLT upper bound,
+        standard error). A constraint's ``exact_fn`` wins when given; scalar ``fn`` constraints
+        give their batch values averaged with batch-size weights (exact for per-sample means)
+        and data-free ones their value: value only (``upper_bound`` None).
+        """
+        if split not in ("eval", "train"):
+            raise ValueError(f"split must be 'eval' or 'train', got {split!r}")
+        model = self._eval_model(model)
         was_training = model.training
         model.eval()
-        batch_size = self.args.constraint_eval_batch_size or self.args.per_device_eval_batch_size
-        out: dict[str, float] = {}
+        out: dict[str, ConstraintStatistic] = {}
         try:
+            data_of = [c.dataset if split == "train" or c.eval_dataset is None else c.eval_dataset
+                       for c in self.constraints]
+            # row-wise constraints sharing row_fn, collate and data: one pass for all of them
+            passes: list[tuple[Any, Any, Any, list[int]]] = []
             for k, c in enumerate(self.constraints):
-                data = c.dataset if split == "train" or c.eval_dataset is None else c.eval_dataset
+                if c.exact_fn is not None or not c.rowwise:
+                    continue
+                collate = self._collate_of(c)
+                for fn, coll, data, members in passes:
+                    if fn is c.row_fn and data is data_of[k] and same_callable(coll, collate):
+                        members.append(k)
+                        break
+                else:
+                    passes.append((c.row_fn, collate, data_of[k], [k]))
+            for row_fn, collate, data, members in passes:
+                values: dict[int, list[torch.Tensor]] = {k: [] for k in members}
+                groups: dict[int, list[torch.Tensor]] = {k: [] for k in members}
+                for rows, batch in self._eval_batches(self.constraints[members[0]], data, collate):
+                    with self.compute_loss_context_manager():
+                        outputs = row_fn(model, batch)
+                    for k in members:
+                        c = self.constraints[k]
+                        v = c.row_values(outputs)
+                        values[k].append(v.detach().double().cpu())
+                        if c.group_key is not None:
+                            groups[k].append(c.row_groups(batch, v.shape[0], v.device).cpu())
+                for k in members:
+                    c = self.constraints[k]
+                    outer = None if c.outer is None else _float_outer(c)
+                    out[c.name] = constraint_statistic(
+                        torch.cat(values[k]).numpy(), groups=torch.cat(groups[k]).numpy() if groups[k] else None,
+                        outer=outer, confidence=confidence)
+            for k, c in enumerate(self.constraints):
+                if c.name in out:
+                    continue
+                data = data_of[k]
                 if c.exact_fn is not None:
-                    out[c.name] = float(c.exact_fn(model, data))
-                    continue
-                if data is None:
+                    value = float(c.exact_fn(model, data))
+                elif data is None:
                     with self.compute_loss_context_manager():
-                        out[c.name] = float(c.apply_outer(c.fn(model, None).float()))
-                    continue
-                total, count = 0.0, 0
-                starts = range(0, len(data), batch_size)
-                bar = tqdm(starts, desc=f"constraint {c.name}", leave=False,
-                           disable=self.args.disable_tqdm or len(starts) < 20 or not self.is_world_process_zero())
-                for start in bar:
-                    rows = list(range(start, min(start + batch_size, len(data))))
-                    batch = c.collate(fetch_rows(data, rows))
-                    if isinstance(batch, dict):
-                        batch["sample_index"] = torch.as_tensor(rows, dtype=torch.long)
-                    with self.compute_loss_context_manager():
-                        value = c.fn(model, self._prepare_input(batch))
-                    total += float(value) * len(rows)
-                    count += len(rows)
-                out[c.name] = float(c.apply_outer(torch.tensor(total / count)))
+                        value = float(c.apply_outer(c.fn(model, None).float()))
+                else:
+                    total, count = 0.0, 0
+                    for rows, batch in self._eval_batches(c, data, self._collate_of(c)):
+                        with self.compute_loss_context_manager():
+                            total += float(c.fn(model, batch)) * len(rows)
+                        count += len(rows)
+                    value = float(c.apply_outer(torch.tensor(total / count)))
+                out[c.name] = ConstraintStatistic(value=value, confidence=confidence)
         finally:
             model.train(was_training)
-        return out
+        return {c.name: out[c.name] for c in self.constraints}
+
+    def evaluate_constraints(self, model: Optional[nn.Module] = None, split: str = "eval") -> dict[str, float]:
+        """Exact value of every constraint on its data (the ``value`` of
+        :meth:`constraint_statistics`): a full pass, not the estimator."""
+        return {name: stat.value for name, stat in self.constraint_statistics(model=model, split=split).items()}
 
     def constraint_metrics(self, values: dict[str, float], prefix: str = "eval") -> dict[str, float]:
         """``{prefix}_constraint/<name>``, the largest violation and whether all hold."""

@@ -181,3 +181,32 @@ class StopAt(TrainerCallback):
         if state.global_step >= self.step:
             control.should_training_stop = True
         return control
+
+
+# ---------------------------------------------------------------------- row-wise (fused step)
+def per_row_ce(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The shared row_fn: per-sample cross-entropy, one value per row."""
+    return F.cross_entropy(model(x=batch["x"])["logits"], batch["labels"], reduction="none")
+
+
+def make_rowwise_trainer(output_dir: str, **overrides: Any) -> ConstrainedTrainer:
+    """The set-up of :func:`make_trainer` with row-wise constraints sharing one ``row_fn``: the
+    four group constraints, plus a gap "CE on groups {0, 1} minus CE on groups {2, 3}" (a
+    ``group_key`` difference of two group means, so a mean of per-process means would differ
+    from the value on the global batch)."""
+    torch.manual_seed(1234)
+    model = TinyClassifier()
+    train_rows, _ = make_rows(128, 0)
+    c_rows, c_groups = make_rows(96, 1)
+    c_rows = [dict(r, g=torch.tensor(int(gk >= 2))) for r, gk in zip(c_rows, c_groups)]
+    constraints = [
+        Constraint(name=f"group{k}", row_fn=per_row_ce, tolerance=0.25,
+                   dataset=ListDataset([r for r, gk in zip(c_rows, c_groups) if gk == k]))
+        for k in range(NUM_GROUPS)
+    ]
+    constraints.append(Constraint(name="gap", row_fn=per_row_ce, dataset=ListDataset(c_rows), tolerance=-0.1,
+                                  group_key="g", outer=torch.abs))
+    kw: dict[str, Any] = dict(constraints_per_step=3, max_steps=6)
+    kw.update(overrides)
+    return ConstrainedTrainer(model=model, args=tiny_args(output_dir, **kw), train_dataset=ListDataset(train_rows),
+                              constraints=constraints)

@@ -35,8 +35,9 @@ import pytest
 import torch
 from filelock import FileLock
 
-from scale_tiny import (TinyClassifier, contrastive_snapshot, make_contrastive_trainer, make_trainer,
-                        record_constraint_calls, snapshot)
+from scale_tiny import per_row_ce  # noqa: E402  (the shared row_fn)
+from scale_tiny import (TinyClassifier, contrastive_snapshot, make_contrastive_trainer, make_rowwise_trainer,
+                        make_trainer, record_constraint_calls, snapshot)
 
 HERE = Path(__file__).resolve().parent
 CONFIGS = HERE.parent / "recipes" / "accelerate_configs"
@@ -60,7 +61,7 @@ def _launch_two_processes(out: Path) -> None:
         "--main_process_port", str(_free_port()),
         str(HERE / "distributed" / "run_ddp_check.py"),
         "--out", str(out), "--per-device-batch", "4", "--constraint-batch", "3", "--steps", str(STEPS),
-        "--contrastive", "--extra",
+        "--contrastive", "--extra", "--fused",
     ]
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
@@ -177,6 +178,49 @@ def test_resume_across_processes_is_exact(two_process_run):
         assert resumed["streams"] == straight["streams"]
         for name, p in straight["params"].items():
             assert torch.equal(resumed["params"][name], p), (r, name)
+
+
+# ------------------------------------------------------------- the fused step (row-wise constraints)
+def test_fused_step_all_reduces_sums_and_counts(two_process_run, tmp_path):
+    """Row-wise constraints (one row_fn call per step for all sampled ones) on 2 x 3 rows equal
+    1 x 6 rows: the per-constraint sums and counts are all-reduced, so the group-difference
+    constraint ``gap`` is the difference of GLOBAL group means (a mean of the two processes'
+    differences would not be), and the gradient is that of the global value."""
+    out = Path(two_process_run[0]["out"])
+    f0, f1 = (torch.load(out / f"rank{r}_fused.pt", weights_only=False) for r in range(2))
+    single = make_rowwise_trainer(str(tmp_path / "fused_single"), per_device_train_batch_size=8,
+                                  constraint_batch_size=6)
+    single.train()
+    ref = snapshot(single)
+    assert torch.equal(f0["estimator_values"], f1["estimator_values"])
+    assert f0["streams"] == f1["streams"] == ref["streams"]
+    assert torch.equal(f0["estimator_visited"], ref["estimator_visited"]) and bool(ref["estimator_visited"][4])
+    torch.testing.assert_close(f0["estimator_values"], ref["estimator_values"], rtol=0, atol=TOL)
+    for name, p in ref["params"].items():
+        assert torch.equal(f0["params"][name], f1["params"][name]), name
+        torch.testing.assert_close(f0["params"][name], p, rtol=0, atol=TOL)
+    # on such batches, the mean of the two processes' gap values differs from the global gap by far
+    # more than TOL (so a means-of-means reduction would have failed the comparison above)
+    rows = single.constraints[4].dataset
+
+    def gap(v, gg):
+        return v[gg == 0].mean() - v[gg == 1].mean()
+
+    differences = []
+    for t in range(6, 30):
+        draw = single._draw(t)
+        if 4 not in draw.constraint_ids.tolist():
+            continue
+        batch = [rows[i] for i in draw.sample_indices[draw.constraint_ids.tolist().index(4)]]
+        x = torch.stack([r["x"] for r in batch])
+        y = torch.stack([r["labels"] for r in batch])
+        g = torch.stack([r["g"] for r in batch])
+        with torch.no_grad():
+            ce = per_row_ce(single.model, {"x": x, "labels": y})
+        halves = [gap(ce[:3], g[:3]), gap(ce[3:], g[3:])]
+        if all(torch.isfinite(h) for h in halves):
+            differences.append(abs(float(sum(halves) / 2 - gap(ce, g))))
+    assert differences and max(differences) > 100 * TOL, differences
 
 
 # ------------------------------------------------------------- Setting II (per-sample estimators)

@@ -6,7 +6,8 @@ the tiny constrained set-up of ``tests/scale_tiny.py`` with ``--per-device-batch
 rows and ``--constraint-batch`` constraint rows per process, then writes this rank's
 parameters, estimator state, stream positions and the rows of every constraint call to
 ``OUT/rank<r>.pt``. ``--extra`` adds a gradient-accumulation run (``rank<r>_ga.pt``) and a
-stop/resume run (``rank<r>_resumed.pt``); ``--contrastive`` the Setting II trainer
+stop/resume run (``rank<r>_resumed.pt``); ``--fused`` the row-wise constraints through the fused
+step (``rank<r>_fused.pt``); ``--contrastive`` the Setting II trainer
 (``rank<r>_contrastive.pt``).
 """
 
@@ -19,8 +20,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
-from scale_tiny import (StopAt, contrastive_snapshot, make_contrastive_trainer, make_trainer,  # noqa: E402
-                        record_constraint_calls, snapshot)
+from scale_tiny import (StopAt, contrastive_snapshot, make_contrastive_trainer, make_rowwise_trainer,  # noqa: E402
+                        make_trainer, record_constraint_calls, snapshot)
 
 
 def _save(out: str, name: str, obj: object) -> None:
@@ -39,6 +40,8 @@ def main() -> None:
                         help="also run gradient accumulation (2 x 2 rows per process) and stop-at-3 / resume-to-6")
     parser.add_argument("--contrastive", action="store_true",
                         help="also run the Setting II check (ContrastiveConstrainedTrainer, per-sample estimators)")
+    parser.add_argument("--fused", action="store_true",
+                        help="also run the row-wise constraints through the fused step (rank<r>_fused.pt)")
     a = parser.parse_args()
     trainer = make_trainer(os.path.join(a.out, "run"), max_steps=a.steps,
                            per_device_train_batch_size=a.per_device_batch, constraint_batch_size=a.constraint_batch)
@@ -67,6 +70,12 @@ def main() -> None:
         resumed = make_trainer(os.path.join(a.out, "resumed"), **common)
         resumed.train(resume_from_checkpoint=os.path.join(a.out, "stopped", "checkpoint-3"))
         _save(a.out, f"rank{rank}_resumed.pt", snapshot(resumed))
+
+    if a.fused:  # row-wise constraints: per-constraint sums and counts all-reduced
+        fused = make_rowwise_trainer(os.path.join(a.out, "fused"), per_device_train_batch_size=a.per_device_batch,
+                                     constraint_batch_size=a.constraint_batch)
+        fused.train()
+        _save(a.out, f"rank{rank}_fused.pt", snapshot(fused))
 
     if a.contrastive:  # Setting II: 4 rows per process, the 1-process reference uses 8
         clip_trainer = make_contrastive_trainer(os.path.join(a.out, "clip"), per_device_train_batch_size=4)
