@@ -10,6 +10,9 @@ killed at any moment of a save leaves the previous complete checkpoint on disk.
 
 ``resume_from_checkpoint=True`` resumes from the newest complete checkpoint
 (:func:`latest_complete_checkpoint`) and names the incomplete ones it skipped.
+
+This module needs no torch (the command line uses it); reading and writing the constraint
+state itself is :mod:`hf_constrained.constraint_state`.
 """
 
 from __future__ import annotations
@@ -18,9 +21,7 @@ import json
 import logging
 import os
 import re
-from typing import Any, Optional
-
-import torch
+from typing import Optional
 
 logger = logging.getLogger(__name__)
 
@@ -45,17 +46,6 @@ def _fsync_dir(path: str) -> None:
         pass
     finally:
         os.close(fd)
-
-
-def atomic_torch_save(obj: Any, path: str) -> None:
-    """``torch.save`` to ``path`` through a temporary file and ``os.replace``: the file is
-    either the old one or the complete new one, never half-written."""
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def mark_incomplete(folder: str) -> None:
@@ -161,37 +151,14 @@ def check_named_checkpoint(folder: str) -> None:
                    folder, problem)
 
 
-CONSTRAINT_STATE_KEYS = ("names", "estimator", "streams", "next_draw", "constraint_step")
-
-
-def load_constraint_state(path: str) -> dict[str, Any]:
-    """Read a ``constraint_state.pt``; a truncated, corrupt or foreign file gives a
-    :class:`CheckpointError` naming it and what to do."""
-    advice = ("Resume from an earlier checkpoint (resume_from_checkpoint=<path>), or delete this checkpoint "
-              "folder so that resume_from_checkpoint=True skips it.")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:  # UnpicklingError, EOFError, RuntimeError (bad zip), ...: all mean a damaged file
-        raise CheckpointError(f"{path} cannot be read ({type(e).__name__}: {e}). {advice}") from e
-    if not isinstance(state, dict):
-        raise CheckpointError(f"{path} holds a {type(state).__name__}, not a constraint state. {advice}")
-    missing = [k for k in CONSTRAINT_STATE_KEYS if k not in state]
-    if missing:
-        raise CheckpointError(f"{path} lacks {missing}: not a constraint state written by ConstrainedTrainer. {advice}")
-    return state
-
-
 __all__ = [
     "COMPLETE_MARKER",
-    "CONSTRAINT_STATE_KEYS",
     "CheckpointError",
-    "atomic_torch_save",
     "check_named_checkpoint",
     "checkpoint_folders",
     "checkpoint_problem",
     "is_complete_checkpoint",
     "latest_complete_checkpoint",
-    "load_constraint_state",
     "mark_complete",
     "mark_incomplete",
 ]

@@ -14,30 +14,27 @@ import argparse
 import json
 import logging
 import os
-import re
 import sys
 from typing import Optional, Sequence
 
+from .checkpointing import checkpoint_folders, checkpoint_problem
 from .safety.figures import plot_log_history
 from .safety.report import SAFETY_REPORT_NAME, SAFETY_RULES, SafetyReport, format_number
 from .safety.selection import FeasibleSelection
 
-_CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")  # the Trainer's checkpoint-<step> folders
 
 
 def find_trainer_state(run_dir: str) -> str:
-    """``RUN_DIR/trainer_state.json``, else the one of the latest checkpoint in RUN_DIR."""
+    """``RUN_DIR/trainer_state.json``, else the one of the newest COMPLETE checkpoint in RUN_DIR
+    (a checkpoint a kill interrupted is skipped, with a warning)."""
     path = os.path.join(run_dir, "trainer_state.json")
     if os.path.isfile(path):
         return path
-    steps = []
-    if os.path.isdir(run_dir):
-        for name in os.listdir(run_dir):
-            match = _CHECKPOINT_DIR.match(name)
-            if match and os.path.isfile(os.path.join(run_dir, name, "trainer_state.json")):
-                steps.append((int(match.group(1)), name))
-    if steps:
-        return os.path.join(run_dir, max(steps)[1], "trainer_state.json")
+    for folder in checkpoint_folders(run_dir):
+        problem = checkpoint_problem(folder)
+        if problem is None and os.path.isfile(os.path.join(folder, "trainer_state.json")):
+            return os.path.join(folder, "trainer_state.json")
+        logging.getLogger(__name__).warning("skipping %s: %s", folder, problem or "no trainer_state.json")
     raise FileNotFoundError(
         f"no trainer_state.json in {run_dir} or its checkpoints: pass a Trainer output directory "
         "(finish_run / trainer.save_state() write it) or a checkpoint-N directory"

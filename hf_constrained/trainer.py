@@ -52,13 +52,12 @@ from transformers import Trainer, default_data_collator
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, IntervalStrategy, rotate_checkpoints
 
 from .checkpointing import (
-    atomic_torch_save,
     check_named_checkpoint,
     latest_complete_checkpoint,
-    load_constraint_state,
     mark_complete,
     mark_incomplete,
 )
+from .constraint_state import atomic_torch_save, load_constraint_state
 from .clipping import PENALTY_GRAD_NORM_KEY, ClipMonitor
 from .config import ConstrainedTrainingArguments
 from .constraint import Constraint, collate_examples, fetch_rows

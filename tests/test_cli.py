@@ -96,3 +96,18 @@ def test_check_refuses_a_report_without_constraints(tmp_path, capsys):
     assert "NOT CHECKED: the report has no constraints" in capsys.readouterr().out
     assert main(["report", str(tmp_path), "--check"]) == 2
     assert "holds no constraints" in capsys.readouterr().err
+
+
+def test_find_trainer_state_skips_an_incomplete_checkpoint(tmp_path):
+    """A checkpoint a kill interrupted (no completeness marker) is not read by the command line."""
+    from hf_constrained.checkpointing import mark_complete
+    from hf_constrained.cli import find_trainer_state
+
+    for step in (2, 4):
+        folder = tmp_path / f"checkpoint-{step}"
+        folder.mkdir()
+        (folder / "trainer_state.json").write_text(json.dumps({"global_step": step, "log_history": []}))
+    mark_complete(str(tmp_path / "checkpoint-2"), 2)  # checkpoint-4 was interrupted
+    assert find_trainer_state(str(tmp_path)) == str(tmp_path / "checkpoint-2" / "trainer_state.json")
+    mark_complete(str(tmp_path / "checkpoint-4"), 4)
+    assert find_trainer_state(str(tmp_path)) == str(tmp_path / "checkpoint-4" / "trainer_state.json")
