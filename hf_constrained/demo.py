@@ -102,8 +102,8 @@ class DemoConfig:
     warmup_steps: int = 0
     beta: float = 10.0
     constraint_batch_size: int = 10
-    forgetting: str = "mean"  # per-row value: "mean" CE(new) - CE(old), or its positive part "increase"
-    tolerance: float = 0.0  # the requirement h_k <= tolerance, checked on the selection and test splits
+    forgetting: str = "increase"  # per-row value: CE(new) - CE(old) ("mean") or its positive part ("increase")
+    tolerance: float = 0.03  # the requirement h_k <= tolerance, checked on the selection and test splits
     margin: float = 0.0  # training enforces h_k <= tolerance - margin on D_k
     temperature: float = 0.05
     constraint_copies: int = 8  # copies of each constraint image (the first is the image itself)
@@ -111,7 +111,7 @@ class DemoConfig:
     shift: float = 0.5  # largest translation (pixels) of a copy
     rotate: float = 10.0  # largest rotation (degrees) of a copy
     noise: float = 0.1  # std of the Gaussian noise of a copy (images are in [-1, 1])
-    select_every: int = 15  # steps between selection evaluations; 0 keeps the last iterate
+    select_every: int = 10  # steps between selection evaluations; 0 keeps the last iterate
 
 
 # ---------------------------------------------------------------------------------- data
