@@ -118,3 +118,38 @@ def test_seeds_option_is_checked():
     for bad in ("0,x", "1,1"):
         with pytest.raises(ValueError, match="--seeds"):
             demo._seeds(parser.parse_args(["--seeds", bad]))
+
+
+def test_selection_keeps_the_best_feasible_checkpoint_on_the_selection_split(monkeypatch):
+    """Feasible (every h_k <= requirement on the selection split) beats infeasible, then the
+    lower target loss wins; with none feasible the smallest largest violation is kept."""
+    from types import SimpleNamespace
+
+    script = {10: ({"a": 0.01, "b": 0.02}, 3.0), 20: ({"a": 0.01, "b": 0.05}, 1.0),  # infeasible, better target
+              30: ({"a": 0.00, "b": 0.03}, 2.0), 40: ({"a": 0.02, "b": 0.01}, 2.5)}
+    model = torch.nn.Linear(1, 1)
+    trainer = SimpleNamespace(model=model, evaluate_constraints=lambda split: script[state.global_step][0])
+    monkeypatch.setattr(demo, "mean_loss", lambda *a: script[state.global_step][1])
+    sel = demo.FeasibleCheckpointSelection(10, None, None, None, requirement=0.03)
+    sel.trainer = trainer
+    for step in (5, 10, 20, 30, 40):
+        state = SimpleNamespace(global_step=step, max_steps=40)
+        with torch.no_grad():
+            model.weight.fill_(step)
+        sel.on_step_end(None, state, None)
+    assert [r.step for r in sel.records] == [10, 20, 30, 40]  # every `every` steps only
+    assert [r.feasible for r in sel.records] == [True, False, True, True]
+    assert sel.best.step == 30 and float(sel.best_state["weight"]) == 30.0  # its parameters, not the last ones
+    script.update({10: ({"a": 0.2}, 1.0), 20: ({"a": 0.1}, 3.0), 30: ({"a": 0.15}, 0.5), 40: ({"a": 0.12}, 0.1)})
+    sel = demo.FeasibleCheckpointSelection(10, None, None, None, requirement=0.03)
+    sel.trainer = trainer
+    for step in (10, 20, 30, 40):
+        state = SimpleNamespace(global_step=step, max_steps=40)
+        sel.on_step_end(None, state, None)
+    assert sel.best.step == 20 and not sel.best.feasible  # none feasible: least violating
+    sel = demo.FeasibleCheckpointSelection(10, None, None, None, use_constraints=False)
+    sel.trainer = trainer
+    for step in (10, 20, 30, 40):
+        state = SimpleNamespace(global_step=step, max_steps=40)
+        sel.on_step_end(None, state, None)
+    assert sel.best.step == 40  # unconstrained: the target loss alone
