@@ -14,9 +14,11 @@ scikit-learn's digits:
    the target: it forgets.
 3. **Constrained fine-tuning** with :class:`~hf_constrained.clip.ContrastiveConstrainedTrainer`
    (the global contrastive objective of Algorithm 2) and one non-forgetting constraint per
-   protected digit k, h_k(w) = mean_i [CE_i(w) - CE_i(w_old)] <= tol over digit k's
-   constraint images D_k (the row-wise form: one shared ``row_fn``), with the hinge
-   penalty, the squared hinge at the same beta, and no penalty.
+   protected digit k over its constraint images D_k, in the row-wise form (one shared
+   ``row_fn`` giving d_i = CE_i(w) - CE_i(w_old) per image): by default the per-image
+   increase h_k(w) = mean_i [d_i]_+ <= tol, so improvements on some images cannot pay for
+   damage on others (``forgetting="mean"``: the paper's L_k(w) - L_k(w_old) <= tol); with
+   the hinge penalty, the squared hinge at the same beta, and no penalty.
 
 Making the promise hold on images training never saw takes three things besides the penalty:
 
@@ -554,7 +556,8 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     """The demo's options (every :class:`DemoConfig` field, seeds, penalties, cache and output)."""
     for f in fields(DemoConfig):
         value = getattr(DemoConfig(), f.name)
-        parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(value), default=value)
+        choices = list(FORGETTING) if f.name == "forgetting" else None
+        parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(value), default=value, choices=choices)
     parser.add_argument("--seeds", default=None,
                         help="comma-separated seeds to run one after the other (e.g. 0,1,2,3,4); overrides --seed")
     parser.add_argument("--penalties", default=",".join(PENALTIES))
