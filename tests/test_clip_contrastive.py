@@ -200,21 +200,25 @@ def test_half_positive_batches(tiny, tmp_path):
         HalfPositiveSampler([True, True])
 
 
-def test_previous_iterate_matches_direct_recomputation_on_consecutive_windows(tiny, tmp_path):
-    """Every MSVR correction of step t uses g_i(w_{t-1}; B^t) recomputed directly: the
-    batch of step t evaluated at the parameters of step t-1, also for a sample that sits in
-    two consecutive windows (half-positive batches cycle the positives, Algorithm 2, line 6)."""
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_previous_iterate_matches_direct_recomputation_on_consecutive_windows(tiny, tmp_path, accumulation):
+    """Every MSVR correction of step t uses g_i(w_{t-1}; B^t) recomputed directly: each batch
+    of window t evaluated at the parameters of step t-1, also for a sample that sits in two
+    consecutive windows or twice in one window (half-positive batches cycle the positives;
+    Algorithm 2, line 6)."""
     import copy
 
     tok, model, data = tiny
     model = copy.deepcopy(model)
-    args = ConstrainedTrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=8, max_steps=8,
+    calls = 8  # 4 batches an epoch: two epochs
+    args = ConstrainedTrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=8,
+                                        max_steps=calls // accumulation, gradient_accumulation_steps=accumulation,
                                         learning_rate=5e-3, constraint_penalty="none", report_to=[], use_cpu=True,
                                         save_strategy="no", disable_tqdm=True, objective_msvr_gamma=0.5,
                                         objective_msvr_gamma_prime=0.25, seed=3)
     trainer = ContrastiveConstrainedTrainer(model=model, args=args, train_dataset=data, half_positive_batches=True,
                                             data_collator=CLIPCollator(tokenizer=tok))
-    steps = []  # (step, batch, parameters w_t, positives' indices, previous passed to the update)
+    steps = []  # per batch: step, batch, parameters w_t, positives' indices, previous passed to the update
     est = trainer.objective_estimators["image"]
     original_update, original_loss = est.update, trainer.compute_objective_loss
 
@@ -229,21 +233,22 @@ def test_previous_iterate_matches_direct_recomputation_on_consecutive_windows(ti
 
     trainer.compute_objective_loss, est.update = loss_spy, update_spy
     trainer.train()
-    assert [s["step"] for s in steps] == list(range(8))
-    # the case under test: some positive sits in two consecutive windows of one epoch (4 batches an epoch)
-    repeated = [t for t in range(1, 8) if t % 4 and set(steps[t]["index"].tolist()) & set(steps[t - 1]["index"].tolist())]
-    assert repeated, "the sampler produced no sample in consecutive windows; change the seed"
+    assert [s["step"] for s in steps] == [c // accumulation for c in range(calls)]
+    windows_per_epoch = 4 // accumulation
+    # the case under test: some positive sits in two consecutive batches of one epoch
+    repeated = [c for c in range(1, calls) if c % 4 and set(steps[c]["index"].tolist()) & set(steps[c - 1]["index"].tolist())]
+    assert repeated, "the sampler produced no sample in consecutive batches; change the seed"
     probe = copy.deepcopy(model)
-    for t in range(8):
-        previous = steps[t]["previous"]
-        if t % 4 == 0:  # first window of an epoch: no look-ahead value, correction dropped
+    for c in range(calls):
+        t, previous = steps[c]["step"], steps[c]["previous"]
+        if t % windows_per_epoch == 0:  # first window of an epoch: no look-ahead value, correction dropped
             assert previous is None or torch.isnan(previous).all()
             continue
-        assert previous is not None, f"step {t}: correction dropped"
-        probe.load_state_dict(steps[t - 1]["params"])
+        assert previous is not None, f"batch {c} (step {t}): correction dropped"
+        probe.load_state_dict(steps[(t - 1) * accumulation]["params"])  # w_{t-1}
         with torch.no_grad():
-            terms, index = trainer._global_terms(probe, steps[t]["batch"])
+            terms, index = trainer._global_terms(probe, steps[c]["batch"])
         keep = _first_occurrence(index)
-        assert torch.equal(index[keep], steps[t]["index"])
+        assert torch.equal(index[keep], steps[c]["index"])
         torch.testing.assert_close(previous, terms.g_image[keep], rtol=1e-4, atol=1e-6,
-                                   msg=f"step {t}: previous-iterate value is not g_i(w_(t-1); B^t)")
+                                   msg=f"batch {c} (step {t}): previous-iterate value is not g_i(w_(t-1); B^t)")
