@@ -7,7 +7,12 @@ import torch
 
 from hf_constrained import ConstrainedTrainingArguments
 from hf_constrained.clip import ContrastiveConstrainedTrainer, contrastive_terms, gather_with_grad
-from hf_constrained.clip.contrastive import _first_occurrence, contrastive_surrogate, contrastive_value
+from hf_constrained.clip.contrastive import (
+    PreviousIterate,
+    _first_occurrence,
+    contrastive_surrogate,
+    contrastive_value,
+)
 from hf_constrained.clip.data import CLIPCollator
 
 from clip_synthetic import tiny_contrastive_setup
@@ -110,12 +115,16 @@ def test_previous_iterate_is_next_window_at_current_parameters(tiny, tmp_path):
     it = iter(batches)
     got, _ = trainer.get_batch_samples(it, 1, torch.device("cpu"))
     assert got[0] is batches[0]
+    assert list(trainer._window_previous) == [None]  # first window: no previous iterate
     with torch.no_grad():
         terms, index = trainer._global_terms(model, batches[1])
-    prev = trainer._previous["image"][index]
-    torch.testing.assert_close(prev, terms.g_image, rtol=1e-5, atol=0)
+    (entry,) = trainer._lookahead[2]
+    assert entry.step == 1 and torch.equal(entry.index, index)
+    torch.testing.assert_close(entry.image, terms.g_image, rtol=1e-5, atol=0)
+    torch.testing.assert_close(entry.text, terms.g_text, rtol=1e-5, atol=0)
     got, _ = trainer.get_batch_samples(it, 1, torch.device("cpu"))
     assert got[0] is batches[1]  # the looked-ahead window comes next, nothing skipped
+    assert list(trainer._window_previous) == [entry]  # handed to this window, not to a sample slot
 
 
 def test_msvr_update_of_per_sample_estimators(tiny, tmp_path):
@@ -129,11 +138,16 @@ def test_msvr_update_of_per_sample_estimators(tiny, tmp_path):
         terms, index = trainer._global_terms(model, batch)
     est.values[index] = 2.0
     est.visited[index] = True
-    trainer._previous["image"][index] = 3.0
+    entry = PreviousIterate(0, index, torch.full_like(terms.g_image, 3.0), terms.g_text)
+    trainer._window_previous.append(entry)
     trainer.compute_objective_loss(model, batch)
     expected = 0.5 * 2.0 + 0.5 * terms.g_image + 0.25 * (terms.g_image - 3.0)
     torch.testing.assert_close(est.values[index], expected, rtol=1e-5, atol=1e-6)
-    assert torch.isnan(trainer._previous["image"][index]).all()  # consumed once
+    assert not trainer._window_previous  # consumed once
+    est.values[index] = 2.0
+    trainer._window_previous.append(entry._replace(step=5))  # computed for another step: not used
+    trainer.compute_objective_loss(model, batch)
+    torch.testing.assert_close(est.values[index], 0.5 * 2.0 + 0.5 * terms.g_image, rtol=1e-5, atol=1e-6)
     untouched = torch.ones(len(data), dtype=torch.bool)
     untouched[index] = False
     assert not est.visited[untouched].any()  # only positives of the batch are visited
@@ -184,3 +198,57 @@ def test_half_positive_batches(tiny, tmp_path):
     assert all(int(b["is_positive"].sum()) == 4 for b in batches)  # 8 rows per batch: 4 positives
     with pytest.raises(ValueError, match="both kinds"):
         HalfPositiveSampler([True, True])
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_previous_iterate_matches_direct_recomputation_on_consecutive_windows(tiny, tmp_path, accumulation):
+    """Every MSVR correction of step t uses g_i(w_{t-1}; B^t) recomputed directly: each batch
+    of window t evaluated at the parameters of step t-1, also for a sample that sits in two
+    consecutive windows or twice in one window (half-positive batches cycle the positives;
+    Algorithm 2, line 6)."""
+    import copy
+
+    tok, model, data = tiny
+    model = copy.deepcopy(model)
+    calls = 8  # 4 batches an epoch: two epochs
+    args = ConstrainedTrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=8,
+                                        max_steps=calls // accumulation, gradient_accumulation_steps=accumulation,
+                                        learning_rate=5e-3, constraint_penalty="none", report_to=[], use_cpu=True,
+                                        save_strategy="no", disable_tqdm=True, objective_msvr_gamma=0.5,
+                                        objective_msvr_gamma_prime=0.25, seed=3)
+    trainer = ContrastiveConstrainedTrainer(model=model, args=args, train_dataset=data, half_positive_batches=True,
+                                            data_collator=CLIPCollator(tokenizer=tok))
+    steps = []  # per batch: step, batch, parameters w_t, positives' indices, previous passed to the update
+    est = trainer.objective_estimators["image"]
+    original_update, original_loss = est.update, trainer.compute_objective_loss
+
+    def loss_spy(m, inputs, *a, **kw):
+        steps.append({"step": trainer.state.global_step, "batch": inputs,
+                      "params": {k: v.detach().clone() for k, v in m.state_dict().items()}})
+        return original_loss(m, inputs, *a, **kw)
+
+    def update_spy(index, current, previous=None):
+        steps[-1]["index"], steps[-1]["previous"] = index.clone(), None if previous is None else previous.clone()
+        return original_update(index, current, previous)
+
+    trainer.compute_objective_loss, est.update = loss_spy, update_spy
+    trainer.train()
+    assert [s["step"] for s in steps] == [c // accumulation for c in range(calls)]
+    windows_per_epoch = 4 // accumulation
+    # the case under test: some positive sits in two consecutive batches of one epoch
+    repeated = [c for c in range(1, calls) if c % 4 and set(steps[c]["index"].tolist()) & set(steps[c - 1]["index"].tolist())]
+    assert repeated, "the sampler produced no sample in consecutive batches; change the seed"
+    probe = copy.deepcopy(model)
+    for c in range(calls):
+        t, previous = steps[c]["step"], steps[c]["previous"]
+        if t % windows_per_epoch == 0:  # first window of an epoch: no look-ahead value, correction dropped
+            assert previous is None or torch.isnan(previous).all()
+            continue
+        assert previous is not None, f"batch {c} (step {t}): correction dropped"
+        probe.load_state_dict(steps[(t - 1) * accumulation]["params"])  # w_{t-1}
+        with torch.no_grad():
+            terms, index = trainer._global_terms(probe, steps[c]["batch"])
+        keep = _first_occurrence(index)
+        assert torch.equal(index[keep], steps[c]["index"])
+        torch.testing.assert_close(previous, terms.g_image[keep], rtol=1e-4, atol=1e-6,
+                                   msg=f"batch {c} (step {t}): previous-iterate value is not g_i(w_(t-1); B^t)")

@@ -88,22 +88,3 @@ def test_collator_with_a_saved_processor(bdd, tmp_path):
     assert batch["sample_index"].tolist() == [0, 1, 2, 3] and batch["is_positive"].dtype == torch.bool
     with pytest.raises(ValueError, match="image_processor"):
         CLIPCollator()([ds[0]])
-
-
-def test_digits_demo_data_design():
-    from hf_constrained import demo
-
-    cfg = demo.DemoConfig()
-    data = demo.digits_split(cfg)
-    parts = [set(data[k]) for k in ("pretrain", "constraint", "test")]
-    assert not (parts[0] & parts[1]) and not (parts[0] & parts[2]) and not (parts[1] & parts[2])
-    rows = demo.target_rows(data, cfg)
-    pos_labels = {r["label"] for r in rows if r["is_positive"]}
-    neg_labels = {r["label"] for r in rows if not r["is_positive"]}
-    assert pos_labels == {cfg.target, cfg.pulled}  # noisy positives: the pulled digit captioned as the target
-    assert cfg.pulled not in neg_labels and cfg.target not in neg_labels and len(neg_labels) == 8
-    target_name = demo.DIGIT_NAMES[cfg.target]
-    assert all(r["caption"].endswith(target_name) for r in rows if r["is_positive"])
-    # every non-held-out target image is a positive; the held-out ones stay out of the target data
-    n_clean = sum(1 for r in rows if r["is_positive"] and r["label"] == cfg.target)
-    assert n_clean == sum(1 for i in data["pretrain"] + data["constraint"] if data["labels"][i] == cfg.target)

@@ -92,7 +92,8 @@ def test_short_constrained_run_forgets_less_than_unconstrained(tmp_path):
     """Scaled-down demo: on the pulled digit the hinge keeps the constraint far lower than no penalty."""
     from hf_constrained import demo
 
-    cfg = demo.DemoConfig(stage1_epochs=12, steps=40, lr=1e-4, beta=10.0)
+    cfg = demo.DemoConfig(stage1_epochs=8, steps=30, lr=1e-4, beta=10.0, constraint_copies=2, eval_copies=1,
+                          select_every=0)
     path = demo.pretrain_old_model(cfg, str(tmp_path), log=lambda *a: None)
     pulled = f"non_forgetting/{demo.DIGIT_NAMES[cfg.pulled]}"
     hinge = demo.finetune(cfg, path, "hinge", log=lambda *a: None)

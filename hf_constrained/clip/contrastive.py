@@ -24,15 +24,19 @@ the global loss (each rank's slice receives the sum over ranks of the identical 
 The previous-iterate term g_i(w_{t-1}; B^t) needs the batch of step t while the parameters
 are still w_{t-1}: :meth:`ContrastiveConstrainedTrainer.get_batch_samples` fetches one
 accumulation window ahead and evaluates it under ``no_grad`` right away (the parameters are
-w_{t-1} then). The correction term is dropped where that value does not exist: the first
-window of each epoch and the first window after a resume.
+w_{t-1} then). The values are kept per (step, batch of the window), not per sample: a
+sample can sit in two consecutive windows (always so when half-positive batches cycle the
+positives), and its value on B^{t+1} must not replace the one on B^t that step t still
+needs. The correction term is dropped where that value does not exist: the first window of
+each epoch and the first window after a resume.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional, Union
+from collections import deque
+from typing import Any, Iterator, NamedTuple, Optional, Union
 
 import torch
 from torch import nn
@@ -173,6 +177,19 @@ def _first_occurrence(index: torch.Tensor) -> torch.Tensor:
     return mask
 
 
+class PreviousIterate(NamedTuple):
+    """g_i(w_{t-1}; B^t) of the positives of one batch of window t, computed at w_{t-1}.
+
+    ``step`` is t (the optimizer step that consumes it), ``index`` the positives' dataset
+    indices (first occurrences, in batch order), ``image``/``text`` their values.
+    """
+
+    step: int
+    index: torch.Tensor
+    image: torch.Tensor
+    text: torch.Tensor
+
+
 class HalfPositiveSampler(torch.utils.data.Sampler):
     """Row order with positives and negatives alternating, so every batch of even size is half
     positives (the reference code's target batches). An epoch has ``2 * max(P, N)`` rows: the
@@ -234,8 +251,10 @@ class ContrastiveConstrainedTrainer(ConstrainedTrainer):
             raise ValueError("half_positive_batches needs an even per_device_train_batch_size, got "
                              f"{self.args.per_device_train_batch_size}")
         self.objective_estimators: dict[str, MSVREstimator] = {}
-        self._previous: dict[str, torch.Tensor] = {}
-        self._lookahead: Optional[tuple[Iterator, list]] = None
+        # look-ahead window: (epoch iterator, its batches, their previous-iterate values)
+        self._lookahead: Optional[tuple[Iterator, list, list[Optional[PreviousIterate]]]] = None
+        # the previous-iterate values of the window being trained on, one entry per batch, in order
+        self._window_previous: deque[Optional[PreviousIterate]] = deque()
         if self.train_dataset is not None:
             n = len(self.train_dataset)
             global_batch = self.args.per_device_train_batch_size * max(self.args.world_size, 1)
@@ -244,7 +263,6 @@ class ContrastiveConstrainedTrainer(ConstrainedTrainer):
             for side in ("image", "text"):
                 self.objective_estimators[side] = MSVREstimator(n, self.args.objective_msvr_gamma, gamma_prime,
                                                                 device=self.args.device)
-                self._previous[side] = torch.full((n,), float("nan"), device=self.args.device)
 
     # ------------------------------------------------------------------ data plumbing
     def _get_train_sampler(self, train_dataset: Any = None) -> Any:
@@ -269,38 +287,49 @@ class ContrastiveConstrainedTrainer(ConstrainedTrainer):
         """Return this window's batches and evaluate the NEXT window at the current parameters.
 
         The current parameters are w_t and the next window is B^{t+1}, so this computes
-        g_i(w_t; B^{t+1}): the previous-iterate term of step t+1 (Algorithm 2, line 6).
+        g_i(w_t; B^{t+1}): the previous-iterate term of step t+1 (Algorithm 2, line 6). It
+        is kept with that window's batches and handed to step t+1 only, batch by batch.
         """
         if not self._uses_previous_iterate:
             return super().get_batch_samples(epoch_iterator, num_batches, device)
         if self._lookahead is not None and self._lookahead[0] is epoch_iterator:
-            batches = self._lookahead[1]
-        else:
+            _, batches, previous = self._lookahead
+        else:  # first window of an epoch or after a resume: no value at the previous iterate
             batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
+            previous = [None] * len(batches)
+        self._window_previous = deque(previous)
         upcoming, _ = super().get_batch_samples(epoch_iterator, self.args.gradient_accumulation_steps, device)
-        self._lookahead = (epoch_iterator, upcoming) if upcoming else None
         if upcoming:
-            self._evaluate_previous(upcoming)
+            step = self.state.global_step + 1
+            self._lookahead = (epoch_iterator, upcoming, [self._evaluate_previous(b, step) for b in upcoming])
+        else:
+            self._lookahead = None
         return batches, self._get_num_items_in_batch(batches, device)
 
     @torch.no_grad()
-    def _evaluate_previous(self, batches: list) -> None:
+    def _evaluate_previous(self, batch: Any, step: int) -> Optional[PreviousIterate]:
+        """g_i(w; B) of the positives of ``batch`` at the current parameters w."""
         model = self.model_wrapped if self.model_wrapped is not None else self.model
-        for batch in batches:
-            batch = self._prepare_inputs(batch)
-            terms, index = self._global_terms(model, batch)
-            if terms.num_positives == 0 or terms.num_negatives == 0:
-                continue
-            keep = _first_occurrence(index)
-            for side, g in (("image", terms.g_image), ("text", terms.g_text)):
-                self._previous[side][index[keep].to(self._previous[side].device)] = g[keep].to(self._previous[side])
+        terms, index = self._global_terms(model, self._prepare_inputs(batch))
+        if terms.num_positives == 0 or terms.num_negatives == 0:
+            return None
+        keep = _first_occurrence(index)
+        return PreviousIterate(step, index[keep], terms.g_image[keep], terms.g_text[keep])
 
-    def _take_previous(self, side: str, index: torch.Tensor) -> torch.Tensor:
-        store = self._previous[side]
-        index = index.to(store.device)
-        value = store[index].clone()
-        store[index] = float("nan")
-        return value
+    def _take_previous(self, index: torch.Tensor) -> dict[str, Optional[torch.Tensor]]:
+        """The previous-iterate values for this batch's positives ``index`` (first occurrences).
+
+        Consumes the next batch's entry of the window; ``None`` (correction dropped) where
+        there is none or it was computed for another step or other rows.
+        """
+        entry = self._window_previous.popleft() if self._window_previous else None
+        if entry is None:
+            return {"image": None, "text": None}
+        if entry.step != self.state.global_step or not torch.equal(entry.index.to(index.device), index):
+            logger.warning("the previous-iterate values of step %d do not match this batch (step %d): MSVR "
+                           "correction dropped for it", entry.step, self.state.global_step)
+            return {"image": None, "text": None}
+        return {"image": entry.image, "text": entry.text}
 
     # ------------------------------------------------------------------ objective
     def _check_batch(self, inputs: dict[str, Any]) -> None:
@@ -330,13 +359,18 @@ class ContrastiveConstrainedTrainer(ConstrainedTrainer):
         """G_1 of Algorithm 2 (lines 3-9) on the global batch; the returned value is the batch
         objective mean_i t log g_i, the gradient that of the surrogate with u^t."""
         terms, index = self._global_terms(model, inputs)
+        training = self._in_training_step and bool(self.objective_estimators)
+        previous: dict[str, Optional[torch.Tensor]] = {"image": None, "text": None}
+        if training and self._uses_previous_iterate:
+            # consumed for every batch of the window (also one without anchors) to stay aligned
+            previous = self._take_previous(index[_first_occurrence(index)])
         if terms.num_positives == 0 or terms.num_negatives == 0:
             # nothing to contrast in this batch: a zero loss that keeps the graph (DDP needs a backward)
             loss = 0.0 * (terms.d_image.sum() + terms.d_text.sum())
             logger.debug("batch without positives or negatives: zero objective")
             return (loss, None) if return_outputs else loss
         g_image, g_text = terms.g_image, terms.g_text
-        if self._in_training_step and self.objective_estimators:
+        if training:
             n = self.objective_estimators["image"].size
             if int(index.max()) >= n or int(index.min()) < 0:
                 raise IndexError(f"sample_index {int(index.max())} outside the train dataset of {n} rows")
@@ -348,8 +382,7 @@ class ContrastiveConstrainedTrainer(ConstrainedTrainer):
                 # g_i > 0 but the MSVR correction can push u below 0 when g moves by orders of
                 # magnitude between iterates; f_i = t log needs u > 0, so such entries use g_i(w_t; B)
                 u[side] = torch.where(torch.isfinite(u_t) & (u_t > 0), u_t, g)
-                previous = self._take_previous(side, index[keep]) if self._uses_previous_iterate else None
-                est.update(index[keep], g[keep], previous)
+                est.update(index[keep], g[keep], previous[side])
             u_image, u_text = u["image"].to(g_image), u["text"].to(g_text)
         else:  # evaluation: no state change, u = the batch value
             u_image, u_text = g_image, g_text
