@@ -1090,8 +1090,9 @@ class ConstrainedTrainer(SafetyMixin, Trainer):
         of a checkpoint and the rotation of old ones (``on_save`` fires after both), so the
         constraint state and the completeness marker could only come after the rotation. Here
         the rotation is deferred: the Trainer saves with ``save_total_limit`` unset, then the
-        constraint state and the marker are written, and only then are old checkpoints rotated
-        (with the Trainer's own ``rotate_checkpoints`` and arguments). A kill at any moment
+        constraint state and the marker are written, and only then is the checkpoint pushed
+        (``hub_strategy``, through the safety gate) and are old checkpoints rotated (with the
+        Trainer's own ``rotate_checkpoints`` and arguments). A kill at any moment
         leaves the previous complete checkpoint in place.
         """
         run_dir = self._get_output_dir(trial=trial)  # private: the Trainer's own run folder (hp search trials)
@@ -1099,17 +1100,22 @@ class ConstrainedTrainer(SafetyMixin, Trainer):
         if self.args.should_save:
             mark_incomplete(folder)  # re-saving a step: the folder stops being complete before any file changes
         self.accelerator.wait_for_everyone()
-        limit = self.args.save_total_limit
-        self.args.save_total_limit = None
+        # the Trainer would rotate old checkpoints and push this one before the constraint state
+        # and the marker exist: both wait until the checkpoint is complete
+        limit, push = self.args.save_total_limit, self.args.push_to_hub
+        self.args.save_total_limit, self.args.push_to_hub = None, False
         try:
             super()._save_checkpoint(model, trial)
         finally:
-            self.args.save_total_limit = limit
+            self.args.save_total_limit, self.args.push_to_hub = limit, push
         if self.args.should_save:  # also without constraints: subclasses keep objective estimators here
             atomic_torch_save(self.constraint_state_dict(), os.path.join(folder, CONSTRAINT_STATE_NAME))
         self.accelerator.wait_for_everyone()  # every rank's files (RNG states, shards) are written
         if self.args.should_save:
             mark_complete(folder, self.state.global_step)
+        if push:
+            self._push_from_checkpoint(folder)  # private: the Trainer's checkpoint push (hub_strategy), gated
+        if self.args.should_save:
             rotate_checkpoints(output_dir=run_dir, save_total_limit=limit,
                                best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
 

@@ -17,6 +17,8 @@ from test_safety_report import assert_card_matches_report, card_body
 
 import transformers.trainer as hf_trainer
 from hf_constrained import ConstrainedTrainer
+from hf_constrained import CONSTRAINT_STATE_NAME
+from hf_constrained.checkpointing import COMPLETE_MARKER
 from hf_constrained.safety.finish import finish_run
 from hf_constrained.safety.report import SafetyReport, UnsafeModelError
 
@@ -28,6 +30,7 @@ class RecordingHub:
         self.calls: list[tuple[str, dict]] = []
         self.cards: list[str] = []
         self.reports: list[SafetyReport] = []
+        self.listings: list[list[str]] = []
 
     def create_repo(self, repo_id, **kwargs):
         self.calls.append(("create_repo", {"repo_id": repo_id, **kwargs}))
@@ -36,6 +39,11 @@ class RecordingHub:
     def upload_folder(self, **kwargs):
         self.calls.append(("upload_folder", kwargs))
         folder = kwargs["folder_path"]
+        self.listings.append(sorted(os.listdir(folder)))
+        if os.path.basename(folder).startswith("checkpoint-"):  # a checkpoint folder: no card of its own
+            done: Future = Future()
+            done.set_result(SimpleNamespace(commit_url="https://hub.invalid/commit"))
+            return done if kwargs.get("run_as_future") else done.result()
         with open(os.path.join(folder, "README.md"), encoding="utf-8") as f:
             self.cards.append(f.read())
         self.reports.append(SafetyReport.load(folder))
@@ -127,6 +135,20 @@ def test_checkpoint_pushes_during_training_only_for_feasible_checkpoints(tmp_pat
     uploads = [kw for name, kw in hub.calls if name == "upload_folder"]
     assert [u["commit_message"] for u in uploads] == ["Training in progress, step 1", "Training in progress, step 2"]
     assert all(r.all_satisfied for r in hub.reports)
+
+
+def test_checkpoint_is_pushed_only_once_complete(tmp_path, hub):
+    """hub_strategy='checkpoint' uploads the checkpoint folder: by then it holds the constraint
+    state and the completeness marker (the Trainer alone would push before both are written)."""
+    trainer = make_trainer(str(tmp_path / "run"), tolerance=2.0, max_steps=2, push_to_hub=True,
+                           hub_model_id="user/theta", hub_strategy="checkpoint")
+    trainer.train()
+    checkpoint_uploads = [listing for (name, kw), listing in zip([c for c in hub.calls if c[0] == "upload_folder"],
+                                                                 hub.listings)
+                          if os.path.basename(kw["folder_path"]).startswith("checkpoint-")]
+    assert checkpoint_uploads, "no checkpoint folder was uploaded"
+    for listing in checkpoint_uploads:
+        assert CONSTRAINT_STATE_NAME in listing and COMPLETE_MARKER in listing, listing
 
 
 def test_push_to_hub_in_arguments_creates_no_repository_for_an_unsafe_model(tmp_path, hub):
