@@ -32,7 +32,7 @@ Making the promise hold on images training never saw takes three things besides 
   constraint gradient touches. Every ``select_every`` steps the trainer evaluates every
   constraint exactly on them (``evaluate_constraints``), and the kept checkpoint is the
   one with the best target loss among those feasible there (lexicographic rule of
-  :mod:`hf_constrained.selection`; the least violating one when none is feasible).
+  :mod:`hf_constrained.safety.selection`; the least violating one when none is feasible).
 * **A separate test split**, never used for anything but the numbers reported.
 
 The selection, test and constraint pools all hold augmented copies of their own images
@@ -70,7 +70,7 @@ from .clip.data import CLIPCollator, RowDataset
 from .clip.tiny import tiny_clip, word_tokenizer
 from .config import ConstrainedTrainingArguments
 from .constraint import Constraint
-from .selection import EvaluationRecord, select_best
+from .safety.selection import EvaluationRecord, select_best
 from .statistics import constraint_statistic
 
 logger = logging.getLogger(__name__)
@@ -329,7 +329,7 @@ def mean_loss(model: torch.nn.Module, dataset: Any, zs: ZeroShotLoss, collate: C
 class FeasibleCheckpointSelection(TrainerCallback):
     """Every ``every`` steps: exact constraint values on each constraint's ``eval_dataset``
     (the selection split) and the target loss on the target's selection images; keeps the
-    parameters of the best evaluation by :func:`hf_constrained.selection.select_best`
+    parameters of the best evaluation by :func:`hf_constrained.safety.selection.select_best`
     (feasible first, then the lower target loss; else the smallest largest violation).
 
     Feasible means h_k <= ``requirement`` for every k: the requirement itself, not a

@@ -31,10 +31,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 import torch
-from transformers import CLIPModel, CLIPProcessor, HfArgumentParser, TrainerCallback, set_seed
+from transformers import CLIPModel, CLIPProcessor, HfArgumentParser, set_seed
 
-from hf_constrained import ConstrainedTrainingArguments
-from hf_constrained import finish_run
+from hf_constrained import ConstrainedTrainingArguments, finish_run
+from hf_constrained.callbacks import PeriodicMetricsCallback
 from hf_constrained.errors import check_model_path
 from hf_constrained.clip import (
     CLIPWithClassTextHeads,
@@ -155,21 +155,6 @@ def build_data(script: ScriptArguments) -> dict:
             "train": train, "held_out": held_out}
 
 
-class AccuracyCallback(TrainerCallback):
-    """Per-class zero-shot accuracy every ``every`` steps (the paper's per-epoch zero-one loss curves)."""
-
-    def __init__(self, every: int, rows: RowDataset, loss: ZeroShotLoss, collate: CLIPCollator, classes: list) -> None:
-        self.every, self.rows, self.loss, self.collate, self.classes = every, rows, loss, collate, classes
-        self.trainer: Optional[ContrastiveConstrainedTrainer] = None
-
-    def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001 - Trainer callback signature
-        if self.trainer is None or not self.every or state.global_step % self.every:
-            return control
-        acc = zero_shot_accuracy(self.trainer.model, self.rows, self.loss, self.collate, self.classes)
-        self.trainer.log({f"eval_accuracy/{c}": v for c, v in acc.items()})
-        return control
-
-
 def main(argv: Optional[list[str]] = None) -> dict:
     parser = HfArgumentParser((ScriptArguments, ConstrainedTrainingArguments))
     script, args = parser.parse_args_into_dataclasses(args=argv)
@@ -224,10 +209,11 @@ def main(argv: Optional[list[str]] = None) -> dict:
         constraints=constraints, contrastive_temperature=script.contrastive_temperature,
         half_positive_batches=script.half_positive_batches,
     )
-    if script.accuracy_every_steps:
-        callback = AccuracyCallback(script.accuracy_every_steps, report_rows, loss, collate, classes)
-        callback.trainer = trainer
-        trainer.add_callback(callback)
+    if script.accuracy_every_steps:  # logged WITH the Trainer's entry of that step, never instead of it
+        trainer.add_callback(PeriodicMetricsCallback(
+            trainer, script.accuracy_every_steps,
+            lambda t: {f"eval_accuracy/{c}": v
+                       for c, v in zero_shot_accuracy(t.model, report_rows, loss, collate, classes).items()}))
     train_result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     metrics = trainer.evaluate()
     accuracy_new = zero_shot_accuracy(model, report_rows, loss, collate, classes)
@@ -264,6 +250,11 @@ def main(argv: Optional[list[str]] = None) -> dict:
                             f"accuracies on {results['accuracy_split']} data",
         reproduce_command="accelerate launch recipes/clip_non_forgetting.py " + " ".join(sys.argv[1:]),
         objective_metrics={f"accuracy/{c}": v for c, v in accuracy_new.items()},
+        # what users look at beside the loss-based value: zero-one accuracy per protected class
+        extra_columns={"old accuracy": {c.name: accuracy_old.get(c.metadata.get("class"), float("nan"))
+                                        for c in constraints},
+                       "new accuracy": {c.name: accuracy_new.get(c.metadata.get("class"), float("nan"))
+                                        for c in constraints}},
     )
     results["safe"] = report.all_satisfied
     if trainer.is_world_process_zero():
