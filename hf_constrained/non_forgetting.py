@@ -60,6 +60,7 @@ __all__ = [
     "iterate_batches",
     "non_forgetting_constraints",
     "old_model_context",
+    "old_model_values",
     "reference_losses",
     "sequence_classification_per_example_loss",
     "to_device",

@@ -66,17 +66,18 @@ def causal_lm_per_example_loss(model: nn.Module, batch: Mapping[str, Any]) -> to
     """
     labels = causal_lm_labels(batch)
     logits = model(**model_inputs(batch)).logits
-    shift_logits = logits[:, :-1, :].float()
-    shift_labels = labels[:, 1:].to(shift_logits.device)
-    token_loss = nn.functional.cross_entropy(shift_logits.transpose(1, 2), shift_labels,
-                                             ignore_index=IGNORE_INDEX, reduction="none")
-    mask = (shift_labels != IGNORE_INDEX).to(token_loss.dtype)
-    counts = mask.sum(dim=1)
+    shift_labels = labels[:, 1:].to(logits.device)
+    scored = shift_labels != IGNORE_INDEX
+    counts = scored.sum(dim=1)
     if bool((counts == 0).any()):
         rows = torch.nonzero(counts == 0).flatten().tolist()
         raise ValueError(f"rows {rows} of the batch have no label token (all labels -100 after the first "
                          "position): a per-example loss needs at least one token to predict")
-    return (token_loss * mask).sum(dim=1) / counts
+    # only the scored positions go to float32: (tokens, vocab), not (rows, length, vocab)
+    token_loss = nn.functional.cross_entropy(logits[:, :-1, :][scored].float(), shift_labels[scored], reduction="none")
+    row_of_token = torch.nonzero(scored)[:, 0]
+    totals = torch.zeros(labels.shape[0], dtype=token_loss.dtype, device=token_loss.device)
+    return totals.index_add(0, row_of_token, token_loss) / counts.to(token_loss.dtype)
 
 
 def sequence_classification_per_example_loss(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:

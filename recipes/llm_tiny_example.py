@@ -3,7 +3,7 @@
 1. The old model: a tiny GPT-2 (built from a config, character-level tokenizer built
    locally) trained on three string tasks: reverse a word (``rev:abc=cba``), copy it
    (``cp:abc=abc``) and add two digits (``add:7+8=15``); words of 3-5 letters from a-j.
-2. Fine-tuning on a new task, shifting every letter to the next one (``nxt:abc=bcd``), twice per
+2. Fine-tuning on a new task, answering with the first letter only (``fst:abc=a``), twice per
    seed: unconstrained (plain SFT) and with one non-forgetting constraint per old task,
    h_k(w) = L_k(w) - L_k(w_old) <= tol (mean per-example token loss of the answers; hinge
    exact penalty with MSVR estimates, Algorithm 1).
@@ -25,10 +25,13 @@ constraint batches) and the new task's training rows.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import logging
+import multiprocessing
 import os
 import random
+import resource
 import statistics
 import sys
 import tempfile
@@ -55,7 +58,7 @@ from hf_constrained.tiny_lm import char_tokenizer, tiny_causal_lm
 logger = logging.getLogger("llm_tiny_example")
 
 OLD_TASKS = ("reverse", "copy", "add")
-NEW_TASK = "shift"
+NEW_TASK = "first"
 LETTERS = "abcdefghij"
 
 
@@ -68,9 +71,8 @@ def make_rows(task: str, n: int, rng: random.Random) -> list[dict[str, str]]:
             rows.append({"prompt": f"add:{a}+{b}=", "completion": str(a + b)})
             continue
         word = "".join(rng.choice(LETTERS) for _ in range(rng.randint(3, 5)))
-        shifted = "".join(LETTERS[(LETTERS.index(c) + 1) % len(LETTERS)] for c in word)
-        answer = {"reverse": word[::-1], "copy": word, "shift": shifted}[task]
-        prefix = {"reverse": "rev", "copy": "cp", "shift": "nxt"}[task]
+        answer = {"reverse": word[::-1], "copy": word, "first": word[0]}[task]
+        prefix = {"reverse": "rev", "copy": "cp", "first": "fst"}[task]
         rows.append({"prompt": f"{prefix}:{word}=", "completion": answer})
     return rows
 
@@ -126,12 +128,21 @@ def train_old_model(path: str, cfg: argparse.Namespace) -> None:
     tokenizer.save_pretrained(path)
 
 
-def finetune(old_path: str, penalty: str, seed: int, cfg: argparse.Namespace, held_out: dict[str, Dataset],
-             constraint_rows: dict[str, Dataset]) -> dict[str, Any]:
+def data_splits(tokenizer: Any, cfg: argparse.Namespace) -> tuple[dict[str, Dataset], dict[str, Dataset]]:
+    """(held-out rows of every task, constraint rows of every old task): fixed across seeds."""
+    held_out = {t: task_data(t, cfg.held_out_rows, 999, tokenizer) for t in (*OLD_TASKS, NEW_TASK)}
+    constraint_rows = {t: task_data(t, cfg.constraint_rows, 1, tokenizer) for t in OLD_TASKS}
+    return held_out, constraint_rows
+
+
+def finetune(old_path: str, penalty: str, seed: int, cfg: argparse.Namespace) -> dict[str, Any]:
+    """Fine-tune the old model on the new task (``penalty`` "none" or "hinge") and evaluate it held-out."""
     t0 = time.time()
+    _quiet()
     tokenizer = AutoTokenizer.from_pretrained(old_path)
     model = AutoModelForCausalLM.from_pretrained(old_path)
     collate = PaddingCollator(tokenizer)
+    held_out, constraint_rows = data_splits(tokenizer, cfg)
     constraints = non_forgetting_constraints(model, causal_lm_per_example_loss, constraint_rows, collate,
                                              eval_datasets={t: held_out[t] for t in OLD_TASKS},
                                              tolerance=cfg.tolerance, batch_size=256)
@@ -149,6 +160,17 @@ def finetune(old_path: str, penalty: str, seed: int, cfg: argparse.Namespace, he
     metrics = evaluate(model, held_out, collate)
     return {"penalty": penalty, "seed": seed, "held_out": metrics, "h_held_out": h_eval,
             "tolerance": cfg.tolerance, "seconds": round(time.time() - t0, 1)}
+
+
+def _job(job: tuple[str, str, int, argparse.Namespace]) -> dict[str, Any]:
+    torch.set_num_threads(1)  # one core per run: tiny models gain nothing from more threads
+    return finetune(*job)
+
+
+def _quiet() -> None:
+    logging.getLogger("hf_constrained").setLevel(logging.WARNING)
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    datasets.disable_progress_bars()
 
 
 def _summary(values: list[float], worst: str) -> dict[str, float]:
@@ -199,12 +221,12 @@ def format_table(summary: dict[str, Any], cfg: argparse.Namespace) -> str:
 def parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--old_steps", type=int, default=1500, help="training steps of the old model")
+    p.add_argument("--old_steps", type=int, default=1000, help="training steps of the old model")
     p.add_argument("--old_rows", type=int, default=4000, help="training rows per old task")
     p.add_argument("--old_lr", type=float, default=3e-3)
-    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--steps", type=int, default=300, help="fine-tuning steps on the new task")
+    p.add_argument("--steps", type=int, default=200, help="fine-tuning steps on the new task")
     p.add_argument("--lr", type=float, default=2e-3, help="fine-tuning learning rate")
     p.add_argument("--schedule", default="cosine", help="fine-tuning learning-rate schedule")
     p.add_argument("--msvr_gamma", type=float, default=0.8, help="MSVR gamma of the constraint estimates")
@@ -212,20 +234,20 @@ def parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--constraint_rows", type=int, default=512, help="constraint rows per old task")
     p.add_argument("--held_out_rows", type=int, default=512, help="held-out rows per task")
     p.add_argument("--constraint_batch_size", type=int, default=32)
-    p.add_argument("--tolerance", type=float, default=0.05, help="h_k <= tolerance (nats per answer token)")
+    p.add_argument("--tolerance", type=float, default=0.2, help="h_k <= tolerance (nats per answer token)")
     p.add_argument("--beta", type=float, default=10.0)
     p.add_argument("--learned_accuracy", type=float, default=0.9, help="held-out new-task accuracy that counts as learned")
     p.add_argument("--old_model", default=None, help="reuse (or create) the old model in this folder")
     p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--workers", type=int, default=2, help="fine-tuning runs in parallel (one CPU core each)")
     return p.parse_args(argv)
 
 
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     cfg = parse(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    logging.getLogger("hf_constrained").setLevel(logging.WARNING)
-    datasets.disable_progress_bars()
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    _quiet()
+    torch.set_num_threads(1)
     t0 = time.time()
     tmp = tempfile.TemporaryDirectory()
     old_path = cfg.old_model or tmp.name
@@ -233,23 +255,27 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         train_old_model(old_path, cfg)
     logger.info("old model ready (%.0fs)", time.time() - t0)
     tokenizer = AutoTokenizer.from_pretrained(old_path)
-    collate = PaddingCollator(tokenizer)
-    held_out = {t: task_data(t, cfg.held_out_rows, 999, tokenizer) for t in (*OLD_TASKS, NEW_TASK)}
-    constraint_rows = {t: task_data(t, cfg.constraint_rows, 1, tokenizer) for t in OLD_TASKS}
-    old = evaluate(AutoModelForCausalLM.from_pretrained(old_path), held_out, collate)
-    runs = []
-    for seed in cfg.seeds:
-        for penalty in ("none", "hinge"):
-            runs.append(finetune(old_path, penalty, seed, cfg, held_out, constraint_rows))
-            logger.info("seed %d %-5s: %s (%.0fs)", seed, penalty,
-                        {t: round(m["accuracy"], 3) for t, m in runs[-1]["held_out"].items()}, runs[-1]["seconds"])
+    held_out, _ = data_splits(tokenizer, cfg)
+    old = evaluate(AutoModelForCausalLM.from_pretrained(old_path), held_out, PaddingCollator(tokenizer))
+    jobs = [(old_path, penalty, seed, cfg) for seed in cfg.seeds for penalty in ("none", "hinge")]
+    if cfg.workers > 1:
+        context = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(cfg.workers, mp_context=context) as pool:
+            runs = list(pool.map(_job, jobs))
+    else:
+        runs = [_job(j) for j in jobs]
+    for r in runs:
+        logger.info("seed %d %-5s: %s (%.0fs)", r["seed"], r["penalty"],
+                    {t: round(m["accuracy"], 3) for t, m in r["held_out"].items()}, r["seconds"])
     summary = summarize(old, runs, cfg)
+    usage = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
     result = {"command": "python recipes/llm_tiny_example.py " + " ".join(sys.argv[1:] if argv is None else argv),
               "config": vars(cfg), "summary": summary, "runs": runs, "seconds": round(time.time() - t0, 1),
-              "torch_threads": torch.get_num_threads()}
+              "cpu_seconds": round(sum(u.ru_utime + u.ru_stime for u in usage), 1),
+              "os_cpu_count": os.cpu_count()}
     print(format_table(summary, cfg))
     print("goals:", json.dumps(summary["goals"]))
-    print(f"total {result['seconds']:.0f}s")
+    print(f"total {result['seconds']:.0f}s wall, {result['cpu_seconds']:.0f}s CPU")
     if cfg.json:
         os.makedirs(os.path.dirname(os.path.abspath(cfg.json)), exist_ok=True)
         with open(cfg.json + ".tmp", "w") as f:
