@@ -155,3 +155,20 @@ def test_two_process_run(setup, tmp_path):
     assert state["global_step"] == 2
     assert results["safety_report"] is not None and len(results["safety_report"]["constraints"]) == 3
     assert results["num_processes"] == 2
+
+
+def test_shipped_yaml_config_uses_only_recipe_flags():
+    from transformers import HfArgumentParser
+
+    from hf_constrained import ConstrainedTrainingArguments
+
+    recipe = _recipe()
+    parser = HfArgumentParser((recipe.ScriptArguments, ConstrainedTrainingArguments))
+    flags = {a.dest for a in parser._actions}
+    config = yaml.safe_load((ROOT / "recipes" / "configs" / "llm_non_forgetting_lora.yaml").read_text())
+    assert config and sorted(set(config) - flags) == []
+    # the values parse with the flags' types (bf16 needs a GPU, so it is left to the run)
+    argv = [f"--{k}={v}" for k, v in config.items() if not isinstance(v, list) and k != "bf16"]
+    namespace = parser.parse_args(argv + ["--protected_datasets", *config["protected_datasets"]])
+    assert namespace.lora_r == 16 and namespace.relative_tolerance == 0.02 and namespace.max_grad_norm == 0.0
+    assert namespace.protected_datasets == ["math=data/math.jsonl", "code=data/code.jsonl"]
