@@ -235,7 +235,7 @@ def parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--held_out_rows", type=int, default=512, help="held-out rows per task")
     p.add_argument("--constraint_batch_size", type=int, default=32)
     p.add_argument("--tolerance", type=float, default=0.2, help="h_k <= tolerance (nats per answer token)")
-    p.add_argument("--beta", type=float, default=10.0)
+    p.add_argument("--beta", type=float, default=5.0)
     p.add_argument("--learned_accuracy", type=float, default=0.9, help="held-out new-task accuracy that counts as learned")
     p.add_argument("--old_model", default=None, help="reuse (or create) the old model in this folder")
     p.add_argument("--json", default=None, help="write the results here")
