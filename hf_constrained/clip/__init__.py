@@ -1,8 +1,9 @@
-"""CLIP fine-tuning under non-forgetting constraints (REFERENCE section 4, second application).
+"""CLIP fine-tuning under non-forgetting constraints (the paper's section 5.2).
 
 * :mod:`.contrastive`: the two-way global contrastive objective with one MSVR estimator per
   training sample (Algorithm 2, Setting II) and :class:`ContrastiveConstrainedTrainer`;
-* :mod:`.non_forgetting`: one constraint per protected class, h_k = L_k(w) - L_k(w_old);
+* :mod:`.non_forgetting`: CLIP's zero-shot loss for the generic non-forgetting constraints of
+  :mod:`hf_constrained.non_forgetting` (one per protected class, h_k = L_k(w) - L_k(w_old));
 * :mod:`.data`: image-text / image-label rows, the collator, and the BDD100K, CSV and digits loaders;
 * :mod:`.heads`: optional per-class low-rank text heads;
 * :mod:`.tiny`: a small CLIP and word tokenizer built from configs (demo and tests, offline).

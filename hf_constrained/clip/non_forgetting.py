@@ -1,29 +1,47 @@
-"""Non-forgetting constraints: h_k(w) = L_k(w, D_k) - L_k(w_old, D_k) <= 0 (REFERENCE section 4).
+"""CLIP's case of the non-forgetting constraints h_k(w) = L_k(w, D_k) - L_k(w_old, D_k) <= tol_k.
 
-L_k is the mean cross-entropy of the zero-shot classifier over ALL class prompts (target
-included), logits = cos(image, prompt_c) / tau, on the images D_k of protected class k.
-The old model's per-sample losses are computed once before training (eval mode, the
-collator's deterministic preprocessing, no augmentation) and stored with each row
-(:class:`ReferenceLossDataset`), so h_k on a batch is "mean CE now - mean stored CE on the
-same samples", the estimate the MSVR update of Algorithm 2 (line 12) tracks. The old model
-is only needed for that pass: pass the model itself before training, or, for a PEFT/LoRA
-model, call inside ``with model.disable_adapter():`` (no second copy).
+The problem is the paper's section 5.2; the generic machinery (the old model's reference
+pass, the rows carrying ``reference_loss``, the shared row function, the constraints) is
+:mod:`hf_constrained.non_forgetting`. This module adds CLIP's per-sample loss: the
+cross-entropy of the zero-shot classifier over ALL class prompts (target included),
+logits = cos(image, prompt_c) / tau, on the images D_k of protected class k, and
+zero-shot accuracy. The old model's per-sample losses are computed once before training
+(eval mode, the collator's deterministic preprocessing, no augmentation); for a PEFT/LoRA
+model the adapter-disabled base serves as the old model (no second copy).
+
+``NonForgettingConstraint``, ``ReferenceLossDataset``, ``non_forgetting_constraints`` and
+``reference_losses`` are the generic ones, re-exported; they accept a :class:`ZeroShotLoss`
+as the per-sample loss (its ``per_sample`` method).
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping, Sequence
 from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
-from ..constraint import Constraint
+from ..non_forgetting import (
+    NonForgettingConstraint,
+    ReferenceGap,
+    ReferenceLossDataset,
+    iterate_batches,
+    non_forgetting_constraints,
+    reference_losses,
+    to_device,
+)
 from .encode import clip_embeddings
 
-logger = logging.getLogger(__name__)
+__all__ = [
+    "NonForgettingConstraint",
+    "ReferenceLossDataset",
+    "ZeroShotLoss",
+    "non_forgetting_constraints",
+    "reference_losses",
+    "zero_shot_accuracy",
+    "zero_shot_predictions",
+]
 
 
 class ZeroShotLoss:
@@ -71,41 +89,8 @@ class ZeroShotLoss:
         return nn.functional.cross_entropy(self.logits(model, batch["pixel_values"]), labels, reduction="none")
 
     def __call__(self, model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
-        """h_k(w; B_k) = mean CE(w) - mean CE(w_old) on the batch's samples."""
-        if "reference_loss" not in batch:
-            raise KeyError("constraint batch has no 'reference_loss': wrap the data in ReferenceLossDataset")
-        current = self.per_sample(model, batch)
-        reference = torch.as_tensor(batch["reference_loss"]).to(current)
-        return (current - reference).mean()
-
-
-def _batches(dataset: Any, collate_fn: Callable, batch_size: int, desc: str) -> Any:
-    starts = range(0, len(dataset), batch_size)
-    for start in tqdm(starts, desc=desc, leave=False, disable=len(starts) < 20):
-        rows = list(range(start, min(start + batch_size, len(dataset))))
-        yield rows, collate_fn([dataset[i] for i in rows])
-
-
-def _to(batch: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
-    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-
-
-@torch.no_grad()
-def reference_losses(model: nn.Module, dataset: Any, loss: ZeroShotLoss, collate_fn: Callable,
-                     batch_size: int = 64) -> torch.Tensor:
-    """Per-sample zero-shot CE of ``model`` on ``dataset`` (eval mode, no grad), in row order."""
-    device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    out = torch.empty(len(dataset), dtype=torch.float32)
-    try:
-        for rows, batch in _batches(dataset, collate_fn, batch_size, "reference losses"):
-            out[rows] = loss.per_sample(model, _to(batch, device)).float().cpu()
-    finally:
-        model.train(was_training)
-    if not torch.isfinite(out).all():
-        raise ValueError("the old model's zero-shot loss is not finite on some samples")
-    return out
+        """h_k(w; B_k) = mean CE(w) - mean CE(w_old) on the batch's samples (rows carry ``reference_loss``)."""
+        return ReferenceGap(self)(model, batch).mean()
 
 
 @torch.no_grad()
@@ -117,8 +102,8 @@ def zero_shot_predictions(model: nn.Module, dataset: Any, loss: ZeroShotLoss, co
     model.eval()
     preds, labels = [], []
     try:
-        for _, batch in _batches(dataset, collate_fn, batch_size, "zero-shot"):
-            batch = _to(batch, device)
+        for _, batch in iterate_batches(dataset, collate_fn, batch_size, "zero-shot"):
+            batch = to_device(batch, device)
             preds.append(loss.logits(model, batch["pixel_values"]).argmax(dim=1).cpu())
             labels.append(torch.as_tensor(batch["label"]).long().cpu())
     finally:
@@ -135,60 +120,4 @@ def zero_shot_accuracy(model: nn.Module, dataset: Any, loss: ZeroShotLoss, colla
         mask = label == c
         if mask.any():
             out[name] = float((pred[mask] == c).float().mean())
-    return out
-
-
-class ReferenceLossDataset(torch.utils.data.Dataset):
-    """Rows of ``dataset`` with the old model's loss added as ``reference_loss``."""
-
-    def __init__(self, dataset: Any, losses: torch.Tensor) -> None:
-        if len(losses) != len(dataset):
-            raise ValueError(f"{len(losses)} reference losses for {len(dataset)} rows")
-        self.dataset, self.losses = dataset, losses
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, i: int) -> dict[str, Any]:
-        row = dict(self.dataset[i])
-        row["reference_loss"] = float(self.losses[i])
-        return row
-
-
-class NonForgettingConstraint(Constraint):
-    """h_k(w) = L_k(w, D_k) - L_k(w_old, D_k) <= tolerance for one protected class.
-
-    Build it with :meth:`from_old_model`, which runs the reference pass.
-    """
-
-    @classmethod
-    def from_old_model(cls, class_name: str, old_model: nn.Module, loss: ZeroShotLoss, dataset: Any,
-                       collate_fn: Callable, *, eval_dataset: Optional[Any] = None, tolerance: float = 0.0,
-                       batch_size: int = 64) -> "NonForgettingConstraint":
-        """Compute the old model's per-sample losses on ``dataset`` (and ``eval_dataset``) and
-        return the constraint over those rows."""
-        train = ReferenceLossDataset(dataset, reference_losses(old_model, dataset, loss, collate_fn, batch_size))
-        held_out = None
-        if eval_dataset is not None:
-            held_out = ReferenceLossDataset(
-                eval_dataset, reference_losses(old_model, eval_dataset, loss, collate_fn, batch_size))
-        return cls(name=f"non_forgetting/{class_name}", fn=loss, dataset=train, tolerance=tolerance,
-                   eval_dataset=held_out, collate_fn=collate_fn,
-                   metadata={"class": class_name, "old_loss": float(train.losses.mean())})
-
-
-def non_forgetting_constraints(old_model: nn.Module, loss: ZeroShotLoss, datasets: Mapping[str, Any],
-                               collate_fn: Callable, *, eval_datasets: Optional[Mapping[str, Any]] = None,
-                               tolerance: float = 0.0, batch_size: int = 64) -> list[NonForgettingConstraint]:
-    """One :class:`NonForgettingConstraint` per protected class (``datasets``: class name -> rows)."""
-    if not datasets:
-        raise ValueError("no protected classes: pass at least one class's data")
-    out = []
-    for name, data in datasets.items():
-        held_out = None if eval_datasets is None else eval_datasets.get(name)
-        out.append(NonForgettingConstraint.from_old_model(name, old_model, loss, data, collate_fn,
-                                                          eval_dataset=held_out, tolerance=tolerance,
-                                                          batch_size=batch_size))
-        logger.info("non-forgetting constraint %s: %d samples, old loss %.4f", name, len(data),
-                    out[-1].metadata["old_loss"])
     return out

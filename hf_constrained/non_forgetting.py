@@ -1,0 +1,308 @@
+"""Non-forgetting constraints for any model and any per-sample loss.
+
+The problem of the paper's section 5.2 ("Continual learning with non-forgetting
+constraints"), for any model::
+
+    min_w F(w, D_target)   s.t.   h_k(w) = L_k(w, D_k) - L_k(w_old, D_k) <= tol_k,   k = 1..m
+
+with L_k(w, D_k) the mean of a per-sample loss l(w, x) over the rows x of the protected
+data D_k: the causal-LM token loss of each example
+(:func:`~hf_constrained.per_sample_loss.causal_lm_per_example_loss`), a classifier's
+cross-entropy (:func:`~hf_constrained.per_sample_loss.sequence_classification_per_example_loss`),
+CLIP's zero-shot cross-entropy (:class:`hf_constrained.clip.ZeroShotLoss`), or any
+``loss(model, batch) -> (rows,)``.
+
+The old model's per-sample losses are computed ONCE, before training (eval mode, no grad,
+batched, with a progress bar; :func:`reference_losses`), and stored with the rows
+(:class:`ReferenceLossDataset` adds ``reference_loss``). The mini-batch value the MSVR
+estimator tracks (Algorithm 1, line 6) is then h_k(w; B_k) = mean over B_k of
+l(w, x) - l(w_old, x), computed without the old model.
+
+All constraints built by one :func:`non_forgetting_constraints` call share ONE row function
+(:class:`ReferenceGap`: ``l(w, x) - reference_loss`` per row) and one collate function, so a
+trainer that fuses row-wise constraints evaluates every sampled protected task in one model
+call. With a PEFT (LoRA) model the adapter-disabled base serves as the old model
+(``with model.disable_adapter():``), so no second copy of the weights is needed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Callable, Optional, Union
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from .constraint import Constraint, collate_examples, fetch_rows
+from .per_sample_loss import (
+    PaddingCollator,
+    causal_lm_per_example_loss,
+    sequence_classification_per_example_loss,
+)
+
+logger = logging.getLogger(__name__)
+
+PerSampleLoss = Callable[[nn.Module, Any], torch.Tensor]
+"""``loss(model, batch) -> tensor (rows,)``: one loss per row, independent of the other rows."""
+
+REFERENCE_KEY = "reference_loss"
+
+__all__ = [
+    "NonForgettingConstraint",
+    "PaddingCollator",
+    "PerSampleLoss",
+    "ReferenceGap",
+    "ReferenceLossDataset",
+    "causal_lm_per_example_loss",
+    "iterate_batches",
+    "non_forgetting_constraints",
+    "old_model_context",
+    "old_model_values",
+    "reference_losses",
+    "sequence_classification_per_example_loss",
+    "to_device",
+]
+
+
+def as_per_sample_loss(loss: Any) -> PerSampleLoss:
+    """``loss`` itself, or its ``per_sample`` method for loss objects whose call gives the
+    batch's constraint value (e.g. :class:`hf_constrained.clip.ZeroShotLoss`)."""
+    per_sample = getattr(loss, "per_sample", None)
+    if callable(per_sample):
+        return per_sample
+    if not callable(loss):
+        raise TypeError(f"a per-sample loss must be callable as loss(model, batch), got {type(loss).__name__}")
+    return loss
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """``batch`` with its tensors moved to ``device`` (dict batches; others unchanged)."""
+    if isinstance(batch, Mapping):
+        return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    return batch
+
+
+def iterate_batches(dataset: Any, collate_fn: Callable, batch_size: int, desc: str) -> Iterator[tuple[list[int], Any]]:
+    """(row indices, collated batch) over ``dataset`` in order, with a progress bar for long passes."""
+    starts = range(0, len(dataset), batch_size)
+    for start in tqdm(starts, desc=desc, leave=False, disable=len(starts) < 20):
+        rows = list(range(start, min(start + batch_size, len(dataset))))
+        yield rows, collate_fn(fetch_rows(dataset, rows))
+
+
+def old_model_context(model: nn.Module, use_base: bool = True) -> contextlib.AbstractContextManager:
+    """A context in which ``model`` computes the old model's values: for a PEFT model
+    (``disable_adapter``) with ``use_base``, its adapter-disabled base; otherwise the model as it is."""
+    if use_base and callable(getattr(model, "disable_adapter", None)):
+        return model.disable_adapter()
+    return contextlib.nullcontext()
+
+
+@torch.no_grad()
+def reference_losses(model: nn.Module, dataset: Any, loss: Union[PerSampleLoss, Any],
+                     collate_fn: Optional[Callable] = None, batch_size: int = 64, *,
+                     desc: str = "reference losses") -> torch.Tensor:
+    """Per-sample loss of ``model`` on every row of ``dataset``, in row order (float32, CPU).
+
+    The model runs in eval mode (dropout off) under ``no_grad``, in batches of
+    ``batch_size`` on the model's device; its training mode is restored afterwards.
+    This is the old model's L_k(w_old, x) of the constraint h_k (section 5.2), computed once.
+
+    Args:
+        model: the old model (or, inside :func:`old_model_context`, a PEFT model's base).
+        dataset: indexable rows (a ``datasets.Dataset``, a torch ``Dataset``, a list).
+        loss: ``loss(model, batch) -> (rows,)``, or an object with ``per_sample(model, batch)``.
+        collate_fn: rows -> batch (default :func:`~hf_constrained.constraint.collate_examples`;
+            tokenised text needs a padding collator such as
+            :class:`~hf_constrained.per_sample_loss.PaddingCollator`).
+        batch_size: rows per forward pass.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    per_sample = as_per_sample_loss(loss)
+    collate_fn = collate_fn or collate_examples
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    out = torch.empty(len(dataset), dtype=torch.float32)
+    try:
+        for rows, batch in iterate_batches(dataset, collate_fn, batch_size, desc):
+            values = per_sample(model, to_device(batch, device))
+            if values.dim() != 1 or values.shape[0] != len(rows):
+                raise ValueError(f"the per-sample loss returned shape {tuple(values.shape)} for a batch of "
+                                 f"{len(rows)} rows; it must return one value per row")
+            out[rows] = values.float().cpu()
+    finally:
+        model.train(was_training)
+    if not torch.isfinite(out).all():
+        bad = torch.nonzero(~torch.isfinite(out)).flatten()[:5].tolist()
+        raise ValueError(f"the old model's loss is not finite on rows {bad} ({desc})")
+    return out
+
+
+class ReferenceLossDataset(torch.utils.data.Dataset):
+    """The rows of ``dataset`` with the old model's per-sample loss added as ``reference_loss``."""
+
+    def __init__(self, dataset: Any, losses: torch.Tensor) -> None:
+        if len(losses) != len(dataset):
+            raise ValueError(f"{len(losses)} reference losses for {len(dataset)} rows")
+        self.dataset, self.losses = dataset, torch.as_tensor(losses, dtype=torch.float32)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def _row(self, row: Any, i: int) -> dict[str, Any]:
+        if not isinstance(row, Mapping):
+            raise TypeError(f"ReferenceLossDataset needs dict rows, got {type(row).__name__} at row {i}")
+        row = dict(row)
+        row[REFERENCE_KEY] = float(self.losses[i])
+        return row
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return self._row(self.dataset[i], i)
+
+    def __getitems__(self, rows: list[int]) -> list[dict[str, Any]]:
+        return [self._row(r, i) for r, i in zip(fetch_rows(self.dataset, rows), rows)]
+
+    @property
+    def mean_loss(self) -> float:
+        return float(self.losses.mean())
+
+
+class ReferenceGap:
+    """The shared row function of non-forgetting constraints: ``l(w, x) - l(w_old, x)`` per row.
+
+    ``row_fn(model, batch)`` for :class:`~hf_constrained.Constraint`: the mean over a
+    batch B_k is h_k(w; B_k) of section 5.2. One object serves every protected task,
+    so a fused trainer step computes all of them in one model call.
+    """
+
+    def __init__(self, loss: Union[PerSampleLoss, Any]) -> None:
+        self.loss = loss
+        self.per_sample = as_per_sample_loss(loss)
+
+    def __call__(self, model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
+        if REFERENCE_KEY not in batch:
+            raise KeyError(f"constraint batch has no {REFERENCE_KEY!r}: wrap the data in ReferenceLossDataset "
+                           "(non_forgetting_constraints does)")
+        current = self.per_sample(model, batch)
+        return current - torch.as_tensor(batch[REFERENCE_KEY]).to(current)
+
+    def __repr__(self) -> str:
+        return f"ReferenceGap({getattr(self.loss, '__name__', type(self.loss).__name__)})"
+
+
+Tolerance = Union[float, Mapping[str, float]]
+
+
+def _for_task(value: Optional[Tolerance], task: str, what: str) -> float:
+    if value is None:
+        return 0.0
+    if isinstance(value, Mapping):
+        if task not in value:
+            raise KeyError(f"{what} has no entry for protected task {task!r} (it has {sorted(value)})")
+        return float(value[task])
+    return float(value)
+
+
+class NonForgettingConstraint(Constraint):
+    """h_k(w) = L_k(w, D_k) - L_k(w_old, D_k) <= tolerance for one protected task (section 5.2).
+
+    Built by :meth:`from_old_model` (one task) or :func:`non_forgetting_constraints`
+    (several tasks sharing one row function). ``metadata`` holds ``old_loss`` (the old
+    model's mean loss on the constraint data) and, with held-out data, ``old_eval_loss``.
+    """
+
+    @classmethod
+    def from_old_model(cls, task: str, old_model: nn.Module, loss: Union[PerSampleLoss, Any], dataset: Any,
+                       collate_fn: Optional[Callable] = None, *, eval_dataset: Optional[Any] = None,
+                       tolerance: float = 0.0, relative_tolerance: float = 0.0, batch_size: int = 64,
+                       row_fn: Optional[ReferenceGap] = None, name: str = "non_forgetting/{task}",
+                       use_base_of_adapter: bool = True) -> "NonForgettingConstraint":
+        """Run the reference pass of ``old_model`` on ``dataset`` (and ``eval_dataset``) and
+        return the constraint over those rows.
+
+        Args:
+            task: the protected task's name (the constraint is ``name.format(task=task)``).
+            old_model: the model before fine-tuning. For a PEFT model with
+                ``use_base_of_adapter`` (default) the reference pass runs with the adapters
+                disabled: the base model is the old model. Pass ``use_base_of_adapter=False``
+                when the old model is base + a previously trained adapter.
+            loss: the per-sample loss l(w, x).
+            dataset / eval_dataset: the protected rows for training / held-out evaluation.
+            collate_fn: rows -> batch, shared by the reference pass and the trainer.
+            tolerance: absolute tolerance on h_k.
+            relative_tolerance: added tolerance as a fraction of the old model's mean loss
+                on ``dataset``: tol_k = tolerance + relative_tolerance * L_k(w_old, D_k).
+            row_fn: a :class:`ReferenceGap` to share with other constraints (default: a new one).
+        """
+        if relative_tolerance < 0:
+            raise ValueError(f"protected task {task!r}: relative_tolerance must be >= 0, got {relative_tolerance}")
+        collate_fn = collate_fn or collate_examples
+        with old_model_context(old_model, use_base_of_adapter):
+            train = ReferenceLossDataset(dataset, reference_losses(old_model, dataset, loss, collate_fn, batch_size,
+                                                                   desc=f"reference losses {task}"))
+            held_out = None
+            if eval_dataset is not None:
+                held_out = ReferenceLossDataset(eval_dataset, reference_losses(
+                    old_model, eval_dataset, loss, collate_fn, batch_size, desc=f"reference losses {task} (eval)"))
+        old_loss = train.mean_loss
+        tol = float(tolerance) + float(relative_tolerance) * old_loss
+        metadata = {"task": task, "old_loss": old_loss, "absolute_tolerance": float(tolerance),
+                    "relative_tolerance": float(relative_tolerance)}
+        if held_out is not None:
+            metadata["old_eval_loss"] = held_out.mean_loss
+        return cls(name=name.format(task=task), row_fn=row_fn if row_fn is not None else ReferenceGap(loss),
+                   dataset=train, tolerance=tol, eval_dataset=held_out, collate_fn=collate_fn, metadata=metadata)
+
+
+def non_forgetting_constraints(old_model: nn.Module, loss: Union[PerSampleLoss, Any], datasets: Mapping[str, Any],
+                               collate_fn: Optional[Callable] = None, *,
+                               eval_datasets: Optional[Mapping[str, Any]] = None, tolerance: Tolerance = 0.0,
+                               relative_tolerance: Optional[Tolerance] = None, batch_size: int = 64,
+                               name: str = "non_forgetting/{task}", row_fn: Optional[ReferenceGap] = None,
+                               use_base_of_adapter: bool = True) -> list[NonForgettingConstraint]:
+    """One :class:`NonForgettingConstraint` per protected task, all sharing one row function.
+
+    Args:
+        old_model: the model before fine-tuning (a PEFT model: its base, see
+            :meth:`NonForgettingConstraint.from_old_model`).
+        loss: the per-sample loss, e.g. :func:`causal_lm_per_example_loss`.
+        datasets: task name -> protected rows (tokenised for language models).
+        collate_fn: rows -> batch, shared by all tasks (for text: a padding collator).
+        eval_datasets: task name -> held-out rows (optional, per task).
+        tolerance: absolute tolerance, one for all or per task name.
+        relative_tolerance: fraction of the old model's mean loss added to the tolerance,
+            one for all or per task name.
+        name: constraint name format with ``{task}``.
+        row_fn: a :class:`ReferenceGap` of the same loss to share with constraints built
+            elsewhere (e.g. a safety set), so that all form one group.
+    """
+    if not datasets:
+        raise ValueError("no protected tasks: pass at least one task's data")
+    if eval_datasets is not None:
+        unknown = sorted(set(eval_datasets) - set(datasets))
+        if unknown:
+            raise KeyError(f"eval_datasets has tasks {unknown} that are not in datasets ({sorted(datasets)})")
+    row_fn = row_fn if row_fn is not None else ReferenceGap(loss)
+    collate_fn = collate_fn or collate_examples
+    out = []
+    for task, data in datasets.items():
+        held_out = None if eval_datasets is None else eval_datasets.get(task)
+        constraint = NonForgettingConstraint.from_old_model(
+            task, old_model, loss, data, collate_fn, eval_dataset=held_out,
+            tolerance=_for_task(tolerance, task, "tolerance"),
+            relative_tolerance=_for_task(relative_tolerance, task, "relative_tolerance"),
+            batch_size=batch_size, row_fn=row_fn, name=name, use_base_of_adapter=use_base_of_adapter)
+        out.append(constraint)
+        logger.info("non-forgetting constraint %s: %d rows, old loss %.4f, tolerance %.4g", constraint.name,
+                    len(data), constraint.metadata["old_loss"], constraint.tolerance)
+    return out
+
+
+def old_model_values(constraints: Sequence[Constraint]) -> dict[str, float]:
+    """h_k(w_old) of non-forgetting constraints: 0 by definition (for the safety report's old-model column)."""
+    return {c.name: 0.0 for c in constraints}

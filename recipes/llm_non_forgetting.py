@@ -1,0 +1,281 @@
+"""Supervised fine-tuning of a causal language model under non-forgetting constraints.
+
+    min_w  SFT loss on the target data
+    s.t.   L_k(w, D_k) - L_k(w_old, D_k) <= tol_k    for every protected dataset D_k
+           (optionally) L_s(w, D_safe) - L_s(w_old, D_safe) <= tol_s   for a safety set
+
+L is the mean next-token cross-entropy of each example's answer tokens; w_old is the
+model before fine-tuning (with ``--lora_r`` the adapter-disabled base). The old model's
+per-example losses are computed once before training. All constraints share one row
+function (one model call for all sampled constraints when the trainer fuses them).
+
+Data: each dataset is a Hub dataset id or a local JSON/JSONL/CSV/TSV/parquet file, with
+rows in one of TRL's SFT formats: ``text``; ``prompt`` + ``completion`` (loss on the
+completion); ``messages`` (a chat rendered with the tokenizer's chat template; loss on
+the last message). A safety set such as "harmful prompts with refusals" in the
+prompt/completion format gives the constraint "the loss of the refusals does not rise".
+
+Run::
+
+    accelerate launch recipes/llm_non_forgetting.py \\
+        --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --lora_r 16 \\
+        --target_dataset data/new_task.jsonl \\
+        --protected_datasets math=data/math.jsonl code=data/code.jsonl \\
+        --safety_dataset data/refusals.jsonl \\
+        --output_dir out/llm --max_steps 500 --learning_rate 1e-4 \\
+        --constraint_penalty hinge --penalty_beta 10 --relative_tolerance 0.02
+
+or put the flags in a YAML file (keys = flag names) and pass ``--config x.yaml``; flags on
+the command line override the file. ``--help`` lists every flag. At the end: held-out
+evaluation, the model (or adapter) and tokenizer in ``--output_dir``, the safety report
+and model card, ``llm_results.json``, and with ``--push_to_hub`` the gated push (refused
+when a constraint fails on held-out data, unless ``--allow_unsafe_push``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+import torch
+import yaml
+from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, set_seed
+
+from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments, finish_run
+from hf_constrained.non_forgetting import (
+    PaddingCollator,
+    ReferenceGap,
+    causal_lm_per_example_loss,
+    non_forgetting_constraints,
+)
+from hf_constrained.text_data import load_text_dataset, tokenize_sft
+
+logger = logging.getLogger("llm_non_forgetting")
+RESULTS_FILE = "llm_results.json"
+
+
+@dataclass
+class ScriptArguments:
+    model_name_or_path: str = field(metadata={"help": "Causal LM: a Hub id (e.g. Qwen/Qwen2.5-0.5B-Instruct) or a "
+                                              "local folder with the model and its tokenizer."})
+    target_dataset: str = field(metadata={"help": "SFT data of the new task: Hub id or local JSON/CSV/parquet file."})
+    protected_datasets: list[str] = field(default_factory=list, metadata={
+        "help": "Protected datasets, one constraint each: NAME=SOURCE (or SOURCE; the name is the file's stem)."})
+    safety_dataset: Optional[str] = field(default=None, metadata={
+        "help": "Optional safety set (e.g. harmful prompts with refusals): its loss must not rise either."})
+    dataset_config: Optional[str] = field(default=None, metadata={"help": "Hub dataset configuration name, if any."})
+    target_split: str = field(default="train", metadata={"help": "Split of a Hub target dataset."})
+    protected_split: str = field(default="train", metadata={"help": "Split of Hub protected / safety datasets."})
+    eval_fraction: float = field(default=0.1, metadata={
+        "help": "Fraction of every dataset held out: target rows for the objective's evaluation, protected rows "
+                "for the exact constraint values of the safety report."})
+    max_constraint_rows: Optional[int] = field(default=None, metadata={
+        "help": "Cap on the rows taken from each protected / safety dataset (before the held-out split)."})
+    max_target_rows: Optional[int] = field(default=None, metadata={"help": "Cap on the target rows."})
+    max_length: int = field(default=512, metadata={"help": "Token limit per example (longer ones are cut)."})
+    text_column: str = field(default="text", metadata={"help": "Column of plain-text rows."})
+    prompt_column: str = field(default="prompt", metadata={"help": "Prompt column of prompt/completion rows."})
+    completion_column: str = field(default="completion", metadata={"help": "Completion column."})
+    messages_column: str = field(default="messages", metadata={"help": "Chat column (list of role/content)."})
+    constraint_tolerance: float = field(default=0.0, metadata={
+        "help": "Absolute tolerance of every protected constraint (nats per token)."})
+    relative_tolerance: float = field(default=0.0, metadata={
+        "help": "Added tolerance as a fraction of the old model's mean loss on each protected set."})
+    safety_tolerance: float = field(default=0.0, metadata={"help": "Absolute tolerance of the safety constraint."})
+    reference_batch_size: int = field(default=16, metadata={"help": "Batch size of the old model's reference pass."})
+    lora_r: int = field(default=0, metadata={"help": "LoRA rank (0: train all parameters)."})
+    lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha."})
+    lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout."})
+    lora_target_modules: str = field(default="all-linear", metadata={
+        "help": "Comma-separated LoRA target modules, or 'all-linear'."})
+    dtype: str = field(default="float32", metadata={"help": "Weights dtype.", "choices": ["float32", "bfloat16",
+                                                                                           "float16", "auto"]})
+    allow_unsafe_push: bool = field(default=False, metadata={
+        "help": "With --push_to_hub: publish even when a constraint fails (the card then says UNSAFE)."})
+    config: Optional[str] = field(default=None, metadata={
+        "help": "YAML file of flags (keys = flag names); command-line flags override it."})
+
+
+# ---------------------------------------------------------------------------------- arguments
+def parse_arguments(argv: Optional[list[str]] = None) -> tuple[ScriptArguments, ConstrainedTrainingArguments]:
+    """Flags of both dataclasses; with ``--config x.yaml`` the file's values are the defaults
+    and flags given on the command line override them (the convention of TRL's scripts)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = HfArgumentParser((ScriptArguments, ConstrainedTrainingArguments))
+    config_path = None
+    for i, arg in enumerate(argv):
+        if arg == "--config" and i + 1 < len(argv):
+            config_path = argv[i + 1]
+        elif arg.startswith("--config="):
+            config_path = arg.split("=", 1)[1]
+    if config_path is not None:
+        if not os.path.isfile(config_path):
+            raise FileNotFoundError(f"--config: file not found: {config_path}")
+        with open(config_path) as f:
+            values = yaml.safe_load(f) or {}
+        if not isinstance(values, dict):
+            raise ValueError(f"--config {config_path}: expected a mapping of flag names to values")
+        known = {a.dest: a for a in parser._actions}
+        unknown = sorted(k for k in values if k not in known)
+        if unknown:
+            raise ValueError(f"--config {config_path}: unknown keys {unknown} (keys are the recipe's flag names)")
+        for key in values:
+            known[key].required = False  # given by the file; a flag still overrides it
+        parser.set_defaults(**values)
+    script, args = parser.parse_args_into_dataclasses(args=argv)
+    return script, args
+
+
+def _named_sources(entries: list[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for entry in entries:
+        name, sep, source = entry.partition("=")
+        if not sep:
+            source = entry
+            name = os.path.splitext(os.path.basename(entry.rstrip("/")))[0] or entry
+        if not name or not source:
+            raise ValueError(f"--protected_datasets entry {entry!r}: expected NAME=SOURCE or SOURCE")
+        if name in out:
+            raise ValueError(f"--protected_datasets: two datasets named {name!r}; name them with NAME=SOURCE")
+        out[name] = source
+    return out
+
+
+# ---------------------------------------------------------------------------------- data
+def load_tokenized(source: str, split: str, tokenizer: Any, script: ScriptArguments, name: str,
+                   max_rows: Optional[int], seed: int) -> tuple[Any, Any]:
+    """(train rows, held-out rows) of one dataset, tokenised; ``eval_fraction`` of the rows held out."""
+    raw = load_text_dataset(source, split=split, config_name=script.dataset_config)
+    if max_rows is not None and len(raw) > max_rows:
+        raw = raw.shuffle(seed=seed).select(range(max_rows))
+    rows = tokenize_sft(raw, tokenizer, max_length=script.max_length, text_column=script.text_column,
+                        prompt_column=script.prompt_column, completion_column=script.completion_column,
+                        messages_column=script.messages_column, name=name)
+    if script.eval_fraction <= 0:
+        return rows, None
+    if len(rows) < 2:
+        raise ValueError(f"{name} ({source}): {len(rows)} usable row(s); need at least 2 to hold some out")
+    split_rows = rows.train_test_split(test_size=script.eval_fraction, seed=seed)
+    return split_rows["train"], split_rows["test"]
+
+
+def check_arguments(script: ScriptArguments, args: ConstrainedTrainingArguments) -> None:
+    if not script.protected_datasets and not script.safety_dataset and args.constraint_penalty != "none":
+        raise ValueError("no constraint: pass --protected_datasets and/or --safety_dataset "
+                         "(or --constraint_penalty none for plain SFT)")
+    if not 0.0 <= script.eval_fraction < 1.0:
+        raise ValueError(f"--eval_fraction must be in [0, 1), got {script.eval_fraction}")
+    if script.lora_r < 0:
+        raise ValueError(f"--lora_r must be >= 0, got {script.lora_r}")
+    for flag in ("constraint_tolerance", "relative_tolerance", "safety_tolerance"):
+        if getattr(script, flag) < 0:
+            raise ValueError(f"--{flag} must be >= 0, got {getattr(script, flag)}")
+    if script.max_length < 2:
+        raise ValueError(f"--max_length must be >= 2, got {script.max_length}")
+
+
+# ---------------------------------------------------------------------------------- main
+def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
+    script, args = parse_arguments(argv)
+    logging.basicConfig(level=logging.INFO if args.should_log else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    check_arguments(script, args)
+    set_seed(args.seed)
+
+    tokenizer = AutoTokenizer.from_pretrained(script.model_name_or_path)
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ValueError(f"{script.model_name_or_path}: the tokenizer has neither a pad nor an EOS token")
+        tokenizer.pad_token = tokenizer.eos_token  # padding is masked out of every loss
+    dtype = script.dtype if script.dtype == "auto" else getattr(torch, script.dtype)
+    model = AutoModelForCausalLM.from_pretrained(script.model_name_or_path, dtype=dtype)
+    if script.lora_r:
+        from peft import LoraConfig, get_peft_model
+
+        targets = script.lora_target_modules
+        model = get_peft_model(model, LoraConfig(
+            task_type="CAUSAL_LM", r=script.lora_r, lora_alpha=script.lora_alpha, lora_dropout=script.lora_dropout,
+            target_modules=targets if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]))
+
+    with args.main_process_first(desc="tokenising"):
+        train_rows, eval_rows = load_tokenized(script.target_dataset, script.target_split, tokenizer, script,
+                                               "target", script.max_target_rows, args.seed)
+        protected = {name: load_tokenized(src, script.protected_split, tokenizer, script, name,
+                                          script.max_constraint_rows, args.seed)
+                     for name, src in _named_sources(script.protected_datasets).items()}
+        safety = None
+        if script.safety_dataset:
+            safety = load_tokenized(script.safety_dataset, script.protected_split, tokenizer, script, "safety",
+                                    script.max_constraint_rows, args.seed)
+
+    collate = PaddingCollator(tokenizer)
+    model.to(args.device)
+    gap = ReferenceGap(causal_lm_per_example_loss)  # one row function: every constraint in one group
+    constraints = []
+    if protected:
+        constraints += non_forgetting_constraints(
+            model, causal_lm_per_example_loss, {k: v[0] for k, v in protected.items()}, collate,
+            eval_datasets=None if script.eval_fraction <= 0 else {k: v[1] for k, v in protected.items()},
+            tolerance=script.constraint_tolerance, relative_tolerance=script.relative_tolerance,
+            batch_size=script.reference_batch_size, row_fn=gap)
+    if safety is not None:
+        constraints += non_forgetting_constraints(
+            model, causal_lm_per_example_loss, {"refusals": safety[0]}, collate,
+            eval_datasets=None if safety[1] is None else {"refusals": safety[1]}, tolerance=script.safety_tolerance,
+            batch_size=script.reference_batch_size, name="safety/{task}", row_fn=gap)
+
+    trainer = ConstrainedTrainer(model=model, args=args, train_dataset=train_rows, eval_dataset=eval_rows,
+                                 data_collator=collate, processing_class=tokenizer, constraints=constraints)
+    train_result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+    trainer.save_model(args.output_dir)  # before the card: a PEFT save writes its own README.md
+
+    hub_ids = [s for s in [script.target_dataset, *_named_sources(script.protected_datasets).values(),
+                           script.safety_dataset] if s and not os.path.exists(s)]
+    report, metrics = None, {}
+    if constraints:
+        # held-out evaluation (objective and exact constraint values), safety report, card, figures;
+        # a non-forgetting constraint is 0 at the old model by definition
+        report = finish_run(
+            trainer, old_model_values={c.name: 0.0 for c in constraints}, base_model_name=script.model_name_or_path,
+            dataset_description=(f"SFT on {script.target_dataset}; protected: {sorted(protected) or 'none'}"
+                                 f"{'; safety set ' + script.safety_dataset if script.safety_dataset else ''}; "
+                                 f"{script.eval_fraction:.0%} of every dataset held out"),
+            datasets=hub_ids or None,
+            reproduce_command="accelerate launch recipes/llm_non_forgetting.py " + " ".join(
+                sys.argv[1:] if argv is None else argv),
+        )
+        metrics = dict(report.objective_metrics)
+    elif eval_rows is not None:
+        metrics = trainer.evaluate()
+    results = {
+        "model": script.model_name_or_path,
+        "penalty": args.constraint_penalty,
+        "penalty_beta": args.penalty_beta,
+        "num_processes": trainer.accelerator.num_processes,
+        "train_metrics": train_result.metrics,
+        "eval_metrics": metrics,
+        "constraints": {c.name: {"tolerance": c.tolerance, **c.metadata} for c in constraints},
+        "safety_report": None if report is None else report.to_dict(),
+        "safe": None if report is None else report.all_satisfied,
+        "script_args": asdict(script),
+    }
+    if trainer.is_world_process_zero():
+        tokenizer.save_pretrained(args.output_dir)
+        path = os.path.join(args.output_dir, RESULTS_FILE)
+        with open(path + ".tmp", "w") as f:
+            json.dump(results, f, indent=2, default=str)
+        os.replace(path + ".tmp", path)
+        logger.info("saved the model, tokenizer and %s to %s", RESULTS_FILE, args.output_dir)
+        if report is not None:
+            logger.info(report.summary())
+    if args.push_to_hub:
+        trainer.push_to_hub(allow_unsafe=script.allow_unsafe_push)  # refused when a constraint fails held-out
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,289 @@
+"""A small causal LM that learns a new string task without forgetting its old ones (offline, CPU).
+
+1. The old model: a tiny GPT-2 (built from a config, character-level tokenizer built
+   locally) trained on three string tasks: reverse a word (``rev:abc=cba``), copy it
+   (``cp:abc=abc``) and add two digits (``add:7+8=15``); words of 3-5 letters from a-j.
+2. Fine-tuning on a new task, answering with the first letter only (``fst:abc=a``), twice per
+   seed: unconstrained (plain SFT) and with one non-forgetting constraint per old task,
+   h_k(w) = L_k(w) - L_k(w_old) <= tol (mean per-example token loss of the answers; hinge
+   exact penalty with MSVR estimates, Algorithm 1).
+3. Held-out per-task loss and exact-match accuracy (greedy decoding; computed in one
+   teacher-forced pass: the greedy answer is exact iff every answer token, EOS included,
+   is the argmax given the correct prefix), old vs new.
+
+Goals, over the seeds (median and worst reported): the unconstrained run forgets some
+old task (its held-out h_k exceeds the tolerance), the constrained run keeps every old
+task within its tolerance on held-out rows, and both learn the new task (held-out
+exact-match accuracy >= ``--learned_accuracy``).
+
+    python recipes/llm_tiny_example.py --seeds 0 1 2 --json benchmarks/results/llm_example.json
+
+The old model is trained once (seed 0); the seeds vary the fine-tuning runs (data order,
+constraint batches) and the new task's training rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import logging
+import multiprocessing
+import os
+import random
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any, Optional
+
+import datasets
+import torch
+from datasets import Dataset, concatenate_datasets
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.trainer_callback import PrinterCallback
+
+from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments
+from hf_constrained.non_forgetting import (
+    PaddingCollator,
+    causal_lm_per_example_loss,
+    non_forgetting_constraints,
+    reference_losses,
+)
+from hf_constrained.per_sample_loss import IGNORE_INDEX
+from hf_constrained.text_data import tokenize_sft
+from hf_constrained.tiny_lm import char_tokenizer, tiny_causal_lm
+
+logger = logging.getLogger("llm_tiny_example")
+
+OLD_TASKS = ("reverse", "copy", "add")
+NEW_TASK = "first"
+LETTERS = "abcdefghij"
+
+
+def make_rows(task: str, n: int, rng: random.Random) -> list[dict[str, str]]:
+    """``n`` prompt/completion rows of one task."""
+    rows = []
+    for _ in range(n):
+        if task == "add":
+            a, b = rng.randint(0, 9), rng.randint(0, 9)
+            rows.append({"prompt": f"add:{a}+{b}=", "completion": str(a + b)})
+            continue
+        word = "".join(rng.choice(LETTERS) for _ in range(rng.randint(3, 5)))
+        answer = {"reverse": word[::-1], "copy": word, "first": word[0]}[task]
+        prefix = {"reverse": "rev", "copy": "cp", "first": "fst"}[task]
+        rows.append({"prompt": f"{prefix}:{word}=", "completion": answer})
+    return rows
+
+
+def task_data(task: str, n: int, seed: int, tokenizer: Any) -> Dataset:
+    rng = random.Random(f"{task}-{seed}")
+    return tokenize_sft(Dataset.from_list(make_rows(task, n, rng)), tokenizer, name=task)
+
+
+@torch.no_grad()
+def exact_match(model: torch.nn.Module, rows: Dataset, collate: PaddingCollator, batch_size: int = 256) -> float:
+    """Fraction of rows whose greedy answer (EOS included) is exactly the target."""
+    model.eval()
+    hits = 0
+    for start in range(0, len(rows), batch_size):
+        batch = collate([rows[i] for i in range(start, min(start + batch_size, len(rows)))])
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        pred, target = logits[:, :-1].argmax(-1), batch["labels"][:, 1:]
+        scored = target != IGNORE_INDEX
+        hits += int(((pred == target) | ~scored).all(dim=1).sum())
+    return hits / len(rows)
+
+
+def evaluate(model: torch.nn.Module, held_out: dict[str, Dataset], collate: PaddingCollator) -> dict[str, dict]:
+    out = {}
+    for task, rows in held_out.items():
+        losses = reference_losses(model, rows, causal_lm_per_example_loss, collate, batch_size=256)
+        out[task] = {"loss": float(losses.mean()), "accuracy": exact_match(model, rows, collate)}
+    return out
+
+
+def _args(out: str, seed: int, **kw: Any) -> ConstrainedTrainingArguments:
+    base = dict(output_dir=out, use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True, seed=seed,
+                logging_steps=50, weight_decay=0.0, max_grad_norm=0.0, lr_scheduler_type="constant",
+                dataloader_drop_last=True)
+    base.update(kw)
+    return ConstrainedTrainingArguments(**base)
+
+
+def train_old_model(path: str, cfg: argparse.Namespace) -> None:
+    tokenizer = char_tokenizer()
+    model = tiny_causal_lm(len(tokenizer), "gpt2", hidden_size=cfg.hidden, layers=cfg.layers, heads=4,
+                           max_positions=32, seed=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    train = concatenate_datasets([task_data(t, cfg.old_rows, 0, tokenizer) for t in OLD_TASKS]).shuffle(seed=0)
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = ConstrainedTrainer(model=model, args=_args(tmp, 0, constraint_penalty="none", max_steps=cfg.old_steps,
+                                                             learning_rate=cfg.old_lr, per_device_train_batch_size=64,
+                                                             lr_scheduler_type="cosine", warmup_steps=50),
+                                     train_dataset=train, data_collator=PaddingCollator(tokenizer))
+        trainer.remove_callback(PrinterCallback)
+        trainer.train()
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
+def data_splits(tokenizer: Any, cfg: argparse.Namespace) -> tuple[dict[str, Dataset], dict[str, Dataset]]:
+    """(held-out rows of every task, constraint rows of every old task): fixed across seeds."""
+    held_out = {t: task_data(t, cfg.held_out_rows, 999, tokenizer) for t in (*OLD_TASKS, NEW_TASK)}
+    constraint_rows = {t: task_data(t, cfg.constraint_rows, 1, tokenizer) for t in OLD_TASKS}
+    return held_out, constraint_rows
+
+
+def finetune(old_path: str, penalty: str, seed: int, cfg: argparse.Namespace) -> dict[str, Any]:
+    """Fine-tune the old model on the new task (``penalty`` "none" or "hinge") and evaluate it held-out."""
+    t0 = time.time()
+    _quiet()
+    tokenizer = AutoTokenizer.from_pretrained(old_path)
+    model = AutoModelForCausalLM.from_pretrained(old_path)
+    collate = PaddingCollator(tokenizer)
+    held_out, constraint_rows = data_splits(tokenizer, cfg)
+    constraints = non_forgetting_constraints(model, causal_lm_per_example_loss, constraint_rows, collate,
+                                             eval_datasets={t: held_out[t] for t in OLD_TASKS},
+                                             tolerance=cfg.tolerance, batch_size=256)
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = ConstrainedTrainer(
+            model=model, args=_args(tmp, seed, constraint_penalty=penalty, penalty_beta=cfg.beta,
+                                    max_steps=cfg.steps, learning_rate=cfg.lr, per_device_train_batch_size=32,
+                                    lr_scheduler_type=cfg.schedule, constraint_batch_size=cfg.constraint_batch_size,
+                                    msvr_gamma=cfg.msvr_gamma),
+            train_dataset=task_data(NEW_TASK, cfg.new_rows, 100 + seed, tokenizer), data_collator=collate,
+            constraints=constraints)
+        trainer.remove_callback(PrinterCallback)
+        trainer.train()
+        h_eval = trainer.evaluate_constraints(split="eval")
+    metrics = evaluate(model, held_out, collate)
+    return {"penalty": penalty, "seed": seed, "held_out": metrics, "h_held_out": h_eval,
+            "tolerance": cfg.tolerance, "seconds": round(time.time() - t0, 1)}
+
+
+def _job(job: tuple[str, str, int, argparse.Namespace]) -> dict[str, Any]:
+    torch.set_num_threads(1)  # one core per run: tiny models gain nothing from more threads
+    return finetune(*job)
+
+
+def _quiet() -> None:
+    logging.getLogger("hf_constrained").setLevel(logging.WARNING)
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    datasets.disable_progress_bars()
+
+
+def _summary(values: list[float], worst: str) -> dict[str, float]:
+    return {"median": statistics.median(values), "worst": (max if worst == "max" else min)(values)}
+
+
+def summarize(old: dict[str, dict], runs: list[dict[str, Any]], cfg: argparse.Namespace) -> dict[str, Any]:
+    by = {p: [r for r in runs if r["penalty"] == p] for p in ("none", "hinge")}
+    table = {}
+    for p, rs in by.items():
+        table[p] = {}
+        for t in (*OLD_TASKS, NEW_TASK):
+            table[p][t] = {"accuracy": _summary([r["held_out"][t]["accuracy"] for r in rs], "min"),
+                           "loss": _summary([r["held_out"][t]["loss"] for r in rs], "max")}
+            if t in OLD_TASKS:
+                table[p][t]["h"] = _summary([r["h_held_out"][f"non_forgetting/{t}"] for r in rs], "max")
+    violated = {p: [any(r["h_held_out"][f"non_forgetting/{t}"] > cfg.tolerance for t in OLD_TASKS) for r in rs]
+                for p, rs in by.items()}
+    learned = {p: [r["held_out"][NEW_TASK]["accuracy"] >= cfg.learned_accuracy for r in rs] for p, rs in by.items()}
+    goals = {
+        "unconstrained_forgets_some_old_task": all(violated["none"]),
+        "hinge_keeps_every_old_task_within_tolerance": not any(violated["hinge"]),
+        "both_learn_the_new_task": all(learned["none"]) and all(learned["hinge"]),
+    }
+    return {"old_model": old, "table": table, "goals": goals,
+            "seeds_violating": {p: sum(v) for p, v in violated.items()},
+            "seeds_learning": {p: sum(v) for p, v in learned.items()}}
+
+
+def format_table(summary: dict[str, Any], cfg: argparse.Namespace) -> str:
+    old, table = summary["old_model"], summary["table"]
+    lines = [f"| task | old model: accuracy / loss | unconstrained: accuracy / loss / h | "
+             f"hinge (beta {cfg.beta:g}): accuracy / loss / h |", "|---|---|---|---|"]
+    for t in (*OLD_TASKS, NEW_TASK):
+        cells = [f"{100 * old[t]['accuracy']:.1f}% / {old[t]['loss']:.3f}"]
+        for p in ("none", "hinge"):
+            e = table[p][t]
+            cell = (f"{100 * e['accuracy']['median']:.1f}% ({100 * e['accuracy']['worst']:.1f}%) / "
+                    f"{e['loss']['median']:.3f} ({e['loss']['worst']:.3f})")
+            if "h" in e:
+                cell += f" / {e['h']['median']:+.3f} ({e['h']['worst']:+.3f})"
+            cells.append(cell)
+        name = f"{t} (new)" if t == NEW_TASK else t
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--old_steps", type=int, default=1000, help="training steps of the old model")
+    p.add_argument("--old_rows", type=int, default=4000, help="training rows per old task")
+    p.add_argument("--old_lr", type=float, default=3e-3)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--steps", type=int, default=200, help="fine-tuning steps on the new task")
+    p.add_argument("--lr", type=float, default=2e-3, help="fine-tuning learning rate")
+    p.add_argument("--schedule", default="cosine", help="fine-tuning learning-rate schedule")
+    p.add_argument("--msvr_gamma", type=float, default=0.8, help="MSVR gamma of the constraint estimates")
+    p.add_argument("--new_rows", type=int, default=2000)
+    p.add_argument("--constraint_rows", type=int, default=512, help="constraint rows per old task")
+    p.add_argument("--held_out_rows", type=int, default=512, help="held-out rows per task")
+    p.add_argument("--constraint_batch_size", type=int, default=32)
+    p.add_argument("--tolerance", type=float, default=0.2, help="h_k <= tolerance (nats per answer token)")
+    p.add_argument("--beta", type=float, default=5.0)
+    p.add_argument("--learned_accuracy", type=float, default=0.9, help="held-out new-task accuracy that counts as learned")
+    p.add_argument("--old_model", default=None, help="reuse (or create) the old model in this folder")
+    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--workers", type=int, default=2, help="fine-tuning runs in parallel (one CPU core each)")
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
+    cfg = parse(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    _quiet()
+    torch.set_num_threads(1)
+    t0 = time.time()
+    tmp = tempfile.TemporaryDirectory()
+    old_path = cfg.old_model or tmp.name
+    if not os.path.exists(os.path.join(old_path, "config.json")):
+        train_old_model(old_path, cfg)
+    logger.info("old model ready (%.0fs)", time.time() - t0)
+    tokenizer = AutoTokenizer.from_pretrained(old_path)
+    held_out, _ = data_splits(tokenizer, cfg)
+    old = evaluate(AutoModelForCausalLM.from_pretrained(old_path), held_out, PaddingCollator(tokenizer))
+    jobs = [(old_path, penalty, seed, cfg) for seed in cfg.seeds for penalty in ("none", "hinge")]
+    if cfg.workers > 1:
+        context = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(cfg.workers, mp_context=context) as pool:
+            runs = list(pool.map(_job, jobs))
+    else:
+        runs = [_job(j) for j in jobs]
+    for r in runs:
+        logger.info("seed %d %-5s: %s (%.0fs)", r["seed"], r["penalty"],
+                    {t: round(m["accuracy"], 3) for t, m in r["held_out"].items()}, r["seconds"])
+    summary = summarize(old, runs, cfg)
+    usage = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    result = {"command": "python recipes/llm_tiny_example.py " + " ".join(sys.argv[1:] if argv is None else argv),
+              "config": vars(cfg), "summary": summary, "runs": runs, "seconds": round(time.time() - t0, 1),
+              "cpu_seconds": round(sum(u.ru_utime + u.ru_stime for u in usage), 1),
+              "os_cpu_count": os.cpu_count()}
+    print(format_table(summary, cfg))
+    print("goals:", json.dumps(summary["goals"]))
+    print(f"total {result['seconds']:.0f}s wall, {result['cpu_seconds']:.0f}s CPU")
+    if cfg.json:
+        os.makedirs(os.path.dirname(os.path.abspath(cfg.json)), exist_ok=True)
+        with open(cfg.json + ".tmp", "w") as f:
+            json.dump(result, f, indent=2)
+        os.replace(cfg.json + ".tmp", cfg.json)
+    tmp.cleanup()
+    return result
+
+
+if __name__ == "__main__":
+    main()
