@@ -77,6 +77,8 @@ class ROCFairnessArguments:
     icppac_mu: float = field(default=1e-3, metadata={"help": "ICPPAC proximal weight mu (paper 1e-2, 1e-3, 1e-4)."})
     icppac_theta: float = field(default=0.1, metadata={"help": "ICPPAC extrapolation theta (paper 0.1)."})
     icppac_inner_steps: int = field(default=100, metadata={"help": "ConEx iterations per ICPPAC outer step."})
+    icppac_inner_output: str = field(default="average", metadata={
+        "help": "What an ICPPAC outer step returns: 'average' (mean of its ConEx iterates, as ConEx) or 'last'."})
     results_file: str = field(default="results.json",
                               metadata={"help": "Results JSON, relative to output_dir unless absolute."})
     save_model: bool = field(default=True, metadata={"help": "Save the final model to output_dir, with a safety "
@@ -147,8 +149,8 @@ def run_roc_fairness(args: ROCFairnessArguments, training_args: ConstrainedTrain
     train = splits["train"]
     model = MLPForScoring(MLPConfig(input_dim=train.features.shape[1], hidden_sizes=args.hidden_list))
     constraints = roc_fairness_constraints(train, splits["validation"], thresholds=args.threshold_list,
-                                           kappa=args.kappa)
-    objective = objective_pairs(train)
+                                           kappa=args.kappa, seed=training_args.seed)
+    objective = objective_pairs(train, seed=training_args.seed)
     history = ROCHistoryCallback(splits, thresholds=args.threshold_list, kappa=args.kappa)
     epochs = int(math.ceil(training_args.num_train_epochs))
     batch = training_args.per_device_train_batch_size
@@ -170,7 +172,7 @@ def run_roc_fairness(args: ROCFairnessArguments, training_args: ConstrainedTrain
                                              collate_fn=collate_pairs)
         history.on_train_begin(None, None, None, model=model)
         cfg = ICPPACConfig(eta=args.icppac_eta, tau=args.icppac_tau, mu=args.icppac_mu, theta=args.icppac_theta,
-                           inner_steps=args.icppac_inner_steps)
+                           inner_steps=args.icppac_inner_steps, inner_output=args.icppac_inner_output)
         trainer = ICPPACTrainer(
             model, pairwise_auc_loss, loader, constraints, cfg,
             constraint_batch_size=training_args.constraint_batch_size, seed=training_args.constraint_sampling_seed,
@@ -218,7 +220,8 @@ def run_roc_fairness(args: ROCFairnessArguments, training_args: ConstrainedTrain
         "constraint_batch_size": training_args.constraint_batch_size,
         "learning_rate": training_args.learning_rate if args.method != "icppac" else args.icppac_eta,
         "icppac": ({"eta": args.icppac_eta, "tau": args.icppac_tau, "mu": args.icppac_mu,
-                    "theta": args.icppac_theta, "inner_steps": args.icppac_inner_steps}
+                    "theta": args.icppac_theta, "inner_steps": args.icppac_inner_steps,
+                    "inner_output": args.icppac_inner_output}
                    if args.method == "icppac" else None),
         "num_parameters": sum(p.numel() for p in model.parameters()),
         "final": {split: final[split] for split in splits},
