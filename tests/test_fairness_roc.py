@@ -210,6 +210,13 @@ def test_recipe_on_a_csv_writes_results_and_a_loadable_model(splits, tmp_path):
         "--hidden_sizes", "8,8"])
     saved = json.loads((out / "results.json").read_text())
     assert saved["method"] == "hinge" and saved["beta"] == 10.0 and len(saved["history"]) == 3
+    assert saved["msvr_gamma"] == 0.1  # the recipe's default (the paper's 0.8 only when asked for)
+    for split in ("train", "validation", "test"):  # the shift-proof measures and where the scores lie
+        assert 0.0 <= saved["shift_proof"][split]["roc_gap"] <= 1.0
+        assert saved["shift_proof"][split]["hard_gap_max"] == saved["final"][split]["shift_proof"]["hard_gap_max"]
+        assert 0.0 <= saved["scores_outside_thresholds"][split] <= 1.0
+    assert saved["scores_shifted_outside_thresholds"] == [
+        s for s in ("train", "validation", "test") if saved["scores_outside_thresholds"][s] > 0.5]
     for split in ("train", "validation", "test"):
         assert set(saved["final"][split]["constraints"]) == {"tpr_gap@+0", "fpr_gap@+0"}
     assert saved["test_max_violation"] == pytest.approx(max(saved["final"]["test"]["constraints"].values()))

@@ -47,6 +47,8 @@ from .roc import (
 logger = logging.getLogger(__name__)
 
 METHODS = ("hinge", "squared_hinge", "none", "icppac")
+SHIFT_WARNING_FRACTION = 0.5
+"""Above this fraction of scores outside the thresholds, a run's results say so (and log it)."""
 
 
 @dataclass
@@ -139,8 +141,10 @@ def run_roc_fairness(args: ROCFairnessArguments, training_args: ConstrainedTrain
     """Train one method on one data set and return (and write) its results.
 
     The results hold the final exact h = |gap| - kappa of every constraint on train /
-    validation / test, the largest violation, AUCs, wall time (training only, per epoch
-    too) and the per-epoch history. ``callbacks`` are extra Trainer callbacks (penalty
+    validation / test, the largest violation, AUCs, the shift-proof measures and the
+    fraction of scores outside the thresholds per split (``scores_shifted_outside_thresholds``
+    lists the splits where it exceeds one half), wall time (training only, per epoch too)
+    and the per-epoch history. ``callbacks`` are extra Trainer callbacks (penalty
     methods only; ICPPAC has its own loop).
     """
     splits = splits or load_splits(args)
@@ -207,6 +211,14 @@ def run_roc_fairness(args: ROCFairnessArguments, training_args: ConstrainedTrain
     wall = time.perf_counter() - t_start
 
     final = history.history[-1]
+    outside = {split: final[split]["shift_proof"]["fraction_outside_thresholds"] for split in splits}
+    shifted = [split for split, frac in outside.items() if frac > SHIFT_WARNING_FRACTION]
+    if shifted:
+        logger.warning(
+            "%s: more than %.0f%% of the scores on %s lie outside the thresholds [%g, %g]; the soft-rate constraints "
+            "saturate there and say little about fairness: read the shift-proof measures (hard gaps at score "
+            "quantiles, ROC gap) in results.json instead", args.method, 100 * SHIFT_WARNING_FRACTION,
+            ", ".join(shifted), min(args.threshold_list), max(args.threshold_list))
     results = {
         "dataset": args.dataset,
         "method": args.method,
@@ -217,7 +229,9 @@ def run_roc_fairness(args: ROCFairnessArguments, training_args: ConstrainedTrain
         "epochs": epochs,
         "batch_size": batch,
         "num_processes": training_args.world_size,
-        "constraint_batch_size": training_args.constraint_batch_size,
+        "constraint_batch_size": training_args.constraint_batch_size,  # pairs: rows per group
+        "msvr_gamma": training_args.msvr_gamma if args.method != "icppac" else None,
+        "msvr_gamma_prime": training_args.msvr_gamma_prime if args.method != "icppac" else None,
         "learning_rate": training_args.learning_rate if args.method != "icppac" else args.icppac_eta,
         "icppac": ({"eta": args.icppac_eta, "tau": args.icppac_tau, "mu": args.icppac_mu,
                     "theta": args.icppac_theta, "inner_steps": args.icppac_inner_steps,
@@ -229,6 +243,12 @@ def run_roc_fairness(args: ROCFairnessArguments, training_args: ConstrainedTrain
         "train_max_violation": final["train"]["max_violation"],
         "test_max_violation": final["test"]["max_violation"],
         "feasible_on_train": final["train"]["feasible"],
+        # fairness that a common shift of the scores cannot fake (hard gaps at score quantiles, ROC gap)
+        "shift_proof": {split: {k: final[split]["shift_proof"][k] for k in ("hard_tpr_gap_max", "hard_fpr_gap_max",
+                                                                            "hard_gap_max", "roc_gap")}
+                        for split in splits},
+        "scores_outside_thresholds": outside,
+        "scores_shifted_outside_thresholds": shifted,
         "train_seconds": train_seconds,
         "seconds_per_epoch": train_seconds / max(epochs, 1),
         "wall_seconds": wall,

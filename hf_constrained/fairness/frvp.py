@@ -1,4 +1,4 @@
-"""The FRVP diagnostic (paper Lemma 3.3; REFERENCE section 5).
+"""The FRVP diagnostic (paper Lemma 3.3).
 
 FRVP (Full Rank at Violating Points): if, wherever some constraint is violated, the
 Jacobian of the violated constraints has smallest singular value sigma > 0, the
