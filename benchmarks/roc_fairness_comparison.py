@@ -53,8 +53,9 @@ PRESETS = {
     # what docs/roc_fairness.md reports (a 2-core machine, about 40 minutes)
     "reduced": dict(epochs=None, seeds="0,1,2,3,4", lrs="1e-3", hinge_betas="1,4,10,20,40,100",
                     squared_betas="10,40,100,200,400,1000", icppac_grid="0.1:1:1e-3,0.1:10:1e-3,0.1:100:1e-3,"
-                    "0.01:10:1e-3", dataset_epochs="adult:4,compas:15", dataset_seeds="adult:0;1;2",
-                    dataset_hinge_betas="adult:1;4;10;40", dataset_squared_betas="adult:10;40;100;400;1000"),
+                    "0.01:10:1e-3", dataset_epochs="adult:3,compas:10", dataset_seeds="adult:0;1;2",
+                    dataset_hinge_betas="adult:1;4;10;40", dataset_squared_betas="adult:10;40;100;400;1000",
+                    dataset_icppac_grid="adult:0.1/10/1e-3;0.1/100/1e-3", datasets="compas,adult"),
 }
 
 
@@ -84,8 +85,9 @@ def run_specs(args: argparse.Namespace) -> list[dict]:
             for beta in _floats(squared_betas):
                 specs.append({"dataset": dataset, "method": "squared_hinge", "beta": beta, "seed": seed})
             specs.append({"dataset": dataset, "method": "none", "beta": None, "seed": seed})
-            for item in [g for g in args.icppac_grid.split(",") if g.strip()]:
-                eta, tau, mu = (float(v) for v in item.split(":"))
+            grid = _per_dataset(args.dataset_icppac_grid).get(dataset, args.icppac_grid)
+            for item in [g for g in grid.replace(";", ",").split(",") if g.strip()]:
+                eta, tau, mu = (float(v) for v in item.replace("/", ":").split(":"))
                 specs.append({"dataset": dataset, "method": "icppac", "beta": None, "seed": seed,
                               "icppac": {"eta": eta, "tau": tau, "mu": mu}})
     if args.methods:
@@ -439,6 +441,7 @@ def main(argv=None) -> dict:
     p.add_argument("--methods", default=None,
                    help="run only these (comma-separated: hinge, squared_hinge, none, icppac, hinge_bc<k>)")
     p.add_argument("--icppac-grid", default=ICPPAC_FULL, help="comma-separated eta:tau:mu (default: the paper's 18)")
+    p.add_argument("--dataset-icppac-grid", default="", help="per-dataset ICPPAC grid, e.g. 'adult:0.1/10/1e-3;0.1/100/1e-3'")
     p.add_argument("--icppac-inner-steps", type=int, default=100)
     p.add_argument("--icppac-inner-output", default="average", choices=["average", "last"])
     p.add_argument("--batch-pairs", type=int, default=64, help="pairs per batch: 64 pairs = 128 rows (paper)")
@@ -516,7 +519,8 @@ def main(argv=None) -> dict:
                        f"{2 * args.batch_pairs} rows ({args.batch_pairs} pairs), |B_k| = {args.batch_pairs} pairs "
                        f"({args.batch_pairs} rows per group), lr {args.lrs} (AdamW; ICPPAC: SGD with its eta), decay "
                        f"x0.1 at 50%/75%, MSVR gamma {args.msvr_gamma}, gamma' 0.1, MLP {args.hidden_sizes}, "
-                       f"kappa 0.005, thresholds -3..3, ICPPAC grid {args.icppac_grid} (inner output "
+                       f"kappa 0.005, thresholds -3..3, ICPPAC grid {args.icppac_grid}"
+                       f"{' (' + args.dataset_icppac_grid + ')' if args.dataset_icppac_grid else ''} (inner output "
                        f"{args.icppac_inner_output}), 1 torch thread per run",
             "command": previous.get("command") or "python benchmarks/roc_fairness_comparison.py " + " ".join(argv),
             "runs": len(runs), "runs_planned": len(specs)}
