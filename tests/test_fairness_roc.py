@@ -262,3 +262,34 @@ def test_frvp_sigma_matches_svd_and_jacobian_matches_autograd(splits):
     assert np.allclose(jac[0], torch.cat([g.reshape(-1) for g in grads]).double().numpy(), rtol=1e-4, atol=1e-7)
     rep = frvp_report(model, cons)
     assert rep["violated"] and rep["sigma_violated"] > 0 and rep["delta"] == pytest.approx(rep["sigma_violated"] / 2)
+
+
+@pytest.mark.parametrize("inner_output", ["average", "last"])
+def test_icppac_outer_step_returns_the_mean_of_its_inner_iterates(splits, inner_output):
+    model = mlp(3)
+    cons = roc_fairness_constraints(splits["train"], thresholds=(0.0,), kappa=0.0)
+    loader = torch.utils.data.DataLoader(objective_pairs(splits["train"]), batch_size=64, shuffle=True,
+                                         collate_fn=collate_pairs, generator=torch.Generator().manual_seed(0))
+    trainer = ICPPACTrainer(model, pairwise_auc_loss, loader, cons,
+                            ICPPACConfig(eta=0.1, tau=1.0, mu=1e-3, inner_steps=4, inner_output=inner_output),
+                            constraint_batch_size=16)
+    iterates, anchors = [], []
+    step = trainer._iteration
+
+    def recording(batch, anchor):
+        anchors.append(anchor.clone())
+        out = step(batch, anchor)
+        iterates.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone())
+        return out
+
+    trainer._iteration = recording
+    trainer.train(1)
+    n = len(iterates)
+    assert n == len(loader) and n > 4 and n % 4 != 0
+    final = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    last_loop = iterates[(n - 1) // 4 * 4:]  # the last (possibly shorter) outer step
+    if inner_output == "average":
+        assert torch.allclose(anchors[4], torch.stack(iterates[:4]).mean(0), atol=1e-6)  # next proximal centre
+        assert torch.allclose(final, torch.stack(last_loop).mean(0), atol=1e-6)
+    else:
+        assert torch.allclose(anchors[4], iterates[3]) and torch.allclose(final, iterates[-1])
