@@ -1,26 +1,29 @@
 """The paper's ROC-fairness comparison (section 5.1, Figures 1-2) on Adult and COMPAS.
 
-    python benchmarks/roc_fairness_comparison.py                      # the README's setting
-    python benchmarks/roc_fairness_comparison.py --epochs 60 --seeds 0,1,2,3,4   # the paper's setting
-    python benchmarks/roc_fairness_comparison.py --report-only        # tables + figures from the JSONL
+    python benchmarks/roc_fairness_comparison.py --preset reduced    # docs/roc_fairness.md's setting
+    python benchmarks/roc_fairness_comparison.py --preset paper      # the paper's setting (60 epochs,
+                                                                     # 5 seeds, lr {1e-3, 1e-4}, full grids)
+    python benchmarks/roc_fairness_comparison.py --report-only       # tables + figures from the JSONL
 
-Runs hinge and squared hinge over their beta grids (REFERENCE section 4), the
-unconstrained model and ICPPAC over its grid, each for every seed, with the same model,
-batches, epochs and learning-rate schedule. Every finished run is appended to
+Runs hinge and squared hinge over their beta grids, the unconstrained model and ICPPAC
+over its grid, each for every seed and learning rate, with the same model, batches,
+epochs and learning-rate schedule. Every finished run is appended to
 ``<out>/roc_fairness_runs.jsonl`` (a restarted benchmark skips the runs already there,
 also those in a gzipped ``roc_fairness_runs.jsonl.gz``, the committed copy), then
 
-* ``roc_fairness_summary.json``: per (dataset, method, setting) seed means; for each
-  method the smallest beta whose seed-averaged final TRAIN constraints all hold, the
-  test AUC and test violation there, time per epoch; and the three goals, met or not;
-* ``roc_fairness_table.md``: the same as a Markdown table (pasted into the README);
+* ``roc_fairness_summary.json``: per (dataset, method, setting) seed means; the learning
+  rate of each setting chosen on VALIDATION AUC (feasible-on-train first); for each method
+  the smallest beta whose seed-averaged final TRAIN constraints all hold, its test AUC,
+  test violation and shift-proof measures (hard TPR/FPR gaps at pooled-score quantiles,
+  largest ROC-curve gap, fraction of scores outside the thresholds); and the goals, met or not;
+* ``roc_fairness_table.md``: the same as Markdown;
 * ``roc_fairness_<dataset>_constraints.png`` (Figure 1: worst constraint per beta over
   epochs, both penalties), ``roc_fairness_<dataset>_curves.png`` (Figure 2: test AUC and
   worst train violation over epochs at each method's selected setting).
 
-Runs are spread over ``--workers`` processes with one torch thread each. Runs are
-ordered seed-major (every setting's seed 0 first), so a run cut short by ``--time-budget``
-still has a complete first seed.
+Runs are spread over ``--workers`` processes with one torch thread each, ordered
+seed-major (every setting's seed 0 first), so a run cut short by ``--time-budget`` still
+has a complete first seed.
 """
 
 from __future__ import annotations
@@ -41,46 +44,77 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 HINGE_BETAS = "1,4,8,10,20,40,80,100"
 SQUARED_BETAS = "10,40,80,100,200,400,800,1000"
-ICPPAC_GRID = "0.1:10:1e-3,0.1:100:1e-3,0.01:10:1e-3,0.01:100:1e-3"  # eta:tau:mu
+ICPPAC_FULL = ",".join(f"{e}:{t}:{m}" for e in ("0.1", "0.01") for t in ("1", "10", "100")
+                       for m in ("1e-2", "1e-3", "1e-4"))  # eta:tau:mu, the paper's 18 settings
+PRESETS = {
+    # the paper's setting (section 5.1)
+    "paper": dict(epochs=60, seeds="0,1,2,3,4", lrs="1e-3,1e-4", hinge_betas=HINGE_BETAS,
+                  squared_betas=SQUARED_BETAS, icppac_grid=ICPPAC_FULL),
+    # what docs/roc_fairness.md reports (a 2-core machine, about 40 minutes)
+    "reduced": dict(epochs=None, seeds="0,1,2,3,4", lrs="1e-3", hinge_betas="1,4,10,20,40,100",
+                    squared_betas="10,40,100,200,400,1000", icppac_grid="0.1:1:1e-3,0.1:10:1e-3,0.1:100:1e-3,"
+                    "0.01:10:1e-3", dataset_epochs="adult:3,compas:10", dataset_seeds="adult:0;1;2",
+                    dataset_hinge_betas="adult:1;4;10;40", dataset_squared_betas="adult:10;40;100;400;1000",
+                    dataset_icppac_grid="adult:0.1/10/1e-3;0.1/100/1e-3", datasets="compas,adult"),
+}
 
 
 def _floats(text: str) -> list[float]:
     return [float(t) for t in text.split(",") if t.strip()]
 
 
+def _per_dataset(text: str) -> dict[str, str]:
+    return dict(item.split(":", 1) for item in text.split(",") if item.strip()) if text else {}
+
+
 def run_specs(args: argparse.Namespace) -> list[dict]:
     specs = []
+    seeds_of = _per_dataset(args.dataset_seeds)
     for seed in [int(s) for s in args.seeds.split(",")]:
         for dataset in args.datasets.split(","):
-            for beta in _floats(args.hinge_betas):
+            if dataset in seeds_of and str(seed) not in seeds_of[dataset].split(";"):
+                continue
+            hinge_betas = _per_dataset(args.dataset_hinge_betas).get(dataset, args.hinge_betas).replace(";", ",")
+            squared_betas = _per_dataset(args.dataset_squared_betas).get(dataset, args.squared_betas).replace(";", ",")
+            for beta in _floats(hinge_betas):
                 specs.append({"dataset": dataset, "method": "hinge", "beta": beta, "seed": seed})
             if args.sampled_constraints:
                 for beta in _floats(args.hinge_betas):
                     specs.append({"dataset": dataset, "method": f"hinge_bc{args.sampled_constraints}", "beta": beta,
                                   "seed": seed, "constraints_per_step": args.sampled_constraints})
-            for beta in _floats(args.squared_betas):
+            for beta in _floats(squared_betas):
                 specs.append({"dataset": dataset, "method": "squared_hinge", "beta": beta, "seed": seed})
             specs.append({"dataset": dataset, "method": "none", "beta": None, "seed": seed})
-            for item in [g for g in args.icppac_grid.split(",") if g.strip()]:
-                eta, tau, mu = (float(v) for v in item.split(":"))
+            grid = _per_dataset(args.dataset_icppac_grid).get(dataset, args.icppac_grid)
+            for item in [g for g in grid.replace(";", ",").split(",") if g.strip()]:
+                eta, tau, mu = (float(v) for v in item.replace("/", ":").split(":"))
                 specs.append({"dataset": dataset, "method": "icppac", "beta": None, "seed": seed,
                               "icppac": {"eta": eta, "tau": tau, "mu": mu}})
     if args.methods:
         keep = {m.strip() for m in args.methods.split(",")}
         specs = [s for s in specs if s["method"] in keep]
-    return specs
+    epochs_of = _per_dataset(args.dataset_epochs)
+    lrs = _floats(args.lrs)
+    return [{**s, "lr": lr, "epochs": int(epochs_of.get(s["dataset"], args.epochs))}
+            for s in specs for lr in (lrs if s["method"] != "icppac" else lrs[:1])]  # ICPPAC steps with its eta
 
 
 def spec_key(spec: dict) -> str:
     extra = "" if spec.get("icppac") is None else ":{eta}:{tau}:{mu}".format(**spec["icppac"])
-    return f"{spec['dataset']}|{spec['method']}|{spec['beta']}{extra}|{spec['seed']}"
+    return (f"{spec['dataset']}|{spec['method']}|{spec['beta']}{extra}|{spec['seed']}|lr={spec['lr']:g}"
+            f"|epochs={spec['epochs']}")
 
 
 def _is_penalty(method: str) -> bool:
     return method.startswith("hinge") or method == "squared_hinge"
 
 
-def setting_key(spec: dict) -> str:
+def setting_key(spec: dict, with_lr: bool = True) -> str:
+    lr = f",lr={spec['lr']:g}" if with_lr and spec["method"] != "icppac" else ""
+    return _setting_key(spec) + lr
+
+
+def _setting_key(spec: dict) -> str:
     if _is_penalty(spec["method"]):
         return f"beta={spec['beta']:g}"
     if spec["method"] == "icppac":
@@ -124,15 +158,16 @@ def _run_one(spec: dict, common: dict) -> dict:
                                   hidden_sizes=common["hidden_sizes"], **({
                                       "icppac_eta": spec["icppac"]["eta"], "icppac_tau": spec["icppac"]["tau"],
                                       "icppac_mu": spec["icppac"]["mu"],
+                                      "icppac_inner_output": common["icppac_inner_output"],
                                       "icppac_inner_steps": common["icppac_inner_steps"]}
                                       if spec.get("icppac") else {}))
     if spec["dataset"] not in _SPLITS:
         _SPLITS[spec["dataset"]] = _cached_splits(script, load_splits, common.get("splits_cache"))
     with tempfile.TemporaryDirectory() as tmp:
         targs = ConstrainedTrainingArguments(
-            output_dir=tmp, seed=spec["seed"], num_train_epochs=common["epochs"],
+            output_dir=tmp, seed=spec["seed"], num_train_epochs=spec["epochs"], msvr_gamma=common["msvr_gamma"],
             per_device_train_batch_size=common["batch_pairs"], constraint_batch_size=common["batch_pairs"],
-            learning_rate=common["lr"], weight_decay=0.0, penalty_beta=spec["beta"] or 1.0,
+            learning_rate=spec["lr"], weight_decay=0.0, penalty_beta=spec["beta"] or 1.0,
             constraint_penalty="hinge" if method == "icppac" else method,
             constraints_per_step=spec.get("constraints_per_step"),
             logging_strategy="no", save_strategy="no", report_to="none", disable_tqdm=True, use_cpu=True,
@@ -146,19 +181,25 @@ def _mean(xs: list[float]) -> float:
     return float(np.mean(xs)) if xs else float("nan")
 
 
+def _sp(r: dict, split: str, key: str) -> float:
+    return r["final"][split]["shift_proof"][key]
+
+
 def summarise(runs: list[dict], args: argparse.Namespace) -> dict:
-    """Seed means per setting; each method's selected setting; the goals."""
+    """Seed means per setting; each setting's learning rate chosen on validation; each
+    method's selected setting; the goals."""
     groups: dict = defaultdict(list)
     for r in runs:
         s = r["spec"]
         groups[(s["dataset"], s["method"], setting_key(s))].append(r)
-    settings = {}
+    every = {}
     order = lambda kv: (kv[0][0], METHOD_ORDER.get(kv[0][1], 1.5), kv[0][1], kv[1][0]["spec"]["beta"] or 0, kv[0][2])  # noqa: E731
     for (dataset, method, setting), rs in sorted(groups.items(), key=order):
         names = list(rs[0]["final"]["train"]["constraints"])
         train_h = {n: _mean([r["final"]["train"]["constraints"][n] for r in rs]) for n in names}
-        settings[f"{dataset}|{method}|{setting}"] = {
+        every[f"{dataset}|{method}|{setting}"] = {
             "dataset": dataset, "method": method, "setting": setting, "beta": rs[0]["spec"]["beta"],
+            "base_setting": _setting_key(rs[0]["spec"]), "lr": rs[0]["spec"]["lr"], "epochs": rs[0]["spec"]["epochs"],
             "seeds": sorted(r["spec"]["seed"] for r in rs),
             "train_max_violation_of_mean": max(train_h.values()),
             "train_max_violation_mean": _mean([r["train_max_violation"] for r in rs]),
@@ -168,8 +209,22 @@ def summarise(runs: list[dict], args: argparse.Namespace) -> dict:
             "test_auc": _mean([r["test_auc"] for r in rs]),
             "test_auc_std": float(np.std([r["test_auc"] for r in rs])),
             "test_max_violation": _mean([r["test_max_violation"] for r in rs]),
+            "test_max_violation_worst_seed": float(max(r["test_max_violation"] for r in rs)),
+            **{f"{split}_{key}": _mean([_sp(r, split, key) for r in rs]) for split in ("train", "test")
+               for key in ("hard_gap_max", "roc_gap")},
+            "test_fraction_outside_thresholds": _mean([_sp(r, "test", "fraction_outside_thresholds") for r in rs]),
+            "test_fraction_outside_thresholds_worst_seed": float(max(
+                _sp(r, "test", "fraction_outside_thresholds") for r in rs)),
             "seconds_per_epoch": _mean([r["seconds_per_epoch"] for r in rs]),
         }
+    # the learning rate of each (method, setting): feasible on train first, then validation AUC
+    settings = {}
+    by_base: dict = defaultdict(list)
+    for v in every.values():
+        by_base[(v["dataset"], v["method"], v["base_setting"])].append(v)
+    for key, vs in by_base.items():
+        pick = max(vs, key=lambda v: (v["feasible"], v["val_auc"]))
+        settings["|".join(key)] = {**pick, "lr_candidates": sorted(v["lr"] for v in vs)}
     selected = {}
     for dataset in args.datasets.split(","):
         methods = sorted({v["method"] for v in settings.values()}, key=lambda m: (METHOD_ORDER.get(m, 1.5), m))
@@ -188,9 +243,12 @@ def summarise(runs: list[dict], args: argparse.Namespace) -> dict:
                 "setting": None if pick is None else pick["setting"],
                 "feasible_found": pick is not None and pick["feasible"],
                 "closest": None if pick is not None else min(rows, key=lambda v: v["train_max_violation_of_mean"])["setting"],
-                **({} if pick is None else {k: pick[k] for k in ("beta", "test_auc", "test_auc_std",
-                                                                 "test_max_violation", "seconds_per_epoch",
-                                                                 "train_max_violation_of_mean", "seeds")}),
+                **({} if pick is None else {k: pick[k] for k in (
+                    "beta", "lr", "test_auc", "test_auc_std", "val_auc", "test_max_violation",
+                    "test_max_violation_worst_seed", "seconds_per_epoch", "train_max_violation_of_mean", "seeds",
+                    "seeds_feasible_on_train", "train_hard_gap_max", "train_roc_gap", "test_hard_gap_max",
+                    "test_roc_gap", "test_fraction_outside_thresholds",
+                    "test_fraction_outside_thresholds_worst_seed")}),
                 "seconds_per_epoch_all_settings": _mean([v["seconds_per_epoch"] for v in rows]),
                 # stricter: every seed's own final train constraints hold
                 "smallest_beta_every_seed_feasible": min(
@@ -227,7 +285,13 @@ def summarise(runs: list[dict], args: argparse.Namespace) -> dict:
                     "met": i["seconds_per_epoch_all_settings"] > sel["seconds_per_epoch_all_settings"],
                     "icppac_s": i["seconds_per_epoch_all_settings"], f"{name}_s": sel["seconds_per_epoch_all_settings"]}
         goals[dataset] = g
-    return {"settings": settings, "selected": selected, "goals": goals}
+    for dataset in args.datasets.split(","):
+        h = selected.get(f"{dataset}|hinge")
+        if h and h["feasible_found"]:
+            goals[dataset]["hinge_every_seed_feasible_at_its_smallest_feasible_beta"] = {
+                "met": h["seeds_feasible_on_train"] == len(h["seeds"]), "beta": h["beta"],
+                "seeds_feasible": f"{h['seeds_feasible_on_train']}/{len(h['seeds'])}"}
+    return {"settings": settings, "all_lrs": every, "selected": selected, "goals": goals}
 
 
 def _worst_of_seed_mean(runs: list[dict], split: str = "train") -> tuple[np.ndarray, np.ndarray]:
@@ -257,7 +321,9 @@ def make_figures(runs: list[dict], summary: dict, args: argparse.Namespace) -> l
     for dataset in args.datasets.split(","):
         fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
         for ax, method, title in zip(axes, ("hinge", "squared_hinge"), ("hinge (the method), |B_c| = m", "squared hinge")):
-            keys = sorted([k for k in by if k[0] == dataset and k[1] == method], key=lambda k: by[k][0]["spec"]["beta"])
+            chosen = {v["setting"] for v in summary["settings"].values()}  # each beta at its chosen lr
+            keys = sorted([k for k in by if k[0] == dataset and k[1] == method and k[2] in chosen],
+                          key=lambda k: by[k][0]["spec"]["beta"])
             cmap = plt.get_cmap("viridis", max(len(keys), 2))
             for n, k in enumerate(keys):
                 ep, v = _worst_of_seed_mean(by[k])
@@ -310,20 +376,29 @@ def make_figures(runs: list[dict], summary: dict, args: argparse.Namespace) -> l
 
 def markdown_table(summary: dict, meta: dict) -> str:
     lines = [f"Machine: {meta['machine']}; {meta['setting']}", "",
-             "| data | method | selected setting | seeds | test AUC (mean ± sd) | test max violation | "
-             "train max violation (seed mean) | s / epoch (all settings) | smallest beta, every seed feasible |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "Selected setting per method: penalties, the smallest beta whose seed-averaged final train "
+             "constraints all hold; ICPPAC, the feasible setting with the best validation AUC; learning rate "
+             "per setting by validation AUC. Violations are max_k (|gap_k| - kappa); hard gap = largest "
+             "|TPR or FPR difference| at thresholds at the 10%..90% quantiles of the pooled scores; ROC gap = "
+             "largest TPR difference at equal FPR between the groups' ROC curves; outside = fraction of test "
+             "scores beyond the thresholds [-3, 3] (seed means; worst seed in brackets).", "",
+             "| data | method | selected setting | seeds feasible (train) | test AUC (mean ± sd) | "
+             "test max violation (worst seed) | test hard gap | test ROC gap | test scores outside [-3, 3] "
+             "(worst seed) | s / epoch |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for key, sel in summary["selected"].items():
         dataset, method = key.split("|")
-        strict = "-" if not _is_penalty(method) else (sel["smallest_beta_every_seed_feasible"] or "none")
         if sel["feasible_found"] or method == "none":
             lines.append(
-                f"| {dataset} | {method} | {sel['setting']} | {len(sel['seeds'])} | {sel['test_auc']:.4f} ± "
-                f"{sel['test_auc_std']:.4f} | {sel['test_max_violation']:+.4f} | "
-                f"{sel['train_max_violation_of_mean']:+.4f} | {sel['seconds_per_epoch_all_settings']:.2f} | {strict} |")
+                f"| {dataset} | {method} | {sel['setting']} | {sel['seeds_feasible_on_train']}/{len(sel['seeds'])} | "
+                f"{sel['test_auc']:.4f} ± {sel['test_auc_std']:.4f} | {sel['test_max_violation']:+.4f} "
+                f"({sel['test_max_violation_worst_seed']:+.4f}) | {sel['test_hard_gap_max']:.4f} | "
+                f"{sel['test_roc_gap']:.4f} | {sel['test_fraction_outside_thresholds']:.3f} "
+                f"({sel['test_fraction_outside_thresholds_worst_seed']:.3f}) | "
+                f"{sel['seconds_per_epoch_all_settings']:.2f} |")
         else:
-            lines.append(f"| {dataset} | {method} | none feasible (closest: {sel['closest']}) | | | | | "
-                         f"{sel['seconds_per_epoch_all_settings']:.2f} | {strict} |")
+            lines.append(f"| {dataset} | {method} | none feasible (closest: {sel['closest']}) | | | | | | | "
+                         f"{sel['seconds_per_epoch_all_settings']:.2f} |")
     lines += ["", "Goals:", ""]
     for dataset, goals in summary["goals"].items():
         for name, g in goals.items():
@@ -332,29 +407,44 @@ def markdown_table(summary: dict, meta: dict) -> str:
             lines.append(f"- {dataset}, {name}: **{verdict}** ({detail})")
     lines += ["", "All settings (seed means; feasible = every seed-averaged final train constraint <= 0):", "",
               "| data | method | setting | seeds | feasible on train | seeds feasible | train max violation | "
-              "test AUC | test max violation | s / epoch |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for v in summary["settings"].values():
+              "val AUC | test AUC | test max violation | train hard gap | test hard gap | test ROC gap | "
+              "test outside [-3, 3] | s / epoch |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for v in summary["all_lrs"].values():
         lines.append(f"| {v['dataset']} | {v['method']} | {v['setting']} | {len(v['seeds'])} | {v['feasible']} | "
                      f"{v['seeds_feasible_on_train']}/{len(v['seeds'])} | {v['train_max_violation_of_mean']:+.4f} | "
-                     f"{v['test_auc']:.4f} | {v['test_max_violation']:+.4f} | {v['seconds_per_epoch']:.2f} |")
+                     f"{v['val_auc']:.4f} | {v['test_auc']:.4f} | {v['test_max_violation']:+.4f} | "
+                     f"{v['train_hard_gap_max']:.4f} | {v['test_hard_gap_max']:.4f} | {v['test_roc_gap']:.4f} | "
+                     f"{v['test_fraction_outside_thresholds']:.3f} | {v['seconds_per_epoch']:.2f} |")
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="'paper' (section 5.1's setting) or 'reduced' (the docs' setting); explicit flags win")
     p.add_argument("--datasets", default="adult,compas")
-    p.add_argument("--seeds", default="0,1,2")
-    p.add_argument("--epochs", type=int, default=30, help="paper: 60")
+    p.add_argument("--seeds", default="0,1,2,3,4")
+    p.add_argument("--dataset-seeds", default="",
+                   help="per-dataset seed subsets, e.g. 'adult:0;1;2' (default: --seeds for every dataset)")
+    p.add_argument("--epochs", type=int, default=60, help="paper: 60")
+    p.add_argument("--dataset-epochs", default="", help="per-dataset epochs, e.g. 'adult:4,compas:20'")
+    p.add_argument("--lrs", default="1e-3", help="initial learning rates, chosen per setting on validation AUC "
+                                                 "(paper: 1e-3,1e-4)")
+    p.add_argument("--msvr-gamma", type=float, default=0.1,
+                   help="MSVR gamma of the constraint estimators (recipe default 0.1; the paper's 0.8)")
     p.add_argument("--hinge-betas", default=HINGE_BETAS)
     p.add_argument("--squared-betas", default=SQUARED_BETAS)
+    p.add_argument("--dataset-hinge-betas", default="", help="per-dataset hinge grid, e.g. 'adult:1;4;10'")
+    p.add_argument("--dataset-squared-betas", default="", help="per-dataset squared-hinge grid")
     p.add_argument("--sampled-constraints", type=int, default=0,
                    help="also run the hinge with |B_c| = this many constraints sampled per step (0: skip)")
     p.add_argument("--methods", default=None,
                    help="run only these (comma-separated: hinge, squared_hinge, none, icppac, hinge_bc<k>)")
-    p.add_argument("--icppac-grid", default=ICPPAC_GRID, help="comma-separated eta:tau:mu")
+    p.add_argument("--icppac-grid", default=ICPPAC_FULL, help="comma-separated eta:tau:mu (default: the paper's 18)")
+    p.add_argument("--dataset-icppac-grid", default="", help="per-dataset ICPPAC grid, e.g. 'adult:0.1/10/1e-3;0.1/100/1e-3'")
     p.add_argument("--icppac-inner-steps", type=int, default=100)
+    p.add_argument("--icppac-inner-output", default="average", choices=["average", "last"])
     p.add_argument("--batch-pairs", type=int, default=64, help="pairs per batch: 64 pairs = 128 rows (paper)")
-    p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--hidden-sizes", default="64,32")
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--time-budget", type=float, default=None, help="seconds: submit no new run after this")
@@ -363,7 +453,13 @@ def main(argv=None) -> dict:
     p.add_argument("--splits-cache", default=None,
                    help="folder for <dataset>.npz copies of the preprocessed splits (reused when present)")
     p.add_argument("--report-only", action="store_true", help="tables and figures from the existing JSONL")
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
+    if args.preset:  # preset values for the flags the command line does not set
+        given = {a.split("=")[0] for a in argv if a.startswith("--")}
+        for name, value in PRESETS[args.preset].items():
+            if value is not None and f"--{name.replace('_', '-')}" not in given:
+                setattr(args, name, value)
     os.makedirs(args.out, exist_ok=True)
     jsonl = os.path.join(args.out, "roc_fairness_runs.jsonl")
     done: dict[str, dict] = {}
@@ -374,9 +470,9 @@ def main(argv=None) -> dict:
                     if line.strip():
                         r = json.loads(line)
                         done[spec_key(r["spec"])] = r
-    common = {"epochs": args.epochs, "batch_pairs": args.batch_pairs, "lr": args.lr,
+    common = {"batch_pairs": args.batch_pairs, "msvr_gamma": args.msvr_gamma,
               "hidden_sizes": args.hidden_sizes, "icppac_inner_steps": args.icppac_inner_steps,
-              "splits_cache": args.splits_cache}
+              "icppac_inner_output": args.icppac_inner_output, "splits_cache": args.splits_cache}
     specs = run_specs(args)
     if not args.report_only:
         todo = [s for s in specs if spec_key(s) not in done]
@@ -416,12 +512,17 @@ def main(argv=None) -> dict:
     machine = args.machine or previous.get("machine") or \
         f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} cores".strip()
     meta = {"machine": machine,
-            "setting": f"{args.epochs} epochs, seeds {args.seeds}, batch {2 * args.batch_pairs} rows "
-                       f"({args.batch_pairs} pairs), |B_k| = {args.batch_pairs} pairs, lr {args.lr} (AdamW; "
-                       f"ICPPAC: SGD with its eta), decay x0.1 at 50%/75%, MLP {args.hidden_sizes}, "
-                       f"kappa 0.005, thresholds -3..3, 1 torch thread per run",
-            "command": previous.get("command") or
-                       "python benchmarks/roc_fairness_comparison.py " + " ".join(sys.argv[1:] if argv is None else argv),
+            "setting": f"beta grids hinge {args.hinge_betas}, squared hinge {args.squared_betas}"
+                       f"{' (' + args.dataset_hinge_betas + '; ' + args.dataset_squared_betas + ')' if args.dataset_hinge_betas else ''}; "
+                       f"epochs {args.dataset_epochs or args.epochs}, seeds {args.seeds}"
+                       f"{' (' + args.dataset_seeds + ')' if args.dataset_seeds else ''}, batch "
+                       f"{2 * args.batch_pairs} rows ({args.batch_pairs} pairs), |B_k| = {args.batch_pairs} pairs "
+                       f"({args.batch_pairs} rows per group), lr {args.lrs} (AdamW; ICPPAC: SGD with its eta), decay "
+                       f"x0.1 at 50%/75%, MSVR gamma {args.msvr_gamma}, gamma' 0.1, MLP {args.hidden_sizes}, "
+                       f"kappa 0.005, thresholds -3..3, ICPPAC grid {args.icppac_grid}"
+                       f"{' (' + args.dataset_icppac_grid + ')' if args.dataset_icppac_grid else ''} (inner output "
+                       f"{args.icppac_inner_output}), 1 torch thread per run",
+            "command": previous.get("command") or "python benchmarks/roc_fairness_comparison.py " + " ".join(argv),
             "runs": len(runs), "runs_planned": len(specs)}
     summary["meta"] = meta
     tmp = os.path.join(args.out, "roc_fairness_summary.json.tmp")

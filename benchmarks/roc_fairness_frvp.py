@@ -1,4 +1,4 @@
-"""FRVP diagnostic on Adult (paper Appendix, Table tab:min_singular_values; REFERENCE sec. 5).
+"""FRVP diagnostic on Adult (paper Appendix, Table tab:min_singular_values).
 
     python benchmarks/roc_fairness_frvp.py            # hinge, beta 20, 30 epochs, seed 0
 

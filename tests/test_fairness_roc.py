@@ -102,7 +102,7 @@ def test_paired_batches_hold_both_groups_and_labels(splits):
         assert set(train.group[data.rows_a]) == {1} and set(train.group[data.rows_b]) == {0}
         assert set(train.label[data.rows_a]) == {y} and set(train.label[data.rows_b]) == {y}
         batch = c.collate([data[j] for j in range(len(data) - 5, len(data))] + [data[0]])
-        assert batch["inputs_a"].shape == batch["inputs_b"].shape == (6, 4)
+        assert batch["inputs"].shape == (12, 4) and batch["roc_group"].tolist() == [0, 1] * 6
     obj = objective_pairs(train)
     rows = obj.batch(list(range(7)))
     assert rows["inputs_a"].shape[0] == rows["inputs_b"].shape[0] == 7
@@ -159,6 +159,16 @@ def test_short_hinge_run_ends_feasible_where_unconstrained_does_not(splits, tmp_
 
 def test_icppac_reduces_violation_with_nonnegative_duals(splits):
     torch.manual_seed(0)
+    plain = mlp(1)  # the same steps on the objective alone: the unfair reference
+    opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    plain_loader = torch.utils.data.DataLoader(objective_pairs(splits["train"]), batch_size=32, shuffle=True,
+                                               collate_fn=collate_pairs, generator=torch.Generator().manual_seed(0))
+    for _ in range(6):
+        for batch in plain_loader:
+            opt.zero_grad()
+            pairwise_auc_loss(plain, batch).backward()
+            opt.step()
+    before = max(direct_gaps(plain, splits["train"], THRESHOLDS).values())
     model = mlp(1)
     cons = roc_fairness_constraints(splits["train"], thresholds=THRESHOLDS, kappa=0.02)
     loader = torch.utils.data.DataLoader(objective_pairs(splits["train"]), batch_size=32, shuffle=True,
@@ -169,9 +179,12 @@ def test_icppac_reduces_violation_with_nonnegative_duals(splits):
     summary = trainer.train(6)
     assert seen == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0] and summary["steps"] == 6 * len(loader)
     assert all(y >= 0 for y in summary["dual"]) and max(summary["dual"]) > 0
-    assert max(direct_gaps(model, splits["train"], THRESHOLDS).values()) <= 0.03
+    after = max(direct_gaps(model, splits["train"], THRESHOLDS).values())
+    assert after <= 0.035 and after < 0.5 * before
     with pytest.raises(ValueError, match="tau"):
         ICPPACConfig(tau=0.0)
+    with pytest.raises(ValueError, match="inner_output"):
+        ICPPACConfig(inner_output="median")
 
 
 def test_recipe_on_a_csv_writes_results_and_a_loadable_model(splits, tmp_path):
@@ -197,6 +210,13 @@ def test_recipe_on_a_csv_writes_results_and_a_loadable_model(splits, tmp_path):
         "--hidden_sizes", "8,8"])
     saved = json.loads((out / "results.json").read_text())
     assert saved["method"] == "hinge" and saved["beta"] == 10.0 and len(saved["history"]) == 3
+    assert saved["msvr_gamma"] == 0.1  # the recipe's default (the paper's 0.8 only when asked for)
+    for split in ("train", "validation", "test"):  # the shift-proof measures and where the scores lie
+        assert 0.0 <= saved["shift_proof"][split]["roc_gap"] <= 1.0
+        assert saved["shift_proof"][split]["hard_gap_max"] == saved["final"][split]["shift_proof"]["hard_gap_max"]
+        assert 0.0 <= saved["scores_outside_thresholds"][split] <= 1.0
+    assert saved["scores_shifted_outside_thresholds"] == [
+        s for s in ("train", "validation", "test") if saved["scores_outside_thresholds"][s] > 0.5]
     for split in ("train", "validation", "test"):
         assert set(saved["final"][split]["constraints"]) == {"tpr_gap@+0", "fpr_gap@+0"}
     assert saved["test_max_violation"] == pytest.approx(max(saved["final"]["test"]["constraints"].values()))
@@ -242,3 +262,34 @@ def test_frvp_sigma_matches_svd_and_jacobian_matches_autograd(splits):
     assert np.allclose(jac[0], torch.cat([g.reshape(-1) for g in grads]).double().numpy(), rtol=1e-4, atol=1e-7)
     rep = frvp_report(model, cons)
     assert rep["violated"] and rep["sigma_violated"] > 0 and rep["delta"] == pytest.approx(rep["sigma_violated"] / 2)
+
+
+@pytest.mark.parametrize("inner_output", ["average", "last"])
+def test_icppac_outer_step_returns_the_mean_of_its_inner_iterates(splits, inner_output):
+    model = mlp(3)
+    cons = roc_fairness_constraints(splits["train"], thresholds=(0.0,), kappa=0.0)
+    loader = torch.utils.data.DataLoader(objective_pairs(splits["train"]), batch_size=64, shuffle=True,
+                                         collate_fn=collate_pairs, generator=torch.Generator().manual_seed(0))
+    trainer = ICPPACTrainer(model, pairwise_auc_loss, loader, cons,
+                            ICPPACConfig(eta=0.1, tau=1.0, mu=1e-3, inner_steps=4, inner_output=inner_output),
+                            constraint_batch_size=16)
+    iterates, anchors = [], []
+    step = trainer._iteration
+
+    def recording(batch, anchor):
+        anchors.append(anchor.clone())
+        out = step(batch, anchor)
+        iterates.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone())
+        return out
+
+    trainer._iteration = recording
+    trainer.train(1)
+    n = len(iterates)
+    assert n == len(loader) and n > 4 and n % 4 != 0
+    final = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    last_loop = iterates[(n - 1) // 4 * 4:]  # the last (possibly shorter) outer step
+    if inner_output == "average":
+        assert torch.allclose(anchors[4], torch.stack(iterates[:4]).mean(0), atol=1e-6)  # next proximal centre
+        assert torch.allclose(final, torch.stack(last_loop).mean(0), atol=1e-6)
+    else:
+        assert torch.allclose(anchors[4], iterates[3]) and torch.allclose(final, iterates[-1])

@@ -1,4 +1,4 @@
-"""AUC maximisation under ROC-fairness constraints (paper section 5.1; REFERENCE section 4).
+"""AUC maximisation under ROC-fairness constraints (paper section 5.1).
 
 Modules: :mod:`.data` (Adult, COMPAS, any CSV, CheXpert), :mod:`.model` (the MLP scorer as
 a ``PreTrainedModel``), :mod:`.roc` (AUC loss, the constraints, exact values, trainer),
@@ -20,33 +20,46 @@ from .icppac import ICPPACConfig, ICPPACTrainer
 from .model import MLPConfig, MLPForScoring, model_scores
 from .roc import (
     DEFAULT_KAPPA,
+    DEFAULT_QUANTILES,
     DEFAULT_THRESHOLDS,
+    GROUP_KEY,
     AUCConstrainedTrainer,
+    GroupRows,
     PairedRows,
     ROCHistoryCallback,
+    SigmoidRate,
     auc_score,
     collate_pairs,
+    collate_rows,
     evaluate_roc,
     objective_pairs,
     pairwise_auc_loss,
+    roc_curve_gap,
     roc_fairness_constraints,
     roc_fairness_values,
+    roc_row_scores,
+    shift_proof_fairness,
 )
 
 __all__ = [
     "AUCConstrainedTrainer",
     "DEFAULT_KAPPA",
+    "DEFAULT_QUANTILES",
     "DEFAULT_THRESHOLDS",
+    "GROUP_KEY",
+    "GroupRows",
     "ICPPACConfig",
     "ICPPACTrainer",
     "MLPConfig",
     "MLPForScoring",
     "PairedRows",
     "ROCHistoryCallback",
+    "SigmoidRate",
     "TabularSplit",
     "auc_score",
     "build_tabular_splits",
     "collate_pairs",
+    "collate_rows",
     "evaluate_roc",
     "feature_names",
     "frvp_report",
@@ -58,6 +71,9 @@ __all__ = [
     "model_scores",
     "objective_pairs",
     "pairwise_auc_loss",
+    "roc_curve_gap",
     "roc_fairness_constraints",
     "roc_fairness_values",
+    "roc_row_scores",
+    "shift_proof_fairness",
 ]

@@ -15,7 +15,7 @@ method and training seed sees the same train / validation rows. The feature name
 kept in ``DatasetDict["train"].info.description`` as JSON and returned by
 :func:`feature_names`.
 
-The paper's groups and labels (REFERENCE section 4; paper section 5.1): Adult, sex
+The paper's groups and labels (paper section 5.1): Adult, sex
 (male / female), income > 50K; COMPAS, race (Caucasian / non-Caucasian),
 two_year_recid.
 

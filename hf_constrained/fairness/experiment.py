@@ -47,6 +47,8 @@ from .roc import (
 logger = logging.getLogger(__name__)
 
 METHODS = ("hinge", "squared_hinge", "none", "icppac")
+SHIFT_WARNING_FRACTION = 0.5
+"""Above this fraction of scores outside the thresholds, a run's results say so (and log it)."""
 
 
 @dataclass
@@ -77,6 +79,8 @@ class ROCFairnessArguments:
     icppac_mu: float = field(default=1e-3, metadata={"help": "ICPPAC proximal weight mu (paper 1e-2, 1e-3, 1e-4)."})
     icppac_theta: float = field(default=0.1, metadata={"help": "ICPPAC extrapolation theta (paper 0.1)."})
     icppac_inner_steps: int = field(default=100, metadata={"help": "ConEx iterations per ICPPAC outer step."})
+    icppac_inner_output: str = field(default="average", metadata={
+        "help": "What an ICPPAC outer step returns: 'average' (mean of its ConEx iterates, as ConEx) or 'last'."})
     results_file: str = field(default="results.json",
                               metadata={"help": "Results JSON, relative to output_dir unless absolute."})
     save_model: bool = field(default=True, metadata={"help": "Save the final model to output_dir, with a safety "
@@ -137,8 +141,10 @@ def run_roc_fairness(args: ROCFairnessArguments, training_args: ConstrainedTrain
     """Train one method on one data set and return (and write) its results.
 
     The results hold the final exact h = |gap| - kappa of every constraint on train /
-    validation / test, the largest violation, AUCs, wall time (training only, per epoch
-    too) and the per-epoch history. ``callbacks`` are extra Trainer callbacks (penalty
+    validation / test, the largest violation, AUCs, the shift-proof measures and the
+    fraction of scores outside the thresholds per split (``scores_shifted_outside_thresholds``
+    lists the splits where it exceeds one half), wall time (training only, per epoch too)
+    and the per-epoch history. ``callbacks`` are extra Trainer callbacks (penalty
     methods only; ICPPAC has its own loop).
     """
     splits = splits or load_splits(args)
@@ -147,8 +153,8 @@ def run_roc_fairness(args: ROCFairnessArguments, training_args: ConstrainedTrain
     train = splits["train"]
     model = MLPForScoring(MLPConfig(input_dim=train.features.shape[1], hidden_sizes=args.hidden_list))
     constraints = roc_fairness_constraints(train, splits["validation"], thresholds=args.threshold_list,
-                                           kappa=args.kappa)
-    objective = objective_pairs(train)
+                                           kappa=args.kappa, seed=training_args.seed)
+    objective = objective_pairs(train, seed=training_args.seed)
     history = ROCHistoryCallback(splits, thresholds=args.threshold_list, kappa=args.kappa)
     epochs = int(math.ceil(training_args.num_train_epochs))
     batch = training_args.per_device_train_batch_size
@@ -170,7 +176,7 @@ def run_roc_fairness(args: ROCFairnessArguments, training_args: ConstrainedTrain
                                              collate_fn=collate_pairs)
         history.on_train_begin(None, None, None, model=model)
         cfg = ICPPACConfig(eta=args.icppac_eta, tau=args.icppac_tau, mu=args.icppac_mu, theta=args.icppac_theta,
-                           inner_steps=args.icppac_inner_steps)
+                           inner_steps=args.icppac_inner_steps, inner_output=args.icppac_inner_output)
         trainer = ICPPACTrainer(
             model, pairwise_auc_loss, loader, constraints, cfg,
             constraint_batch_size=training_args.constraint_batch_size, seed=training_args.constraint_sampling_seed,
@@ -205,6 +211,14 @@ def run_roc_fairness(args: ROCFairnessArguments, training_args: ConstrainedTrain
     wall = time.perf_counter() - t_start
 
     final = history.history[-1]
+    outside = {split: final[split]["shift_proof"]["fraction_outside_thresholds"] for split in splits}
+    shifted = [split for split, frac in outside.items() if frac > SHIFT_WARNING_FRACTION]
+    if shifted:
+        logger.warning(
+            "%s: more than %.0f%% of the scores on %s lie outside the thresholds [%g, %g]; the soft-rate constraints "
+            "saturate there and say little about fairness: read the shift-proof measures (hard gaps at score "
+            "quantiles, ROC gap) in results.json instead", args.method, 100 * SHIFT_WARNING_FRACTION,
+            ", ".join(shifted), min(args.threshold_list), max(args.threshold_list))
     results = {
         "dataset": args.dataset,
         "method": args.method,
@@ -215,10 +229,13 @@ def run_roc_fairness(args: ROCFairnessArguments, training_args: ConstrainedTrain
         "epochs": epochs,
         "batch_size": batch,
         "num_processes": training_args.world_size,
-        "constraint_batch_size": training_args.constraint_batch_size,
+        "constraint_batch_size": training_args.constraint_batch_size,  # pairs: rows per group
+        "msvr_gamma": training_args.msvr_gamma if args.method != "icppac" else None,
+        "msvr_gamma_prime": training_args.msvr_gamma_prime if args.method != "icppac" else None,
         "learning_rate": training_args.learning_rate if args.method != "icppac" else args.icppac_eta,
         "icppac": ({"eta": args.icppac_eta, "tau": args.icppac_tau, "mu": args.icppac_mu,
-                    "theta": args.icppac_theta, "inner_steps": args.icppac_inner_steps}
+                    "theta": args.icppac_theta, "inner_steps": args.icppac_inner_steps,
+                    "inner_output": args.icppac_inner_output}
                    if args.method == "icppac" else None),
         "num_parameters": sum(p.numel() for p in model.parameters()),
         "final": {split: final[split] for split in splits},
@@ -226,6 +243,12 @@ def run_roc_fairness(args: ROCFairnessArguments, training_args: ConstrainedTrain
         "train_max_violation": final["train"]["max_violation"],
         "test_max_violation": final["test"]["max_violation"],
         "feasible_on_train": final["train"]["feasible"],
+        # fairness that a common shift of the scores cannot fake (hard gaps at score quantiles, ROC gap)
+        "shift_proof": {split: {k: final[split]["shift_proof"][k] for k in ("hard_tpr_gap_max", "hard_fpr_gap_max",
+                                                                            "hard_gap_max", "roc_gap")}
+                        for split in splits},
+        "scores_outside_thresholds": outside,
+        "scores_shifted_outside_thresholds": shifted,
         "train_seconds": train_seconds,
         "seconds_per_epoch": train_seconds / max(epochs, 1),
         "wall_seconds": wall,

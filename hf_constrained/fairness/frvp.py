@@ -1,4 +1,4 @@
-"""The FRVP diagnostic (paper Lemma 3.3; REFERENCE section 5).
+"""The FRVP diagnostic (paper Lemma 3.3).
 
 FRVP (Full Rank at Violating Points): if, wherever some constraint is violated, the
 Jacobian of the violated constraints has smallest singular value sigma > 0, the
@@ -63,12 +63,15 @@ def constraint_jacobian(model: nn.Module, constraints: Sequence[Constraint], *, 
 
 
 def paired_full_batch(c: Constraint, data: Any) -> dict[str, torch.Tensor]:
-    """Every row of both sides of a :class:`~hf_constrained.fairness.roc.PairedRows` once.
+    """Every row of both sides of a :class:`~hf_constrained.fairness.roc.PairedRows` (or
+    ``GroupRows``) once, as a row-wise batch: side A is group 0, side B group 1.
 
-    The ROC constraint functions take means over each side separately, so sides of
-    different sizes are fine: the result is the exact full-data group-rate gap.
+    The ROC constraints take the mean over each group separately, so sides of different
+    sizes are fine: the result is the exact full-data group-rate gap.
     """
-    return {"inputs_a": data.source.fetch(data.rows_a), "inputs_b": data.source.fetch(data.rows_b)}
+    rows = np.concatenate([data.rows_a, data.rows_b])
+    groups = np.concatenate([np.zeros(len(data.rows_a), np.int64), np.ones(len(data.rows_b), np.int64)])
+    return {"inputs": data.source.fetch(rows), c.group_key or "roc_group": torch.from_numpy(groups)}
 
 
 def _default_batch(c: Constraint, data: Any) -> Any:

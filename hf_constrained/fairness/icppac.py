@@ -14,12 +14,29 @@ with ConEx (the inner loop), one iteration per mini-batch:
 4. dual ascent y <- [y + s / tau]_+;
 5. primal step w <- w - eta (grad F~(w_t) + sum_j y_j grad g_j(w_t)).
 
-The dual variables y and the previous-iterate linearisation carry over from one outer step
-to the next (a warm start). The constraints are the same :class:`~hf_constrained.Constraint` objects the hinge method
-trains on, with the same batches (``Constraint.fn`` on ``PairedRows`` batches); a
-compositional constraint's value is ``outer(inner) - tolerance`` on the mini-batch.
-REFERENCE section 4 gives the paper's grid: eta {0.1, 0.01}, tau {1, 10, 100},
-mu {1e-2, 1e-3, 1e-4}, theta = 0.1.
+The outer step's output, the next proximal centre w_{k+1}, is the mean of its ConEx
+iterates (``inner_output="average"``; ConEx returns an average of its iterates), or the
+last iterate (``"last"``, what this module did before). The dual variables y and the
+previous-iterate linearisation carry over from one outer step to the next (a warm start).
+The constraints are the same :class:`~hf_constrained.Constraint` objects the hinge method
+trains on, with the same batches; a compositional constraint's value is
+``outer(inner) - tolerance`` on the mini-batch.
+
+The paper (section 5.1) tunes eta in {0.1, 0.01}, tau in {1, 10, 100}, mu in {1e-2, 1e-3,
+1e-4} and fixes theta = 0.1. Where this implementation differs from Algorithm 4 of Boob,
+Deng & Lan as published:
+
+* constant eta, tau, theta (the paper's tuned constants) instead of the theory's
+  iteration-dependent ConEx parameters;
+* eta is the primal STEP SIZE, while in ConEx the primal parameter weighs the proximal
+  term (1/2)||w - w_t||^2, i.e. the step is its inverse; tau is used as in ConEx, a dual
+  proximal weight (y += s / tau). Read as an inverse step, the paper's eta grid would
+  mean steps of 10 and 100;
+* the quadratic mu ||w - w_k||^2 enters through its gradient in the primal step (an
+  explicit step) rather than inside the proximal step; the difference is of order
+  eta^2 mu (1 + sum y) per step;
+* uniform weights in the average of the inner iterates;
+* the final model is the last outer step's output, not an outer iterate drawn at random.
 """
 
 from __future__ import annotations
@@ -42,14 +59,18 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class ICPPACConfig:
-    """Step sizes of ICPPAC/ConEx: primal ``eta``, dual ``tau`` (y += s/tau), proximal ``mu``,
-    extrapolation ``theta``; ``inner_steps`` ConEx iterations per outer (proximal) step."""
+    """Step sizes of ICPPAC/ConEx: primal step size ``eta``, dual proximal weight ``tau``
+    (y += s/tau), proximal weight ``mu``, extrapolation ``theta``; ``inner_steps`` ConEx
+    iterations per outer (proximal) step; ``inner_output``: what an outer step returns,
+    ``"average"`` (the mean of its ConEx iterates, as ConEx outputs an average of its
+    iterates) or ``"last"`` (the last iterate)."""
 
     eta: float = 0.1
     tau: float = 10.0
     mu: float = 1e-3
     theta: float = 0.1
     inner_steps: int = 100
+    inner_output: str = "average"
 
     def __post_init__(self) -> None:
         for name in ("eta", "tau"):
@@ -59,6 +80,8 @@ class ICPPACConfig:
             raise ValueError(f"ICPPAC mu and theta must be >= 0, got mu={self.mu}, theta={self.theta}")
         if self.inner_steps < 1:
             raise ValueError(f"ICPPAC inner_steps must be >= 1, got {self.inner_steps}")
+        if self.inner_output not in ("average", "last"):
+            raise ValueError(f"ICPPAC inner_output must be 'average' or 'last', got {self.inner_output!r}")
 
 
 def _flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -99,6 +122,8 @@ class ICPPACTrainer:
         self.train_seconds = 0.0
         self._prev: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None  # (w, g(w), grad g(w))
         self._prev_lin: Optional[torch.Tensor] = None
+        self._inner_sum: Optional[torch.Tensor] = None
+        self._inner_count = 0
 
     def _batch(self, k: int) -> Any:
         c = self.constraints[k]
@@ -148,18 +173,41 @@ class ICPPACTrainer:
         self.step += 1
         return float(loss.detach())
 
-    def train(self, num_epochs: int) -> dict[str, Any]:
-        """Run ``num_epochs`` passes over ``train_loader``; returns a summary."""
-        self.model.train()
+    def _set_params(self, flat: torch.Tensor) -> None:
+        with torch.no_grad():
+            offset = 0
+            for p in self.params:
+                n = p.numel()
+                p.copy_(flat[offset:offset + n].view_as(p))
+                offset += n
+
+    def _end_outer_step(self) -> torch.Tensor:
+        """The outer step's output (the next proximal centre w_k): the mean of this inner
+        loop's iterates (``inner_output="average"``) or its last iterate."""
+        if self.config.inner_output == "average" and self._inner_count > 0:
+            self._set_params(self._inner_sum / self._inner_count)
         anchor = _flat([p.detach() for p in self.params]).clone()
+        self._inner_sum = torch.zeros_like(anchor)
+        self._inner_count = 0
+        return anchor
+
+    def train(self, num_epochs: int) -> dict[str, Any]:
+        """Run ``num_epochs`` passes over ``train_loader``; returns a summary. The model
+        after the last epoch is the output of the last (possibly shorter) outer step."""
+        self.model.train()
+        anchor = self._end_outer_step()
         for epoch in range(num_epochs):
             t0 = time.perf_counter()
             bar = tqdm(self.train_loader, desc=f"ICPPAC epoch {epoch + 1}", disable=self.disable_tqdm, leave=False)
             for batch in bar:
                 if self.step % self.config.inner_steps == 0 and self.step > 0:  # outer (proximal) step
-                    anchor = _flat([p.detach() for p in self.params]).clone()
+                    anchor = self._end_outer_step()
                 batch = {k: v.to(self.device) for k, v in batch.items()}
                 self._iteration(batch, anchor)
+                self._inner_sum += _flat([p.detach() for p in self.params])
+                self._inner_count += 1
+            if epoch == num_epochs - 1:
+                self._end_outer_step()
             self.train_seconds += time.perf_counter() - t0
             for cb in self.callbacks:
                 cb(float(epoch + 1), self.model, self.train_seconds)

@@ -1,4 +1,4 @@
-"""AUC maximisation under ROC-fairness constraints (paper section 5.1; REFERENCE section 4).
+"""AUC maximisation under ROC-fairness constraints (paper section 5.1).
 
 * Objective: the pairwise AUC surrogate F(w) = 1 - mean_{i pos, j neg} sigmoid(s_i - s_j)
   (the paper's -mean sigmoid(s_i - s_j), shifted by 1 so it reads as "1 - soft AUC").
@@ -7,19 +7,25 @@
 
       h_tau^+(w) = | mean_{pos in p} sigmoid(s - tau) - mean_{pos in u} sigmoid(s - tau) | - kappa <= 0,
 
-  and the same on negatives: 2 |Gamma| constraints. They are compositional: the MSVR
-  estimator tracks the INNER group-rate difference (``Constraint.fn`` returns it) and
+  and the same on negatives: 2 |Gamma| constraints. They are compositional (paper
+  section 5.1): the MSVR estimator tracks the INNER group-rate difference and
   ``Constraint.outer = |.|`` with ``tolerance = kappa``, so the trainer weighs the
-  mini-batch gradient of the inner value by beta * 1[|u| - kappa > 0] * sign(u)
-  (hinge) - the compositional estimator of REFERENCE section 4.
-* Batches: a difference of group means needs rows of both groups in every constraint
-  batch, and the AUC loss needs both labels in every objective batch. Both use
-  :class:`PairedRows`: item j is a pair (a row of side A, a row of side B), so a batch
-  of b items holds b rows of each side, whatever the sampler.
-* Exact values: a difference of two means is not a per-sample mean, so every
-  constraint carries an ``exact_fn`` computing the full-data value (what
-  ``ConstrainedTrainer.evaluate`` reports); :func:`roc_fairness_values` computes all of
-  them from one score vector with numpy (history, results).
+  mini-batch gradient of the inner value by beta * 1[|u| - kappa > 0] * sign(u).
+* Row-wise form: all constraints share ONE ``row_fn`` (:func:`roc_row_scores`, the
+  model's score of every row: one forward over the rows of all sampled constraints),
+  each has its own ``row_transform`` sigmoid(s - tau) and ``group_key`` ``"roc_group"``
+  (0: group p, 1: group u), so h(B) = mean over p - mean over u.
+* Batches (:class:`PairedRows`): every batch needs rows of both sides (groups p and u
+  for a constraint, positives and negatives for the AUC objective). Item j is a pair:
+  row j of the LONGER side (each visited once per pass, in the sampler's shuffled
+  order) and the next row of a shuffled, per-pass reshuffled walk over the SHORTER
+  side (each of its rows once per pass of that side; no row is favoured). Each
+  side's batch mean is then an unbiased estimate of that side's full mean.
+* All TPR constraints share one dataset object (the positives) and all FPR constraints
+  another (the negatives), so a trainer may give the constraints of one dataset a shared
+  batch.
+* Exact values: :func:`roc_fairness_values` computes all of them from one score vector
+  with numpy; every constraint's ``exact_fn`` reuses one scoring pass per model state.
 """
 
 from __future__ import annotations
@@ -35,11 +41,14 @@ from torch import nn
 from transformers import TrainerCallback
 
 from ..constraint import Constraint
+from ..sampling import ConstraintBatchStream
 from ..trainer import ConstrainedTrainer
 from .model import model_scores
 
 DEFAULT_THRESHOLDS = (-3.0, -2.0, -1.0, 0.0, 1.0, 2.0, 3.0)
 DEFAULT_KAPPA = 0.005
+GROUP_KEY = "roc_group"
+"""Batch key of each constraint row's group: 0 for group p, 1 for group u."""
 
 
 class RowSource(Protocol):
@@ -53,25 +62,41 @@ class RowSource(Protocol):
     def fetch(self, rows: Sequence[int] | np.ndarray) -> torch.Tensor: ...
 
 
+def _stream_key(name: str) -> int:
+    """A stable integer from a dataset's name (Python's str hash is salted per process)."""
+    return int.from_bytes(name.encode()[:8].ljust(8, b"\0"), "little") ^ len(name)
+
+
 # --------------------------------------------------------------------------- paired batches
 class PairedRows(torch.utils.data.Dataset):
-    """Item j = (row ``rows_a[j % |A|]``, row ``rows_b[j % |B|]``) of ``source``.
+    """Pairs (a row of side A, a row of side B) of ``source``, ``len`` = max(|A|, |B|).
 
-    With the default length max(|A|, |B|), a shuffled pass visits every row of the
-    larger side once and cycles the smaller one, so any batch of b items has exactly b
-    rows from each side. Collate with :func:`collate_pairs`: the batch is
-    ``{"inputs_a": (b, ...), "inputs_b": (b, ...)}`` fetched in one call per side.
+    Item j holds row j of the longer side (a shuffled pass over the items visits each of
+    its rows once) and the next row of the shorter side's own stream: shuffled passes,
+    each with a fresh permutation (:class:`~hf_constrained.sampling.ConstraintBatchStream`
+    seeded by ``seed``, the name, the process rank and the data-loader worker), so every
+    row of the shorter side is drawn once per pass of that side and the per-row visit
+    counts never differ by more than one. A batch of b items therefore holds b rows of
+    each side, and each side's batch mean is an unbiased estimate of its full mean.
+
+    The shorter side is drawn when a batch is built (:meth:`pairs`), so the pairing of
+    item j changes from pass to pass. A resumed run starts that walk afresh (still
+    uniform). Collate with :func:`collate_pairs` (objective: ``inputs_a``, ``inputs_b``)
+    or :func:`collate_rows` (constraints: rows flattened with their group).
     """
 
     def __init__(self, source: RowSource, rows_a: np.ndarray, rows_b: np.ndarray, *, name: str = "pairs",
-                 length: Optional[int] = None) -> None:
+                 seed: int = 0) -> None:
         self.source = source
         self.rows_a = np.asarray(rows_a, dtype=np.int64)
         self.rows_b = np.asarray(rows_b, dtype=np.int64)
         self.name = name
+        self.seed = int(seed)
         if len(self.rows_a) == 0 or len(self.rows_b) == 0:
             raise ValueError(f"{name}: both sides need at least one row (got {len(self.rows_a)} and {len(self.rows_b)})")
-        self.length = int(length) if length is not None else max(len(self.rows_a), len(self.rows_b))
+        self.a_is_long = len(self.rows_a) >= len(self.rows_b)
+        self.length = max(len(self.rows_a), len(self.rows_b))
+        self._streams: dict[tuple[int, int], ConstraintBatchStream] = {}
 
     def __len__(self) -> int:
         return self.length
@@ -81,20 +106,103 @@ class PairedRows(torch.utils.data.Dataset):
             raise IndexError(f"{self.name}: index {j} out of range [0, {self.length})")
         return (self, int(j))
 
-    def batch(self, items: Sequence[int]) -> dict[str, torch.Tensor]:
+    def _short_stream(self) -> ConstraintBatchStream:
+        # one walk per (process, loader worker): copies of the dataset in other processes
+        # must not replay the same sequence of short-side rows
+        rank = torch.distributed.get_rank() if torch.distributed.is_available() and \
+            torch.distributed.is_initialized() else 0
+        info = torch.utils.data.get_worker_info()
+        key = (rank, info.id if info is not None else -1)
+        if key not in self._streams:
+            short = len(self.rows_b) if self.a_is_long else len(self.rows_a)
+            self._streams[key] = ConstraintBatchStream(short, self.seed, _stream_key(self.name) + 7919 * (key[0] + 1)
+                                                       + 104729 * (key[1] + 1))
+        return self._streams[key]
+
+    def pairs(self, items: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Rows (of ``source``) of side A and side B for the items ``items``."""
         j = np.asarray(items, dtype=np.int64)
-        return {"inputs_a": self.source.fetch(self.rows_a[j % len(self.rows_a)]),
-                "inputs_b": self.source.fetch(self.rows_b[j % len(self.rows_b)])}
+        short = np.asarray(self._short_stream().next_indices(len(j)), dtype=np.int64)
+        if self.a_is_long:
+            return self.rows_a[j], self.rows_b[short]
+        return self.rows_a[short], self.rows_b[j]
+
+    def batch(self, items: Sequence[int]) -> dict[str, torch.Tensor]:
+        """``{"inputs_a": (b, ...), "inputs_b": (b, ...)}``, fetched in one call per side."""
+        a, b = self.pairs(items)
+        return {"inputs_a": self.source.fetch(a), "inputs_b": self.source.fetch(b)}
+
+    def rows(self, items: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Rows of the items flattened pair by pair (a_0, b_0, a_1, b_1, ...) and their
+        groups (0 for side A, 1 for side B)."""
+        a, b = self.pairs(items)
+        return np.stack([a, b], axis=1).reshape(-1), np.tile(np.array([0, 1], dtype=np.int64), len(a))
+
+
+class GroupRows(torch.utils.data.Dataset):
+    """Every row of side A (group 0) and of side B (group 1) of ``source`` once, in order:
+    the data for an exact (full-pass) evaluation of a row-wise group-gap constraint.
+    Collate with :func:`collate_rows`."""
+
+    def __init__(self, source: RowSource, rows_a: np.ndarray, rows_b: np.ndarray, *, name: str = "rows") -> None:
+        self.source = source
+        self.rows_a = np.asarray(rows_a, dtype=np.int64)
+        self.rows_b = np.asarray(rows_b, dtype=np.int64)
+        self.name = name
+        if len(self.rows_a) == 0 or len(self.rows_b) == 0:
+            raise ValueError(f"{name}: both sides need at least one row (got {len(self.rows_a)} and {len(self.rows_b)})")
+        self._all = np.concatenate([self.rows_a, self.rows_b])
+        self._groups = np.concatenate([np.zeros(len(self.rows_a), np.int64), np.ones(len(self.rows_b), np.int64)])
+
+    def __len__(self) -> int:
+        return len(self._all)
+
+    def __getitem__(self, i: int) -> tuple["GroupRows", int]:
+        if not 0 <= i < len(self._all):
+            raise IndexError(f"{self.name}: index {i} out of range [0, {len(self._all)})")
+        return (self, int(i))
+
+    def rows(self, items: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        i = np.asarray(items, dtype=np.int64)
+        return self._all[i], self._groups[i]
 
 
 def collate_pairs(examples: Sequence[tuple[PairedRows, int]]) -> dict[str, torch.Tensor]:
     """Collate :class:`PairedRows` items (all from one dataset) into one paired batch."""
     dataset = examples[0][0]
+    if any(ds is not dataset for ds, _ in examples):
+        raise ValueError("collate_pairs: all items of a batch must come from one PairedRows dataset")
     return dataset.batch([j for _, j in examples])
 
 
+def collate_rows(examples: Sequence[tuple[Any, int]]) -> dict[str, torch.Tensor]:
+    """Collate :class:`PairedRows` / :class:`GroupRows` items into ``{"inputs": rows,
+    "roc_group": group of each row}``, rows in item order (a pair gives 2 rows).
+
+    Items of several datasets (several constraints collated together) keep their order;
+    the rows of one source are fetched in one call.
+    """
+    rows, groups, sources = [], [], []
+    start = 0
+    while start < len(examples):  # runs of consecutive items of one dataset
+        ds = examples[start][0]
+        end = start
+        while end < len(examples) and examples[end][0] is ds:
+            end += 1
+        r, g = ds.rows([j for _, j in examples[start:end]])
+        rows.append(r)
+        groups.append(g)
+        sources.append(ds.source)
+        start = end
+    if all(s is sources[0] for s in sources):
+        inputs = sources[0].fetch(np.concatenate(rows))
+    else:
+        inputs = torch.cat([s.fetch(r) for s, r in zip(sources, rows)])
+    return {"inputs": inputs, GROUP_KEY: torch.from_numpy(np.concatenate(groups))}
+
+
 def _paired_scores(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scores of both sides in ONE forward (one graph per step: DDP-safe, REFERENCE sec. 6)."""
+    """Scores of both sides in ONE forward (one graph per step, as DDP requires)."""
     n = batch["inputs_a"].shape[0]
     s = model_scores(model, torch.cat([batch["inputs_a"], batch["inputs_b"]]))
     return s[:n], s[n:]
@@ -108,17 +216,18 @@ def pairwise_auc_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch
     return 1.0 - torch.sigmoid(s_pos[:, None] - s_neg[None, :]).mean()
 
 
-def objective_pairs(source: RowSource, *, length: Optional[int] = None) -> PairedRows:
+def objective_pairs(source: RowSource, *, seed: int = 0) -> PairedRows:
     """(positive, negative) pairs of ``source`` for :func:`pairwise_auc_loss`.
 
-    Default length: half the rows, so one epoch of b-pair batches sees about as many
-    rows as an epoch of 2b-row batches over the data.
+    One pass (an epoch) visits every row of the larger label class once and walks the
+    smaller class in reshuffled passes (:class:`PairedRows`), so no row is left out or
+    favoured.
     """
     pos, neg = np.flatnonzero(source.label == 1), np.flatnonzero(source.label == 0)
     if len(pos) == 0 or len(neg) == 0:
         raise ValueError(f"the AUC objective needs both labels; the data has {len(pos)} positives and "
                          f"{len(neg)} negatives")
-    return PairedRows(source, pos, neg, name="objective", length=length or max(1, len(source) // 2))
+    return PairedRows(source, pos, neg, name="objective", seed=seed)
 
 
 # --------------------------------------------------------------------------- constraints
@@ -126,13 +235,23 @@ def constraint_name(kind: str, tau: float) -> str:
     return f"{kind}_gap@{tau:+g}"
 
 
-def _group_rate_gap(tau: float):
-    def inner(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """mean_{A} sigmoid(s - tau) - mean_{B} sigmoid(s - tau): the inner value of h_tau."""
-        s_a, s_b = _paired_scores(model, batch)
-        return torch.sigmoid(s_a - tau).mean() - torch.sigmoid(s_b - tau).mean()
+def roc_row_scores(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The shared ``row_fn`` of the ROC constraints: the score s_w(a) of every row of a
+    :func:`collate_rows` batch, one forward."""
+    return model_scores(model, batch["inputs"])
 
-    return inner
+
+class SigmoidRate:
+    """``row_transform`` of the constraint at threshold tau: the soft rate sigmoid(s - tau)."""
+
+    def __init__(self, tau: float) -> None:
+        self.tau = float(tau)
+
+    def __call__(self, scores: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(scores - self.tau)
+
+    def __repr__(self) -> str:
+        return f"SigmoidRate(tau={self.tau:g})"
 
 
 @torch.no_grad()
@@ -151,14 +270,33 @@ def score_rows(model: nn.Module, source: RowSource, rows: Optional[np.ndarray] =
     return torch.cat(out).numpy() if out else np.zeros(0, dtype=np.float32)
 
 
-def _exact_gap(tau: float):
-    def exact(model: nn.Module, data: PairedRows) -> float:
-        """|mean_{A} sigmoid(s - tau) - mean_{B} sigmoid(s - tau)| over ALL rows of both sides."""
-        sig = lambda s: 1.0 / (1.0 + np.exp(-(s.astype(np.float64) - tau)))  # noqa: E731
-        return float(abs(sig(score_rows(model, data.source, data.rows_a)).mean()
-                         - sig(score_rows(model, data.source, data.rows_b)).mean()))
+class _ExactGap:
+    """``exact_fn`` of one constraint: |mean_A sigmoid(s - tau) - mean_B sigmoid(s - tau)|
+    over EVERY row of both sides once (float64), for :class:`PairedRows` (training data)
+    and :class:`GroupRows` (evaluation data) alike. The scores are computed once per
+    (model, parameters' versions, data) and shared by all constraints on that data, so
+    evaluating the 2|Gamma| constraints costs one pass per dataset, and drawing no batch
+    it leaves the shorter side's walk untouched."""
 
-    return exact
+    _cache: dict[str, Any] = {"key": None, "scores": None}
+
+    def __init__(self, tau: float) -> None:
+        self.tau = float(tau)
+
+    @classmethod
+    def scores(cls, model: nn.Module, data: PairedRows | GroupRows) -> tuple[np.ndarray, np.ndarray]:
+        versions = tuple(p._version for p in model.parameters())
+        key = (id(model), versions, id(data), id(data.source))
+        if cls._cache["key"] != key:
+            rows = np.concatenate([data.rows_a, data.rows_b])
+            s = score_rows(model, data.source, rows).astype(np.float64)
+            cls._cache.update(key=key, scores=(s[:len(data.rows_a)], s[len(data.rows_a):]))
+        return cls._cache["scores"]
+
+    def __call__(self, model: nn.Module, data: PairedRows | GroupRows) -> float:
+        s_a, s_b = self.scores(model, data)
+        sig = lambda s: 1.0 / (1.0 + np.exp(-(s - self.tau)))  # noqa: E731
+        return float(abs(sig(s_a).mean() - sig(s_b).mean()))
 
 
 def group_label_rows(source: RowSource, split: str = "train") -> dict[tuple[int, int], np.ndarray]:
@@ -176,12 +314,17 @@ def group_label_rows(source: RowSource, split: str = "train") -> dict[tuple[int,
 
 def roc_fairness_constraints(train: RowSource, eval_data: Optional[RowSource] = None, *,
                              thresholds: Sequence[float] = DEFAULT_THRESHOLDS,
-                             kappa: float = DEFAULT_KAPPA) -> list[Constraint]:
-    """The 2|Gamma| ROC-fairness constraints h_tau^{+/-}(w) <= 0 (paper eq. in sec. 5.1).
+                             kappa: float = DEFAULT_KAPPA, seed: int = 0) -> list[Constraint]:
+    """The 2|Gamma| ROC-fairness constraints |gap_tau| <= kappa (paper section 5.1), row-wise.
 
-    Constraint ``tpr_gap@tau`` uses the positives, ``fpr_gap@tau`` the negatives; its data
-    is :class:`PairedRows` (group p, group u) of that label, so each B_k holds both groups.
-    ``fn`` returns the inner group-rate difference, ``outer = |.|``, ``tolerance = kappa``.
+    ``tpr_gap@tau`` uses the positives, ``fpr_gap@tau`` the negatives. All share the
+    ``row_fn`` :func:`roc_row_scores`; each has ``row_transform`` sigmoid(s - tau),
+    ``group_key`` ``"roc_group"`` (0: group p, 1: group u), ``outer = |.|`` and
+    ``tolerance = kappa``. The TPR constraints share ONE :class:`PairedRows` of the
+    positives (group p, group u), the FPR ones one of the negatives; evaluation data
+    (``eval_dataset``) is a :class:`GroupRows` with every row once. ``seed`` seeds the
+    shorter group's walk. ``metadata["noise_scale"] = kappa``: the scale the mini-batch
+    dispersion is compared with.
     """
     if not kappa >= 0 or not math.isfinite(kappa):
         raise ValueError(f"kappa must be a finite number >= 0, got {kappa}")
@@ -194,15 +337,16 @@ def roc_fairness_constraints(train: RowSource, eval_data: Optional[RowSource] = 
     eval_cells = group_label_rows(eval_data, "evaluation") if eval_data is not None else None
     out = []
     for kind, y in (("tpr", 1), ("fpr", 0)):
+        data = PairedRows(train, cells[(1, y)], cells[(0, y)], name=f"{kind}_rows", seed=seed)
+        eval_rows = (GroupRows(eval_data, eval_cells[(1, y)], eval_cells[(0, y)], name=f"{kind}_eval_rows")
+                     if eval_cells is not None else None)
         for tau in thresholds:
-            name = constraint_name(kind, tau)
-            data = PairedRows(train, cells[(1, y)], cells[(0, y)], name=name)
-            eval_pairs = (PairedRows(eval_data, eval_cells[(1, y)], eval_cells[(0, y)], name=name)
-                          if eval_cells is not None else None)
             out.append(Constraint(
-                name=name, fn=_group_rate_gap(tau), dataset=data, tolerance=float(kappa), eval_dataset=eval_pairs,
-                collate_fn=collate_pairs, outer=torch.abs, exact_fn=_exact_gap(tau),
-                metadata={"kind": kind, "label": y, "threshold": tau, "kappa": float(kappa)},
+                name=constraint_name(kind, tau), row_fn=roc_row_scores, row_transform=SigmoidRate(tau),
+                group_key=GROUP_KEY, dataset=data, eval_dataset=eval_rows, tolerance=float(kappa),
+                collate_fn=collate_rows, outer=torch.abs, exact_fn=_ExactGap(tau),
+                metadata={"kind": kind, "label": y, "threshold": tau, "kappa": float(kappa),
+                          "noise_scale": float(kappa)},
             ))
     return out
 
@@ -221,6 +365,83 @@ def roc_fairness_values(scores: np.ndarray, label: np.ndarray, group: np.ndarray
     return out
 
 
+# --------------------------------------------------------------------------- shift-proof fairness
+DEFAULT_QUANTILES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+
+
+def _roc_points(pos: np.ndarray, neg: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(FPR, TPR) of the rule "score >= t" at every distinct score t (and t = +inf)."""
+    t = np.unique(np.concatenate([pos, neg]))
+    pos_sorted, neg_sorted = np.sort(pos), np.sort(neg)
+    tpr = (len(pos) - np.searchsorted(pos_sorted, t, side="left")) / len(pos)
+    fpr = (len(neg) - np.searchsorted(neg_sorted, t, side="left")) / len(neg)
+    return np.concatenate([fpr, [0.0]]), np.concatenate([tpr, [0.0]])
+
+
+def _best_tpr_at(fpr: np.ndarray, tpr: np.ndarray, grid: np.ndarray) -> np.ndarray:
+    """max{TPR(t) : FPR(t) <= f} for every f in ``grid`` (the group's ROC curve as a step function)."""
+    order = np.argsort(fpr, kind="stable")
+    f_sorted, best = fpr[order], np.maximum.accumulate(tpr[order])
+    idx = np.searchsorted(f_sorted, grid, side="right") - 1
+    return np.where(idx >= 0, best[np.clip(idx, 0, None)], 0.0)
+
+
+def roc_curve_gap(scores: np.ndarray, label: np.ndarray, group: np.ndarray) -> float:
+    """Largest vertical distance between the two groups' ROC curves:
+    max_f |TPR_p(f) - TPR_u(f)|, TPR_g(f) = the best TPR of a threshold rule on group g
+    whose FPR on group g is at most f. Unchanged by any strictly increasing map of the
+    scores (a common shift included)."""
+    s = np.asarray(scores, dtype=np.float64)
+    curves = []
+    for g in (1, 0):
+        pos, neg = s[(group == g) & (label == 1)], s[(group == g) & (label == 0)]
+        if len(pos) == 0 or len(neg) == 0:
+            return float("nan")
+        curves.append(_roc_points(pos, neg))
+    grid = np.unique(np.concatenate([curves[0][0], curves[1][0]]))
+    return float(np.max(np.abs(_best_tpr_at(*curves[0], grid) - _best_tpr_at(*curves[1], grid))))
+
+
+def shift_proof_fairness(scores: np.ndarray, label: np.ndarray, group: np.ndarray, *,
+                         quantiles: Sequence[float] = DEFAULT_QUANTILES,
+                         soft_thresholds: Sequence[float] = DEFAULT_THRESHOLDS) -> dict[str, Any]:
+    """Fairness measures that moving every score by the same amount cannot change.
+
+    * hard TPR / FPR gaps |P(s > t | y, p) - P(s > t | y, u)| at thresholds t placed at the
+      ``quantiles`` of the pooled scores of this split (they move with the scores);
+    * ``roc_gap``: :func:`roc_curve_gap`, the largest TPR difference at equal FPR.
+
+    Also reports where the scores lie relative to the soft constraints' fixed thresholds
+    Gamma: the fraction above max(Gamma) and below min(Gamma). When (nearly) all scores lie
+    beyond Gamma every soft rate saturates and the soft gaps vanish whatever the ranking
+    within each group; the hard gaps and the ROC gap still show it.
+    """
+    s = np.asarray(scores, dtype=np.float64)
+    label, group = np.asarray(label), np.asarray(group)
+    cuts = np.quantile(s, np.asarray(quantiles, dtype=np.float64))
+    hard: dict[str, list[float]] = {"tpr": [], "fpr": []}
+    for kind, y in (("tpr", 1), ("fpr", 0)):
+        a, b = s[(group == 1) & (label == y)], s[(group == 0) & (label == y)]
+        for t in cuts:
+            hard[kind].append(float(abs((a > t).mean() - (b > t).mean())))
+    lo, hi = float(min(soft_thresholds)), float(max(soft_thresholds))
+    return {
+        "quantiles": [float(q) for q in quantiles],
+        "quantile_thresholds": [float(t) for t in cuts],
+        "hard_tpr_gaps": hard["tpr"],
+        "hard_fpr_gaps": hard["fpr"],
+        "hard_tpr_gap_max": max(hard["tpr"]),
+        "hard_fpr_gap_max": max(hard["fpr"]),
+        "hard_gap_max": max(hard["tpr"] + hard["fpr"]),
+        "roc_gap": roc_curve_gap(s, label, group),
+        "fraction_above_max_threshold": float((s > hi).mean()),
+        "fraction_below_min_threshold": float((s < lo).mean()),
+        "fraction_outside_thresholds": float(((s > hi) | (s < lo)).mean()),
+        "score_quantiles": {str(q): float(v) for q, v in zip((0.0, 0.05, 0.5, 0.95, 1.0),
+                                                              np.quantile(s, [0.0, 0.05, 0.5, 0.95, 1.0]))},
+    }
+
+
 def auc_score(scores: np.ndarray, label: np.ndarray) -> float:
     """Exact AUC (probability a positive outscores a negative, ties 1/2)."""
     from sklearn.metrics import roc_auc_score
@@ -230,12 +451,14 @@ def auc_score(scores: np.ndarray, label: np.ndarray) -> float:
 
 def evaluate_roc(model: nn.Module, source: RowSource, *, thresholds: Sequence[float] = DEFAULT_THRESHOLDS,
                  kappa: float = DEFAULT_KAPPA) -> dict[str, Any]:
-    """AUC, every constraint's exact h = |gap| - kappa, the largest one, and feasibility."""
+    """AUC, every constraint's exact h = |gap| - kappa, the largest one, feasibility, and
+    the shift-proof measures (:func:`shift_proof_fairness`)."""
     scores = score_rows(model, source)
     gaps = roc_fairness_values(scores, source.label, source.group, thresholds)
     h = {k: v - kappa for k, v in gaps.items()}
     return {"auc": auc_score(scores, source.label), "constraints": h, "max_violation": max(h.values()),
-            "feasible": bool(max(h.values()) <= 0)}
+            "feasible": bool(max(h.values()) <= 0),
+            "shift_proof": shift_proof_fairness(scores, source.label, source.group, soft_thresholds=thresholds)}
 
 
 # --------------------------------------------------------------------------- trainer + history
@@ -252,7 +475,9 @@ class AUCConstrainedTrainer(ConstrainedTrainer):
 
 class ROCHistoryCallback(TrainerCallback):
     """After every epoch: exact AUC and constraint values on each split, plus training
-    wall time (time spent in epochs, evaluation excluded). ``history`` is a list of dicts."""
+    wall time (time spent in epochs, evaluation excluded). ``history`` is a list of dicts;
+    the shift-proof measures are kept for the first and the last entry only (``record``
+    with ``full=True``), to keep results files small."""
 
     def __init__(self, splits: dict[str, RowSource], *, thresholds: Sequence[float] = DEFAULT_THRESHOLDS,
                  kappa: float = DEFAULT_KAPPA) -> None:
@@ -267,6 +492,11 @@ class ROCHistoryCallback(TrainerCallback):
         entry: dict[str, Any] = {"epoch": epoch, "train_seconds": self.train_seconds}
         for name, source in self.splits.items():
             entry[name] = evaluate_roc(model, source, thresholds=self.thresholds, kappa=self.kappa)
+        if len(self.history) > 1:  # only the first and the latest entry keep the per-quantile detail
+            for name in self.splits:
+                sp = self.history[-1][name]["shift_proof"]
+                self.history[-1][name]["shift_proof"] = {k: sp[k] for k in ("hard_gap_max", "roc_gap",
+                                                                             "fraction_outside_thresholds")}
         self.history.append(entry)
         return entry
 
