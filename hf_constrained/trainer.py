@@ -461,13 +461,20 @@ class ConstrainedTrainer(SafetyMixin, Trainer):
                 cache[key] = (_shallow_copy(batch), slices)
         outputs = group.row_fn(model, batch)
         names = [self.constraints[k].name for u in units for k in u.constraints]
-        num_rows = slices[-1][1]
+        num_examples = slices[-1][1]
         if not isinstance(outputs, torch.Tensor):
             raise ConstraintValueError(f"row_fn of constraints {names} returned {type(outputs).__name__}, expected a "
                                        "tensor with one entry per row")
-        if outputs.dim() == 0 or outputs.shape[0] != num_rows:
+        if outputs.dim() > 0 and num_examples and outputs.shape[0] != num_examples \
+                and outputs.shape[0] % num_examples == 0:
+            # a collate that turns every example into the same number of consecutive rows (e.g. a pair of
+            # rows of two groups into 2 rows): each unit's slice of the rows scales with it
+            per_example = outputs.shape[0] // num_examples
+            slices = [(start * per_example, end * per_example) for start, end in slices]
+        if outputs.dim() == 0 or outputs.shape[0] != slices[-1][1]:
             raise ConstraintValueError(f"row_fn of constraints {names} returned shape {tuple(outputs.shape)} for a "
-                                       f"batch of {num_rows} rows: dim 0 must be the rows")
+                                       f"batch of {num_examples} examples: dim 0 must be the rows (one per example, "
+                                       "or the same number per example in example order)")
         if need_grad and not outputs.requires_grad:
             raise ConstraintValueError(f"row_fn of constraints {names} returned a tensor without grad: compute it from "
                                        "the model passed to row_fn without .detach()/.item()/torch.no_grad()")
