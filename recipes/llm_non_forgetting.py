@@ -42,8 +42,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 import torch
-import yaml
-from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, set_seed
+
+from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
 
 from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments, finish_run
 from hf_constrained.non_forgetting import (
@@ -52,6 +52,7 @@ from hf_constrained.non_forgetting import (
     causal_lm_per_example_loss,
     non_forgetting_constraints,
 )
+from hf_constrained.recipe_args import parse_recipe_args
 from hf_constrained.text_data import load_text_dataset, tokenize_sft
 
 logger = logging.getLogger("llm_non_forgetting")
@@ -96,37 +97,13 @@ class ScriptArguments:
                                                                                            "float16", "auto"]})
     allow_unsafe_push: bool = field(default=False, metadata={
         "help": "With --push_to_hub: publish even when a constraint fails (the card then says UNSAFE)."})
-    config: Optional[str] = field(default=None, metadata={
-        "help": "YAML file of flags (keys = flag names); command-line flags override it."})
 
 
 # ---------------------------------------------------------------------------------- arguments
 def parse_arguments(argv: Optional[list[str]] = None) -> tuple[ScriptArguments, ConstrainedTrainingArguments]:
     """Flags of both dataclasses; with ``--config x.yaml`` the file's values are the defaults
     and flags given on the command line override them (the convention of TRL's scripts)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = HfArgumentParser((ScriptArguments, ConstrainedTrainingArguments))
-    config_path = None
-    for i, arg in enumerate(argv):
-        if arg == "--config" and i + 1 < len(argv):
-            config_path = argv[i + 1]
-        elif arg.startswith("--config="):
-            config_path = arg.split("=", 1)[1]
-    if config_path is not None:
-        if not os.path.isfile(config_path):
-            raise FileNotFoundError(f"--config: file not found: {config_path}")
-        with open(config_path) as f:
-            values = yaml.safe_load(f) or {}
-        if not isinstance(values, dict):
-            raise ValueError(f"--config {config_path}: expected a mapping of flag names to values")
-        known = {a.dest: a for a in parser._actions}
-        unknown = sorted(k for k in values if k not in known)
-        if unknown:
-            raise ValueError(f"--config {config_path}: unknown keys {unknown} (keys are the recipe's flag names)")
-        for key in values:
-            known[key].required = False  # given by the file; a flag still overrides it
-        parser.set_defaults(**values)
-    script, args = parser.parse_args_into_dataclasses(args=argv)
+    script, args = parse_recipe_args([ScriptArguments, ConstrainedTrainingArguments], argv)
     return script, args
 
 
