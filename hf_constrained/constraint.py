@@ -5,7 +5,8 @@ mini-batch estimate h_k(w; B_k) as a scalar tensor with grad. The trainer draws 
 from the constraint's data (see :mod:`hf_constrained.sampling`), so a constraint knows
 nothing about estimators or penalties.
 
-Compositional constraints (ROC fairness, REFERENCE section 4) set ``outer``: the
+Compositional constraints (ROC fairness, the paper's application "AUC maximization with ROC
+fairness constraints") set ``outer``: the
 function then returns the INNER value (the one the MSVR estimator tracks) and the
 constraint is ``outer(inner) <= tolerance``; the gradient weight is chained through
 ``outer'`` at the estimate.

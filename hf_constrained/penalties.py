@@ -51,7 +51,7 @@ class HingePenalty(Penalty):
 
 
 class SquaredHingePenalty(Penalty):
-    """``(beta/2) [h]_+^2``: weight ``beta * [u]_+`` (Li et al. 2024; REFERENCE section 2)."""
+    """``(beta/2) [h]_+^2``: weight ``beta * [u]_+`` (Li et al. 2024; the paper's eq. (eqn:sqhinge))."""
 
     name = "squared_hinge"
 

@@ -1,6 +1,6 @@
 """``ConstrainedTrainer``: the Hugging Face Trainer with the hinge exact penalty and MSVR.
 
-One optimizer step of Algorithm 1 (REFERENCE section 2), done inside
+One optimizer step of Algorithm 1 (the paper's section "Stochastic Algorithms"), done inside
 :meth:`ConstrainedTrainer.compute_loss` so there is ONE backward per ``training_step``:
 
 1. B_c^t from :class:`~hf_constrained.sampling.ConstraintSampler` (line 3), and a batch

@@ -3,7 +3,7 @@
     min_w F(w, D_target)  s.t.  L_k(w, D_k) - L_k(w_old, D_k) <= tol,  k = protected classes
 
 F is the two-way global contrastive loss (Setting II, Algorithm 2) on target image-text
-pairs; L_k the zero-shot cross-entropy over all class prompts (REFERENCE section 4).
+pairs; L_k the zero-shot cross-entropy over all class prompts (the paper's application "Continual learning with non-forgetting constraints").
 Run with ``accelerate launch recipes/clip_non_forgetting.py --help`` for every option;
 the README (section "clip") has the paper's BDD100K command lines.
 

@@ -1,6 +1,6 @@
 """From training to a checked release: safety report, model card, figures and the push gate.
 
-A tiny non-forgetting problem (REFERENCE section 4, second application, in miniature) on
+A tiny non-forgetting problem (the paper's non-forgetting application, in miniature) on
 scikit-learn's digits, offline, on a CPU:
 
 1. the OLD model, an MLP, is trained on digits 0-7 only (its own 40% of the data);
@@ -71,7 +71,7 @@ def train_old_model(x: np.ndarray, y: np.ndarray, seed: int, steps: int = 150) -
 
 
 def with_reference_loss(old: nn.Module, x: np.ndarray, y: np.ndarray) -> Dataset:
-    """Rows with the old model's per-sample loss, computed once (REFERENCE section 4)."""
+    """Rows with the old model's per-sample loss, computed once (as in the paper's non-forgetting application)."""
     with torch.no_grad():
         ref = per_sample_ce(old, torch.tensor(x, dtype=torch.float32), torch.tensor(y))
     return Dataset.from_dict({"pixels": x.tolist(), "labels": y.tolist(), "ref_loss": ref.tolist()})

@@ -245,7 +245,7 @@ def test_exact_evaluation_is_a_full_pass(tmp_path):
 
 
 def test_compositional_outer_chains_the_weight(tmp_path):
-    """outer = |x| - kappa: weight beta * 1[|u| - kappa > 0] * sign(u) (REFERENCE section 4)."""
+    """outer = |x| - kappa: weight beta * 1[|u| - kappa > 0] * sign(u) (the compositional ROC constraint)."""
     data = make_data(16)
     kappa = 0.1
     cons = [Constraint(f"c{i}", class_loss, dataset=data, outer=lambda z: z.abs() - kappa) for i in range(3)]

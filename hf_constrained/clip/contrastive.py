@@ -5,7 +5,7 @@ batch, with s_ab = <E_1(x_a), E_2(t_b)> (normalised embeddings) and temperature 
 
     image side:  g_i^I(w) = mean_j exp((s_ij - s_ii) / t)      (other texts vs. its own)
     text side:   g_i^T(w) = mean_j exp((s_ji - s_ii) / t)      (other images vs. its own)
-    F(w) = (1/n) sum_i  t log g_i^I(w) + t log g_i^T(w)        (f_i = t log, REFERENCE 3)
+    F(w) = (1/n) sum_i  t log g_i^I(w) + t log g_i^T(w)        (f_i = t log, Setting II, Appendix E)
 
 Only positives are anchors and other positives are never negatives (the reference code's
 choice: the batch is half target pairs, half other pairs). One MSVR estimator u_{1,i} per

@@ -2,7 +2,7 @@
 
 Every grad forward of this package goes through ``model(pixel_values=..., input_ids=...)``
 on the model the Trainer passes in (the wrapped one), so DDP / FSDP / ZeRO-3 see the same
-submodules in every forward (REFERENCE section 6).
+submodules in every forward (DDP with ``find_unused_parameters`` and FSDP gathering need it).
 """
 
 from __future__ import annotations
