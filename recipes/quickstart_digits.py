@@ -38,6 +38,7 @@ TRAINING_DEFAULTS = dict(
     output_dir="runs/quickstart_digits", num_train_epochs=20, per_device_train_batch_size=32, learning_rate=3e-3,
     penalty_beta=20.0, constraint_batch_size=16, constraints_per_step=5, logging_steps=50, save_strategy="no",
     report_to="none", use_cpu=True, disable_tqdm=True, seed=0,
+    max_grad_norm=0.0, lr_scheduler_type="constant",  # the exact penalty's gradient must not be clipped or decayed away
 )
 
 
