@@ -19,6 +19,7 @@ from transformers import TrainerCallback
 
 from .clipping import PENALTY_GRAD_NORM_KEY
 from .constraint import fetch_rows
+from .trainer_internals import trainer_prepare_input
 
 if TYPE_CHECKING:
     from .trainer import ConstrainedTrainer
@@ -71,8 +72,7 @@ def penalty_gradient_norm(trainer: "ConstrainedTrainer") -> float:
         if not c.data_free:
             rows = list(range(min(len(c.dataset), trainer.args.constraint_batch_size)))
             batch = c.collate(fetch_rows(c.dataset, rows))
-            # private, but the Trainer's only placement of a batch on its device and dtype (no public equivalent)
-            batch = trainer._prepare_input(batch)
+            batch = trainer_prepare_input(trainer, batch)  # the Trainer's placement on its device and dtype
         with trainer.compute_loss_context_manager():
             term = float(weights[k]) * c.fn(model, batch).float() / m
         loss = term if loss is None else loss + term

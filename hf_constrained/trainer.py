@@ -48,7 +48,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 from tqdm.auto import tqdm
-from transformers import Trainer, default_data_collator
+from transformers import default_data_collator
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, IntervalStrategy, rotate_checkpoints
 
 from .checkpointing import (
@@ -69,6 +69,7 @@ from .penalties import make_penalty
 from .safety.gate import SafetyMixin
 from .sampling import ConstraintBatchStream, ConstraintSampler
 from .statistics import ConstraintStatistic, constraint_statistic, z_value
+from .trainer_internals import TrainerInternals, trainer_prepare_input, trainer_run_dir
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +135,7 @@ class _ConstraintDraw:
         return cls(state["step"], state["constraint_ids"], state["sample_indices"], state["previous"])
 
 
-class ConstrainedTrainer(SafetyMixin, Trainer):
+class ConstrainedTrainer(SafetyMixin, TrainerInternals):
     """A :class:`transformers.Trainer` that trains under constraints ``h_k(w) <= tol_k``.
 
     Args:
@@ -415,7 +416,7 @@ class ConstrainedTrainer(SafetyMixin, Trainer):
         """Move a collated batch to the device. On CUDA the tensors are pinned and copied with
         ``non_blocking=True``: a pageable copy would block the host until the device is idle."""
         if self.args.device.type != "cuda" or getattr(self, "is_deepspeed_enabled", False):
-            return self._prepare_input(batch)
+            return trainer_prepare_input(self, batch)
         return _pinned_to(batch, self.args.device)
 
     def _make_batch(self, k: int, indices: list[int]) -> Any:
@@ -1090,19 +1091,19 @@ class ConstrainedTrainer(SafetyMixin, Trainer):
             if stream is not None:
                 stream.seed, stream._perm = int(seed), None
 
-    def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
-        """``Trainer._save_checkpoint`` made complete-or-ignored (:mod:`hf_constrained.checkpointing`).
+    def save_checkpoint(self, model: nn.Module, trial: Any) -> None:
+        """The Trainer's checkpoint save made complete-or-ignored (:mod:`hf_constrained.checkpointing`).
 
-        ``Trainer._save_checkpoint`` is private, but no public hook runs between the last file
-        of a checkpoint and the rotation of old ones (``on_save`` fires after both), so the
-        constraint state and the completeness marker could only come after the rotation. Here
-        the rotation is deferred: the Trainer saves with ``save_total_limit`` unset, then the
+        No public hook of the Trainer runs between the last file of a checkpoint and the
+        rotation of old ones (``on_save`` fires after both), so the constraint state and the
+        completeness marker could only come after the rotation; this is the save itself
+        (:mod:`hf_constrained.trainer_internals`). Here the rotation is deferred: the Trainer saves with ``save_total_limit`` unset, then the
         constraint state and the marker are written, and only then is the checkpoint pushed
         (``hub_strategy``, through the safety gate) and are old checkpoints rotated (with the
         Trainer's own ``rotate_checkpoints`` and arguments). A kill at any moment
         leaves the previous complete checkpoint in place.
         """
-        run_dir = self._get_output_dir(trial=trial)  # private: the Trainer's own run folder (hp search trials)
+        run_dir = trainer_run_dir(self, trial)  # the Trainer's own run folder (hp search trials)
         folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         if self.args.should_save:
             mark_incomplete(folder)  # re-saving a step: the folder stops being complete before any file changes
@@ -1112,7 +1113,7 @@ class ConstrainedTrainer(SafetyMixin, Trainer):
         limit, push = self.args.save_total_limit, self.args.push_to_hub
         self.args.save_total_limit, self.args.push_to_hub = None, False
         try:
-            super()._save_checkpoint(model, trial)
+            super().save_checkpoint(model, trial)
         finally:
             self.args.save_total_limit, self.args.push_to_hub = limit, push
         if self.args.should_save:  # also without constraints: subclasses keep objective estimators here
@@ -1121,7 +1122,7 @@ class ConstrainedTrainer(SafetyMixin, Trainer):
         if self.args.should_save:
             mark_complete(folder, self.state.global_step)
         if push:
-            self._push_from_checkpoint(folder)  # private: the Trainer's checkpoint push (hub_strategy), gated
+            self.push_checkpoint(folder)  # the Trainer's checkpoint push (hub_strategy), gated
         if self.args.should_save:
             rotate_checkpoints(output_dir=run_dir, save_total_limit=limit,
                                best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)

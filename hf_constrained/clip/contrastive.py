@@ -44,6 +44,7 @@ from torch import nn
 from ..config import ConstrainedTrainingArguments
 from ..estimators import MSVREstimator, resolve_gamma_prime
 from ..trainer import ConstrainedTrainer
+from ..trainer_internals import trainer_num_items_in_batch, trainer_prepare_inputs
 from .encode import clip_embeddings
 
 logger = logging.getLogger(__name__)
@@ -265,17 +266,17 @@ class ContrastiveConstrainedTrainer(ConstrainedTrainer):
                                                                 device=self.args.device)
 
     # ------------------------------------------------------------------ data plumbing
-    def _get_train_sampler(self, train_dataset: Any = None) -> Any:
+    def train_sampler(self, train_dataset: Any = None) -> Any:
         if not self.half_positive_batches:
-            return super()._get_train_sampler(train_dataset)
+            return super().train_sampler(train_dataset)
         data = self.train_dataset if train_dataset is None else train_dataset
         flags = data.column("is_positive") if hasattr(data, "column") else [data[i]["is_positive"] for i in range(len(data))]
         return HalfPositiveSampler(flags, seed=self.args.data_seed if self.args.data_seed is not None else self.args.seed)
 
-    def _remove_unused_columns(self, dataset: Any, description: Optional[str] = None) -> Any:
+    def drop_unused_columns(self, dataset: Any, description: Optional[str] = None) -> Any:
         return dataset  # the collator needs the raw columns (image, caption, is_positive, ...)
 
-    def _get_collator_with_removed_columns(self, data_collator: Any, description: Optional[str] = None) -> Any:
+    def collator_without_unused_columns(self, data_collator: Any, description: Optional[str] = None) -> Any:
         return data_collator
 
     @property
@@ -304,13 +305,13 @@ class ContrastiveConstrainedTrainer(ConstrainedTrainer):
             self._lookahead = (epoch_iterator, upcoming, [self._evaluate_previous(b, step) for b in upcoming])
         else:
             self._lookahead = None
-        return batches, self._get_num_items_in_batch(batches, device)
+        return batches, trainer_num_items_in_batch(self, batches, device)
 
     @torch.no_grad()
     def _evaluate_previous(self, batch: Any, step: int) -> Optional[PreviousIterate]:
         """g_i(w; B) of the positives of ``batch`` at the current parameters w."""
         model = self.model_wrapped if self.model_wrapped is not None else self.model
-        terms, index = self._global_terms(model, self._prepare_inputs(batch))
+        terms, index = self._global_terms(model, trainer_prepare_inputs(self, batch))
         if terms.num_positives == 0 or terms.num_negatives == 0:
             return None
         keep = _first_occurrence(index)
@@ -399,7 +400,7 @@ class ContrastiveConstrainedTrainer(ConstrainedTrainer):
 
     def prediction_step(self, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
                         ignore_keys: Optional[list[str]] = None) -> tuple:
-        inputs = self._prepare_inputs(inputs)
+        inputs = trainer_prepare_inputs(self, inputs)
         with torch.no_grad(), self.compute_loss_context_manager():
             loss = self.compute_loss(model, inputs)
         return loss.detach(), None, None

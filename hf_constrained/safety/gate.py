@@ -1,11 +1,12 @@
 """``SafetyMixin``: the Trainer side of the safety loop (selection, cards, gated push).
 
 Mixed into :class:`~hf_constrained.ConstrainedTrainer` (``class ConstrainedTrainer(SafetyMixin,
-Trainer)``), it extends, not replaces, the Trainer's hooks:
+TrainerInternals)``), before :class:`~hf_constrained.trainer_internals.TrainerInternals`, whose
+public hooks it extends (the private ``Trainer`` members behind them are used there only):
 
-- ``_determine_best_metric``: ``load_best_model_at_end`` / ``save_strategy="best"`` pick the
-  best ``metric_for_best_model`` among evaluations whose constraints all hold on the
-  validation data (:mod:`hf_constrained.safety.selection`); with none feasible, the
+- ``is_new_best`` (the Trainer's best-checkpoint decision): ``load_best_model_at_end`` /
+  ``save_strategy="best"`` pick the best ``metric_for_best_model`` among evaluations whose
+  constraints all hold on the validation data (:mod:`hf_constrained.safety.selection`); with none feasible, the
   least-violating one, with a warning at the end of training;
 - ``save_model``: every checkpoint and the final model get ``README.md`` (the model
   card) and, when the constraints were evaluated for those weights,
@@ -14,8 +15,8 @@ Trainer)``), it extends, not replaces, the Trainer's hooks:
 - ``push_to_hub(..., allow_unsafe=False)``: refuses, before creating a repository or
   uploading anything, when a constraint fails on held-out data; with
   ``allow_unsafe=True`` it uploads and the card says UNSAFE at the top. Checkpoint pushes
-  during training (``hub_strategy``) are skipped while the latest evaluation is infeasible
-  or missing;
+  during training (``hub_strategy``, hook ``push_checkpoint``) are skipped while the latest
+  evaluation is infeasible or missing;
 - the stock TensorBoard callback is replaced by
   :class:`~hf_constrained.safety.tensorboard.ConstraintTensorBoardCallback` (constraint scalars grouped).
 """
@@ -31,6 +32,7 @@ from typing import Any, Optional
 
 from transformers.integrations import TensorBoardCallback
 
+from ..trainer_internals import trainer_load_checkpoint
 from .card import ModelCardInfo, describe_model, render_model_card, write_model_card
 from .evaluation import (
     DEFAULT_CONFIDENCE,
@@ -119,7 +121,7 @@ class SafetyMixin:
             self.callback_handler.add_callback(ConstraintTensorBoardCallback(names, tb_writer=cb.tb_writer))
 
     # ------------------------------------------------------------------ feasible-checkpoint selection
-    def _determine_best_metric(self, metrics: dict[str, float], trial: Any) -> bool:
+    def is_new_best(self, metrics: dict[str, float], trial: Any) -> bool:
         """Best objective among feasible evaluations (lexicographic order of
         :mod:`hf_constrained.safety.selection`); the stock rule when no constraint was evaluated."""
         step = self.state.global_step
@@ -128,7 +130,7 @@ class SafetyMixin:
         self._record_evaluation(metrics, record.fingerprint if record is not None and record.valid_at == step else None)
         feasibility = constraint_feasibility(metrics)
         if self.args.metric_for_best_model is None or feasibility is None:
-            return super()._determine_best_metric(metrics, trial)
+            return super().is_new_best(metrics, trial)
         key = metric_key(self.args.metric_for_best_model)
         if key not in metrics:
             raise KeyError(
@@ -247,13 +249,13 @@ class SafetyMixin:
 
     def _checkpoint_safety_report(self, checkpoint: str, *, save: bool = True, **kwargs: Any) -> SafetyReport:
         """The report of a saved checkpoint, leaving ``self.model`` untouched: its weights are
-        loaded into a copy of the model (``Trainer._load_from_checkpoint`` knows every format:
-        safetensors, sharded, adapters, FSDP) and evaluated exactly on held-out data. With
+        loaded into a copy of the model by the Trainer's loader, which knows every format
+        (safetensors, sharded, adapters, FSDP) and evaluated exactly on held-out data. With
         ``save`` the report is written into the checkpoint directory."""
         if not os.path.isdir(checkpoint):
             raise FileNotFoundError(f"checkpoint directory {checkpoint} does not exist")
         model = copy.deepcopy(self.accelerator.unwrap_model(self.model))
-        self._load_from_checkpoint(checkpoint, model=model)
+        trainer_load_checkpoint(self, checkpoint, model)
         report = checkpoint_safety_report(self, checkpoint, model, **kwargs)
         if save and self.is_world_process_zero():
             report.save(checkpoint)
@@ -388,7 +390,7 @@ class SafetyMixin:
             logger.warning("push_to_hub with allow_unsafe=True: %s", report.summary())
         return report
 
-    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+    def push_checkpoint(self, checkpoint_folder: str) -> None:
         """Checkpoint pushes during training (``hub_strategy``): only feasible checkpoints."""
         if getattr(self, "constraints", None):
             report = self.current_safety_report()
@@ -400,7 +402,7 @@ class SafetyMixin:
                 self.write_model_card(self.args.output_dir, report)  # the pushed folder's card: these weights
         if self.hub_model_id is None:
             self.init_hf_repo()  # the first push that passed the gate creates the repository
-        super()._push_from_checkpoint(checkpoint_folder)
+        super().push_checkpoint(checkpoint_folder)
 
     def init_hf_repo(self, token: Optional[str] = None, private: Optional[bool] = None) -> None:
         """``Trainer.init_hf_repo``, except while the trainer is being built: the repository
