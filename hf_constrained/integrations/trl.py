@@ -8,7 +8,7 @@ padding-free batches), its loss and metrics. The constraints bring their own dat
 collate function, so a packed objective does not affect them.
 
 The class composes by inheritance, ``ConstrainedSFTTrainer(ConstrainedTrainer, SFTTrainer)``,
-whose method resolution order is ConstrainedTrainer -> SafetyMixin -> SFTTrainer -> Trainer:
+whose method resolution order is ConstrainedTrainer -> SafetyMixin -> TrainerInternals -> SFTTrainer -> Trainer:
 ``ConstrainedTrainer.compute_loss`` asks the next class in that order for the objective, so
 the objective is ``SFTTrainer.compute_loss`` and the penalty is added on top; the safety
 report, model cards and gated ``push_to_hub`` are this library's.
