@@ -20,7 +20,7 @@ scikit-learn's digits:
    damage on others (``forgetting="mean"``: the paper's L_k(w) - L_k(w_old) <= tol); with
    the hinge penalty, the squared hinge at the same beta, and no penalty.
 
-Making the promise hold on images training never saw takes three things besides the penalty:
+Making the promise hold on images training never saw takes four things besides the penalty:
 
 * **More constraint data.** Each protected image of D_k enters as several shifted and
   noised copies, each with the old model's loss on THAT copy as its reference, so
@@ -28,6 +28,10 @@ Making the promise hold on images training never saw takes three things besides 
   per-sample mean, exactly what Algorithm 2, line 12 estimates). Comparing an augmented
   image's loss with the un-augmented image's reference would instead add the
   augmentation's own loss change to every term: a bias, not a margin.
+* **Calibrated constraints** (``confidence``, default 0.9): the hinge acts when the
+  estimate plus the margin z_c * s_k / sqrt(n_k) exceeds the tolerance (s_k the running
+  spread of the per-image values), with n_k the number of original images of D_k
+  (``Constraint.independent_rows``), not of their correlated copies.
 * **A selection split.** Each protected class has images that neither stage 1 nor the
   constraint gradient touches. Every ``select_every`` steps the trainer evaluates every
   constraint exactly on them (``evaluate_constraints``), and the kept checkpoint is the
