@@ -122,6 +122,10 @@ class Constraint:
         margin: an explicit margin >= 0: the hinge acts when the estimate exceeds
             ``tolerance - margin`` (on the inner value when ``outer`` is set). Overrides the
             run's settings; exclusive with ``confidence``.
+        independent_rows: for a calibrated constraint, the number of independent rows the
+            margin counts instead of ``len(dataset)`` (e.g. the number of original images
+            when ``dataset`` holds several augmented copies of each: correlated copies do
+            not shrink the standard error ``s / sqrt(n)``). Default: ``len(dataset)``.
     """
 
     name: str
@@ -138,6 +142,7 @@ class Constraint:
     group_key: Optional[str] = None
     confidence: Optional[float] = None
     margin: Optional[float] = None
+    independent_rows: Optional[int] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -173,6 +178,17 @@ class Constraint:
                                  "or give an explicit margin")
         if self.margin is not None and not (math.isfinite(float(self.margin)) and float(self.margin) >= 0):
             raise ValueError(f"constraint {self.name!r}: margin must be a finite number >= 0, got {self.margin}")
+        if self.independent_rows is not None:
+            if self.row_fn is None:
+                raise ValueError(f"constraint {self.name!r}: independent_rows needs per-row values (declare it with "
+                                 "row_fn)")
+            if isinstance(self.independent_rows, bool) or not isinstance(self.independent_rows, numbers.Integral) \
+                    or self.independent_rows < 1:
+                raise ValueError(f"constraint {self.name!r}: independent_rows must be an integer >= 1, got "
+                                 f"{self.independent_rows!r}")
+            if hasattr(self.dataset, "__len__") and self.independent_rows > len(self.dataset):
+                raise ValueError(f"constraint {self.name!r}: independent_rows={self.independent_rows} exceeds the "
+                                 f"dataset's {len(self.dataset)} rows")
         for attr in ("dataset", "eval_dataset"):
             data = getattr(self, attr)
             if data is not None:

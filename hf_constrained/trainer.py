@@ -32,7 +32,8 @@ For row-wise constraints the trainer also keeps the running spread of the per-ro
 it logs the standard error of each mini-batch value (``constraint_std/<name>``, noise you can
 compare with the tolerance; :meth:`ConstrainedTrainer.constraint_noise`) and, for calibrated
 constraints (``constraint_confidence``, ``Constraint.confidence``/``margin``), enforces the
-margin ``z_c * s_k / sqrt(|D_k|)`` (:meth:`ConstrainedTrainer.constraint_margins`).
+margin ``z_c * s_k / sqrt(|D_k|)`` (:meth:`ConstrainedTrainer.constraint_margins`; n_k is
+``Constraint.independent_rows`` when D_k holds correlated copies).
 """
 
 from __future__ import annotations
@@ -263,8 +264,8 @@ class ConstrainedTrainer(SafetyMixin, TrainerInternals):
         rows = torch.ones(m, dtype=torch.float64)
         no_rows = []
         for k, c in enumerate(self.constraints):
-            if c.rowwise:
-                rows[k] = len(c.dataset)
+            if c.rowwise:  # the n of the margin's s / sqrt(n): independent rows, not correlated copies
+                rows[k] = c.independent_rows if c.independent_rows is not None else len(c.dataset)
             if c.margin is not None:
                 fixed[k] = c.margin
             elif c.confidence is not None:
@@ -697,7 +698,7 @@ class ConstrainedTrainer(SafetyMixin, TrainerInternals):
 
     def _margin_values(self, ids: torch.Tensor) -> torch.Tensor:
         """The margin in force per constraint: the explicit one, or ``z_c * s_k / sqrt(n_k)``
-        with n_k = |D_k| (for a group difference ``z_c * sqrt(s_0^2 / n_0 + s_1^2 / n_1)`` with
+        with n_k = |D_k| or ``Constraint.independent_rows`` (for a group difference ``z_c * sqrt(s_0^2 / n_0 + s_1^2 / n_1)`` with
         n_g = |D_k| times group g's running share of the batch rows)."""
         var, rows = self._spread_at(ids)
         share = rows / rows.sum(dim=1, keepdim=True).clamp(min=1e-12)

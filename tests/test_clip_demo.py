@@ -153,3 +153,20 @@ def test_selection_keeps_the_best_feasible_checkpoint_on_the_selection_split(mon
         state = SimpleNamespace(global_step=step, max_steps=40)
         sel.on_step_end(None, state, None)
     assert sel.best.step == 40  # unconstrained: the target loss alone
+
+
+def test_calibrated_constraints_count_original_images_not_copies():
+    """With ``confidence`` the demo's constraints are calibrated, and the margin's n is the
+    number of original images of D_k (each enters as ``constraint_copies`` correlated copies)."""
+    rows = {"zero": [{"x": i} for i in range(8 * 45)], "one": [{"x": i} for i in range(8 * 40)]}
+    pools = demo.Pools(constraint=rows, selection={k: v[:10] for k, v in rows.items()}, test={}, target_selection=[],
+                       test_all=[])
+    rows_fn = demo.ForgettingRows(None)
+    cfg = demo.DemoConfig(confidence=0.9, constraint_copies=8, tolerance=0.05)
+    cons = demo.demo_constraints(cfg, pools, rows_fn, collate=None)
+    assert [(c.confidence, c.independent_rows, c.tolerance) for c in cons] == [(0.9, 45, 0.05), (0.9, 40, 0.05)]
+    assert all(c.row_fn is rows_fn for c in cons)  # one shared row_fn: one row-wise group
+    plain = demo.demo_constraints(demo.DemoConfig(confidence=0.0), pools, rows_fn, collate=None)
+    assert all(c.confidence is None and c.independent_rows is None for c in plain)
+    with pytest.raises(ValueError, match="--confidence"):
+        demo.demo_constraints(demo.DemoConfig(confidence=1.0), pools, rows_fn, collate=None)
