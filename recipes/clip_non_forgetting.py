@@ -31,11 +31,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 import torch
-from transformers import CLIPModel, CLIPProcessor, HfArgumentParser, set_seed
+from transformers import CLIPModel, CLIPProcessor, set_seed
 
 from hf_constrained import ConstrainedTrainingArguments, finish_run
 from hf_constrained.callbacks import PeriodicMetricsCallback
 from hf_constrained.errors import check_model_path
+from hf_constrained.recipe_args import parse_recipe_args
 from hf_constrained.clip import (
     CLIPWithClassTextHeads,
     ContrastiveConstrainedTrainer,
@@ -156,8 +157,7 @@ def build_data(script: ScriptArguments) -> dict:
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
-    parser = HfArgumentParser((ScriptArguments, ConstrainedTrainingArguments))
-    script, args = parser.parse_args_into_dataclasses(args=argv)
+    script, args = parse_recipe_args([ScriptArguments, ConstrainedTrainingArguments], argv, description=__doc__)
     check_model_path(script.model_name_or_path)  # before any data is read
     logging.basicConfig(level=logging.INFO if args.should_log else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

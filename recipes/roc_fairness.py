@@ -24,12 +24,10 @@ below kappa; the trainer logs the dispersion next to each estimate.
 
 import json
 import logging
-import sys
-
-from transformers import HfArgumentParser
 
 from hf_constrained import ConstrainedTrainingArguments
 from hf_constrained.fairness.experiment import ROCFairnessArguments, run_roc_fairness
+from hf_constrained.recipe_args import parse_recipe_args
 
 DEFAULTS = dict(  # the paper's setting where the user does not say otherwise
     per_device_train_batch_size=64, learning_rate=1e-3, num_train_epochs=60, constraint_batch_size=64,
@@ -39,13 +37,9 @@ DEFAULTS = dict(  # the paper's setting where the user does not say otherwise
 
 
 def main(argv=None) -> dict:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = HfArgumentParser((ROCFairnessArguments, ConstrainedTrainingArguments))
-    given = {a.split("=")[0].lstrip("-") for a in argv if a.startswith("--")}
-    defaults = [f"--{k}={v}" for k, v in DEFAULTS.items() if k not in given]
-    if "output_dir" not in given:
-        defaults.append("--output_dir=runs/roc_fairness")
-    script_args, training_args = parser.parse_args_into_dataclasses(args=defaults + argv)
+    script_args, training_args = parse_recipe_args([ROCFairnessArguments, ConstrainedTrainingArguments], argv,
+                                                   description=__doc__,
+                                                   defaults={**DEFAULTS, "output_dir": "runs/roc_fairness"})
     logging.basicConfig(level=logging.INFO if training_args.should_log else logging.WARNING)
     results = run_roc_fairness(script_args, training_args)
     if training_args.should_save:
