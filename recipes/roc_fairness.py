@@ -36,10 +36,29 @@ DEFAULTS = dict(  # the paper's setting where the user does not say otherwise
 )
 
 
+def check_recipe_flags(script_args: ROCFairnessArguments, training_args: ConstrainedTrainingArguments) -> None:
+    """Flags this recipe cannot honour are errors, never silently replaced: the method is
+    ``--method``; the optimizer is AdamW with the paper's step decay (``--decay_at``,
+    ``--lr_decay_factor``)."""
+    penalty = training_args.constraint_penalty
+    if penalty != "hinge" and penalty != script_args.method:  # "hinge" is the default: not given
+        raise ValueError(f"--constraint_penalty {penalty} contradicts --method {script_args.method}: this recipe takes "
+                         "the method from --method (hinge, squared_hinge, none, icppac)")
+    scheduler = str(getattr(training_args.lr_scheduler_type, "value", training_args.lr_scheduler_type))
+    if scheduler != "constant":
+        raise ValueError(f"--lr_scheduler_type {scheduler} is not used by this recipe: its "
+                         "learning rate follows the paper's step decay (--decay_at, --lr_decay_factor)")
+    optim = str(getattr(training_args.optim, "value", training_args.optim))
+    if optim not in ("adamw_torch", "adamw_torch_fused"):
+        raise ValueError(f"--optim {optim} is not used by this recipe: it trains with torch.optim.AdamW "
+                         "(ICPPAC: its own SGD steps)")
+
+
 def main(argv=None) -> dict:
     script_args, training_args = parse_recipe_args([ROCFairnessArguments, ConstrainedTrainingArguments], argv,
                                                    description=__doc__,
                                                    defaults={**DEFAULTS, "output_dir": "runs/roc_fairness"})
+    check_recipe_flags(script_args, training_args)
     logging.basicConfig(level=logging.INFO if training_args.should_log else logging.WARNING)
     results = run_roc_fairness(script_args, training_args)
     if training_args.should_save:

@@ -40,3 +40,18 @@ def test_unknown_keys_and_missing_files_are_errors_naming_the_file(tmp_path):
     config.write_text("- a\n- b\n")
     with pytest.raises(RecipeConfigError, match="expected a mapping"):
         parse_recipe_args(TYPES, ["--config", str(config)])
+
+
+def test_roc_recipe_refuses_flags_it_cannot_honour(tmp_path):
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "recipes", "roc_fairness.py")
+    spec = importlib.util.spec_from_file_location("roc_fairness_recipe", path)
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    for flags, what in ((["--method", "hinge", "--constraint_penalty", "squared_hinge"], "contradicts --method"),
+                        (["--lr_scheduler_type", "cosine"], "--lr_scheduler_type cosine is not used"),
+                        (["--optim", "sgd"], "--optim sgd is not used")):
+        with pytest.raises(ValueError, match=what):
+            recipe.main(flags + ["--output_dir", str(tmp_path), "--num_train_epochs", "1"])
