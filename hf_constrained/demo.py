@@ -113,6 +113,7 @@ class DemoConfig:
     margin: float = 0.0  # training enforces h_k <= tolerance - margin on D_k
     confidence: float = 0.9  # > 0: calibrated constraints, margin z_c * s_k / sqrt(originals of D_k); 0: off
     msvr_gamma: float = 0.8  # the MSVR constraint estimator's weight (Algorithm 2, line 12)
+    max_grad_norm: float = 1.0  # gradient clipping of the fine-tuning runs (0: none)
     temperature: float = 0.05
     constraint_copies: int = 8  # copies of each constraint image (the first is the image itself)
     eval_copies: int = 5  # copies of each selection / test image
@@ -417,7 +418,7 @@ def finetune(cfg: DemoConfig, old_path: str, penalty: str, pools: Optional[Pools
         args = ConstrainedTrainingArguments(
             output_dir=out_dir, max_steps=cfg.steps, per_device_train_batch_size=cfg.batch_size,
             learning_rate=cfg.lr, lr_scheduler_type=cfg.schedule, warmup_steps=cfg.warmup_steps, weight_decay=0.0,
-            max_grad_norm=1.0, constraint_penalty=penalty, penalty_beta=cfg.beta, msvr_gamma=cfg.msvr_gamma,
+            max_grad_norm=cfg.max_grad_norm, constraint_penalty=penalty, penalty_beta=cfg.beta, msvr_gamma=cfg.msvr_gamma,
             constraint_batch_size=cfg.constraint_batch_size, constraint_eval_batch_size=512,
             logging_steps=max(cfg.steps // 5, 1), save_strategy="no", report_to=[], seed=cfg.seed, use_cpu=True,
             dataloader_drop_last=True, disable_tqdm=True, remove_unused_columns=False,
