@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from filelock import FileLock
 
+from launch_once import launch_once
 from scale_tiny import StopAt, make_trainer
 
 HERE = Path(__file__).resolve().parent
@@ -43,17 +43,7 @@ def _launch(out: Path) -> None:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    # The module's tests may be interleaved with others on a worker (the fixture then runs again) or
-    # spread over workers: the first launch writes into this pytest run's shared directory, later ones read it.
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        out = tmp_path_factory.getbasetemp().parent / "ddp_reliability_shared"
-    else:
-        out = tmp_path_factory.mktemp("ddp_reliability")
-    out.mkdir(exist_ok=True)
-    with FileLock(str(out / "launch.lock")):
-        if not (out / "done").exists():
-            _launch(out)
-            (out / "done").write_text("ok")
+    out = launch_once(tmp_path_factory, "ddp_reliability", _launch)
     results = [json.loads((out / f"reliability_rank{r}.json").read_text()) for r in range(2)]
     results[0]["_log"] = (out / "launch_stderr.txt").read_text()
     return results

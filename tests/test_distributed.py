@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from filelock import FileLock
+from launch_once import launch_once
 
 from scale_tiny import per_row_ce  # noqa: E402  (the shared row_fn)
 from scale_tiny import (TinyClassifier, contrastive_snapshot, make_contrastive_trainer, make_rowwise_trainer,
@@ -70,18 +70,7 @@ def _launch_two_processes(out: Path) -> None:
 
 @pytest.fixture(scope="module")
 def two_process_run(tmp_path_factory):
-    # Under pytest-xdist every worker that runs a test of this module would launch its own pair of
-    # processes; they share this run's base directory, so the first launches and the others wait
-    # for its files (the directory is new for every pytest run: nothing stale is reused).
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        out = tmp_path_factory.getbasetemp().parent / "scale_ddp_shared"
-    else:
-        out = tmp_path_factory.mktemp("ddp")
-    out.mkdir(exist_ok=True)
-    with FileLock(str(out / "launch.lock")):
-        if not (out / "done").exists():
-            _launch_two_processes(out)
-            (out / "done").write_text("ok")
+    out = launch_once(tmp_path_factory, "scale_ddp", _launch_two_processes)
     ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
     ranks[0]["out"] = str(out)
     return ranks
