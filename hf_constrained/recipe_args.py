@@ -3,7 +3,8 @@
 As in TRL's scripts (``trl sft --config x.yaml``), a YAML file gives values for any field of
 the recipe's dataclasses (e.g. :class:`~hf_constrained.ConstrainedTrainingArguments` and the
 recipe's own arguments) and flags on the command line override it. A key of the file that no
-dataclass has is an error naming the file and the key, never silently ignored.
+dataclass has is an error naming the file and the key, and a flag that no dataclass has is a
+usage error (exit status 2): neither is silently ignored.
 """
 
 from __future__ import annotations
@@ -64,5 +65,7 @@ def parse_recipe_args(dataclass_types: Sequence[type], argv: Optional[Sequence[s
         for action in parser._actions:
             if action.dest in values:
                 action.required = False
-    outputs = parser.parse_args_into_dataclasses(args=list(rest), return_remaining_strings=False)
+    *outputs, unknown_flags = parser.parse_args_into_dataclasses(args=list(rest), return_remaining_strings=True)
+    if unknown_flags:  # argparse's own message and exit status 2, not a traceback
+        parser.error(f"unrecognized arguments: {' '.join(unknown_flags)} (not a flag of this recipe; --help lists them)")
     return tuple(outputs[: len(dataclass_types)])  # the last entry is the namespace holding --config

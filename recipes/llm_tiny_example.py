@@ -17,6 +17,13 @@ task within its tolerance on held-out rows, and both learn the new task (held-ou
 exact-match accuracy >= ``--learned_accuracy``).
 
     python recipes/llm_tiny_example.py --seeds 0 1 2 --json benchmarks/results/llm_example.json
+    python recipes/llm_tiny_example.py --penalty_beta 10 --max_steps 300 --seeds 0
+    hf-constrained llm-example --config my_settings.yaml       # any flag below, as YAML
+
+The fine-tuning flags carry the names of ``ConstrainedTrainingArguments``
+(``--constraint_penalty``, ``--penalty_beta``, ``--max_steps``, ``--learning_rate``,
+``--lr_scheduler_type``, ``--msvr_gamma``, ``--constraint_batch_size``); a flag the example
+does not list is an error.
 
 The old model is trained once (seed 0); the seeds vary the fine-tuning runs (data order,
 constraint batches) and the new task's training rows.
@@ -24,10 +31,10 @@ constraint batches) and the new task's training rows.
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import json
 import logging
+import math
 import multiprocessing
 import os
 import random
@@ -36,6 +43,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 import datasets
@@ -52,6 +60,7 @@ from hf_constrained.non_forgetting import (
     reference_losses,
 )
 from hf_constrained.per_sample_loss import IGNORE_INDEX
+from hf_constrained.recipe_args import parse_recipe_args
 from hf_constrained.text_data import tokenize_sft
 from hf_constrained.tiny_lm import char_tokenizer, tiny_causal_lm
 
@@ -112,7 +121,7 @@ def _args(out: str, seed: int, **kw: Any) -> ConstrainedTrainingArguments:
     return ConstrainedTrainingArguments(**base)
 
 
-def train_old_model(path: str, cfg: argparse.Namespace) -> None:
+def train_old_model(path: str, cfg: ExampleArguments) -> None:
     tokenizer = char_tokenizer()
     model = tiny_causal_lm(len(tokenizer), "gpt2", hidden_size=cfg.hidden, layers=cfg.layers, heads=4,
                            max_positions=32, seed=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -128,15 +137,15 @@ def train_old_model(path: str, cfg: argparse.Namespace) -> None:
     tokenizer.save_pretrained(path)
 
 
-def data_splits(tokenizer: Any, cfg: argparse.Namespace) -> tuple[dict[str, Dataset], dict[str, Dataset]]:
+def data_splits(tokenizer: Any, cfg: ExampleArguments) -> tuple[dict[str, Dataset], dict[str, Dataset]]:
     """(held-out rows of every task, constraint rows of every old task): fixed across seeds."""
     held_out = {t: task_data(t, cfg.held_out_rows, 999, tokenizer) for t in (*OLD_TASKS, NEW_TASK)}
     constraint_rows = {t: task_data(t, cfg.constraint_rows, 1, tokenizer) for t in OLD_TASKS}
     return held_out, constraint_rows
 
 
-def finetune(old_path: str, penalty: str, seed: int, cfg: argparse.Namespace) -> dict[str, Any]:
-    """Fine-tune the old model on the new task (``penalty`` "none" or "hinge") and evaluate it held-out."""
+def finetune(old_path: str, penalty: str, seed: int, cfg: ExampleArguments) -> dict[str, Any]:
+    """Fine-tune the old model on the new task (``penalty`` "none" or the constrained run's) and evaluate it held-out."""
     t0 = time.time()
     _quiet()
     tokenizer = AutoTokenizer.from_pretrained(old_path)
@@ -148,9 +157,9 @@ def finetune(old_path: str, penalty: str, seed: int, cfg: argparse.Namespace) ->
                                              tolerance=cfg.tolerance, batch_size=256)
     with tempfile.TemporaryDirectory() as tmp:
         trainer = ConstrainedTrainer(
-            model=model, args=_args(tmp, seed, constraint_penalty=penalty, penalty_beta=cfg.beta,
-                                    max_steps=cfg.steps, learning_rate=cfg.lr, per_device_train_batch_size=32,
-                                    lr_scheduler_type=cfg.schedule, constraint_batch_size=cfg.constraint_batch_size,
+            model=model, args=_args(tmp, seed, constraint_penalty=penalty, penalty_beta=cfg.penalty_beta,
+                                    max_steps=cfg.max_steps, learning_rate=cfg.learning_rate, per_device_train_batch_size=32,
+                                    lr_scheduler_type=cfg.lr_scheduler_type, constraint_batch_size=cfg.constraint_batch_size,
                                     msvr_gamma=cfg.msvr_gamma),
             train_dataset=task_data(NEW_TASK, cfg.new_rows, 100 + seed, tokenizer), data_collator=collate,
             constraints=constraints)
@@ -162,7 +171,7 @@ def finetune(old_path: str, penalty: str, seed: int, cfg: argparse.Namespace) ->
             "tolerance": cfg.tolerance, "seconds": round(time.time() - t0, 1)}
 
 
-def _job(job: tuple[str, str, int, argparse.Namespace]) -> dict[str, Any]:
+def _job(job: tuple[str, str, int, ExampleArguments]) -> dict[str, Any]:
     torch.set_num_threads(1)  # one core per run: tiny models gain nothing from more threads
     return finetune(*job)
 
@@ -177,8 +186,9 @@ def _summary(values: list[float], worst: str) -> dict[str, float]:
     return {"median": statistics.median(values), "worst": (max if worst == "max" else min)(values)}
 
 
-def summarize(old: dict[str, dict], runs: list[dict[str, Any]], cfg: argparse.Namespace) -> dict[str, Any]:
-    by = {p: [r for r in runs if r["penalty"] == p] for p in ("none", "hinge")}
+def summarize(old: dict[str, dict], runs: list[dict[str, Any]], cfg: ExampleArguments) -> dict[str, Any]:
+    constrained = cfg.constraint_penalty
+    by = {p: [r for r in runs if r["penalty"] == p] for p in ("none", constrained)}
     table = {}
     for p, rs in by.items():
         table[p] = {}
@@ -192,21 +202,21 @@ def summarize(old: dict[str, dict], runs: list[dict[str, Any]], cfg: argparse.Na
     learned = {p: [r["held_out"][NEW_TASK]["accuracy"] >= cfg.learned_accuracy for r in rs] for p, rs in by.items()}
     goals = {
         "unconstrained_forgets_some_old_task": all(violated["none"]),
-        "hinge_keeps_every_old_task_within_tolerance": not any(violated["hinge"]),
-        "both_learn_the_new_task": all(learned["none"]) and all(learned["hinge"]),
+        f"{constrained}_keeps_every_old_task_within_tolerance": not any(violated[constrained]),
+        "both_learn_the_new_task": all(learned["none"]) and all(learned[constrained]),
     }
     return {"old_model": old, "table": table, "goals": goals,
             "seeds_violating": {p: sum(v) for p, v in violated.items()},
             "seeds_learning": {p: sum(v) for p, v in learned.items()}}
 
 
-def format_table(summary: dict[str, Any], cfg: argparse.Namespace) -> str:
+def format_table(summary: dict[str, Any], cfg: ExampleArguments) -> str:
     old, table = summary["old_model"], summary["table"]
     lines = [f"| task | old model: accuracy / loss | unconstrained: accuracy / loss / h | "
-             f"hinge (beta {cfg.beta:g}): accuracy / loss / h |", "|---|---|---|---|"]
+             f"{cfg.constraint_penalty} (beta {cfg.penalty_beta:g}): accuracy / loss / h |", "|---|---|---|---|"]
     for t in (*OLD_TASKS, NEW_TASK):
         cells = [f"{100 * old[t]['accuracy']:.1f}% / {old[t]['loss']:.3f}"]
-        for p in ("none", "hinge"):
+        for p in ("none", cfg.constraint_penalty):
             e = table[p][t]
             cell = (f"{100 * e['accuracy']['median']:.1f}% ({100 * e['accuracy']['worst']:.1f}%) / "
                     f"{e['loss']['median']:.3f} ({e['loss']['worst']:.3f})")
@@ -218,29 +228,46 @@ def format_table(summary: dict[str, Any], cfg: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
-def parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--old_steps", type=int, default=1000, help="training steps of the old model")
-    p.add_argument("--old_rows", type=int, default=4000, help="training rows per old task")
-    p.add_argument("--old_lr", type=float, default=3e-3)
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--steps", type=int, default=200, help="fine-tuning steps on the new task")
-    p.add_argument("--lr", type=float, default=2e-3, help="fine-tuning learning rate")
-    p.add_argument("--schedule", default="cosine", help="fine-tuning learning-rate schedule")
-    p.add_argument("--msvr_gamma", type=float, default=0.8, help="MSVR gamma of the constraint estimates")
-    p.add_argument("--new_rows", type=int, default=2000)
-    p.add_argument("--constraint_rows", type=int, default=512, help="constraint rows per old task")
-    p.add_argument("--held_out_rows", type=int, default=512, help="held-out rows per task")
-    p.add_argument("--constraint_batch_size", type=int, default=32)
-    p.add_argument("--tolerance", type=float, default=0.2, help="h_k <= tolerance (nats per answer token)")
-    p.add_argument("--beta", type=float, default=5.0)
-    p.add_argument("--learned_accuracy", type=float, default=0.9, help="held-out new-task accuracy that counts as learned")
-    p.add_argument("--old_model", default=None, help="reuse (or create) the old model in this folder")
-    p.add_argument("--json", default=None, help="write the results here")
-    p.add_argument("--workers", type=int, default=2, help="fine-tuning runs in parallel (one CPU core each)")
-    return p.parse_args(argv)
+@dataclass
+class ExampleArguments:
+    """The example's flags; the fine-tuning ones carry the names of
+    :class:`~hf_constrained.ConstrainedTrainingArguments` (``--penalty_beta``, ``--max_steps``, ...)."""
+
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2], metadata={"help": "fine-tuning seeds"})
+    old_steps: int = field(default=1000, metadata={"help": "training steps of the old model"})
+    old_rows: int = field(default=4000, metadata={"help": "training rows per old task"})
+    old_lr: float = field(default=3e-3, metadata={"help": "learning rate of the old model"})
+    hidden: int = field(default=128, metadata={"help": "width of the GPT-2"})
+    layers: int = field(default=2, metadata={"help": "layers of the GPT-2"})
+    max_steps: int = field(default=200, metadata={"help": "fine-tuning steps on the new task"})
+    learning_rate: float = field(default=2e-3, metadata={"help": "fine-tuning learning rate"})
+    lr_scheduler_type: str = field(default="cosine", metadata={"help": "fine-tuning learning-rate schedule"})
+    constraint_penalty: str = field(default="hinge", metadata={
+        "help": "penalty of the constrained run (each seed also runs unconstrained, penalty none)",
+        "choices": ["hinge", "squared_hinge"]})
+    penalty_beta: float = field(default=5.0, metadata={"help": "penalty parameter beta of the constrained run"})
+    msvr_gamma: float = field(default=0.8, metadata={"help": "MSVR gamma of the constraint estimates"})
+    new_rows: int = field(default=2000, metadata={"help": "training rows of the new task"})
+    constraint_rows: int = field(default=512, metadata={"help": "constraint rows per old task"})
+    held_out_rows: int = field(default=512, metadata={"help": "held-out rows per task"})
+    constraint_batch_size: int = field(default=32, metadata={"help": "constraint rows per task and step"})
+    tolerance: float = field(default=0.2, metadata={"help": "h_k <= tolerance (nats per answer token)"})
+    learned_accuracy: float = field(default=0.9, metadata={"help": "held-out new-task accuracy that counts as learned"})
+    old_model: Optional[str] = field(default=None, metadata={"help": "reuse (or create) the old model in this folder"})
+    json: Optional[str] = field(default=None, metadata={"help": "write the results here"})
+    workers: int = field(default=2, metadata={"help": "fine-tuning runs in parallel (one CPU core each)"})
+
+    def __post_init__(self) -> None:
+        if not self.seeds:
+            raise ValueError("--seeds: give at least one seed")
+        if not (math.isfinite(self.penalty_beta) and self.penalty_beta > 0):
+            raise ValueError(f"--penalty_beta must be a positive number, got {self.penalty_beta}")
+
+
+def parse(argv: Optional[list[str]] = None) -> ExampleArguments:
+    """The flags (``--config x.yaml`` included); an unknown flag is an error."""
+    (cfg,) = parse_recipe_args([ExampleArguments], argv, description=__doc__.split("\n\n")[0])
+    return cfg
 
 
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
@@ -257,7 +284,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     tokenizer = AutoTokenizer.from_pretrained(old_path)
     held_out, _ = data_splits(tokenizer, cfg)
     old = evaluate(AutoModelForCausalLM.from_pretrained(old_path), held_out, PaddingCollator(tokenizer))
-    jobs = [(old_path, penalty, seed, cfg) for seed in cfg.seeds for penalty in ("none", "hinge")]
+    jobs = [(old_path, penalty, seed, cfg) for seed in cfg.seeds for penalty in ("none", cfg.constraint_penalty)]
     if cfg.workers > 1:
         context = multiprocessing.get_context("spawn")
         with concurrent.futures.ProcessPoolExecutor(cfg.workers, mp_context=context) as pool:
@@ -270,7 +297,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     summary = summarize(old, runs, cfg)
     usage = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
     result = {"command": "python recipes/llm_tiny_example.py " + " ".join(sys.argv[1:] if argv is None else argv),
-              "config": vars(cfg), "summary": summary, "runs": runs, "seconds": round(time.time() - t0, 1),
+              "config": asdict(cfg), "summary": summary, "runs": runs, "seconds": round(time.time() - t0, 1),
               "cpu_seconds": round(sum(u.ru_utime + u.ru_stime for u in usage), 1),
               "os_cpu_count": os.cpu_count()}
     print(format_table(summary, cfg))

@@ -14,18 +14,24 @@ scikit-learn's digits, offline, on a CPU:
 5. the push gate is checked offline (``trainer.check_safe_to_push()``); ``--hub_model_id``
    pushes for real.
 
-    python recipes/safe_release_digits.py                           # hinge: SAFE
-    python recipes/safe_release_digits.py --penalty none            # plain fine-tuning: UNSAFE, push refused
-    python recipes/safe_release_digits.py --docs docs/safety        # also refresh the README figures
+    python recipes/safe_release_digits.py                              # hinge: SAFE
+    python recipes/safe_release_digits.py --constraint_penalty none    # plain fine-tuning: UNSAFE, push refused
+    python recipes/safe_release_digits.py --docs docs/safety           # also refresh the README figures
+    python recipes/safe_release_digits.py --config my_settings.yaml    # any flag, as YAML
+
+Every field of ``ConstrainedTrainingArguments`` is a flag (``--penalty_beta``, ``--max_steps``,
+``--eval_steps``, ``--seed``, ``--hub_model_id``, ...); the recipe's own flags are
+``--tolerance``, ``--docs`` and ``--allow_unsafe``. The seed also draws the data split.
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import shutil
 import sys
+from dataclasses import dataclass, field
+from typing import Optional
 
 import numpy as np
 import torch
@@ -36,6 +42,7 @@ from torch import nn
 
 from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments, constraints_per_value
 from hf_constrained import UnsafeModelError, finish_run
+from hf_constrained.recipe_args import parse_recipe_args
 
 OLD_DIGITS = list(range(8))
 NEW_DIGITS = [8, 9]
@@ -82,47 +89,45 @@ def forgetting(model: nn.Module, batch: dict) -> torch.Tensor:
     return (per_sample_ce(model, batch["pixels"].float(), batch["labels"]) - batch["ref_loss"].float()).mean()
 
 
+# the recipe's settings; each is a flag of ConstrainedTrainingArguments that the command line or --config can change
+TRAINING_DEFAULTS = dict(
+    output_dir="outputs/safe_release_digits", max_steps=200, per_device_train_batch_size=32, learning_rate=1e-3,
+    optim="adamw_torch", weight_decay=0.0, lr_scheduler_type="constant", constraint_penalty="hinge",
+    penalty_beta=50.0, constraint_batch_size=16, eval_strategy="steps", eval_steps=20, save_strategy="steps",
+    save_steps=20, save_total_limit=3, load_best_model_at_end=True, metric_for_best_model="loss", logging_steps=5,
+    report_to="none", use_cpu=True, seed=0, disable_tqdm=True, save_only_model=True,
+)
+
+
+@dataclass
+class ReleaseArguments:
+    tolerance: float = field(default=0.1, metadata={"help": "h_k <= tolerance for every old digit k (nats)"})
+    docs: Optional[str] = field(default=None, metadata={"help": "copy the figures and the card here (README material)"})
+    allow_unsafe: bool = field(default=False, metadata={"help": "with --hub_model_id: push even if a constraint fails"})
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--penalty", default="hinge", choices=["hinge", "squared_hinge", "none"])
-    parser.add_argument("--beta", type=float, default=50.0)
-    parser.add_argument("--tolerance", type=float, default=0.1)
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--eval_steps", type=int, default=20)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--output_dir", default="outputs/safe_release_digits")
-    parser.add_argument("--docs", default=None, help="copy the figures and the card here (README material)")
-    parser.add_argument("--hub_model_id", default=None, help="push to this Hub repo (needs a token and network)")
-    parser.add_argument("--allow_unsafe", action="store_true", help="push even if a constraint fails")
-    args = parser.parse_args(argv)
+    opts, training_args = parse_recipe_args([ReleaseArguments, ConstrainedTrainingArguments], argv,
+                                            description=__doc__, defaults=TRAINING_DEFAULTS)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    seed = training_args.seed
 
     digits = load_digits()
     x, y = (digits.data / 16.0).astype(np.float32), digits.target
     # three disjoint parts: the old model's training data, the fine-tuning / constraint data and the
     # held-out data; constraint and held-out rows are equally unseen by the old model
-    x_old, x_rest, y_old, y_rest = train_test_split(x, y, test_size=0.6, stratify=y, random_state=args.seed)
-    x_tr, x_te, y_tr, y_te = train_test_split(x_rest, y_rest, test_size=0.5, stratify=y_rest, random_state=args.seed)
-    old = train_old_model(x_old, y_old, args.seed)
+    x_old, x_rest, y_old, y_rest = train_test_split(x, y, test_size=0.6, stratify=y, random_state=seed)
+    x_tr, x_te, y_tr, y_te = train_test_split(x_rest, y_rest, test_size=0.5, stratify=y_rest, random_state=seed)
+    old = train_old_model(x_old, y_old, seed)
 
     train_all, heldout_all = with_reference_loss(old, x_tr, y_tr), with_reference_loss(old, x_te, y_te)
     new_train = train_all.filter(lambda r: r["labels"] in NEW_DIGITS)
     new_heldout = heldout_all.filter(lambda r: r["labels"] in NEW_DIGITS)
     constraints = constraints_per_value(train_all, "labels", forgetting, values=OLD_DIGITS, name="forget_digit_{value}",
-                                        tolerance=args.tolerance, eval_dataset=heldout_all)
+                                        tolerance=opts.tolerance, eval_dataset=heldout_all)
 
     model = DigitMLP()
     model.load_state_dict(old.state_dict())
-    training_args = ConstrainedTrainingArguments(
-        output_dir=args.output_dir, max_steps=args.steps, per_device_train_batch_size=32,
-        learning_rate=args.lr, optim="adamw_torch", weight_decay=0.0, lr_scheduler_type="constant",
-        constraint_penalty=args.penalty, penalty_beta=args.beta, constraint_batch_size=16,
-        eval_strategy="steps", eval_steps=args.eval_steps, save_strategy="steps", save_steps=args.eval_steps,
-        save_total_limit=3, load_best_model_at_end=True, metric_for_best_model="loss", logging_steps=5,
-        report_to=[], use_cpu=True, seed=args.seed, disable_tqdm=True, save_only_model=True,
-        push_to_hub=False, hub_model_id=args.hub_model_id,
-    )
     trainer = ConstrainedTrainer(model=model, args=training_args, constraints=constraints,
                                  train_dataset=new_train, eval_dataset=new_heldout)
     trainer.train()
@@ -132,24 +137,24 @@ def main(argv: list[str] | None = None) -> int:
         dataset_description="scikit-learn digits (8x8), split stratified into three disjoint parts: 40% trains the "
         "old model (digits 0-7), 30% is the fine-tuning data (objective: cross-entropy on digits 8-9; constraint "
         "batches), 30% is held out (objective metric and exact constraint check). One non-forgetting constraint per "
-        f"old digit 0-7: CE_k(w) - CE_k(w_old) <= {args.tolerance}.",
+        f"old digit 0-7: CE_k(w) - CE_k(w_old) <= {opts.tolerance}.",
         reproduce_command=command.strip(),
     )
     print(report.format_table())
     print(report.summary())
     try:
-        trainer.check_safe_to_push(allow_unsafe=args.allow_unsafe)
+        trainer.check_safe_to_push(allow_unsafe=opts.allow_unsafe)
         print("push gate: open" + (" (override)" if not report.all_satisfied else ""))
-        if args.hub_model_id:
-            trainer.push_to_hub(allow_unsafe=args.allow_unsafe)
+        if training_args.hub_model_id:
+            trainer.push_to_hub(allow_unsafe=opts.allow_unsafe)
     except UnsafeModelError as err:
         print(f"push gate: closed\n{str(err).splitlines()[0]}")
-    if args.docs:
-        os.makedirs(args.docs, exist_ok=True)
+    if opts.docs:
+        os.makedirs(opts.docs, exist_ok=True)
         for name in ("constraints.png", "objective.png"):
-            shutil.copy(os.path.join(args.output_dir, "figures", name), os.path.join(args.docs, name))
-        shutil.copy(os.path.join(args.output_dir, "README.md"), os.path.join(args.docs, "model_card.md"))
-        print(f"figures and card copied to {args.docs}")
+            shutil.copy(os.path.join(training_args.output_dir, "figures", name), os.path.join(opts.docs, name))
+        shutil.copy(os.path.join(training_args.output_dir, "README.md"), os.path.join(opts.docs, "model_card.md"))
+        print(f"figures and card copied to {opts.docs}")
     return 0
 
 

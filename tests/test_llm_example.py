@@ -38,7 +38,7 @@ def _greedy_exact(model, rows, eos_id):
 def test_example_runs_and_exact_match_is_greedy_decoding(tmp_path):
     ex = _example()
     out = tmp_path / "result.json"
-    result = ex.main(["--seeds", "0", "--old_steps", "40", "--old_rows", "100", "--hidden", "32", "--steps", "4",
+    result = ex.main(["--seeds", "0", "--old_steps", "40", "--old_rows", "100", "--hidden", "32", "--max_steps", "4",
                       "--new_rows", "64", "--constraint_rows", "32", "--held_out_rows", "16",
                       "--old_model", str(tmp_path / "old"), "--json", str(out), "--workers", "1"])
     saved = json.loads(out.read_text())
