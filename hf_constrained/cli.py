@@ -3,14 +3,20 @@
     hf-constrained report RUN_DIR [--json] [--check]   print the safety table of a run or checkpoint
     hf-constrained plot RUN_DIR [--out DIR]            write constraints.png and objective.png
     hf-constrained demo [...]                          the CLIP non-forgetting demo on digits
+    hf-constrained recipes                             list the recipes, their modules and shipped configs
+    hf-constrained RECIPE [flags | --config x.yaml]    run a recipe: quickstart, llm, llm-example, clip,
+                                                       fairness, safe-release (``RECIPE --help``: its flags)
 
 The command line depends on the library, never the reverse. ``report`` and ``plot`` read
-files only (no torch, no transformers), so they start in well under a second.
+files only (no torch, no transformers), so they start in well under a second; a recipe's
+module (and with it torch) is imported only when that recipe runs. On several GPUs, launch a
+recipe's module: ``accelerate launch -m hf_constrained.recipes.<module> ...``.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import os
@@ -18,6 +24,7 @@ import sys
 from typing import Optional, Sequence
 
 from .checkpointing import checkpoint_folders, checkpoint_problem
+from .recipes import RECIPES, Recipe, shipped_recipe_files
 from .safety.figures import plot_log_history
 from .safety.report import SAFETY_REPORT_NAME, SAFETY_RULES, SafetyReport, format_number
 from .safety.selection import FeasibleSelection
@@ -95,11 +102,39 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _recipes(args: argparse.Namespace) -> int:
+    print("Recipes (hf-constrained RECIPE --help lists a recipe's flags; every recipe takes --config x.yaml):")
+    for recipe in RECIPES:
+        print(f"  {recipe.command:<13} {recipe.summary}")
+        print(f"  {'':<13} module {recipe.module_name}")
+    print()
+    print("Shipped configs:")
+    for path in shipped_recipe_files():
+        print(f"  {path}")
+    print()
+    print("Several GPUs: accelerate launch --config_file MULTI_GPU_YAML -m MODULE [flags]")
+    return 0
+
+
+def run_recipe(recipe: Recipe, argv: Sequence[str]) -> int:
+    """Run ``recipe``'s ``main(argv)``, as ``python recipes/<module>.py argv`` would; its usage
+    and errors name the command (``hf-constrained <recipe>``)."""
+    # imported here, not at the top: a recipe imports torch and transformers, which would make
+    # every other command (and --help) take seconds to start
+    module = importlib.import_module(recipe.module_name)
+    saved, sys.argv = sys.argv, [f"hf-constrained {recipe.command}", *argv]  # argparse's prog
+    try:
+        result = module.main(list(argv))
+    finally:
+        sys.argv = saved
+    return result if isinstance(result, int) else 0
+
+
 DEMO_HELP = "the embedded CLIP non-forgetting demo on digits (what `make demo` runs); `demo --help` lists its options"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hf-constrained", description="Inspect constrained fine-tuning runs.")
+    parser = argparse.ArgumentParser(prog="hf-constrained", description="Run the recipes and inspect constrained fine-tuning runs.")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("report", help="print the safety table (safety_report.json) of a run or checkpoint")
     p.add_argument("run_dir", metavar="RUN_DIR")
@@ -121,12 +156,22 @@ def build_parser() -> argparse.ArgumentParser:
     # the demo's own options are parsed by _demo (they live with the demo, see hf_constrained.demo)
     p = sub.add_parser("demo", help=DEMO_HELP, add_help=False)
     p.set_defaults(func=_demo, demo_args=[])
+    p = sub.add_parser("recipes", help="list the recipes, their modules and the shipped configs")
+    p.set_defaults(func=_recipes)
+    # each recipe parses its own flags (and --config) when it runs
+    for recipe in RECIPES:
+        p = sub.add_parser(recipe.command, help=f"recipe: {recipe.summary} (`{recipe.command} --help`: its flags)",
+                           add_help=False)
+        p.set_defaults(recipe=recipe)
     return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
+    if getattr(args, "recipe", None) is not None:
+        # not under the try below: a recipe's errors keep their traceback, as with python recipes/x.py
+        return run_recipe(args.recipe, rest)
     if args.command == "demo":
         args.demo_args = rest
     elif rest:

@@ -47,10 +47,11 @@ def parse_recipe_args(dataclass_types: Sequence[type], argv: Optional[Sequence[s
     override them and every flag given on the command line wins over both. The usual
     validation of each dataclass (``__post_init__``) runs on the merged values.
     """
-    pre = argparse.ArgumentParser(add_help=False)
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--config", default=None)
     known, rest = pre.parse_known_args(argv)
-    parser = HfArgumentParser(list(dataclass_types), description=description)
+    # no abbreviations: a mistyped or old flag name (--seed for --seeds) is an error, not another flag
+    parser = HfArgumentParser(list(dataclass_types), description=description, allow_abbrev=False)
     parser.add_argument("--config", default=None, help="YAML file of flag values; command-line flags override it.")
     if defaults:
         parser.set_defaults(**defaults)
