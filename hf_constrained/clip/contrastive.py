@@ -34,6 +34,7 @@ each epoch and the first window after a resume.
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import dataclass
 from collections import deque
 from typing import Any, Iterator, NamedTuple, Optional, Union
@@ -47,6 +48,9 @@ from ..trainer import ConstrainedTrainer
 from ..trainer_internals import trainer_num_items_in_batch, trainer_prepare_inputs
 from .encode import clip_embeddings
 
+if torch.distributed.is_available():
+    from torch.distributed.nn.functional import all_gather as _differentiable_all_gather
+
 logger = logging.getLogger(__name__)
 
 OBJECTIVE_KEYS = ("pixel_values", "input_ids", "is_positive", "sample_index")
@@ -58,35 +62,25 @@ def _distributed_world() -> int:
     return 1
 
 
-class _AllGatherWithGrad(torch.autograd.Function):
-    """All-gather along dim 0; backward sums every rank's gradient and returns the local slice."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
-        parts = [torch.empty_like(x) for _ in range(world)]
-        torch.distributed.all_gather(parts, x.contiguous())
-        ctx.rank, ctx.rows = rank, x.shape[0]
-        return torch.cat(parts, dim=0)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        grad = grad.contiguous().clone()
-        torch.distributed.all_reduce(grad)  # d(sum of every rank's loss) / d(this rank's rows)
-        return grad[ctx.rank * ctx.rows : (ctx.rank + 1) * ctx.rows]
-
-
 def gather_with_grad(x: torch.Tensor) -> torch.Tensor:
     """Concatenate ``x`` from all processes along dim 0, keeping the autograd graph.
 
-    Single process: ``x`` itself. Multi-process: the backward sums the gradients of every
-    rank into the local slice, so with every rank computing the same global loss and DDP
-    averaging, the update is the gradient of the global loss. All ranks must pass the same
-    shape (use ``dataloader_drop_last`` or accelerate's ``even_batches``).
+    Single process: ``x`` itself. Multi-process: torch's differentiable all-gather
+    (``torch.distributed.nn.functional.all_gather``), whose backward sums the gradients of
+    every rank into the local slice (a reduce-scatter on NCCL), so with every rank computing
+    the same global loss and DDP averaging, the update is the gradient of the global loss
+    (Algorithm 2 on the global batch). All ranks must pass the same shape (use
+    ``dataloader_drop_last`` or accelerate's ``even_batches``).
     """
     if _distributed_world() == 1:
         return x
-    return _AllGatherWithGrad.apply(x)
+    with warnings.catch_warnings():
+        # recent torch marks it deprecated in favour of a private module
+        # (torch.distributed._functional_collectives): the public one is kept, the notice silenced
+        warnings.filterwarnings("ignore", message=r"torch\.distributed\.nn\.functional\.all_gather is deprecated",
+                                category=FutureWarning)
+        parts = _differentiable_all_gather(x)
+    return torch.cat(parts, dim=0)
 
 
 def _gather_plain(x: torch.Tensor) -> torch.Tensor:
