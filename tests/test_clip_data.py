@@ -75,6 +75,28 @@ def test_csv_loader_relative_paths_tsv_and_errors(tmp_path):
         load_image_text_csv(path)
 
 
+def test_csv_values_are_kept_verbatim_and_malformed_rows_are_named(tmp_path):
+    """Every value is the file's text (no NA / number parsing: "007", "NA" and "null" stay);
+    a quoted caption may hold commas and line breaks; a row with more or fewer fields than the
+    header is an error naming the file and line, also the first data row (which pandas' CSV
+    reader, under the datasets csv builder, would silently shift into an index column)."""
+    folder = tmp_path / "verbatim"
+    path = make_csv(str(folder), [("a.jpg", "a road, foggy\nsecond line", "007"), ("b.jpg", "NA", "null")])
+    rows = load_image_text_csv(path)
+    assert [(r["caption"], r["label_name"]) for r in rows] == [("a road, foggy\nsecond line", "007"), ("NA", "null")]
+    header = "filepath,title,label\n"
+    for body, line, found in (("a.jpg,t,foggy,extra\n", 2, 4), ("a.jpg,t,foggy\n\nb.jpg,t\n", 4, 2)):
+        (folder / "bad.csv").write_text(header + body)
+        with pytest.raises(ValueError, match=rf"bad.csv:{line}: {found} fields, the header has 3"):
+            load_image_text_csv(str(folder / "bad.csv"))
+    (folder / "dup.csv").write_text("filepath,title,filepath\na.jpg,t,b.jpg\n")
+    with pytest.raises(ValueError, match="repeated column names"):
+        load_image_text_csv(str(folder / "dup.csv"), label_column=None)
+    (folder / "empty.csv").write_text(header)
+    with pytest.raises(ValueError, match="empty.csv: no rows"):
+        load_image_text_csv(str(folder / "empty.csv"))
+
+
 def test_collator_with_a_saved_processor(bdd, tmp_path):
     from transformers import CLIPProcessor
 

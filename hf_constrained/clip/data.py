@@ -244,13 +244,24 @@ def load_image_text_csv(path: str, *, image_column: str = "filepath", caption_co
     root = root if root is not None else os.path.dirname(os.path.abspath(path))
     delimiter = delimiter or ("\t" if path.endswith(".tsv") else ",")
     rows = []
+    # the csv module, not the datasets csv builder: pandas, under it, silently shifts the columns of
+    # a first data row with one field too many (the extra becomes the index) and fills short rows
     with open(path, newline="") as f:
-        reader = csv.DictReader(f, delimiter=delimiter)
+        reader = csv.reader(f, delimiter=delimiter)
+        header = next(reader, [])
         needed = [image_column] + [c for c in (caption_column, label_column) if c]
-        missing = [c for c in needed if c not in (reader.fieldnames or [])]
+        missing = [c for c in needed if c not in header]
         if missing:
-            raise ValueError(f"{path}: missing columns {missing}; found {reader.fieldnames}")
-        for line, rec in enumerate(reader, start=2):
+            raise ValueError(f"{path}: missing columns {missing}; found {header}")
+        if len(set(header)) != len(header):
+            raise ValueError(f"{path}: repeated column names in the header {header}")
+        for fields in reader:
+            line = reader.line_num  # the file's line (a quoted field may span several)
+            if not fields:
+                continue  # a blank line
+            if len(fields) != len(header):
+                raise ValueError(f"{path}:{line}: {len(fields)} fields, the header has {len(header)}")
+            rec = dict(zip(header, fields))
             image = rec[image_column]
             if not image:
                 raise ValueError(f"{path}:{line}: empty {image_column}")
