@@ -157,12 +157,14 @@ def build_data(script: ScriptArguments) -> dict:
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
-    script, args = parse_recipe_args([ScriptArguments, ConstrainedTrainingArguments], argv, description=__doc__)
+    script, args = parse_recipe_args([ScriptArguments, ConstrainedTrainingArguments], argv, description=__doc__,
+                                     defaults={"remove_unused_columns": False})
+    if args.remove_unused_columns:  # a flag this recipe cannot honour: an error, not silently replaced
+        raise ValueError("--remove_unused_columns true is not supported by this recipe: its collator reads the "
+                         "raw columns (image, caption) that the Trainer would remove")
     check_model_path(script.model_name_or_path)  # before any data is read
     logging.basicConfig(level=logging.INFO if args.should_log else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.remove_unused_columns:
-        args.remove_unused_columns = False  # the collator reads raw columns
     set_seed(args.seed)
     if script.lora_r and script.class_text_heads_rank:
         raise ValueError("--lora_r and --class_text_heads_rank cannot be combined in this recipe")

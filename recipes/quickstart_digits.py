@@ -12,15 +12,17 @@ and no penalty, and prints each constraint's exact value on unseen test data.
     python recipes/quickstart_digits.py --config my_settings.yaml         # any flag below, as YAML
 
 Every field of ``ConstrainedTrainingArguments`` is a flag (``--penalty_beta``,
-``--msvr_gamma``, ``--learning_rate``, ...); the recipe's own flags are ``--bound`` and
-``--compare``.
+``--msvr_gamma``, ``--learning_rate``, ...); the recipe's own flags are ``--bound``,
+``--compare`` and ``--seeds``. ``--constraint_penalty`` needs ``--compare false`` and
+``--seed`` no ``--seeds`` (otherwise they are errors, as they would not be used). Each run
+writes to its own folder under ``--output_dir``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import tempfile
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -98,9 +100,23 @@ def run(args: ConstrainedTrainingArguments, bound: float) -> dict[str, float]:
     return metrics
 
 
+def check_recipe_flags(opts: QuickstartArguments, args: ConstrainedTrainingArguments) -> None:
+    """Flags this recipe cannot honour are errors, never silently replaced: ``--compare true``
+    trains all three methods (so ``--constraint_penalty`` must stay at its default), and
+    ``--seeds`` gives the seeds (so ``--seed`` must stay at its default)."""
+    if opts.compare and args.constraint_penalty != "hinge":
+        raise ValueError(f"--constraint_penalty {args.constraint_penalty} is not used with --compare true (it trains "
+                         "hinge, squared_hinge and none): pass --compare false to train one method")
+    if opts.seeds and args.seed != TRAINING_DEFAULTS["seed"]:
+        raise ValueError(f"--seed {args.seed} is not used with --seeds {opts.seeds}: put every seed in --seeds")
+    if opts.seeds and not all(s.strip().lstrip("-").isdigit() for s in opts.seeds.split(",")):
+        raise ValueError(f"--seeds {opts.seeds!r}: expected comma-separated integers, e.g. 0,1,2")
+
+
 def main(argv: list[str] | None = None) -> None:
     opts, args = parse_recipe_args([QuickstartArguments, ConstrainedTrainingArguments], argv, description=__doc__,
                                    defaults=TRAINING_DEFAULTS)
+    check_recipe_flags(opts, args)
     logging.getLogger("transformers").setLevel(logging.ERROR)
     torch.set_num_threads(1)  # a tiny model: threads only add overhead
     penalties = ["hinge", "squared_hinge", "none"] if opts.compare else [args.constraint_penalty]
@@ -108,9 +124,9 @@ def main(argv: list[str] | None = None) -> None:
         summarize_seeds(args, opts, penalties, [int(s) for s in opts.seeds.split(",")])
         return
     results = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for p in penalties:
-            results[p] = run(dataclasses.replace(args, constraint_penalty=p, output_dir=f"{tmp}/{p}"), opts.bound)
+    for p in penalties:  # one run per method, each in its own folder under --output_dir
+        results[p] = run(dataclasses.replace(args, constraint_penalty=p, output_dir=os.path.join(args.output_dir, p)),
+                         opts.bound)
     beta = args.penalty_beta
     print(f"\nCross-entropy per digit, constraint: <= {opts.bound}, beta = {beta}; "
           "each cell: constraint data (what training sees) / unseen test data; * = violated")
@@ -134,15 +150,14 @@ def summarize_seeds(args: ConstrainedTrainingArguments, opts: QuickstartArgument
     """Per method over seeds: how many runs hold every constraint (constraint data / test data), and the
     median and worst largest test violation."""
     rows = {p: [] for p in penalties}
-    with tempfile.TemporaryDirectory() as tmp:
-        for seed in seeds:
-            for p in penalties:
-                m = run(dataclasses.replace(args, constraint_penalty=p, seed=seed, output_dir=f"{tmp}/{p}{seed}"),
-                        opts.bound)
-                train_ok = all(m[f"train_constraint/digit{d}"] <= opts.bound for d in range(10))
-                rows[p].append((train_ok, bool(m["eval_constraints_satisfied"]), m["eval_constraint_max_violation"]))
-                print(f"seed {seed} {p:>14}: hold on constraint data {train_ok}, on test {rows[p][-1][1]}, "
-                      f"test max violation {m['eval_constraint_max_violation']:+.3f}")
+    for seed in seeds:
+        for p in penalties:
+            m = run(dataclasses.replace(args, constraint_penalty=p, seed=seed,
+                                        output_dir=os.path.join(args.output_dir, f"{p}_seed{seed}")), opts.bound)
+            train_ok = all(m[f"train_constraint/digit{d}"] <= opts.bound for d in range(10))
+            rows[p].append((train_ok, bool(m["eval_constraints_satisfied"]), m["eval_constraint_max_violation"]))
+            print(f"seed {seed} {p:>14}: hold on constraint data {train_ok}, on test {rows[p][-1][1]}, "
+                  f"test max violation {m['eval_constraint_max_violation']:+.3f}")
     print(f"\nseeds {seeds}, bound {opts.bound}, beta {args.penalty_beta}")
     print(f"{'method':>14} {'hold (constraint data)':>23} {'hold (test)':>12} {'test max viol. median':>22} {'worst':>7}")
     for p in penalties:

@@ -15,9 +15,14 @@ scikit-learn's digits, offline, on a CPU:
    pushes for real.
 
     python recipes/safe_release_digits.py                              # hinge: SAFE
-    python recipes/safe_release_digits.py --constraint_penalty none    # plain fine-tuning: UNSAFE, push refused
+    python recipes/safe_release_digits.py --constraint_penalty none --load_best_model_at_end false
+        # plain fine-tuning, its last weights: UNSAFE (every old digit forgotten), push refused
     python recipes/safe_release_digits.py --docs docs/safety           # also refresh the README figures
     python recipes/safe_release_digits.py --config my_settings.yaml    # any flag, as YAML
+
+(Plain fine-tuning WITH feasible-checkpoint selection keeps its one feasible evaluation, step
+20, before it has learned digits 8 and 9: SAFE, at a held-out objective loss of 11.1 against
+the hinge's 1.34, seed 0.)
 
 Every field of ``ConstrainedTrainingArguments`` is a flag (``--penalty_beta``, ``--max_steps``,
 ``--eval_steps``, ``--seed``, ``--hub_model_id``, ...); the recipe's own flags are

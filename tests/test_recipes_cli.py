@@ -140,3 +140,17 @@ def test_safe_release_through_the_cli_with_a_config_file(tmp_path, capsys):
     assert (args.constraint_penalty, args.penalty_beta, args.max_steps) == ("squared_hinge", 7.0, 10)
     report = json.loads((out / "safety_report.json").read_text())
     assert {c["tolerance"] for c in report["constraints"]} == {0.2}
+
+
+@pytest.mark.parametrize("command, flags, message", [
+    ("quickstart", ["--constraint_penalty", "squared_hinge"], "not used with --compare true"),
+    ("quickstart", ["--seeds", "0,1", "--seed", "3"], "--seed 3 is not used with --seeds 0,1"),
+    ("quickstart", ["--seeds", "0;1"], "expected comma-separated integers"),
+    ("clip", ["--model_name_or_path", "x", "--remove_unused_columns", "true"], "--remove_unused_columns true is not"),
+    ("fairness", ["--method", "none", "--constraint_penalty", "squared_hinge"], "contradicts --method none"),
+])
+def test_flags_a_recipe_cannot_honour_are_errors(command, flags, message, tmp_path, capsys):
+    with pytest.raises((ValueError, SystemExit)) as error:
+        main([command, *flags, "--output_dir", str(tmp_path)])
+    text = str(error.value) if error.type is ValueError else capsys.readouterr().err
+    assert message in text
