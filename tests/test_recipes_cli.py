@@ -8,9 +8,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -66,6 +68,26 @@ def test_wheel_build_ships_the_recipes_and_their_configs(tmp_path):
     assert found["path"] == [str(shipped)]  # the wheel's copy only, no checkout
     assert [Path(m) for m in found["modules"]] == [shipped / f"{r.module}.py" for r in RECIPES]
     assert sorted(str(Path(f).relative_to(shipped)) for f in found["files"]) == expected
+
+
+def test_pip_wheel_holds_the_recipes_configs_and_the_console_script(tmp_path):
+    """The real build (``pip wheel``, PEP 517, no build isolation: offline) of a copy of the
+    source tree holds every recipe, every shipped YAML and the ``hf-constrained`` entry point."""
+    source = tmp_path / "src"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "build", "*.egg-info", "runs", "outputs", "__pycache__", ".pytest_cache", ".cache"))
+    result = subprocess.run([sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation",
+                             "-q", "-w", str(tmp_path / "wheel")], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    (wheel,) = (tmp_path / "wheel").glob("hf_constrained-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for recipe in RECIPES:
+        assert f"hf_constrained/recipes/{recipe.module}.py" in names
+    for path in (ROOT / "recipes").glob("*/*.yaml"):
+        assert f"hf_constrained/recipes/{path.parent.name}/{path.name}" in names
+    assert "hf_constrained/recipes/__init__.py" in names and "hf_constrained/cli.py" in names
+    entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
+    assert "hf-constrained = hf_constrained.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
 
 
 def test_help_lists_the_recipes_and_stays_fast():
