@@ -162,6 +162,9 @@ def test_safe_release_through_the_cli_with_a_config_file(tmp_path, capsys):
     assert (args.constraint_penalty, args.penalty_beta, args.max_steps) == ("squared_hinge", 7.0, 10)
     report = json.loads((out / "safety_report.json").read_text())
     assert {c["tolerance"] for c in report["constraints"]} == {0.2}
+    # run through the command line, the card's usage snippet imports the model class from the
+    # installed recipe module, which exists after pip install
+    assert "from hf_constrained.recipes.safe_release_digits import DigitMLP" in (out / "README.md").read_text()
 
 
 @pytest.mark.parametrize("command, flags, message", [
