@@ -20,7 +20,7 @@ import torch
 import yaml
 
 from hf_constrained.cli import main
-from hf_constrained.recipes import RECIPES, find_recipe, recipe_file, shipped_recipe_files
+from hf_constrained.recipes import RECIPES, recipe_file, shipped_recipe_files
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
@@ -42,8 +42,6 @@ def test_every_recipe_file_has_a_command_and_its_module_is_that_file():
                             ROOT / "recipes" / "configs" / "llm_non_forgetting_lora.yaml")
     with pytest.raises(FileNotFoundError, match="no recipe file 'configs/nope.yaml'"):
         recipe_file("configs/nope.yaml")
-    with pytest.raises(KeyError, match="no recipe 'nope'"):
-        find_recipe("nope")
 
 
 def test_wheel_build_ships_the_recipes_and_their_configs(tmp_path):

@@ -72,11 +72,3 @@ def shipped_recipe_files() -> list[str]:
             if os.path.isdir(directory):
                 found += [os.path.join(directory, f) for f in sorted(os.listdir(directory)) if f.endswith(".yaml")]
     return found
-
-
-def find_recipe(command: str) -> Recipe:
-    """The recipe run by ``hf-constrained <command>``."""
-    for recipe in RECIPES:
-        if recipe.command == command:
-            return recipe
-    raise KeyError(f"no recipe {command!r}; recipes: {[r.command for r in RECIPES]}")
