@@ -134,7 +134,8 @@ DEMO_HELP = "the embedded CLIP non-forgetting demo on digits (what `make demo` r
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hf-constrained", description="Run the recipes and inspect constrained fine-tuning runs.")
+    parser = argparse.ArgumentParser(prog="hf-constrained",
+                                     description="Run the recipes and inspect constrained fine-tuning runs.")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("report", help="print the safety table (safety_report.json) of a run or checkpoint")
     p.add_argument("run_dir", metavar="RUN_DIR")

@@ -68,5 +68,6 @@ def parse_recipe_args(dataclass_types: Sequence[type], argv: Optional[Sequence[s
                 action.required = False
     *outputs, unknown_flags = parser.parse_args_into_dataclasses(args=list(rest), return_remaining_strings=True)
     if unknown_flags:  # argparse's own message and exit status 2, not a traceback
-        parser.error(f"unrecognized arguments: {' '.join(unknown_flags)} (not a flag of this recipe; --help lists them)")
+        parser.error(f"unrecognized arguments: {' '.join(unknown_flags)} "
+                     "(not a flag of this recipe; --help lists them)")
     return tuple(outputs[: len(dataclass_types)])  # the last entry is the namespace holding --config

@@ -40,6 +40,9 @@ def test_every_recipe_file_has_a_command_and_its_module_is_that_file():
         assert spec is not None and os.path.samefile(spec.origin, ROOT / "recipes" / f"{recipe.module}.py")
     assert os.path.samefile(recipe_file("configs/llm_non_forgetting_lora.yaml"),
                             ROOT / "recipes" / "configs" / "llm_non_forgetting_lora.yaml")
+    assert [Path(p) for p in shipped_recipe_files()] == [ROOT / "recipes" / sub / p.name for sub in
+                                                          ("configs", "accelerate_configs")
+                                                          for p in sorted((ROOT / "recipes" / sub).glob("*.yaml"))]
     with pytest.raises(FileNotFoundError, match="no recipe file 'configs/nope.yaml'"):
         recipe_file("configs/nope.yaml")
 
