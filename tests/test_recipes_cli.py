@@ -11,7 +11,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 import zipfile
 from pathlib import Path
 
@@ -91,14 +90,12 @@ def test_pip_wheel_holds_the_recipes_configs_and_the_console_script(tmp_path):
     assert "hf-constrained = hf_constrained.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
 
 
-def test_help_lists_the_recipes_and_stays_fast():
-    start = time.perf_counter()
+def test_help_lists_the_recipes():
+    # speed: tests/test_safety_layout.py checks that the command line imports no torch
     result = subprocess.run(_console() + ["--help"], capture_output=True, text=True, env=ENV, timeout=60)
-    elapsed = time.perf_counter() - start
     assert result.returncode == 0, result.stderr
     for recipe in RECIPES:
         assert recipe.command in result.stdout
-    assert elapsed < 2.0, f"hf-constrained --help took {elapsed:.1f} s"
 
 
 def test_recipe_help_through_the_console_entry_point():

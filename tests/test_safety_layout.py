@@ -231,22 +231,14 @@ def test_every_module_imports_alone_in_a_fresh_interpreter():
 
 def test_command_line_and_report_do_not_load_the_trainer():
     """``hf-constrained --help`` / ``report`` import no torch and no transformers."""
-    result = _fresh("import sys, hf_constrained, hf_constrained.cli, hf_constrained.safety.report\n"
+    result = _fresh("import sys, hf_constrained, hf_constrained.cli, hf_constrained.recipes, hf_constrained.safety.report\n"
+                    "import contextlib, io\n"
+                    "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+                    "    hf_constrained.cli.main(['--help'])\n"
                     "print(sorted(m for m in ('torch', 'transformers', 'transformers.trainer', 'matplotlib.pyplot')"
                     " if m in sys.modules))")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
-
-
-def test_help_is_fast():
-    import time
-
-    start = time.perf_counter()
-    result = subprocess.run([sys.executable, "-m", "hf_constrained.cli", "--help"], capture_output=True, text=True,
-                            env={**os.environ, "PYTHONPATH": REPO}, cwd=REPO, timeout=60)
-    elapsed = time.perf_counter() - start
-    assert result.returncode == 0 and "report" in result.stdout
-    assert elapsed < 5.0, f"hf-constrained --help took {elapsed:.1f} s"
 
 
 @pytest.mark.parametrize("name", ["SafetyReport", "UnsafeModelError", "build_safety_report", "finish_run",
