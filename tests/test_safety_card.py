@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -158,3 +159,22 @@ def test_training_metrics_passed_explicitly_are_not_held_out(tmp_path, caplog):
     report = finish_run(trainer, plots=False, objective_metrics={"train_auc": 0.9, "test_auc": 0.8})
     assert report.objective_metrics == {"test_auc": 0.8}
     assert "train_auc measured on training data" in caplog.text
+
+
+def test_a_recipe_run_as_a_script_is_named_by_its_installed_module(monkeypatch):
+    """``python recipes/safe_release_digits.py`` defines its model in ``__main__``: the card's
+    snippet imports it from ``hf_constrained.recipes``, which exists after ``pip install``; any
+    other script is named by its file."""
+    import importlib
+    import sys
+    import types
+
+    main = types.ModuleType("__main__")
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    model_class = type("DigitMLP", (torch.nn.Module,), {"__module__": "__main__"})
+    main.__file__ = str(Path(__file__).resolve().parents[1] / "recipes" / "safe_release_digits.py")
+    source = describe_model(model_class())
+    assert source.module == "hf_constrained.recipes.safe_release_digits"
+    assert hasattr(importlib.import_module(source.module), "DigitMLP")
+    main.__file__ = "/somewhere/my_training.py"
+    assert describe_model(model_class()).module == "my_training"

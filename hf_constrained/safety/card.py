@@ -33,6 +33,7 @@ from typing import Any, Optional
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
+from ..recipes import RECIPES
 from .report import SafetyReport, format_number
 from .selection import FeasibleSelection
 
@@ -140,11 +141,17 @@ class ModelSource:
 
 def _custom_module(cls: type) -> Optional[str]:
     """The module to import for ``cls`` (``None`` for a ``transformers`` class); a class
-    defined in the script that ran (``__main__``) is named by the script's file."""
+    defined in the script that ran (``__main__``) is named by the script's file, and a shipped
+    recipe run as a script (``python recipes/x.py``) by its installed module, which imports
+    after ``pip install`` too."""
     module = cls.__module__
     if module == "__main__":
         script = getattr(sys.modules.get("__main__"), "__file__", None)
-        return os.path.splitext(os.path.basename(script))[0] if script else module
+        if not script:
+            return module
+        name = os.path.splitext(os.path.basename(script))[0]
+        recipe = next((r for r in RECIPES if r.module == name), None)
+        return recipe.module_name if recipe is not None else name
     return None if module.split(".")[0] == "transformers" else module
 
 
