@@ -9,7 +9,10 @@ One optimizer step of Algorithm 1 (the paper's section "Stochastic Algorithms"),
 2. h_k(w_t; B_k^t) with grad, all-reduced across processes, feeds the MSVR update (line 6);
    the previous-iterate term h_k(w_{t-1}; B_k^t) was computed one step early: at step
    t-1 the trainer already drew B_c^t and B_k^t and evaluated them under ``no_grad``
-   while the parameters were still w_{t-1}. No copy of the parameters is kept;
+   while the parameters were still w_{t-1} (``lookahead_placement``: after step t-1's
+   backward by default, where its activations no longer coexist with the step's graph;
+   or before it; or inside step t-1's row-wise call, outputs detached). No copy of the
+   parameters is kept;
 3. the penalty loss ``(1/|B_c|) sum_k weight(u_k^t) * h_k(w_t; B_k^t)`` with the weight
    detached, so its gradient is G_2 of line 9;
 4. added to the objective loss; the Trainer's optimizer then applies G_1 + G_2 (line 10).
@@ -22,7 +25,9 @@ collate function are evaluated by the fused step of :mod:`hf_constrained.fused`:
 ``row_fn`` call with grad for all sampled members of the group (step 2) and ONE call under
 ``no_grad`` for their look-ahead, per-constraint values from segment sums, one all-reduce of
 sums and counts across processes. Scalar ``fn`` constraints keep one call each. The two paths
-give the same update up to float round-off (``tests/test_fused_step.py``).
+give the same update up to float round-off (``tests/test_fused_step.py``). With
+``share_objective_call`` the objective's inputs and one group's rows go through ONE model call
+(:meth:`ConstrainedTrainer.objective_with_rows`; ``tests/test_shared_call.py``).
 
 Constraint batches are collated by the constraint's ``collate_fn``; without one, by the
 trainer's ``data_collator`` when one other than ``default_data_collator`` was given (e.g.
