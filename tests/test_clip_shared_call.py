@@ -95,3 +95,32 @@ def test_padded_texts_embed_as_separate_calls(tiny):
         _, first = clip_embeddings(model, pixels, a["input_ids"], a["attention_mask"])
         _, second = clip_embeddings(model, pixels, b["input_ids"], b["attention_mask"])
     torch.testing.assert_close(joint, torch.cat([first, second]), rtol=1e-5, atol=1e-6)
+
+
+def test_clip_recipe_runs_with_the_shared_call(tmp_path, monkeypatch):
+    """The recipe takes the settings from its command line: ``--share_objective_call true
+    --lookahead_placement in_call`` trains through ONE model call per step and ends where the
+    separate calls end (3 AdamW steps of 1e-4: every parameter within a few steps' movement)."""
+    from clip_synthetic import make_bdd100k, save_tiny_clip
+    from test_clip_recipe import COMMON, _recipe
+
+    bdd = make_bdd100k(str(tmp_path / "bdd100k"), per_class=3)
+    texts = [f"the weather is {c}." for c in ("clear", "overcast", "snowy", "rainy", "partly cloudy", "foggy")]
+    clip = save_tiny_clip(str(tmp_path / "tiny-clip"), texts)
+    shared_calls = []
+    original = ContrastiveConstrainedTrainer.objective_with_rows
+
+    def counted(self, *args, **kwargs):
+        shared_calls.append(self.state.global_step)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(ContrastiveConstrainedTrainer, "objective_with_rows", counted)
+    base = ["--model_name_or_path", clip, "--bdd100k_root", bdd, "--task", "foggy", "--constraint_penalty",
+            "hinge", "--penalty_beta", "10", *COMMON]
+    separate = _recipe().main(base + ["--output_dir", str(tmp_path / "separate")])
+    assert shared_calls == []
+    shared = _recipe().main(base + ["--output_dir", str(tmp_path / "shared"), "--share_objective_call", "true",
+                                    "--lookahead_placement", "in_call"])
+    assert shared_calls == [0, 1, 2]  # one shared call per optimizer step
+    for name, value in separate["constraints_train"].items():
+        assert abs(shared["constraints_train"][name] - value) < 1e-2, name
