@@ -249,7 +249,9 @@ class ConstrainedTrainer(SafetyMixin, TrainerInternals):
         returns) and ``row_fn``'s outputs on the constraint ``batch``, from ONE model call
         (``share_objective_call``). Default: ``row_fn.objective_with_rows(model, inputs, batch)``,
         which returns ``(objective loss, row outputs)``; the objective must equal the model's
-        own loss on ``inputs`` (the Trainer's ``compute_loss``)."""
+        own loss on ``inputs`` (the Trainer's ``compute_loss``). ``num_items_in_batch`` is not
+        passed on: a model whose loss is normalised by it under gradient accumulation (token-level
+        language-model losses) needs this hook overridden to do the same."""
         loss, outputs = row_fn.objective_with_rows(model, inputs, batch)
         return ((loss, None) if return_outputs else loss), outputs
 
