@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from transformers import TrainerCallback
 
-from hf_constrained import ConstrainedTrainer, Constraint
+from hf_constrained import ConstrainedTrainer, Constraint, constraints_per_value
 from test_fused_step import Net64, make_args, make_data, per_row_ce, rowwise_constraints
 
 
@@ -141,3 +141,19 @@ def test_concatenated_calls_refuse_batchnorm(tmp_path, setting):
 def test_lookahead_placement_is_checked(tmp_path):
     with pytest.raises(ValueError, match="lookahead_placement"):
         make_args(tmp_path, "x", lookahead_placement="later")
+
+
+def test_in_call_with_plain_row_values(tmp_path):
+    """Constraints without row_transform, one per unit: the fused step takes the outputs as the
+    values without per-constraint slicing; with the look-ahead in the call it must take only the
+    step's rows of the longer call."""
+    data = make_data(90, 0)
+
+    def plain_constraints():
+        return constraints_per_value(data, "cls", row_fn=per_row_ce, name="ce_cls{value}",
+                                     tolerance={0: 0.2, 1: 0.35, 2: 0.5})
+
+    reference = train(tmp_path, "before", plain_constraints(), lookahead_placement="before_backward",
+                      constraints_per_step=2)
+    other = train(tmp_path, "in_call", plain_constraints(), lookahead_placement="in_call", constraints_per_step=2)
+    assert_same_run(other, reference)
