@@ -261,7 +261,8 @@ class ConstrainedTrainer(SafetyMixin, TrainerInternals):
         concatenates = self.args.share_objective_call or (
             self.args.lookahead_placement == "in_call" and bool(self._row_groups))
         if concatenates and self.model is not None:
-            norms = [name for name, mod in self.model.named_modules() if isinstance(mod, nn.modules.batchnorm._BatchNorm)]
+            norms = [name for name, mod in self.model.named_modules()
+                     if isinstance(mod, nn.modules.batchnorm._BatchNorm)]
             if norms:
                 what = "share_objective_call" if self.args.share_objective_call else "lookahead_placement='in_call'"
                 raise ValueError(f"{what} concatenates batches in one model call, which changes the batch statistics "
@@ -275,8 +276,9 @@ class ConstrainedTrainer(SafetyMixin, TrainerInternals):
                              "model call: give the shared row_fn an objective_with_rows(model, inputs, batch) method "
                              "(or override ConstrainedTrainer.objective_with_rows and can_share_objective_call)")
         if len(shared) > 1:
+            first = [self.constraints[k].name for k in self._row_groups[shared[0]].members][:3]
             logger.info("share_objective_call: %d row groups could share the objective's call; the first one (%s) "
-                        "does", len(shared), [self.constraints[k].name for k in self._row_groups[shared[0]].members][:3])
+                        "does", len(shared), first)
         return shared[0]
 
     def _plan_stream_owners(self) -> list[int]:
