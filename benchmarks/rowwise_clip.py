@@ -18,8 +18,12 @@ from typing import Any, Optional
 
 import torch
 
+from transformers.models.clip.modeling_clip import image_text_contrastive_loss
+
 from common import CONFIGS, BankedCLIP, base_args, make_train_rows
-from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments, Constraint
+from datasets import Dataset
+
+from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments, Constraint, constraints_per_value
 from hf_constrained.clip.non_forgetting import ZeroShotLoss
 
 
@@ -64,13 +68,42 @@ class NonForgettingRows:
         rows = {"pixel_values": self.bank[batch["pixel_index"]], "label": batch["label"]}
         return self.loss.per_sample(model, rows) - batch["reference_loss"].to(self.bank.dtype)
 
+    def objective_with_rows(self, model: torch.nn.Module, inputs: dict[str, torch.Tensor],
+                            batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The objective (CLIP's contrastive loss on the train pairs, as ``BankedCLIP`` computes it)
+        and the per-row values of ``batch`` from ONE model call: the train images and the
+        constraint images through the vision tower together, the captions and the class prompts
+        through the text tower together (``share_objective_call``)."""
+        n = inputs["input_ids"].shape[0]
+        prompts = self.loss.prompt_input_ids.to(inputs["input_ids"].device)
+        images = self.bank[torch.cat([inputs["pixel_index"], batch["pixel_index"]])]
+        out = model(input_ids=torch.cat([inputs["input_ids"], prompts]), pixel_values=images)
+        image, text = out.image_embeds, out.text_embeds  # normalised by CLIPModel
+        scale = model.clip.logit_scale.exp()
+        objective = image_text_contrastive_loss(text[:n] @ image[:n].t() * scale)
+        # the zero-shot logits exactly as ZeroShotLoss.logits (clip_embeddings re-normalises in fp32)
+        zi = torch.nn.functional.normalize(image[n:].float(), dim=-1)
+        zt = torch.nn.functional.normalize(text[n:].float(), dim=-1)
+        ce = torch.nn.functional.cross_entropy(zi @ zt.T / self.loss.temperature, batch["label"].long(),
+                                               reduction="none")
+        return objective, ce - batch["reference_loss"].to(self.bank.dtype)
+
 
 def make_rowwise_constrained(model_name: str, output_dir: str, *, batch: int, steps: int, bf16: bool, cpu: bool,
                              bank_size: int, m: int, per_step: int, constraint_batch: int, gamma_prime: float,
                              form: str = "rowwise", num_classes: int = 10, rows_per_constraint: int = 32,
-                             share: bool = False) -> ConstrainedTrainer:
+                             share: bool = False, share_objective_call: bool = False,
+                             lookahead_placement: str = "before_backward", data: str = "rows") -> ConstrainedTrainer:
     """A ConstrainedTrainer with ``m`` non-forgetting constraints over ``num_classes`` prompts
-    (constraint k's images carry label k mod ``num_classes``), ``per_step`` sampled per step."""
+    (constraint k's images carry label k mod ``num_classes``), ``per_step`` sampled per step.
+
+    ``data="rows"``: each constraint's rows are a torch ``Dataset`` of per-row tensors
+    (:class:`ImageRows`; collating a batch indexes and stacks every row). ``data="dataset"``: one
+    torch-formatted ``datasets.Dataset`` holding every constraint's rows, split by
+    :func:`~hf_constrained.constraints_per_value` on a ``constraint`` column (the fused step then
+    reads all sampled rows in one column read)."""
+    if data not in ("rows", "dataset"):
+        raise ValueError(f"data must be 'rows' or 'dataset', got {data!r}")
     model = ZeroShotBankedCLIP(model_name, bank_size)
     row_fn = NonForgettingRows(model, prompts(model_name, num_classes))
     pool_size = max(1024, rows_per_constraint)
@@ -87,23 +120,35 @@ def make_rowwise_constrained(model_name: str, output_dir: str, *, batch: int, st
                                                                 "label": label[i:i + 256]})
                                  for i in range(0, pool_size, 256)])
         model.train()
+    if form not in ("rowwise", "scalar"):
+        raise ValueError(f"form must be 'rowwise' or 'scalar', got {form!r}")
+    columns: dict[str, list] = {"pixel_index": [], "label": [], "reference_loss": [], "constraint": []}
     for k in range(m):
         c = k % num_classes
         start = (k * 37) % (pool_size - rows_per_constraint + 1)
         sl = slice(start, start + rows_per_constraint)
+        if data == "dataset":
+            columns["pixel_index"] += pool_pixels[sl].tolist()
+            columns["label"] += [c] * rows_per_constraint
+            columns["reference_loss"] += refs[c][sl].tolist()
+            columns["constraint"] += [k] * rows_per_constraint
+            continue
         rows = ImageRows(pool_pixels[sl], torch.full((rows_per_constraint,), c, dtype=torch.long), refs[c][sl])
         if form == "rowwise":
             constraints.append(Constraint(name=f"class{k}", row_fn=row_fn, dataset=rows, tolerance=0.0))
         elif form == "scalar":
             constraints.append(Constraint(name=f"class{k}", fn=lambda mdl, b: row_fn(mdl, b).mean(), dataset=rows,
                                           tolerance=0.0))
-        else:
-            raise ValueError(f"form must be 'rowwise' or 'scalar', got {form!r}")
+    if data == "dataset":
+        table = Dataset.from_dict(columns).with_format("torch")
+        kind = dict(row_fn=row_fn) if form == "rowwise" else dict(fn=lambda mdl, b: row_fn(mdl, b).mean())
+        constraints = constraints_per_value(table, "constraint", name="class{value}", **kind)
     args = ConstrainedTrainingArguments(
         **base_args(output_dir, batch=batch, steps=steps, bf16=bf16, cpu=cpu),
         constraint_penalty="hinge", penalty_beta=10.0, msvr_gamma=0.8, msvr_gamma_prime=gamma_prime,
         constraints_per_step=per_step, constraint_batch_size=constraint_batch, check_constraint_finite=True,
-        share_constraint_batches=share,
+        share_constraint_batches=share, share_objective_call=share_objective_call,
+        lookahead_placement=lookahead_placement,
     )
     return ConstrainedTrainer(model=model, args=args,
                               train_dataset=make_train_rows(model_name, max(4 * batch, 512), bank_size),

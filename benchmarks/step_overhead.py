@@ -11,7 +11,17 @@ for ``--rounds`` rounds; each ratio is of the median step times:
   call with grad for all sampled constraints and ONE without for the look-ahead;
 * ``per_constraint_gp0.1``: the same constraints as scalar ``fn``s (one call per sampled
   constraint and per look-ahead): the path every constraint took before the fused step;
-* ``fused_gp0``: row-wise, gamma' = 0 (no look-ahead call).
+* ``fused_gp0``: row-wise, gamma' = 0 (no look-ahead call);
+* ``fused_after_gp0.1``: as ``fused_gp0.1`` with the look-ahead after the backward
+  (``lookahead_placement="after_backward"``, the library default);
+* ``shared_gp0.1``: ``share_objective_call``: the objective's pairs and the constraint rows in
+  ONE model call (the row function's ``objective_with_rows``), the look-ahead in its own no-grad
+  call after the backward;
+* ``shared_incall_gp0.1``: as ``shared_gp0.1`` with the look-ahead rows in that same call too
+  (``lookahead_placement="in_call"``, outputs detached): ONE model call per step.
+
+The fused variants without ``after`` or ``shared`` keep the look-ahead before the backward
+(``lookahead_placement="before_backward"``), as measured before these options existed.
 
 It also counts the aten operators one step dispatches (``torch.profiler``, CPU), for the
 plain step and both constrained paths.
@@ -65,8 +75,12 @@ def build(key: str, a: argparse.Namespace, steps: int):
         return make_plain(a.model, out, batch=a.batch + a.per_step * a.constraint_batch, **common)
     gp = 0.1 if key.endswith("0.1") else 0.0
     form = "scalar" if key.startswith("per_constraint") else "rowwise"
+    placement = "in_call" if "incall" in key else "after_backward" if ("after" in key or "shared" in key) \
+        else "before_backward"
     return make_rowwise_constrained(a.model, out, batch=a.batch, m=a.m, per_step=a.per_step,
-                                    constraint_batch=a.constraint_batch, gamma_prime=gp, form=form, **common)
+                                    constraint_batch=a.constraint_batch, gamma_prime=gp, form=form,
+                                    share_objective_call=key.startswith("shared"), lookahead_placement=placement,
+                                    data=a.constraint_data, **common)
 
 
 def main() -> None:
@@ -77,6 +91,9 @@ def main() -> None:
     parser.add_argument("--m", type=int, default=10, help="number of constraints m")
     parser.add_argument("--per-step", type=int, default=5, help="|B_c|")
     parser.add_argument("--constraint-batch", type=int, default=10, help="|B_k|")
+    parser.add_argument("--constraint-data", choices=["rows", "dataset"], default="rows",
+                        help="the constraints' data: per-row tensors in a torch Dataset per constraint (rows), or "
+                        "one torch-formatted datasets.Dataset split by constraints_per_value (dataset)")
     parser.add_argument("--steps", type=int, default=23)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=3)
@@ -85,7 +102,8 @@ def main() -> None:
     a = parser.parse_args()
     setup_threads(a.threads)
     clock = default_clock(a.device, a.threads) if a.clock == "auto" else a.clock
-    keys = ["plain", "fused_gp0.1", "per_constraint_gp0.1", "fused_gp0"]
+    keys = ["plain", "fused_gp0.1", "per_constraint_gp0.1", "fused_gp0", "fused_after_gp0.1", "shared_gp0.1",
+            "shared_incall_gp0.1"]
     times: dict[str, list[float]] = {k: [] for k in keys}
     for r in range(a.rounds):
         for key in keys:
@@ -95,7 +113,7 @@ def main() -> None:
             del trainer
             gc.collect()
     ops: dict[str, float] = {}
-    for key in ["plain", "fused_gp0.1", "per_constraint_gp0.1"]:
+    for key in ["plain", "fused_gp0.1", "per_constraint_gp0.1", "shared_gp0.1", "shared_incall_gp0.1"]:
         trainer = build(key, a, a.warmup + a.op_steps + 1)
         counter = CountOps(a.warmup, a.op_steps)
         trainer.add_callback(counter)
@@ -110,7 +128,8 @@ def main() -> None:
         "command": "python benchmarks/step_overhead.py " + " ".join(sys.argv[1:]),
         "model": a.model, "device": a.device, "bf16": a.bf16, "clock": clock,
         "objective_batch": a.batch, "num_constraints": a.m, "constraints_per_step": a.per_step,
-        "constraint_batch": a.constraint_batch, "plain_batch": a.batch + a.per_step * a.constraint_batch,
+        "constraint_batch": a.constraint_batch, "constraint_data": a.constraint_data,
+        "plain_batch": a.batch + a.per_step * a.constraint_batch,
         "steps_timed_per_round": a.steps - a.warmup, "rounds": a.rounds,
         "step_time": stats,
         "ratio_to_plain": {k: stats[k]["median_s"] / plain for k in keys if k != "plain"},

@@ -217,7 +217,9 @@ def row_values_and_owners(constraints: Sequence[Constraint], units: Sequence[Row
 
     The owners are laid out on the host and copied once; when every unit holds one constraint
     without ``row_transform`` (e.g. many constraints of one formula) the outputs ARE the values
-    (no per-constraint slicing)."""
+    (no per-constraint slicing). ``slices`` index ``outputs`` and ``batch``, which may hold more
+    rows than ``units`` (a call shared with the look-ahead's rows): the units' slices must be
+    consecutive."""
     num_rows = outputs.shape[0]
     device = outputs.device
     labels_cache: dict[str, torch.Tensor] = {}
@@ -248,7 +250,9 @@ def row_values_and_owners(constraints: Sequence[Constraint], units: Sequence[Row
         if outputs.dim() != 1:
             raise ValueError(f"constraints {[constraints[u.constraints[0]].name for u in units][:5]}: per-row values "
                              f"must be a 1-d tensor (one value per row), got shape {tuple(outputs.shape)}")
-        all_values = outputs
+        # the units' rows may be part of a longer call (look-ahead rows or the objective's alongside)
+        first, last = slices[0][0], slices[-1][1]
+        all_values = outputs if (first, last) == (0, num_rows) else outputs[first:last]
     else:
         all_values = torch.cat(values)
     owners = torch.from_numpy(np.concatenate(owner_base))

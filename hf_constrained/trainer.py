@@ -9,7 +9,10 @@ One optimizer step of Algorithm 1 (the paper's section "Stochastic Algorithms"),
 2. h_k(w_t; B_k^t) with grad, all-reduced across processes, feeds the MSVR update (line 6);
    the previous-iterate term h_k(w_{t-1}; B_k^t) was computed one step early: at step
    t-1 the trainer already drew B_c^t and B_k^t and evaluated them under ``no_grad``
-   while the parameters were still w_{t-1}. No copy of the parameters is kept;
+   while the parameters were still w_{t-1} (``lookahead_placement``: after step t-1's
+   backward by default, where its activations no longer coexist with the step's graph;
+   or before it; or inside step t-1's row-wise call, outputs detached). No copy of the
+   parameters is kept;
 3. the penalty loss ``(1/|B_c|) sum_k weight(u_k^t) * h_k(w_t; B_k^t)`` with the weight
    detached, so its gradient is G_2 of line 9;
 4. added to the objective loss; the Trainer's optimizer then applies G_1 + G_2 (line 10).
@@ -22,7 +25,9 @@ collate function are evaluated by the fused step of :mod:`hf_constrained.fused`:
 ``row_fn`` call with grad for all sampled members of the group (step 2) and ONE call under
 ``no_grad`` for their look-ahead, per-constraint values from segment sums, one all-reduce of
 sums and counts across processes. Scalar ``fn`` constraints keep one call each. The two paths
-give the same update up to float round-off (``tests/test_fused_step.py``).
+give the same update up to float round-off (``tests/test_fused_step.py``). With
+``share_objective_call`` the objective's inputs and one group's rows go through ONE model call
+(:meth:`ConstrainedTrainer.objective_with_rows`; ``tests/test_shared_call.py``).
 
 Constraint batches are collated by the constraint's ``collate_fn``; without one, by the
 trainer's ``data_collator`` when one other than ``default_data_collator`` was given (e.g.
@@ -228,6 +233,53 @@ class ConstrainedTrainer(SafetyMixin, TrainerInternals):
         self._spread_visits = torch.zeros(m, dtype=acc, device=self.args.device)
         self._setup_margins()
         self._noise_warned = False
+        # where the look-ahead runs, and the row group (if any) that shares the objective's model call
+        self._pending_lookahead: Optional[tuple[nn.Module, int]] = None
+        self._shared_group: Optional[int] = self._plan_shared_call()
+
+    def can_share_objective_call(self, row_fn: Any) -> bool:
+        """Hook: whether :meth:`objective_with_rows` can compute the objective together with
+        ``row_fn``'s rows (default: ``row_fn`` has an ``objective_with_rows`` method)."""
+        return callable(getattr(row_fn, "objective_with_rows", None))
+
+    def objective_with_rows(self, model: nn.Module, inputs: dict[str, Any], row_fn: Any, batch: Any,
+                            return_outputs: bool = False,
+                            num_items_in_batch: Optional[Union[torch.Tensor, int]] = None) -> tuple[Any, torch.Tensor]:
+        """Hook: the objective on the Trainer's ``inputs`` (what :meth:`compute_objective_loss`
+        returns) and ``row_fn``'s outputs on the constraint ``batch``, from ONE model call
+        (``share_objective_call``). Default: ``row_fn.objective_with_rows(model, inputs, batch)``,
+        which returns ``(objective loss, row outputs)``; the objective must equal the model's
+        own loss on ``inputs`` (the Trainer's ``compute_loss``). ``num_items_in_batch`` is not
+        passed on: a model whose loss is normalised by it under gradient accumulation (token-level
+        language-model losses) needs this hook overridden to do the same."""
+        loss, outputs = row_fn.objective_with_rows(model, inputs, batch)
+        return ((loss, None) if return_outputs else loss), outputs
+
+    def _plan_shared_call(self) -> Optional[int]:
+        """The row group that shares the objective's model call (``share_objective_call``), and the
+        checks that make concatenated calls safe (no BatchNorm: its statistics would change)."""
+        concatenates = self.args.share_objective_call or (
+            self.args.lookahead_placement == "in_call" and bool(self._row_groups))
+        if concatenates and self.model is not None:
+            norms = [name for name, mod in self.model.named_modules()
+                     if isinstance(mod, nn.modules.batchnorm._BatchNorm)]
+            if norms:
+                what = "share_objective_call" if self.args.share_objective_call else "lookahead_placement='in_call'"
+                raise ValueError(f"{what} concatenates batches in one model call, which changes the batch statistics "
+                                 f"of the model's BatchNorm layers {norms[:3]} in training mode; turn it off for this "
+                                 "model (or replace BatchNorm, e.g. by GroupNorm)")
+        if not self.args.share_objective_call:
+            return None
+        shared = [gi for gi, g in enumerate(self._row_groups) if self.can_share_objective_call(g.row_fn)]
+        if not shared:
+            raise ValueError("share_objective_call=True, but no row-wise constraint group can share the objective's "
+                             "model call: give the shared row_fn an objective_with_rows(model, inputs, batch) method "
+                             "(or override ConstrainedTrainer.objective_with_rows and can_share_objective_call)")
+        if len(shared) > 1:
+            first = [self.constraints[k].name for k in self._row_groups[shared[0]].members][:3]
+            logger.info("share_objective_call: %d row groups could share the objective's call; the first one (%s) "
+                        "does", len(shared), first)
+        return shared[0]
 
     def _plan_stream_owners(self) -> list[int]:
         """Which constraint's stream draws each constraint's rows: its own, or with
@@ -462,6 +514,13 @@ class ConstrainedTrainer(SafetyMixin, TrainerInternals):
             if cache is not None and not need_grad:  # a look-ahead: the step evaluates the same rows next
                 cache[key] = (_shallow_copy(batch), slices)
         outputs = group.row_fn(model, batch)
+        slices = self._check_row_outputs(units, slices, outputs, need_grad=need_grad)
+        return batch, slices, outputs
+
+    def _check_row_outputs(self, units: list[RowUnit], slices: list[tuple[int, int]], outputs: Any, *,
+                           need_grad: bool) -> list[tuple[int, int]]:
+        """``row_fn``'s outputs have one row (or the same number of rows) per example; returns the
+        units' slices of the output rows."""
         names = [self.constraints[k].name for u in units for k in u.constraints]
         num_examples = slices[-1][1]
         if not isinstance(outputs, torch.Tensor):
@@ -480,27 +539,12 @@ class ConstrainedTrainer(SafetyMixin, TrainerInternals):
         if need_grad and not outputs.requires_grad:
             raise ConstraintValueError(f"row_fn of constraints {names} returned a tensor without grad: compute it from "
                                        "the model passed to row_fn without .detach()/.item()/torch.no_grad()")
-        return batch, slices, outputs
+        return slices
 
-    def _evaluate_draw(self, model: nn.Module, draw: _ConstraintDraw, *,
-                       need_grad: bool) -> tuple[Optional[torch.Tensor], torch.Tensor, Optional[torch.Tensor]]:
-        """h_k(w; B_k) of every constraint of ``draw`` at the current parameters.
-
-        Row-wise constraints go through the fused path (:mod:`hf_constrained.fused`): one
-        ``row_fn`` call per group, per-(constraint, group) sums by ``index_add``; scalar ``fn``
-        constraints are called one by one. Everything that crosses processes travels in ONE
-        all-reduce (a sum): the row sums and counts, and the scalar values (then divided by the
-        number of processes, as before).
-
-        Returns ``(local, current, stats)``: ``local`` (with ``need_grad``) this process's part
-        of each value, carrying the gradient, scaled so that the data-parallel gradient average
-        gives the gradient of the global value; ``current`` the global values, detached (float64
-        where the device has it); ``stats`` the global ``(3, 2 |B_c|)`` row sums, sums of squares
-        and counts (``None`` without row-wise constraints in the draw).
-        """
+    def _plan_units(self, draw: _ConstraintDraw) -> tuple[dict[int, dict[int, RowUnit]], list[int]]:
+        """The row units of each row group in ``draw`` (one per stream owner, in B_c order) and the
+        positions of the scalar constraints."""
         ids = draw.constraint_ids.tolist()
-        n = len(ids)
-        device = self.args.device
         buckets: dict[int, dict[int, RowUnit]] = defaultdict(dict)
         scalar_pos: list[int] = []
         for p, k in enumerate(ids):
@@ -514,13 +558,42 @@ class ConstrainedTrainer(SafetyMixin, TrainerInternals):
                 units[unit_key] = RowUnit(self.constraints[k].dataset, self._local_rows(draw.sample_indices[p]))
             units[unit_key].positions.append(p)
             units[unit_key].constraints.append(k)
+        return buckets, scalar_pos
+
+    def _evaluate_draw(self, model: nn.Module, draw: _ConstraintDraw, *, need_grad: bool,
+                       precomputed: Optional[dict[int, tuple[Any, list[tuple[int, int]], torch.Tensor]]] = None,
+                       ) -> tuple[Optional[torch.Tensor], torch.Tensor, Optional[torch.Tensor]]:
+        """h_k(w; B_k) of every constraint of ``draw`` at the current parameters.
+
+        Row-wise constraints go through the fused path (:mod:`hf_constrained.fused`): one
+        ``row_fn`` call per group, per-(constraint, group) sums by ``index_add``; scalar ``fn``
+        constraints are called one by one. Everything that crosses processes travels in ONE
+        all-reduce (a sum): the row sums and counts, and the scalar values (then divided by the
+        number of processes, as before).
+
+        Returns ``(local, current, stats)``: ``local`` (with ``need_grad``) this process's part
+        of each value, carrying the gradient, scaled so that the data-parallel gradient average
+        gives the gradient of the global value; ``current`` the global values, detached (float64
+        where the device has it); ``stats`` the global ``(3, 2 |B_c|)`` row sums, sums of squares
+        and counts (``None`` without row-wise constraints in the draw).
+
+        ``precomputed`` maps a group to ``(batch, slices, outputs)`` of a model call already made
+        on its units (of :meth:`_plan_units`; a call shared with the objective or the look-ahead).
+        """
+        ids = draw.constraint_ids.tolist()
+        n = len(ids)
+        device = self.args.device
+        buckets, scalar_pos = self._plan_units(draw)
 
         sums: Optional[torch.Tensor] = None
         stats: Optional[torch.Tensor] = None
         for gi, unit_map in buckets.items():
             units = list(unit_map.values())
-            batch, slices, outputs = self._row_outputs(model, self._row_groups[gi], units, need_grad=need_grad,
-                                                       cache=draw.batches, key=("group", gi))
+            if precomputed is not None and gi in precomputed:
+                batch, slices, outputs = precomputed[gi]
+            else:
+                batch, slices, outputs = self._row_outputs(model, self._row_groups[gi], units, need_grad=need_grad,
+                                                           cache=draw.batches, key=("group", gi))
             values, owners = row_values_and_owners(self.constraints, units, slices, outputs, batch)
             g_sums, g_stats = segment_sums(values, owners, n, need_grad=need_grad)
             # each group's owners are its own positions of B_c: adding the groups' sums merges them
@@ -604,8 +677,78 @@ class ConstrainedTrainer(SafetyMixin, TrainerInternals):
             cached = self._tolerance_cache[device] = self._tolerances.to(device)
         return cached
 
-    def constraint_penalty_loss(self, model: nn.Module) -> torch.Tensor:
+    def _take_draw(self, step: int) -> _ConstraintDraw:
+        """B_c^t and its batches: the prefetched draw of this step, else a fresh one."""
+        draw = self._next_draw if self._next_draw is not None and self._next_draw.step == step else self._draw(step)
+        self._next_draw = None
+        return draw
+
+    def _objective_and_penalty(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool,
+                               num_items_in_batch: Any) -> tuple[Any, torch.Tensor]:
+        """The objective and the constraint step with shared model calls.
+
+        ``share_objective_call``: the shared group's rows of B_k^t go into the objective's model
+        call (:meth:`objective_with_rows`). ``lookahead_placement='in_call'``: B_k^{t+1} is drawn
+        now and its rows join the same call as B_k^t (their outputs detached), giving the
+        look-ahead h_k(w_t; B_k^{t+1}) of Algorithm 1, line 6 at the same parameters w_t as a
+        separate no-grad call would. Per-constraint values, sums and the all-reduce are those of
+        :meth:`_evaluate_draw`."""
+        step = self.state.global_step
+        draw = self._take_draw(step)
+        in_call = self.args.lookahead_placement == "in_call" and self.estimator.gamma_prime > 0
+        ahead = self._draw(step + 1) if in_call else None
+        now_units, _ = self._plan_units(draw)
+        next_units = self._plan_units(ahead)[0] if ahead is not None else {}
+        share = self._shared_group if self._shared_group in now_units or self._shared_group in next_units else None
+        result: Any = None
+        if share is None:  # the objective's own call (the shared group has no rows this step)
+            result = self.compute_objective_loss(model, inputs, return_outputs=return_outputs,
+                                                 num_items_in_batch=num_items_in_batch)
+        precomputed_now: dict[int, Any] = {}
+        precomputed_next: dict[int, Any] = {}
+        for gi in dict.fromkeys(list(now_units) + list(next_units)):
+            if not in_call and gi != share:
+                continue  # evaluated by _evaluate_draw in its own call
+            group = self._row_groups[gi]
+            units_now = list(now_units.get(gi, {}).values())
+            units_next = list(next_units.get(gi, {}).values())
+            units = units_now + units_next
+            key = ("group", gi)
+            if not units_next and key in draw.batches:  # collated by the previous step's look-ahead
+                batch, slices = draw.batches.pop(key)
+            else:
+                draw.batches.pop(key, None)
+                batch, slices = collate_units(units, group.collate)
+                batch = self._to_device(batch)
+            if gi == share:
+                result, outputs = self.objective_with_rows(model, inputs, group.row_fn, batch,
+                                                           return_outputs=return_outputs,
+                                                           num_items_in_batch=num_items_in_batch)
+            else:
+                outputs = group.row_fn(model, batch)
+            slices = self._check_row_outputs(units, slices, outputs, need_grad=bool(units_now))
+            cut = len(units_now)
+            if units_now:
+                precomputed_now[gi] = (batch, slices[:cut], outputs)
+            if units_next:
+                precomputed_next[gi] = (batch, slices[cut:], outputs.detach())
+        lookahead = None
+        if ahead is not None:
+            with torch.no_grad():
+                _, previous, _ = self._evaluate_draw(model, ahead, need_grad=False, precomputed=precomputed_next)
+            ahead.previous = previous.to(self.estimator.values.device, torch.float32)
+            lookahead = ahead
+        penalty = self.constraint_penalty_loss(model, draw=draw, precomputed=precomputed_now, lookahead=lookahead)
+        return result, penalty
+
+    def constraint_penalty_loss(self, model: nn.Module, *, draw: Optional[_ConstraintDraw] = None,
+                                precomputed: Optional[dict[int, Any]] = None,
+                                lookahead: Optional[_ConstraintDraw] = None) -> torch.Tensor:
         """One step of Algorithm 1, lines 3-9; returns the loss whose gradient is G_2.
+
+        ``draw``/``precomputed``/``lookahead`` come from a call shared with the objective or the
+        look-ahead (:meth:`_objective_and_penalty`); by default this step's draw is taken and
+        evaluated here, and the look-ahead runs where ``lookahead_placement`` says.
 
         Host synchronisations left in the step (on a GPU): ONE ``.item()`` for the finite
         check of the step's values and of the look-ahead values it consumes
@@ -615,12 +758,13 @@ class ConstrainedTrainer(SafetyMixin, TrainerInternals):
         host tensors (B_c is a function of (seed, step), drawn on the host by design).
         """
         step = self.state.global_step
-        draw = self._next_draw if self._next_draw is not None and self._next_draw.step == step else self._draw(step)
-        self._next_draw = None
+        if draw is None:
+            draw = self._take_draw(step)
         ids_cpu = draw.constraint_ids.cpu()
         ids = ids_cpu.to(self.estimator.values.device, non_blocking=True)
 
-        values, current, stats = self._evaluate_draw(model, draw, need_grad=True)  # h_k(w_t; B_k^t), with grad
+        # h_k(w_t; B_k^t), with grad
+        values, current, stats = self._evaluate_draw(model, draw, need_grad=True, precomputed=precomputed)
         if self.args.check_constraint_finite:
             self._check_finite(ids_cpu, current, draw.previous)
 
@@ -634,7 +778,12 @@ class ConstrainedTrainer(SafetyMixin, TrainerInternals):
         penalty_loss = (weights.detach().to(values.dtype) * values).sum() / ids.numel()
 
         if self.estimator.gamma_prime > 0:
-            self._next_draw = self._prefetch(model, step + 1)
+            if lookahead is not None:  # computed in the step's own call
+                self._next_draw = lookahead
+            elif self.args.lookahead_placement == "after_backward" and self._in_training_step:
+                self._pending_lookahead = (model, step + 1)  # run by training_step once the backward is done
+            else:
+                self._next_draw = self._prefetch(model, step + 1)
 
         self._step_metrics["constraint/sampled_active_fraction"].append((weights != 0).float().mean())
         self._step_metrics["constraint/penalty_loss"].append(penalty_loss.detach())
@@ -799,12 +948,19 @@ class ConstrainedTrainer(SafetyMixin, TrainerInternals):
 
     def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Optional[Union[torch.Tensor, int]] = None) -> Any:
-        result = self.compute_objective_loss(model, inputs, return_outputs=return_outputs,
-                                             num_items_in_batch=num_items_in_batch)
         if not (self._in_training_step and self.penalty.active) or self._constraint_step == self.state.global_step:
-            return result
+            return self.compute_objective_loss(model, inputs, return_outputs=return_outputs,
+                                               num_items_in_batch=num_items_in_batch)
+        shared = self._shared_group is not None or self.args.lookahead_placement == "in_call"
+        if not shared:  # the objective first, as without constraints
+            result = self.compute_objective_loss(model, inputs, return_outputs=return_outputs,
+                                                 num_items_in_batch=num_items_in_batch)
         self._constraint_step = self.state.global_step
-        penalty_loss = self.constraint_penalty_loss(model)
+        self._pending_lookahead = None
+        if shared:
+            result, penalty_loss = self._objective_and_penalty(model, inputs, return_outputs, num_items_in_batch)
+        else:
+            penalty_loss = self.constraint_penalty_loss(model)
         if not self._objective_is_scaled_for_ga(num_items_in_batch):
             # the Trainer divides the summed loss by the window length; the penalty counts once per window
             penalty_loss = penalty_loss * self.current_gradient_accumulation_steps
@@ -817,9 +973,17 @@ class ConstrainedTrainer(SafetyMixin, TrainerInternals):
                       num_items_in_batch: Optional[Union[torch.Tensor, int]] = None) -> torch.Tensor:
         self._in_training_step = True
         try:
-            return super().training_step(model, inputs, num_items_in_batch)
+            loss = super().training_step(model, inputs, num_items_in_batch)
+            if self._pending_lookahead is not None:
+                # lookahead_placement='after_backward': the step's activations are freed, the parameters
+                # are still w_t (the optimizer steps after the accumulation window)
+                lookahead_model, step = self._pending_lookahead
+                self._pending_lookahead = None
+                with self.compute_loss_context_manager():
+                    self._next_draw = self._prefetch(lookahead_model, step)
         finally:
             self._in_training_step = False
+        return loss
 
     # ------------------------------------------------------------------ logging
     def constraint_estimates(self) -> dict[str, float]:
