@@ -98,8 +98,8 @@ def test_padded_texts_embed_as_separate_calls(tiny):
 
 
 def test_clip_recipe_runs_with_the_shared_call(tmp_path, monkeypatch):
-    """The recipe takes the settings from its command line: ``--share_objective_call true
-    --lookahead_placement in_call`` trains through ONE model call per step and ends where the
+    """The recipe shares the objective's call by default; ``--share_objective_call false`` gives
+    separate calls, ``--lookahead_placement in_call`` ONE model call per step, and it ends where the
     separate calls end (3 AdamW steps of 1e-4: every parameter within a few steps' movement)."""
     from clip_synthetic import make_bdd100k, save_tiny_clip
     from test_clip_recipe import COMMON, _recipe
@@ -117,10 +117,9 @@ def test_clip_recipe_runs_with_the_shared_call(tmp_path, monkeypatch):
     monkeypatch.setattr(ContrastiveConstrainedTrainer, "objective_with_rows", counted)
     base = ["--model_name_or_path", clip, "--bdd100k_root", bdd, "--task", "foggy", "--constraint_penalty",
             "hinge", "--penalty_beta", "10", *COMMON]
-    separate = _recipe().main(base + ["--output_dir", str(tmp_path / "separate")])
+    separate = _recipe().main(base + ["--output_dir", str(tmp_path / "separate"), "--share_objective_call", "false"])
     assert shared_calls == []
-    shared = _recipe().main(base + ["--output_dir", str(tmp_path / "shared"), "--share_objective_call", "true",
-                                    "--lookahead_placement", "in_call"])
+    shared = _recipe().main(base + ["--output_dir", str(tmp_path / "shared"), "--lookahead_placement", "in_call"])
     assert shared_calls == [0, 1, 2]  # one shared call per optimizer step
     for name, value in separate["constraints_train"].items():
         assert abs(shared["constraints_train"][name] - value) < 1e-2, name
