@@ -94,7 +94,7 @@ def _demo(args: argparse.Namespace) -> int:
     from . import demo
 
     parser = argparse.ArgumentParser(prog="hf-constrained demo", description=DEMO_HELP,
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
     demo.add_demo_arguments(parser)
     options = parser.parse_args(args.demo_args)
     logging.basicConfig(level=logging.WARNING)

@@ -576,16 +576,28 @@ def seeds_table(per_method: dict[str, list[dict[str, Any]]]) -> str:
 # ---------------------------------------------------------------------------------- entry points
 
 
+# flags named as in the recipes and the Trainer; the DemoConfig field names stay the keys of the results
+FLAG_NAMES = {"beta": "penalty_beta", "lr": "learning_rate", "steps": "max_steps", "schedule": "lr_scheduler_type"}
+
+
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
-    """The demo's options (every :class:`DemoConfig` field, seeds, penalties, cache and output)."""
+    """The demo's options (every :class:`DemoConfig` field, seeds, penalties, cache and output),
+    spelt as the recipes spell them (``--penalty_beta``, ``--learning_rate``, ``--msvr_gamma``);
+    the earlier hyphenated spellings (``--beta``, ``--msvr-gamma``) are accepted too."""
     for f in fields(DemoConfig):
         value = getattr(DemoConfig(), f.name)
         choices = list(FORGETTING) if f.name == "forgetting" else None
-        parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(value), default=value, choices=choices)
+        flags = [f"--{FLAG_NAMES.get(f.name, f.name)}"]
+        legacy = f"--{f.name.replace('_', '-')}"
+        if legacy not in flags:
+            flags.append(legacy)
+        parser.add_argument(*flags, dest=f.name, type=type(value), default=value, choices=choices)
     parser.add_argument("--seeds", default=None,
                         help="comma-separated seeds to run one after the other (e.g. 0,1,2,3,4); overrides --seed")
-    parser.add_argument("--penalties", default=",".join(PENALTIES))
-    parser.add_argument("--cache-dir", default=os.path.join(os.getcwd(), ".cache", "hf_constrained_demo"))
+    parser.add_argument("--penalties", "--constraint_penalty", dest="penalties", default=",".join(PENALTIES),
+                        help="the penalties to run and compare, comma-separated")
+    parser.add_argument("--cache_dir", "--cache-dir", dest="cache_dir",
+                        default=os.path.join(os.getcwd(), ".cache", "hf_constrained_demo"))
     parser.add_argument("--output", default=None, help="write the results JSON here")
 
 
@@ -667,7 +679,7 @@ def _write_json(path: str, results: dict[str, Any]) -> None:
 def main(argv: Optional[list[str]] = None) -> int:
     """``python -m hf_constrained.demo``: the same options as ``hf-constrained demo``."""
     parser = argparse.ArgumentParser(prog="python -m hf_constrained.demo", description=__doc__.split("\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
     add_demo_arguments(parser)
     ns = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)

@@ -120,6 +120,22 @@ def test_seeds_option_is_checked():
             demo._seeds(parser.parse_args(["--seeds", bad]))
 
 
+def test_demo_flags_are_spelt_as_in_the_recipes_and_the_old_spellings_still_work():
+    import argparse
+
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    demo.add_demo_arguments(parser)
+    new = parser.parse_args(["--penalty_beta", "3", "--learning_rate", "2e-4", "--msvr_gamma", "0.5",
+                             "--max_steps", "7", "--constraint_penalty", "hinge", "--max_grad_norm", "0"])
+    old = parser.parse_args(["--beta", "3", "--lr", "2e-4", "--msvr-gamma", "0.5", "--steps", "7",
+                             "--penalties", "hinge", "--max-grad-norm", "0"])
+    assert vars(new) == vars(old)
+    assert (new.beta, new.lr, new.msvr_gamma, new.steps, new.penalties) == (3.0, 2e-4, 0.5, 7, "hinge")
+    with pytest.raises(SystemExit) as exit_:  # no abbreviations: --penalty_b would silently mean --penalty_beta
+        demo.main(["--penalty_b", "3"])
+    assert exit_.value.code == 2
+
+
 def test_selection_keeps_the_best_feasible_checkpoint_on_the_selection_split(monkeypatch):
     """Feasible (every h_k <= requirement on the selection split) beats infeasible, then the
     lower target loss wins; with none feasible the smallest largest violation is kept."""
