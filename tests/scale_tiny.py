@@ -189,7 +189,22 @@ def per_row_ce(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor
     return F.cross_entropy(model(x=batch["x"])["logits"], batch["labels"], reduction="none")
 
 
-def make_rowwise_trainer(output_dir: str, **overrides: Any) -> ConstrainedTrainer:
+class SharedRowCE:
+    """:func:`per_row_ce` that can also share the objective's model call
+    (``share_objective_call``): the objective's rows and the constraint rows in one forward."""
+
+    def __call__(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return per_row_ce(model, batch)
+
+    def objective_with_rows(self, model: nn.Module, inputs: dict[str, torch.Tensor],
+                            batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        n = inputs["x"].shape[0]
+        logits = model(x=torch.cat([inputs["x"], batch["x"]]))["logits"]
+        return (F.cross_entropy(logits[:n], inputs["labels"]),
+                F.cross_entropy(logits[n:], batch["labels"], reduction="none"))
+
+
+def make_rowwise_trainer(output_dir: str, row_fn: Any = per_row_ce, **overrides: Any) -> ConstrainedTrainer:
     """The set-up of :func:`make_trainer` with row-wise constraints sharing one ``row_fn``: the
     four group constraints, plus a gap "CE on groups {0, 1} minus CE on groups {2, 3}" (a
     ``group_key`` difference of two group means, so a mean of per-process means would differ
@@ -200,11 +215,11 @@ def make_rowwise_trainer(output_dir: str, **overrides: Any) -> ConstrainedTraine
     c_rows, c_groups = make_rows(96, 1)
     c_rows = [dict(r, g=torch.tensor(int(gk >= 2))) for r, gk in zip(c_rows, c_groups)]
     constraints = [
-        Constraint(name=f"group{k}", row_fn=per_row_ce, tolerance=0.25,
+        Constraint(name=f"group{k}", row_fn=row_fn, tolerance=0.25,
                    dataset=ListDataset([r for r, gk in zip(c_rows, c_groups) if gk == k]))
         for k in range(NUM_GROUPS)
     ]
-    constraints.append(Constraint(name="gap", row_fn=per_row_ce, dataset=ListDataset(c_rows), tolerance=-0.1,
+    constraints.append(Constraint(name="gap", row_fn=row_fn, dataset=ListDataset(c_rows), tolerance=-0.1,
                                   group_key="g", outer=torch.abs))
     kw: dict[str, Any] = dict(constraints_per_step=3, max_steps=6)
     kw.update(overrides)

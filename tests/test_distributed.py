@@ -212,6 +212,22 @@ def test_fused_step_all_reduces_sums_and_counts(two_process_run, tmp_path):
     assert differences and max(differences) > 100 * TOL, differences
 
 
+def test_one_model_call_per_step_under_ddp_equals_separate_calls(two_process_run):
+    """``share_objective_call`` + ``lookahead_placement="in_call"`` (the objective's rows, the
+    step's constraint rows and the next step's look-ahead rows in ONE forward) on 2 processes:
+    both ranks identical, and the same update as the 2-process separate-call run."""
+    out = Path(two_process_run[0]["out"])
+    s0, s1 = (torch.load(out / f"rank{r}_fused_shared.pt", weights_only=False) for r in range(2))
+    separate = torch.load(out / "rank0_fused.pt", weights_only=False)
+    assert torch.equal(s0["estimator_values"], s1["estimator_values"])
+    assert s0["streams"] == s1["streams"] == separate["streams"]
+    assert torch.equal(s0["estimator_visited"], separate["estimator_visited"])
+    torch.testing.assert_close(s0["estimator_values"], separate["estimator_values"], rtol=0, atol=TOL)
+    for name, p in separate["params"].items():
+        assert torch.equal(s0["params"][name], s1["params"][name]), name
+        torch.testing.assert_close(s0["params"][name], p, rtol=0, atol=TOL)
+
+
 # ------------------------------------------------------------- Setting II (per-sample estimators)
 @pytest.fixture(scope="module")
 def one_process_contrastive(tmp_path_factory):
