@@ -38,7 +38,7 @@ DEFAULTS = dict(  # the paper's setting where the user does not say otherwise
 
 def check_recipe_flags(script_args: ROCFairnessArguments, training_args: ConstrainedTrainingArguments) -> None:
     """Flags this recipe cannot honour are errors, never silently replaced: the method is
-    ``--method``; the optimizer is AdamW with the paper's step decay (``--decay_at``,
+    ``--method``; the optimizer is AdamW with the paper's step decay (``--lr_decay_at``,
     ``--lr_decay_factor``)."""
     penalty = training_args.constraint_penalty
     if penalty != "hinge" and penalty != script_args.method:  # "hinge" is the default: not given
@@ -47,7 +47,7 @@ def check_recipe_flags(script_args: ROCFairnessArguments, training_args: Constra
     scheduler = str(getattr(training_args.lr_scheduler_type, "value", training_args.lr_scheduler_type))
     if scheduler != "constant":
         raise ValueError(f"--lr_scheduler_type {scheduler} is not used by this recipe: its "
-                         "learning rate follows the paper's step decay (--decay_at, --lr_decay_factor)")
+                         "learning rate follows the paper's step decay (--lr_decay_at, --lr_decay_factor)")
     optim = str(getattr(training_args.optim, "value", training_args.optim))
     if optim not in ("adamw_torch", "adamw_torch_fused"):
         raise ValueError(f"--optim {optim} is not used by this recipe: it trains with torch.optim.AdamW "
