@@ -216,6 +216,7 @@ def _run_one(spec: dict, common: dict) -> dict:
             constraint_penalty="hinge" if method == "icppac" else method,
             constraints_per_step=spec.get("constraints_per_step"),
             share_constraint_batches=bool(spec.get("share_constraint_batches", False)),
+            constraint_margin=common["constraint_margin"],
             logging_strategy="no", save_strategy="no", report_to="none", disable_tqdm=True, use_cpu=True,
         )
         result = run_roc_fairness(script, targs, splits=_SPLITS[spec["dataset"]])
@@ -545,6 +546,9 @@ def main(argv=None) -> dict:
                                                  "(paper: 1e-3,1e-4)")
     p.add_argument("--msvr-gamma", type=float, default=0.1,
                    help="MSVR gamma of the constraint estimators (recipe default 0.1; the paper's 0.8)")
+    p.add_argument("--constraint-margin", type=float, default=None,
+                   help="penalty methods: the hinge acts when an estimate exceeds kappa - this margin "
+                        "(ConstrainedTrainingArguments.constraint_margin; default: none)")
     p.add_argument("--hinge-betas", default=HINGE_BETAS)
     p.add_argument("--squared-betas", default=SQUARED_BETAS)
     p.add_argument("--dataset-hinge-betas", default="", help="per-dataset hinge grid, e.g. 'adult:1;4;10'")
@@ -590,7 +594,7 @@ def main(argv=None) -> dict:
                     if line.strip():
                         r = json.loads(line)
                         done[spec_key(r["spec"])] = r
-    common = {"batch_pairs": args.batch_pairs, "msvr_gamma": args.msvr_gamma,
+    common = {"batch_pairs": args.batch_pairs, "msvr_gamma": args.msvr_gamma, "constraint_margin": args.constraint_margin,
               "hidden_sizes": args.hidden_sizes, "icppac_inner_steps": args.icppac_inner_steps,
               "icppac_inner_output": args.icppac_inner_output, "splits_cache": args.splits_cache}
     specs = run_specs(args)
@@ -638,7 +642,9 @@ def main(argv=None) -> dict:
                        f"{' (' + args.dataset_seeds + ')' if args.dataset_seeds else ''}, batch "
                        f"{2 * args.batch_pairs} rows ({args.batch_pairs} pairs), |B_k| = {args.batch_pairs} pairs "
                        f"({args.batch_pairs} rows per group), lr {args.lrs} (AdamW; ICPPAC: SGD with its eta), decay "
-                       f"x0.1 at 50%/75%, MSVR gamma {args.msvr_gamma}, gamma' 0.1, MLP {args.hidden_sizes}, "
+                       f"x0.1 at 50%/75%, MSVR gamma {args.msvr_gamma}, gamma' 0.1, "
+                       f"{'' if args.constraint_margin is None else f'constraint margin {args.constraint_margin:g}, '}"
+                       f"MLP {args.hidden_sizes}, "
                        f"kappa 0.005, thresholds -3..3"
                        f"{', hinge_shared = hinge with shared constraint batches on ' + args.shared_batches_datasets if args.shared_batches_datasets else ''}"
                        f", ICPPAC grid {args.icppac_grid}"
