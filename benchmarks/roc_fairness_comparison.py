@@ -58,14 +58,14 @@ PRESETS = {
                     dataset_icppac_grid="adult:0.1/10/1e-3;0.1/100/1e-3", datasets="compas,adult"),
     # what docs/roc_fairness.md reports now (2 cores, about 80 minutes with --workers 2): COMPAS at the
     # paper's 60 epochs, 5 seeds, the paper's beta grids with the squared hinge's extended to 20000, the
-    # hinge also with shared constraint batches; Adult at 6 epochs; 2 (COMPAS) and 1 (Adult) of ICPPAC's
-    # 18 settings (those the reduced setting found best); lr 1e-3 only.
+    # hinge also with shared constraint batches; Adult at 6 epochs; 4 (COMPAS) and 2 (Adult) of ICPPAC's
+    # 18 settings (mu = 1e-3); lr 1e-3 only.
     # Runs go in priority order, all seeds of one setting together, so a run cut short by --time-budget
     # leaves whole settings.
     "extended": dict(epochs=60, seeds="0,1,2,3,4", lrs="1e-3", hinge_betas=HINGE_BETAS,
                      squared_betas=SQUARED_BETAS + ",2000,5000,10000,20000", shared_batches_datasets="compas",
-                     icppac_grid="0.1:1:1e-3,0.1:10:1e-3",
-                     dataset_icppac_grid="adult:0.1/10/1e-3", dataset_epochs="adult:6",
+                     icppac_grid="0.1:1:1e-3,0.1:10:1e-3,0.1:100:1e-3,0.01:10:1e-3",
+                     dataset_icppac_grid="adult:0.1/10/1e-3;0.1/100/1e-3", dataset_epochs="adult:6",
                      datasets="compas,adult",
                      priority="compas:hinge;squared_hinge;none,compas:hinge_shared,compas:icppac,"
                               "adult:hinge;squared_hinge;none,adult:icppac"),
