@@ -4,13 +4,14 @@ Every tabular loader returns a :class:`datasets.DatasetDict` with splits ``train
 ``validation`` and ``test`` and columns
 
 * ``features``: the preprocessed feature vector (float32): categorical columns one-hot
-  encoded, numeric columns standardised; both encoders are fitted on the TRAIN split
-  only and applied unchanged to validation and test;
+  encoded, numeric columns standardised (scikit-learn's ``ColumnTransformer`` with
+  ``OneHotEncoder`` and ``StandardScaler``); both are fitted on the TRAIN split only and
+  applied unchanged to validation and test;
 * ``label``: 1 for the positive class, 0 otherwise;
 * ``group``: 1 for group p (Adult: Male; COMPAS: Caucasian), 0 for group u.
 
 The validation split is a fixed, seeded, label-and-group-stratified fraction of the
-training data (``split_seed``, default 0, independent of the training seed), so every
+training data (scikit-learn's ``train_test_split(stratify=...)``) (``split_seed``, default 0, independent of the training seed), so every
 method and training seed sees the same train / validation rows. The feature names are
 kept in ``DatasetDict["train"].info.description`` as JSON and returned by
 :func:`feature_names`.
