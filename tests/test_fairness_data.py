@@ -93,6 +93,68 @@ def test_csv_loader_fits_on_train_only_and_checks_columns(tmp_path):
         load_tabular_csv(str(tmp_path / "nope.csv"), label_column="y", group_column="g")
 
 
+def _direct_features(train: pd.DataFrame, frame: pd.DataFrame, numeric, categorical) -> np.ndarray:
+    """The preprocessing written out with pandas/numpy: (x - train mean) / train population std
+    (a constant column only centred), then one 0/1 column per sorted train category."""
+    cols = []
+    for c in numeric:
+        std = train[c].astype(float).std(ddof=0) or 1.0
+        cols.append(((frame[c].astype(float) - train[c].astype(float).mean()) / std).to_numpy())
+    for c in categorical:
+        for v in sorted(train[c].astype(str).unique()):
+            cols.append((frame[c].astype(str) == v).to_numpy().astype(float))
+    return np.stack(cols, axis=1)
+
+
+def test_column_transformer_features_equal_direct_pandas_computation():
+    from hf_constrained.fairness.data import TabularPreprocessor
+
+    rng = np.random.default_rng(3)
+    n = 300
+    train = pd.DataFrame({"x": rng.normal(2.0, 3.0, n), "k": rng.integers(0, 5, n), "const": np.full(n, 7.0),
+                          "city": rng.choice(["b", "a", "c"], n), "code": rng.choice([10, 2], n)})
+    other = pd.DataFrame({"x": rng.normal(size=40), "k": rng.integers(0, 9, 40), "const": np.full(40, 1.0),
+                          "city": rng.choice(["a", "zz"], 40), "code": rng.choice([2, 3], 40)})  # unseen: zz, 3
+    numeric, categorical = ["x", "k", "const"], ["city", "code"]
+    prep = TabularPreprocessor(categorical, numeric).fit(train)
+    assert prep.feature_names == ["x", "k", "const", "city=a", "city=b", "city=c", "code=10", "code=2"]
+    for frame in (train, other):
+        got = prep.transform(frame)
+        assert got.dtype == np.float32
+        np.testing.assert_allclose(got, _direct_features(train, frame, numeric, categorical), rtol=1e-6, atol=1e-6)
+
+
+def test_shipped_loaders_features_equal_direct_pandas_computation():
+    """COMPAS end to end: the split's features are the direct computation on its raw rows."""
+    import hf_constrained.fairness.data as data
+
+    raw = pd.read_csv(data._data_path("compas", "compas-scores-two-years.csv.gz"), compression="gzip")
+    raw = raw[(raw["days_b_screening_arrest"] <= 30) & (raw["days_b_screening_arrest"] >= -30)
+              & (raw["is_recid"] != -1) & (raw["c_charge_degree"] != "O") & (raw["score_text"] != "N/A")]
+    raw = raw[data.COMPAS_FEATURES + ["two_year_recid"]].reset_index(drop=True)
+    strata = raw["two_year_recid"].to_numpy() * 2 + (raw["race"] == "Caucasian").to_numpy()
+    # the splits: sklearn's stratified train_test_split, test first (seed + 1), then validation (seed)
+    from sklearn.model_selection import train_test_split
+
+    rest, test = train_test_split(np.arange(len(raw)), test_size=0.2, stratify=strata, random_state=1)
+    rest = np.sort(rest)
+    train, val = train_test_split(np.arange(len(rest)), test_size=0.2, stratify=strata[rest], random_state=0)
+    train_rows, val_rows = rest[np.sort(train)], rest[np.sort(val)]
+    ds = load_compas()
+    numeric = [c for c in data.COMPAS_FEATURES if pd.api.types.is_numeric_dtype(raw[c])]
+    categorical = [c for c in data.COMPAS_FEATURES if c not in numeric]
+    assert feature_names(ds)[:len(numeric)] == numeric
+    fit_on = raw.iloc[train_rows]
+    for split, rows in (("train", train_rows), ("validation", val_rows), ("test", np.sort(test))):
+        got = TabularSplit.from_dataset(ds[split])
+        np.testing.assert_allclose(got.features, _direct_features(fit_on, raw.iloc[rows], numeric, categorical),
+                                   rtol=1e-5, atol=1e-5)
+        assert np.array_equal(got.label, raw["two_year_recid"].to_numpy()[rows])
+        # every label/group stratum keeps its share (to one row per stratum)
+        for s in np.unique(strata):
+            assert abs((strata[rows] == s).sum() - (strata == s).mean() * len(rows)) <= 2
+
+
 def _chexpert_folder(root, n=16):
     from PIL import Image
 

@@ -293,3 +293,34 @@ def test_icppac_outer_step_returns_the_mean_of_its_inner_iterates(splits, inner_
         assert torch.allclose(final, torch.stack(last_loop).mean(0), atol=1e-6)
     else:
         assert torch.allclose(anchors[4], iterates[3]) and torch.allclose(final, iterates[-1])
+
+
+def test_penalty_methods_follow_the_step_decay_through_multisteplr(splits, tmp_path):
+    """x0.1 at 50% and 75% of training: torch's MultiStepLR, read from the optimizer at every step."""
+    from transformers import TrainerCallback
+
+    from hf_constrained.fairness.experiment import ROCFairnessArguments, decay_milestones, run_roc_fairness, step_decay
+
+    class LRs(TrainerCallback):
+        def __init__(self):
+            self.lrs, self.schedulers = [], set()
+
+        def on_step_begin(self, args, state, control, optimizer=None, lr_scheduler=None, **kw):
+            self.lrs.append(optimizer.param_groups[0]["lr"])
+            self.schedulers.add(type(lr_scheduler).__name__)
+
+    seen = LRs()
+    args = ROCFairnessArguments(dataset="adult", method="hinge", thresholds="-1,0,1", hidden_sizes="8",
+                                save_model=False)
+    # 600 rows, ~360 negatives -> 12 batches of 32 pairs per epoch, 2 epochs = 24 steps
+    targs = make_args(tmp_path, num_train_epochs=2, learning_rate=1e-2)
+    run_roc_fairness(args, targs, splits=splits, callbacks=[seen])
+    total = len(seen.lrs)
+    assert total == 2 * -(-int((splits["train"].label == 0).sum()) // 32)
+    assert seen.schedulers == {"MultiStepLR"}
+    half, three_quarters = decay_milestones(total, [0.5, 0.75])
+    expected = [1e-2] * half + [1e-3] * (three_quarters - half) + [1e-4] * (total - three_quarters)
+    np.testing.assert_allclose(seen.lrs, expected, rtol=1e-9)
+    # ICPPAC's loop (no torch optimizer) gets the same multipliers
+    np.testing.assert_allclose([1e-2 * step_decay(total, [0.5, 0.75], 0.1)(t) for t in range(total)], expected,
+                               rtol=1e-9)

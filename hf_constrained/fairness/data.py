@@ -4,13 +4,14 @@ Every tabular loader returns a :class:`datasets.DatasetDict` with splits ``train
 ``validation`` and ``test`` and columns
 
 * ``features``: the preprocessed feature vector (float32): categorical columns one-hot
-  encoded, numeric columns standardised; both encoders are fitted on the TRAIN split
-  only and applied unchanged to validation and test;
+  encoded, numeric columns standardised (scikit-learn's ``ColumnTransformer`` with
+  ``OneHotEncoder`` and ``StandardScaler``); both are fitted on the TRAIN split only and
+  applied unchanged to validation and test;
 * ``label``: 1 for the positive class, 0 otherwise;
 * ``group``: 1 for group p (Adult: Male; COMPAS: Caucasian), 0 for group u.
 
 The validation split is a fixed, seeded, label-and-group-stratified fraction of the
-training data (``split_seed``, default 0, independent of the training seed), so every
+training data (scikit-learn's ``train_test_split(stratify=...)``) (``split_seed``, default 0, independent of the training seed), so every
 method and training seed sees the same train / validation rows. The feature names are
 kept in ``DatasetDict["train"].info.description`` as JSON and returned by
 :func:`feature_names`.
@@ -36,6 +37,9 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import numpy as np
 import pandas as pd
 import torch
+from sklearn.compose import ColumnTransformer
+from sklearn.model_selection import train_test_split
+from sklearn.preprocessing import OneHotEncoder, StandardScaler
 
 if TYPE_CHECKING:
     import datasets
@@ -60,52 +64,70 @@ def _data_path(*parts: str) -> str:
 # --------------------------------------------------------------------------- preprocessing
 @dataclass
 class TabularPreprocessor:
-    """One-hot for categorical columns, standardisation for numeric ones; fit on train only."""
+    """One-hot for categorical columns, standardisation for numeric ones; fit on train only.
+
+    A thin wrapper around scikit-learn's ``ColumnTransformer`` (``StandardScaler`` on the
+    numeric columns, population std, a constant column kept centred and unscaled;
+    ``OneHotEncoder`` on the categorical ones, compared as strings, categories sorted, a
+    category unseen in train encoded as all zeros) that keeps the library's feature names
+    (numeric names, then ``column=value``).
+    """
 
     categorical: list[str]
     numeric: list[str]
-    categories: Optional[dict[str, list[str]]] = None
-    mean: Optional[dict[str, float]] = None
-    std: Optional[dict[str, float]] = None
+    transformer: Optional[ColumnTransformer] = None
 
     def fit(self, df: pd.DataFrame) -> "TabularPreprocessor":
-        self.categories = {c: sorted(df[c].astype(str).unique().tolist()) for c in self.categorical}
-        self.mean = {c: float(df[c].astype(float).mean()) for c in self.numeric}
-        # a constant column would divide by zero: keep it centred, unscaled
-        self.std = {c: float(df[c].astype(float).std(ddof=0)) or 1.0 for c in self.numeric}
+        if not self.categorical and not self.numeric:
+            raise ValueError("no feature columns left after removing the label (and group) columns")
+        parts = []
+        if self.numeric:
+            parts.append(("numeric", StandardScaler(), list(self.numeric)))
+        if self.categorical:
+            # no column is invented from test data: unseen categories become all zeros
+            parts.append(("categorical", OneHotEncoder(handle_unknown="ignore", sparse_output=False,
+                                                       dtype=np.float32), list(self.categorical)))
+        self.transformer = ColumnTransformer(parts, sparse_threshold=0.0).fit(self._frame(df))
         return self
+
+    def _frame(self, df: pd.DataFrame) -> pd.DataFrame:
+        """Numeric columns as float, categorical ones as strings (so 1 and "1" are one category)."""
+        return pd.DataFrame({**{c: df[c].astype(float) for c in self.numeric},
+                             **{c: df[c].astype(str) for c in self.categorical}}, index=df.index)
+
+    @property
+    def categories(self) -> dict[str, list[str]]:
+        """The categories of each categorical column, as fitted on train (sorted)."""
+        if self.transformer is None:
+            raise RuntimeError("TabularPreprocessor used before fit")
+        if not self.categorical:
+            return {}
+        encoder = self.transformer.named_transformers_["categorical"]
+        return {c: [str(v) for v in cats] for c, cats in zip(self.categorical, encoder.categories_)}
 
     @property
     def feature_names(self) -> list[str]:
-        assert self.categories is not None, "call fit() first"
-        return list(self.numeric) + [f"{c}={v}" for c in self.categorical for v in self.categories[c]]
+        cats = self.categories
+        return list(self.numeric) + [f"{c}={v}" for c in self.categorical for v in cats[c]]
 
     def transform(self, df: pd.DataFrame) -> np.ndarray:
-        if self.categories is None:
+        if self.transformer is None:
             raise RuntimeError("TabularPreprocessor.transform called before fit")
-        parts = [((df[c].astype(float) - self.mean[c]) / self.std[c]).to_numpy()[:, None] for c in self.numeric]
-        for c in self.categorical:
-            values = df[c].astype(str).to_numpy()
-            # a category unseen in train gets all zeros (no column is invented from test data)
-            parts.append((values[:, None] == np.asarray(self.categories[c])[None, :]).astype(np.float32))
-        if not parts:
-            raise ValueError("no feature columns left after removing the label (and group) columns")
-        return np.concatenate(parts, axis=1).astype(np.float32)
+        return np.asarray(self.transformer.transform(self._frame(df)), dtype=np.float32)
 
 
 def _stratified_split(strata: np.ndarray, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Indices (keep, held_out) with ``fraction`` of every stratum held out, seeded."""
+    """Indices (keep, held_out), both sorted, with ``fraction`` of every stratum held out
+    (scikit-learn's ``train_test_split(stratify=...)``, seeded)."""
     if not 0.0 < fraction < 1.0:
         raise ValueError(f"split fraction must be in (0, 1), got {fraction}")
-    rng = np.random.default_rng(seed)
-    held = []
-    for value in np.unique(strata):
-        rows = np.flatnonzero(strata == value)
-        rng.shuffle(rows)
-        held.append(rows[: int(round(fraction * len(rows)))])
-    held_out = np.sort(np.concatenate(held))
-    keep = np.setdiff1d(np.arange(len(strata)), held_out)
-    return keep, held_out
+    values, counts = np.unique(strata, return_counts=True)
+    if counts.min() < 2:
+        raise ValueError(f"cannot stratify the split: the label/group combination {values[counts.argmin()]} "
+                         f"(label * 2 + group) has only {counts.min()} row")
+    keep, held_out = train_test_split(np.arange(len(strata)), test_size=fraction, stratify=strata,
+                                      random_state=seed)
+    return np.sort(keep), np.sort(held_out)
 
 
 def _binary(series: pd.Series, value: Any, what: str, column: str) -> np.ndarray:

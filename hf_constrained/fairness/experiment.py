@@ -10,11 +10,13 @@ method is one of
 
 All four use the same model, data, batches, number of epochs and learning-rate
 schedule (constant, then x ``lr_decay_factor`` at each fraction in ``lr_decay_at``;
-the paper decays x0.1 at 50% and 75%).
+the paper decays x0.1 at 50% and 75%): torch's ``MultiStepLR`` for the penalty methods,
+the same multipliers (:func:`step_decay`) in ICPPAC's own loop.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import math
@@ -23,7 +25,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -121,10 +123,20 @@ def load_splits(args: ROCFairnessArguments) -> dict[str, TabularSplit]:
     return {split: TabularSplit.from_dataset(ds[split]) for split in ("train", "validation", "test")}
 
 
-def step_decay(total_steps: int, at: list[float], factor: float):
-    """lr multiplier: 1, then x ``factor`` after each fraction ``at`` of ``total_steps``."""
-    milestones = [int(round(f * total_steps)) for f in at]
-    return lambda step: factor ** sum(step >= m for m in milestones)
+def decay_milestones(total_steps: int, at: Sequence[float]) -> list[int]:
+    """Optimizer steps at which the learning rate is decayed: round(f * total_steps) per fraction f."""
+    return [int(round(f * total_steps)) for f in at]
+
+
+def step_decay(total_steps: int, at: Sequence[float], factor: float) -> Callable[[int], float]:
+    """lr multiplier of step ``step``: ``factor`` to the number of milestones <= step.
+
+    The same schedule as ``torch.optim.lr_scheduler.MultiStepLR(optimizer,
+    decay_milestones(total_steps, at), gamma=factor)``, which the penalty methods use;
+    ICPPAC's own loop, which has no torch optimizer, uses this function.
+    """
+    milestones = sorted(decay_milestones(total_steps, at))
+    return lambda step: factor ** bisect.bisect_right(milestones, step)
 
 
 def _write_json(path: str, payload: dict[str, Any]) -> None:
@@ -163,7 +175,6 @@ def run_roc_fairness(args: ROCFairnessArguments, training_args: ConstrainedTrain
     batches_per_epoch = math.ceil(len(objective) / (batch * training_args.world_size))
     steps_per_epoch = max(1, batches_per_epoch // training_args.gradient_accumulation_steps)
     total = training_args.max_steps if training_args.max_steps > 0 else steps_per_epoch * epochs
-    lr_factor = step_decay(total, args.decay_list, args.lr_decay_factor)
     t_start = time.perf_counter()
 
     if args.method == "icppac":
@@ -180,7 +191,7 @@ def run_roc_fairness(args: ROCFairnessArguments, training_args: ConstrainedTrain
         trainer = ICPPACTrainer(
             model, pairwise_auc_loss, loader, constraints, cfg,
             constraint_batch_size=training_args.constraint_batch_size, seed=training_args.constraint_sampling_seed,
-            lr_factor=lr_factor, disable_tqdm=training_args.disable_tqdm,
+            lr_factor=step_decay(total, args.decay_list, args.lr_decay_factor), disable_tqdm=training_args.disable_tqdm,
             callbacks=[lambda ep, mdl, secs: (setattr(history, "train_seconds", secs), history.record(mdl, ep))],
         )
         summary = trainer.train(epochs)
@@ -190,7 +201,10 @@ def run_roc_fairness(args: ROCFairnessArguments, training_args: ConstrainedTrain
         training_args.remove_unused_columns = False
         optimizer = torch.optim.AdamW(model.parameters(), lr=training_args.learning_rate,
                                       weight_decay=training_args.weight_decay)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+        # the paper's step decay (x lr_decay_factor at each fraction of training): torch's MultiStepLR,
+        # stepped once per optimizer step by the Trainer
+        scheduler = torch.optim.lr_scheduler.MultiStepLR(optimizer, decay_milestones(total, args.decay_list),
+                                                         gamma=args.lr_decay_factor)
         trainer = AUCConstrainedTrainer(
             model=model, args=training_args, constraints=constraints, train_dataset=objective,
             data_collator=collate_pairs, optimizers=(optimizer, scheduler), callbacks=[history, *callbacks],
@@ -263,4 +277,4 @@ def run_roc_fairness(args: ROCFairnessArguments, training_args: ConstrainedTrain
     return results
 
 
-__all__ = ["METHODS", "ROCFairnessArguments", "load_splits", "run_roc_fairness", "step_decay"]
+__all__ = ["METHODS", "ROCFairnessArguments", "decay_milestones", "load_splits", "run_roc_fairness", "step_decay"]

@@ -1,0 +1,62 @@
+"""The ROC comparison's run order and its two feasibility readings (benchmarks/roc_fairness_comparison.py)."""
+
+import importlib.util
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def comparison():
+    spec = importlib.util.spec_from_file_location("roc_fairness_comparison",
+                                                  os.path.join(ROOT, "benchmarks", "roc_fairness_comparison.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_extended_preset_runs_tiers_in_order_with_whole_settings(comparison, monkeypatch, tmp_path):
+    captured, run_specs = {}, comparison.run_specs
+
+    def stop(args):  # the planned runs, then stop before any training
+        captured["specs"] = run_specs(args)
+        raise SystemExit
+
+    monkeypatch.setattr(comparison, "run_specs", stop)
+    with pytest.raises(SystemExit):
+        comparison.main(["--preset", "extended", "--out", str(tmp_path)])
+    specs = captured["specs"]
+    tiers = [(s["dataset"], "penalties" if s["method"] in ("hinge", "squared_hinge", "none") else s["method"])
+             for s in specs]
+    order = [("compas", "penalties"), ("compas", "hinge_shared"), ("compas", "icppac"), ("adult", "penalties"),
+             ("adult", "icppac")]
+    assert [t for n, t in enumerate(tiers) if n == 0 or tiers[n - 1] != t] == order  # each tier once, in order
+    keys = [comparison.spec_key({**s, "seed": 0}) for s in specs]
+    for n in range(0, len(specs), 5):  # every seed of one setting together, seeds 0..4
+        assert len(set(keys[n:n + 5])) == 1 and [s["seed"] for s in specs[n:n + 5]] == [0, 1, 2, 3, 4]
+    shared = [s for s in specs if s["method"] == "hinge_shared"]
+    assert shared and all(s["share_constraint_batches"] for s in shared)
+    assert {s["beta"] for s in specs if s["method"] == "squared_hinge"} >= {1000.0, 20000.0}
+    assert {s["epochs"] for s in specs if s["dataset"] == "compas"} == {60}
+
+
+def _setting(beta, feasible, outside, seeds_ok, seeds_in_range):
+    return {"dataset": "d", "method": "hinge", "setting": f"beta={beta}", "beta": beta, "feasible": feasible,
+            "shifted": outside > 0.5, "seeds": [0, 1], "seeds_feasible_on_train": seeds_ok,
+            "seeds_feasible_in_range": seeds_in_range, "train_max_violation_of_mean": -0.001 if feasible else 0.01,
+            "val_auc": 0.7, "lr": 1e-3, "test_auc": 0.7, "test_auc_std": 0.0, "test_max_violation": 0.0,
+            "test_max_violation_worst_seed": 0.0, "seconds_per_epoch": 1.0, "train_hard_gap_max": 0.1,
+            "train_roc_gap": 0.1, "test_hard_gap_max": 0.1, "test_roc_gap": 0.1,
+            "test_fraction_outside_thresholds": outside, "test_fraction_outside_thresholds_worst_seed": outside,
+            "train_fraction_outside_thresholds": outside}
+
+
+def test_in_range_selection_skips_settings_feasible_by_saturated_scores(comparison):
+    settings = {f"d|hinge|beta={b}": _setting(b, *rest) for b, *rest in (
+        (1, True, 0.99, 2, 0), (10, False, 0.2, 0, 0), (20, True, 0.1, 1, 1), (40, True, 0.0, 2, 2))}
+    paper = comparison._select(settings, ["d"], in_range=False)["d|hinge"]
+    in_range = comparison._select(settings, ["d"], in_range=True)["d|hinge"]
+    assert paper["beta"] == 1 and paper["smallest_beta_every_seed_feasible"] == 1
+    assert in_range["beta"] == 20 and in_range["smallest_beta_every_seed_feasible"] == 40
