@@ -34,5 +34,7 @@ status=0
 LAUNCH="$PY"
 [ "$DEVICE" = cuda ] && LAUNCH="$PY -m accelerate.commands.launch --config_file recipes/accelerate_configs/single_gpu.yaml"
 $LAUNCH benchmarks/step_overhead.py $COMMON $SIZES $OV --out "$OUT/step_overhead.json" 2>&1 | grep -v "^\[transformers\]" | tail -n 70 || status=1
+# the same with the constraints' rows in one datasets.Dataset (one column read per step)
+$LAUNCH benchmarks/step_overhead.py $COMMON $SIZES $OV --constraint-data dataset --out "$OUT/step_overhead_dataset.json" 2>&1 | grep -v "^\[transformers\]" | tail -n 70 || status=1
 $PY benchmarks/constraint_scaling.py $COMMON $SIZES $SC --out "$OUT/constraint_scaling.json" 2>&1 | grep -v "^\[transformers\]" | tail -n 40 || status=1
 exit $status
