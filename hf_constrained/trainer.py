@@ -127,6 +127,9 @@ class _ConstraintDraw:
     # the collated device batches of the look-ahead, reused by the step itself (same rows, new
     # parameters): not part of the state (a resumed run collates them again)
     batches: dict[Any, Any] = field(default_factory=dict)
+    # the row units of each row group and the positions of the scalar constraints (derived from
+    # the fields above by ConstrainedTrainer._plan_units, kept so a draw is planned once)
+    units: Optional[tuple[dict[int, dict[int, Any]], list[int]]] = None
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -543,7 +546,10 @@ class ConstrainedTrainer(SafetyMixin, TrainerInternals):
 
     def _plan_units(self, draw: _ConstraintDraw) -> tuple[dict[int, dict[int, RowUnit]], list[int]]:
         """The row units of each row group in ``draw`` (one per stream owner, in B_c order) and the
-        positions of the scalar constraints."""
+        positions of the scalar constraints (planned once per draw: the shared call, the step and
+        the look-ahead read the same plan)."""
+        if draw.units is not None:
+            return draw.units
         ids = draw.constraint_ids.tolist()
         buckets: dict[int, dict[int, RowUnit]] = defaultdict(dict)
         scalar_pos: list[int] = []
@@ -558,7 +564,8 @@ class ConstrainedTrainer(SafetyMixin, TrainerInternals):
                 units[unit_key] = RowUnit(self.constraints[k].dataset, self._local_rows(draw.sample_indices[p]))
             units[unit_key].positions.append(p)
             units[unit_key].constraints.append(k)
-        return buckets, scalar_pos
+        draw.units = (dict(buckets), scalar_pos)  # a plain dict: a lookup must not add a group
+        return draw.units
 
     def _evaluate_draw(self, model: nn.Module, draw: _ConstraintDraw, *, need_grad: bool,
                        precomputed: Optional[dict[int, tuple[Any, list[tuple[int, int]], torch.Tensor]]] = None,
