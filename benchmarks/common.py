@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import resource
 import statistics
 import time
 from typing import Any, Optional
@@ -185,6 +186,41 @@ def timed_train(trainer: Trainer, warmup: int, clock: str = "wall") -> list[floa
     trainer.add_callback(timer)
     trainer.train()
     return timer.cpu_times if clock == "cpu" else timer.times
+
+
+def train_measuring_memory(trainer: Trainer, *, cpu: bool, gpu_peak_key: str = "peak_allocated") -> dict[str, Any]:
+    """Train and return the memory before training and at its peak during it, and the CPU time.
+
+    CPU: the resident set (``rss_before_train``, ``peak_rss``: the process's high-water mark);
+    CUDA: ``allocated_before_train`` and ``max_memory_allocated`` (under ``gpu_peak_key``).
+    ``peak_growth`` is the peak minus the memory before training; ``train_cpu_seconds`` the
+    process CPU time of ``trainer.train()``.
+    """
+    res: dict[str, Any] = {}
+    if cpu:
+        res["rss_before_train"] = rss_bytes()
+    else:
+        trainer.model.to("cuda")
+        torch.cuda.synchronize()
+        res["allocated_before_train"] = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    start = time.process_time()
+    trainer.train()
+    res["train_cpu_seconds"] = time.process_time() - start
+    if cpu:
+        res["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        res["peak_growth"] = res["peak_rss"] - res["rss_before_train"]
+    else:
+        torch.cuda.synchronize()
+        res[gpu_peak_key] = torch.cuda.max_memory_allocated()
+        res["peak_growth"] = res[gpu_peak_key] - res["allocated_before_train"]
+    return res
+
+
+def rss_bytes() -> int:
+    """This process's resident set now (Linux ``/proc``)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def default_clock(device: str, threads: Optional[int]) -> str:

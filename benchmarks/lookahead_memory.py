@@ -25,17 +25,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
-import time
 
 import torch
 from datasets import Dataset
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import machine, write_json  # noqa: E402
+from common import machine, train_measuring_memory, write_json  # noqa: E402
 from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments, constraints_per_value  # noqa: E402
 
 PLACEMENTS = ("before_backward", "after_backward", "in_call")
@@ -60,11 +58,6 @@ def row_scores(model: nn.Module, batch: dict) -> torch.Tensor:
     return model(batch["x"])["scores"]
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def child(a: argparse.Namespace) -> None:
     torch.set_num_threads(a.threads)
     g = torch.Generator().manual_seed(0)
@@ -87,22 +80,8 @@ def child(a: argparse.Namespace) -> None:
     constraints = constraints_per_value(data, "c", row_fn=row_scores, tolerance=-1.0)  # always active
     trainer = ConstrainedTrainer(model=model, args=args, train_dataset=train, constraints=constraints)
     res: dict = {"param_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
-    if a.device == "cpu":
-        res["rss_before_train"] = _rss_bytes()
-    else:
-        trainer.model.to("cuda")
-        torch.cuda.synchronize()
-        res["allocated_before_train"] = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-    start = time.process_time()
-    trainer.train()
-    res["cpu_seconds_per_step"] = (time.process_time() - start) / a.steps
-    if a.device == "cpu":
-        res["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        res["peak_growth"] = res["peak_rss"] - res["rss_before_train"]
-    else:
-        res["max_allocated"] = torch.cuda.max_memory_allocated()
-        res["peak_growth"] = res["max_allocated"] - res["allocated_before_train"]
+    res.update(train_measuring_memory(trainer, cpu=a.device == "cpu", gpu_peak_key="max_allocated"))
+    res["cpu_seconds_per_step"] = res.pop("train_cpu_seconds") / a.steps
     print(json.dumps(res))
 
 

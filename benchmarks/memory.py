@@ -20,19 +20,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 
-import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import add_common_arguments, machine, make_constrained, make_plain, setup_threads, write_json  # noqa: E402
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+from common import (add_common_arguments, machine, make_constrained, make_plain, setup_threads,  # noqa: E402
+                    train_measuring_memory, write_json)
 
 
 def child(a: argparse.Namespace) -> None:
@@ -46,23 +40,9 @@ def child(a: argparse.Namespace) -> None:
         gp = 0.1 if a.child == "constrained_gp0.1" else 0.0
         trainer = make_constrained(a.model, out, batch=a.batch, m=a.per_step, per_step=a.per_step,
                                    constraint_batch=a.constraint_batch, gamma_prime=gp, **common)
-    params = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
-    res: dict = {"param_bytes": params}
-    if cpu:
-        res["rss_before_train"] = _rss_bytes()
-    else:
-        trainer.model.to("cuda")
-        torch.cuda.synchronize()
-        res["allocated_before_train"] = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-    trainer.train()
-    if cpu:
-        res["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        res["peak_growth"] = res["peak_rss"] - res["rss_before_train"]
-    else:
-        torch.cuda.synchronize()
-        res["peak_allocated"] = torch.cuda.max_memory_allocated()
-        res["peak_growth"] = res["peak_allocated"] - res["allocated_before_train"]
+    res: dict = {"param_bytes": sum(p.numel() * p.element_size() for p in trainer.model.parameters())}
+    res.update(train_measuring_memory(trainer, cpu=cpu))
+    del res["train_cpu_seconds"]  # not part of this benchmark's result
     print("RESULT " + json.dumps(res), flush=True)
 
 

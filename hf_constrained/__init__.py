@@ -12,8 +12,9 @@ command line) does not load torch or transformers until a name that needs them i
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from .lazy_import import lazy_attributes
 
 if TYPE_CHECKING:  # pragma: no cover
     from .config import ConstrainedTrainingArguments
@@ -54,13 +55,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    """Import the module that defines ``name`` on first access (PEP 562)."""
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
-        globals()[name] = value  # later lookups skip this function
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, _LAZY, globals())
 
 
 def __dir__() -> list[str]:

@@ -20,9 +20,9 @@ The report names are imported eagerly (plain data, no torch); the rest on first 
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from ..lazy_import import lazy_attributes
 from .report import SAFETY_REPORT_NAME, ConstraintResult, SafetyReport, UnsafeModelError, format_number
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -32,19 +32,15 @@ if TYPE_CHECKING:  # pragma: no cover
     from .gate import SafetyMixin
 
 _LAZY = {
-    "ModelCardInfo": "card",
-    "build_safety_report": "evaluation",
-    "finish_run": "finish",
-    "SafetyMixin": "gate",
+    "ModelCardInfo": ".card",
+    "build_safety_report": ".evaluation",
+    "finish_run": ".finish",
+    "SafetyMixin": ".gate",
 }
 
 
-def __getattr__(name: str) -> Any:
-    """Heavy names (they import transformers / huggingface_hub) on first access."""
-    if name in _LAZY:
-        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
+# heavy names (they import transformers / huggingface_hub) on first access
+__getattr__ = lazy_attributes(__name__, _LAZY, globals())
 
 __all__ = [
     "SAFETY_REPORT_NAME",
