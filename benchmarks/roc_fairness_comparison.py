@@ -1,10 +1,13 @@
 """The paper's ROC-fairness comparison (section 5.1, Figures 1-2) on Adult and COMPAS.
 
-    python benchmarks/roc_fairness_comparison.py --preset extended   # docs/roc_fairness.md's setting
+    python benchmarks/roc_fairness_comparison.py --preset paper_grid --report-only   # docs/roc_fairness.md's
+                                                                     # setting, from the committed run files
+    python benchmarks/roc_fairness_comparison.py --preset extended   # lr 1e-3, part of ICPPAC's grid
     python benchmarks/roc_fairness_comparison.py --preset reduced    # the earlier, shorter setting
     python benchmarks/roc_fairness_comparison.py --preset paper      # the paper's setting (60 epochs,
                                                                      # 5 seeds, lr {1e-3, 1e-4}, full grids)
     python benchmarks/roc_fairness_comparison.py --report-only       # tables + figures from the JSONL
+                                                                     # (--runs-from: also other run files)
 
 Runs hinge and squared hinge over their beta grids, the unconstrained model and ICPPAC
 over its grid, each for every seed and learning rate, with the same model, batches,
@@ -59,7 +62,7 @@ PRESETS = {
                     "0.01:10:1e-3", dataset_epochs="adult:3,compas:10", dataset_seeds="adult:0;1;2",
                     dataset_hinge_betas="adult:1;4;10;40", dataset_squared_betas="adult:10;40;100;400;1000",
                     dataset_icppac_grid="adult:0.1/10/1e-3;0.1/100/1e-3", datasets="compas,adult"),
-    # what docs/roc_fairness.md reports (280 runs, about an hour on 2 cores with --workers 2): COMPAS at the
+    # lr 1e-3 part of what docs/roc_fairness.md reports (280 runs, about an hour on 2 cores with --workers 2): COMPAS at the
     # paper's 60 epochs, 5 seeds, the paper's beta grids with the squared hinge's extended to 20000, the
     # hinge also with shared constraint batches; Adult at 6 epochs; 4 (COMPAS) and 2 (Adult) of ICPPAC's
     # 18 settings (mu = 1e-3); lr 1e-3 only.
