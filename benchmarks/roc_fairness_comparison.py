@@ -62,7 +62,7 @@ PRESETS = {
                     "0.01:10:1e-3", dataset_epochs="adult:3,compas:10", dataset_seeds="adult:0;1;2",
                     dataset_hinge_betas="adult:1;4;10;40", dataset_squared_betas="adult:10;40;100;400;1000",
                     dataset_icppac_grid="adult:0.1/10/1e-3;0.1/100/1e-3", datasets="compas,adult"),
-    # lr 1e-3 part of what docs/roc_fairness.md reports (280 runs, about an hour on 2 cores with --workers 2): COMPAS at the
+    # the lr 1e-3 part of what docs/roc_fairness.md reports (280 runs, about an hour on 2 cores, --workers 2): COMPAS at the
     # paper's 60 epochs, 5 seeds, the paper's beta grids with the squared hinge's extended to 20000, the
     # hinge also with shared constraint batches; Adult at 6 epochs; 4 (COMPAS) and 2 (Adult) of ICPPAC's
     # 18 settings (mu = 1e-3); lr 1e-3 only.
@@ -307,8 +307,8 @@ def choose_lr(every: dict, in_range: bool) -> dict:
     by_base: dict = defaultdict(list)
     for v in every.values():
         by_base[(v["dataset"], v["method"], v["base_setting"])].append(v)
-    return {"|".join(key): {**max(vs, key=lambda v: (ok(v), v["val_auc"])), "lr_candidates": sorted(v["lr"] for v in vs)}
-            for key, vs in by_base.items()}
+    return {"|".join(key): {**max(vs, key=lambda v: (ok(v), v["val_auc"])),
+                            "lr_candidates": sorted(v["lr"] for v in vs)} for key, vs in by_base.items()}
 
 
 SELECTED_KEYS = ("beta", "lr", "test_auc", "test_auc_std", "val_auc", "test_max_violation",
@@ -658,7 +658,8 @@ def main(argv=None) -> dict:
     missing = [p for p in runs_from if not os.path.exists(p)]
     if missing:
         raise SystemExit(f"--runs-from: no such file: {', '.join(missing)}")
-    done = read_runs(runs_from + [p for p in (jsonl + ".gz", jsonl) if os.path.exists(p)])  # the committed copy is gzipped
+    # the committed copy is gzipped
+    done = read_runs(runs_from + [p for p in (jsonl + ".gz", jsonl) if os.path.exists(p)])
     common = {"batch_pairs": args.batch_pairs, "msvr_gamma": args.msvr_gamma, "constraint_margin": args.constraint_margin,
               "hidden_sizes": args.hidden_sizes, "icppac_inner_steps": args.icppac_inner_steps,
               "icppac_inner_output": args.icppac_inner_output, "splits_cache": args.splits_cache}
