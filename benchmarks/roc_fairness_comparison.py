@@ -1,10 +1,13 @@
 """The paper's ROC-fairness comparison (section 5.1, Figures 1-2) on Adult and COMPAS.
 
-    python benchmarks/roc_fairness_comparison.py --preset extended   # docs/roc_fairness.md's setting
+    python benchmarks/roc_fairness_comparison.py --preset paper_grid --report-only   # docs/roc_fairness.md's
+                                                                     # setting, from the committed run files
+    python benchmarks/roc_fairness_comparison.py --preset extended   # lr 1e-3, part of ICPPAC's grid
     python benchmarks/roc_fairness_comparison.py --preset reduced    # the earlier, shorter setting
     python benchmarks/roc_fairness_comparison.py --preset paper      # the paper's setting (60 epochs,
                                                                      # 5 seeds, lr {1e-3, 1e-4}, full grids)
     python benchmarks/roc_fairness_comparison.py --report-only       # tables + figures from the JSONL
+                                                                     # (--runs-from: also other run files)
 
 Runs hinge and squared hinge over their beta grids, the unconstrained model and ICPPAC
 over its grid, each for every seed and learning rate, with the same model, batches,
@@ -59,7 +62,7 @@ PRESETS = {
                     "0.01:10:1e-3", dataset_epochs="adult:3,compas:10", dataset_seeds="adult:0;1;2",
                     dataset_hinge_betas="adult:1;4;10;40", dataset_squared_betas="adult:10;40;100;400;1000",
                     dataset_icppac_grid="adult:0.1/10/1e-3;0.1/100/1e-3", datasets="compas,adult"),
-    # what docs/roc_fairness.md reports (280 runs, about an hour on 2 cores with --workers 2): COMPAS at the
+    # the lr 1e-3 part of what docs/roc_fairness.md reports (280 runs, about an hour on 2 cores, --workers 2): COMPAS at the
     # paper's 60 epochs, 5 seeds, the paper's beta grids with the squared hinge's extended to 20000, the
     # hinge also with shared constraint batches; Adult at 6 epochs; 4 (COMPAS) and 2 (Adult) of ICPPAC's
     # 18 settings (mu = 1e-3); lr 1e-3 only.
@@ -72,6 +75,18 @@ PRESETS = {
                      datasets="compas,adult",
                      priority="compas:hinge;squared_hinge;none,compas:hinge_shared,compas:icppac,"
                               "adult:hinge;squared_hinge;none,adult:icppac"),
+    # docs/roc_fairness.md's main setting: the paper's (both learning rates chosen on validation, ICPPAC's full
+    # grid) with Adult at 6 epochs and the squared hinge's grid extended to 20000, reported from the committed
+    # runs of --preset extended (lr 1e-3), the two lr 1e-4 runs and ICPPAC's remaining grid points. Without
+    # --report-only it runs what those files lack into --out.
+    "paper_grid": dict(epochs=60, seeds="0,1,2,3,4", lrs="1e-3,1e-4", hinge_betas=HINGE_BETAS,
+                       squared_betas=SQUARED_BETAS + ",2000,5000,10000,20000", icppac_grid=ICPPAC_FULL,
+                       dataset_epochs="adult:6", datasets="compas,adult", methods="hinge,squared_hinge,none,icppac",
+                       priority="compas:hinge;squared_hinge;none,compas:icppac,adult:hinge;squared_hinge;none,"
+                                "adult:icppac",
+                       out=os.path.join(HERE, "results", "roc_fairness_paper_grid"),
+                       runs_from=",".join(os.path.join(HERE, "results", d, "roc_fairness_runs.jsonl.gz") for d in (
+                           ".", "roc_fairness_lr1e-4", "roc_fairness_adult_lr1e-4", "roc_fairness_icppac_grid"))),
 }
 
 
@@ -271,21 +286,29 @@ def summarise(runs: list[dict], args: argparse.Namespace) -> dict:
                 _sp(r, "test", "fraction_outside_thresholds") for r in rs)),
             "seconds_per_epoch": _mean([r["seconds_per_epoch"] for r in rs]),
         }
-    # the learning rate of each (method, setting): feasible on train first, then validation AUC
-    settings = {}
+    settings = choose_lr(every, in_range=False)
+    settings_in_range = choose_lr(every, in_range=True)
+    datasets = args.datasets.split(",")
+    selected = _select(settings, datasets, in_range=False)
+    selected_in_range = _select(settings_in_range, datasets, in_range=True)
+    return {"settings": settings, "all_lrs": every, "selected": selected, "goals": _goals(selected, datasets),
+            # the same with "feasible" read as: constraints hold AND at most half of the training scores lie
+            # outside the thresholds (soft rates that saturate meet the constraints by a score shift); each
+            # setting's learning rate chosen under that reading
+            "settings_in_range": settings_in_range, "selected_in_range": selected_in_range,
+            "goals_in_range": _goals(selected_in_range, datasets)}
+
+
+def choose_lr(every: dict, in_range: bool) -> dict:
+    """Each (dataset, method, setting) at its learning rate: the best validation AUC among the
+    rates at which the setting is feasible on train (``in_range``: feasible with its training
+    scores in range), the best validation AUC overall where it is feasible at none."""
+    ok = (lambda v: v["feasible"] and not v["shifted"]) if in_range else (lambda v: v["feasible"])
     by_base: dict = defaultdict(list)
     for v in every.values():
         by_base[(v["dataset"], v["method"], v["base_setting"])].append(v)
-    for key, vs in by_base.items():
-        pick = max(vs, key=lambda v: (v["feasible"], v["val_auc"]))
-        settings["|".join(key)] = {**pick, "lr_candidates": sorted(v["lr"] for v in vs)}
-    datasets = args.datasets.split(",")
-    selected = _select(settings, datasets, in_range=False)
-    selected_in_range = _select(settings, datasets, in_range=True)
-    return {"settings": settings, "all_lrs": every, "selected": selected, "goals": _goals(selected, datasets),
-            # the same with "feasible" read as: constraints hold AND at most half of the training scores lie
-            # outside the thresholds (soft rates that saturate meet the constraints by a score shift)
-            "selected_in_range": selected_in_range, "goals_in_range": _goals(selected_in_range, datasets)}
+    return {"|".join(key): {**max(vs, key=lambda v: (ok(v), v["val_auc"])),
+                            "lr_candidates": sorted(v["lr"] for v in vs)} for key, vs in by_base.items()}
 
 
 SELECTED_KEYS = ("beta", "lr", "test_auc", "test_auc_std", "val_auc", "test_max_violation",
@@ -420,8 +443,10 @@ def make_figures(runs: list[dict], summary: dict, args: argparse.Namespace) -> l
     for dataset in args.datasets.split(","):
         fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
         for ax, method, title in zip(axes, ("hinge", "squared_hinge"), ("hinge (the method), |B_c| = m", "squared hinge")):
-            chosen = {v["setting"] for v in summary["settings"].values()}  # each beta at its chosen lr
-            keys = sorted([k for k in by if k[0] == dataset and k[1] == method and k[2] in chosen],
+            # each beta at its learning rate chosen under the in-range reading (the curves' reading)
+            chosen = {(v["dataset"], v["method"], v["setting"])
+                      for v in summary.get("settings_in_range", summary["settings"]).values()}
+            keys = sorted([k for k in by if k[0] == dataset and k[1] == method and k in chosen],
                           key=lambda k: by[k][0]["spec"]["beta"])
             cmap = plt.get_cmap("viridis", max(len(keys), 2))
             for n, k in enumerate(keys):
@@ -508,13 +533,19 @@ def _goal_lines(goals: dict) -> list[str]:
 
 
 def markdown_table(summary: dict, meta: dict) -> str:
+    left_out = meta.get("incomplete_settings") or {}
     lines = [f"Machine: {meta['machine']}; {meta['setting']}", "",
+             *([f"Runs: {meta['runs']} of {meta['runs_planned']} planned. Not reported, because not every seed "
+                "finished (finished/planned seeds): " + "; ".join(f"{k} {v}" for k, v in left_out.items()) + ".", "",
+                ] if left_out else []),
              "Selected setting per method: penalties, the smallest beta whose seed-averaged final train "
              "constraints all hold; ICPPAC, the feasible setting with the best validation AUC; learning rate "
              "per setting by validation AUC. Violations are max_k (|gap_k| - kappa); hard gap = largest "
              "|TPR or FPR difference| at thresholds at the 10%..90% quantiles of the pooled scores; ROC gap = "
              "largest TPR difference at equal FPR between the groups' ROC curves; outside = fraction of "
-             "scores beyond the thresholds [-3, 3] (seed means; worst seed in brackets).", "",
+             "scores beyond the thresholds [-3, 3] (seed means; worst seed in brackets). Each reading chooses "
+             "a setting's learning rate among those feasible under it (the best validation AUC; the best "
+             "validation AUC overall where none is); the last column of the full table says for which.", "",
              "### Feasible as the paper counts it (seed-averaged final train constraints hold)", ""]
     lines += _selected_rows(summary["selected"], "seeds_feasible_on_train")
     lines += ["", "Goals:", ""] + _goal_lines(summary["goals"])
@@ -525,16 +556,44 @@ def markdown_table(summary: dict, meta: dict) -> str:
     lines += ["", "### All settings (seed means; feasible = every seed-averaged final train constraint <= 0)", "",
               "| data | method | setting | seeds | feasible on train | seeds feasible (in range) | train max violation | "
               "val AUC | test AUC | test max violation | train hard gap | test hard gap | test ROC gap | "
-              "train / test outside [-3, 3] | s / epoch |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "train / test outside [-3, 3] | s / epoch | lr chosen for |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    chosen = {reading: {(v["dataset"], v["method"], v["setting"]) for v in summary.get(key, {}).values()}
+              for reading, key in (("paper", "settings"), ("in range", "settings_in_range"))}
     for v in summary["all_lrs"].values():
+        key = (v["dataset"], v["method"], v["setting"])
+        lr_for = " and ".join(reading for reading, keys in chosen.items() if key in keys) or "-"
         lines.append(f"| {v['dataset']} | {v['method']} | {v['setting']} | {len(v['seeds'])} | {v['feasible']} | "
                      f"{v['seeds_feasible_on_train']}/{len(v['seeds'])} ({v['seeds_feasible_in_range']}) | "
                      f"{v['train_max_violation_of_mean']:+.4f} | "
                      f"{v['val_auc']:.4f} | {v['test_auc']:.4f} | {v['test_max_violation']:+.4f} | "
                      f"{v['train_hard_gap_max']:.4f} | {v['test_hard_gap_max']:.4f} | {v['test_roc_gap']:.4f} | "
                      f"{v['train_fraction_outside_thresholds']:.3f} / {v['test_fraction_outside_thresholds']:.3f} | "
-                     f"{v['seconds_per_epoch']:.2f} |")
+                     f"{v['seconds_per_epoch']:.2f} | {lr_for} |")
     return "\n".join(lines) + "\n"
+
+
+def read_runs(paths: list[str]) -> dict[str, dict]:
+    """The finished runs of these JSONL files (gzipped where the name ends in .gz), by ``spec_key``;
+    a run found in several files is taken from the last."""
+    done: dict[str, dict] = {}
+    for path in paths:
+        with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
+            for line in f:
+                if line.strip():
+                    r = json.loads(line)
+                    done[spec_key(r["spec"])] = r
+    return done
+
+
+def incomplete_settings(specs: list[dict], done: dict[str, dict]) -> dict[str, str]:
+    """``dataset|method|setting`` -> "finished/planned" seeds, for the settings not finished for every seed."""
+    planned: dict = defaultdict(lambda: [0, 0])
+    for s in specs:
+        count = planned[f"{s['dataset']}|{s['method']}|{setting_key(s)}"]
+        count[0] += spec_key(s) in done
+        count[1] += 1
+    return {k: f"{a}/{b}" for k, (a, b) in planned.items() if a < b}
 
 
 def main(argv=None) -> dict:
@@ -583,6 +642,9 @@ def main(argv=None) -> dict:
     p.add_argument("--splits-cache", default=None,
                    help="folder for <dataset>.npz copies of the preprocessed splits (reused when present)")
     p.add_argument("--report-only", action="store_true", help="tables and figures from the existing JSONL")
+    p.add_argument("--runs-from", default="",
+                   help="comma-separated run files (.jsonl or .jsonl.gz) of other --out folders, read as finished "
+                        "runs besides <out>/roc_fairness_runs.jsonl[.gz]; new runs still go to --out")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
     if args.preset:  # preset values for the flags the command line does not set
@@ -592,14 +654,12 @@ def main(argv=None) -> dict:
                 setattr(args, name, value)
     os.makedirs(args.out, exist_ok=True)
     jsonl = os.path.join(args.out, "roc_fairness_runs.jsonl")
-    done: dict[str, dict] = {}
-    for path, opener in ((jsonl + ".gz", gzip.open), (jsonl, open)):  # the committed copy is gzipped
-        if os.path.exists(path):
-            with opener(path, "rt") as f:
-                for line in f:
-                    if line.strip():
-                        r = json.loads(line)
-                        done[spec_key(r["spec"])] = r
+    runs_from = [p for p in args.runs_from.split(",") if p.strip()]
+    missing = [p for p in runs_from if not os.path.exists(p)]
+    if missing:
+        raise SystemExit(f"--runs-from: no such file: {', '.join(missing)}")
+    # the committed copy is gzipped
+    done = read_runs(runs_from + [p for p in (jsonl + ".gz", jsonl) if os.path.exists(p)])
     common = {"batch_pairs": args.batch_pairs, "msvr_gamma": args.msvr_gamma, "constraint_margin": args.constraint_margin,
               "hidden_sizes": args.hidden_sizes, "icppac_inner_steps": args.icppac_inner_steps,
               "icppac_inner_output": args.icppac_inner_output, "splits_cache": args.splits_cache}
@@ -630,7 +690,9 @@ def main(argv=None) -> dict:
             if queue:
                 print(f"time budget reached: {len(queue)} runs not started", flush=True)
     wanted = {spec_key(s) for s in specs}
-    runs = [r for k, r in done.items() if k in wanted]
+    incomplete = incomplete_settings(specs, done)  # left out: their seed means would cover other seeds
+    runs = [r for k, r in done.items() if k in wanted and
+            f"{r['spec']['dataset']}|{r['spec']['method']}|{setting_key(r['spec'])}" not in incomplete]
     if not runs:
         raise SystemExit("no finished runs to report")
     summary = summarise(runs, args)
@@ -655,9 +717,13 @@ def main(argv=None) -> dict:
                        f"{', hinge_shared = hinge with shared constraint batches on ' + args.shared_batches_datasets if args.shared_batches_datasets else ''}"
                        f", ICPPAC grid {args.icppac_grid}"
                        f"{' (' + args.dataset_icppac_grid + ')' if args.dataset_icppac_grid else ''} (inner output "
-                       f"{args.icppac_inner_output}), 1 torch thread per run",
+                       f"{args.icppac_inner_output}), 1 torch thread per run"
+                       f"{', methods ' + args.methods if args.methods else ''}",
             "command": previous.get("command") or "python benchmarks/roc_fairness_comparison.py " + " ".join(argv),
-            "runs": len(runs), "runs_planned": len(specs)}
+            "runs": len(runs), "runs_planned": len(specs),
+            "runs_from": [os.path.relpath(p, os.path.dirname(HERE)) for p in runs_from],
+            # planned settings with fewer finished seeds than planned (a run cut short by --time-budget): not reported
+            "incomplete_settings": incomplete}
     summary["meta"] = meta
     tmp = os.path.join(args.out, "roc_fairness_summary.json.tmp")
     with open(tmp, "w") as f:

@@ -60,3 +60,28 @@ def test_in_range_selection_skips_settings_feasible_by_saturated_scores(comparis
     in_range = comparison._select(settings, ["d"], in_range=True)["d|hinge"]
     assert paper["beta"] == 1 and paper["smallest_beta_every_seed_feasible"] == 1
     assert in_range["beta"] == 20 and in_range["smallest_beta_every_seed_feasible"] == 40
+
+
+def test_each_reading_chooses_the_learning_rate_among_its_own_feasible_settings(comparison):
+    # beta 1: lr 1e-3 feasible only by saturated scores (best validation AUC), lr 1e-4 feasible in range
+    # beta 4: feasible at neither lr under the in-range reading -> the better validation AUC
+    every = {}
+    for beta, lr, feasible, outside, val_auc in ((1, 1e-3, True, 0.99, 0.73), (1, 1e-4, True, 0.1, 0.70),
+                                                 (4, 1e-3, True, 0.9, 0.72), (4, 1e-4, False, 0.1, 0.71)):
+        v = _setting(beta, feasible, outside, 2, 2 if feasible and outside <= 0.5 else 0)
+        v.update(setting=f"beta={beta},lr={lr:g}", base_setting=f"beta={beta}", lr=lr, val_auc=val_auc)
+        every[f"d|hinge|{v['setting']}"] = v
+    paper = comparison.choose_lr(every, in_range=False)
+    in_range = comparison.choose_lr(every, in_range=True)
+    assert paper["d|hinge|beta=1"]["lr"] == 1e-3 and paper["d|hinge|beta=4"]["lr"] == 1e-3
+    assert in_range["d|hinge|beta=1"]["lr"] == 1e-4 and in_range["d|hinge|beta=4"]["lr"] == 1e-3
+    assert in_range["d|hinge|beta=1"]["lr_candidates"] == [1e-4, 1e-3]
+    assert comparison._select(in_range, ["d"], in_range=True)["d|hinge"]["setting"] == "beta=1,lr=0.0001"
+    assert comparison._select(paper, ["d"], in_range=True)["d|hinge"]["setting"] is None  # one lr for both: lost
+
+
+def test_incomplete_settings_names_the_settings_a_time_budget_cut_short(comparison):
+    specs = [{"dataset": "d", "method": "icppac", "beta": None, "seed": seed, "lr": 1e-3, "epochs": 6,
+              "icppac": {"eta": eta, "tau": 10.0, "mu": 1e-3}} for eta in (0.1, 0.01) for seed in (0, 1)]
+    done = {comparison.spec_key(s): {} for s in specs[:3]}
+    assert comparison.incomplete_settings(specs, done) == {"d|icppac|eta=0.01,tau=10,mu=0.001": "1/2"}
