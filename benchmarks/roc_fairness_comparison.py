@@ -214,7 +214,8 @@ def _run_one(spec: dict, common: dict) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         targs = ConstrainedTrainingArguments(
             output_dir=tmp, seed=spec["seed"], num_train_epochs=spec["epochs"], msvr_gamma=common["msvr_gamma"],
-            per_device_train_batch_size=common["batch_pairs"], constraint_batch_size=common["batch_pairs"],
+            per_device_train_batch_size=common["batch_pairs"],
+            constraint_batch_size=common["constraint_batch_pairs"],
             learning_rate=spec["lr"], weight_decay=0.0, penalty_beta=spec["beta"] or 1.0,
             constraint_penalty="hinge" if method == "icppac" else method,
             constraints_per_step=spec.get("constraints_per_step"),
@@ -537,7 +538,8 @@ def markdown_table(summary: dict, meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> dict:
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The command line, with a preset's values for the flags it does not set."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
                    help="'paper' (section 5.1's setting), 'extended' (the docs' setting) or 'reduced' (shorter); "
@@ -575,6 +577,8 @@ def main(argv=None) -> dict:
     p.add_argument("--icppac-inner-steps", type=int, default=100)
     p.add_argument("--icppac-inner-output", default="average", choices=["average", "last"])
     p.add_argument("--batch-pairs", type=int, default=64, help="pairs per batch: 64 pairs = 128 rows (paper)")
+    p.add_argument("--constraint-batch-pairs", type=int, default=None,
+                   help="pairs (= rows per group) per constraint batch |B_k| (default: --batch-pairs; paper: 64)")
     p.add_argument("--hidden-sizes", default="64,32")
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--time-budget", type=float, default=None, help="seconds: submit no new run after this")
@@ -583,13 +587,30 @@ def main(argv=None) -> dict:
     p.add_argument("--splits-cache", default=None,
                    help="folder for <dataset>.npz copies of the preprocessed splits (reused when present)")
     p.add_argument("--report-only", action="store_true", help="tables and figures from the existing JSONL")
-    argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
+    if args.constraint_batch_pairs is None:
+        args.constraint_batch_pairs = args.batch_pairs
+    if args.constraint_batch_pairs < 1 or args.batch_pairs < 1:
+        p.error("--batch-pairs and --constraint-batch-pairs must be positive")
     if args.preset:  # preset values for the flags the command line does not set
         given = {a.split("=")[0] for a in argv if a.startswith("--")}
         for name, value in PRESETS[args.preset].items():
             if value is not None and f"--{name.replace('_', '-')}" not in given:
                 setattr(args, name, value)
+    return args
+
+
+def common_settings(args: argparse.Namespace) -> dict:
+    """What every run of the command shares (the batch sizes, the estimator and margin settings)."""
+    return {"batch_pairs": args.batch_pairs, "constraint_batch_pairs": args.constraint_batch_pairs,
+            "msvr_gamma": args.msvr_gamma, "constraint_margin": args.constraint_margin,
+            "hidden_sizes": args.hidden_sizes, "icppac_inner_steps": args.icppac_inner_steps,
+            "icppac_inner_output": args.icppac_inner_output, "splits_cache": args.splits_cache}
+
+
+def main(argv=None) -> dict:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     jsonl = os.path.join(args.out, "roc_fairness_runs.jsonl")
     done: dict[str, dict] = {}
@@ -600,9 +621,7 @@ def main(argv=None) -> dict:
                     if line.strip():
                         r = json.loads(line)
                         done[spec_key(r["spec"])] = r
-    common = {"batch_pairs": args.batch_pairs, "msvr_gamma": args.msvr_gamma, "constraint_margin": args.constraint_margin,
-              "hidden_sizes": args.hidden_sizes, "icppac_inner_steps": args.icppac_inner_steps,
-              "icppac_inner_output": args.icppac_inner_output, "splits_cache": args.splits_cache}
+    common = common_settings(args)
     specs = run_specs(args)
     if not args.report_only:
         todo = [s for s in specs if spec_key(s) not in done]
@@ -646,8 +665,8 @@ def main(argv=None) -> dict:
                        f"{' (' + args.dataset_hinge_betas + '; ' + args.dataset_squared_betas + ')' if args.dataset_hinge_betas else ''}; "
                        f"epochs {args.dataset_epochs or args.epochs}, seeds {args.seeds}"
                        f"{' (' + args.dataset_seeds + ')' if args.dataset_seeds else ''}, batch "
-                       f"{2 * args.batch_pairs} rows ({args.batch_pairs} pairs), |B_k| = {args.batch_pairs} pairs "
-                       f"({args.batch_pairs} rows per group), lr {args.lrs} (AdamW; ICPPAC: SGD with its eta), decay "
+                       f"{2 * args.batch_pairs} rows ({args.batch_pairs} pairs), |B_k| = {args.constraint_batch_pairs} pairs "
+                       f"({args.constraint_batch_pairs} rows per group), lr {args.lrs} (AdamW; ICPPAC: SGD with its eta), decay "
                        f"x0.1 at 50%/75%, MSVR gamma {args.msvr_gamma}, gamma' 0.1, "
                        f"{'' if args.constraint_margin is None else f'constraint margin {args.constraint_margin:g}, '}"
                        f"MLP {args.hidden_sizes}, "
@@ -657,6 +676,8 @@ def main(argv=None) -> dict:
                        f"{' (' + args.dataset_icppac_grid + ')' if args.dataset_icppac_grid else ''} (inner output "
                        f"{args.icppac_inner_output}), 1 torch thread per run",
             "command": previous.get("command") or "python benchmarks/roc_fairness_comparison.py " + " ".join(argv),
+            "batch_pairs": args.batch_pairs, "constraint_batch_pairs": args.constraint_batch_pairs,
+            "msvr_gamma": args.msvr_gamma, "constraint_margin": args.constraint_margin,
             "runs": len(runs), "runs_planned": len(specs)}
     summary["meta"] = meta
     tmp = os.path.join(args.out, "roc_fairness_summary.json.tmp")

@@ -60,3 +60,24 @@ def test_in_range_selection_skips_settings_feasible_by_saturated_scores(comparis
     in_range = comparison._select(settings, ["d"], in_range=True)["d|hinge"]
     assert paper["beta"] == 1 and paper["smallest_beta_every_seed_feasible"] == 1
     assert in_range["beta"] == 20 and in_range["smallest_beta_every_seed_feasible"] == 40
+
+
+def test_constraint_batch_pairs_reach_the_trainer_and_default_to_the_batch_pairs(comparison, monkeypatch):
+    import hf_constrained.fairness.experiment as experiment
+
+    seen = []
+    monkeypatch.setattr(experiment, "run_roc_fairness",
+                        lambda script, targs, splits: seen.append(targs) or {"test_auc": 0.5})
+    monkeypatch.setitem(comparison._SPLITS, "compas", object())  # no data loading: the run is captured above
+    spec = {"dataset": "compas", "method": "hinge", "beta": 20.0, "seed": 0, "lr": 1e-3, "epochs": 1}
+    common = {"batch_pairs": 64, "constraint_batch_pairs": 256, "msvr_gamma": 0.05, "constraint_margin": 0.004,
+              "hidden_sizes": "8", "icppac_inner_steps": 1, "icppac_inner_output": "average"}
+    comparison._run_one(spec, common)
+    targs = seen[-1]
+    assert targs.per_device_train_batch_size == 64 and targs.constraint_batch_size == 256
+    assert targs.msvr_gamma == 0.05 and targs.constraint_margin == 0.004 and targs.penalty_beta == 20.0
+    assert comparison.common_settings(comparison.parse_args(["--batch-pairs", "32"]))["constraint_batch_pairs"] == 32
+    args = comparison.parse_args(["--batch-pairs", "32", "--constraint-batch-pairs", "128"])
+    assert comparison.common_settings(args)["constraint_batch_pairs"] == 128
+    with pytest.raises(SystemExit):
+        comparison.parse_args(["--constraint-batch-pairs", "0"])
