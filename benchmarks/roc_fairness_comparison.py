@@ -229,7 +229,8 @@ def _run_one(spec: dict, common: dict) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         targs = ConstrainedTrainingArguments(
             output_dir=tmp, seed=spec["seed"], num_train_epochs=spec["epochs"], msvr_gamma=common["msvr_gamma"],
-            per_device_train_batch_size=common["batch_pairs"], constraint_batch_size=common["batch_pairs"],
+            per_device_train_batch_size=common["batch_pairs"],
+            constraint_batch_size=common["constraint_batch_pairs"],
             learning_rate=spec["lr"], weight_decay=0.0, penalty_beta=spec["beta"] or 1.0,
             constraint_penalty="hinge" if method == "icppac" else method,
             constraints_per_step=spec.get("constraints_per_step"),
@@ -596,7 +597,8 @@ def incomplete_settings(specs: list[dict], done: dict[str, dict]) -> dict[str, s
     return {k: f"{a}/{b}" for k, (a, b) in planned.items() if a < b}
 
 
-def main(argv=None) -> dict:
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The command line, with a preset's values for the flags it does not set."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
                    help="'paper' (section 5.1's setting), 'extended' (the docs' setting) or 'reduced' (shorter); "
@@ -634,6 +636,8 @@ def main(argv=None) -> dict:
     p.add_argument("--icppac-inner-steps", type=int, default=100)
     p.add_argument("--icppac-inner-output", default="average", choices=["average", "last"])
     p.add_argument("--batch-pairs", type=int, default=64, help="pairs per batch: 64 pairs = 128 rows (paper)")
+    p.add_argument("--constraint-batch-pairs", type=int, default=None,
+                   help="pairs (= rows per group) per constraint batch |B_k| (default: --batch-pairs; paper: 64)")
     p.add_argument("--hidden-sizes", default="64,32")
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--time-budget", type=float, default=None, help="seconds: submit no new run after this")
@@ -645,13 +649,30 @@ def main(argv=None) -> dict:
     p.add_argument("--runs-from", default="",
                    help="comma-separated run files (.jsonl or .jsonl.gz) of other --out folders, read as finished "
                         "runs besides <out>/roc_fairness_runs.jsonl[.gz]; new runs still go to --out")
-    argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
+    if args.constraint_batch_pairs is None:
+        args.constraint_batch_pairs = args.batch_pairs
+    if args.constraint_batch_pairs < 1 or args.batch_pairs < 1:
+        p.error("--batch-pairs and --constraint-batch-pairs must be positive")
     if args.preset:  # preset values for the flags the command line does not set
         given = {a.split("=")[0] for a in argv if a.startswith("--")}
         for name, value in PRESETS[args.preset].items():
             if value is not None and f"--{name.replace('_', '-')}" not in given:
                 setattr(args, name, value)
+    return args
+
+
+def common_settings(args: argparse.Namespace) -> dict:
+    """What every run of the command shares (the batch sizes, the estimator and margin settings)."""
+    return {"batch_pairs": args.batch_pairs, "constraint_batch_pairs": args.constraint_batch_pairs,
+            "msvr_gamma": args.msvr_gamma, "constraint_margin": args.constraint_margin,
+            "hidden_sizes": args.hidden_sizes, "icppac_inner_steps": args.icppac_inner_steps,
+            "icppac_inner_output": args.icppac_inner_output, "splits_cache": args.splits_cache}
+
+
+def main(argv=None) -> dict:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     jsonl = os.path.join(args.out, "roc_fairness_runs.jsonl")
     runs_from = [p for p in args.runs_from.split(",") if p.strip()]
@@ -660,9 +681,7 @@ def main(argv=None) -> dict:
         raise SystemExit(f"--runs-from: no such file: {', '.join(missing)}")
     # the committed copy is gzipped
     done = read_runs(runs_from + [p for p in (jsonl + ".gz", jsonl) if os.path.exists(p)])
-    common = {"batch_pairs": args.batch_pairs, "msvr_gamma": args.msvr_gamma, "constraint_margin": args.constraint_margin,
-              "hidden_sizes": args.hidden_sizes, "icppac_inner_steps": args.icppac_inner_steps,
-              "icppac_inner_output": args.icppac_inner_output, "splits_cache": args.splits_cache}
+    common = common_settings(args)
     specs = run_specs(args)
     if not args.report_only:
         todo = [s for s in specs if spec_key(s) not in done]
@@ -708,8 +727,8 @@ def main(argv=None) -> dict:
                        f"{' (' + args.dataset_hinge_betas + '; ' + args.dataset_squared_betas + ')' if args.dataset_hinge_betas else ''}; "
                        f"epochs {args.dataset_epochs or args.epochs}, seeds {args.seeds}"
                        f"{' (' + args.dataset_seeds + ')' if args.dataset_seeds else ''}, batch "
-                       f"{2 * args.batch_pairs} rows ({args.batch_pairs} pairs), |B_k| = {args.batch_pairs} pairs "
-                       f"({args.batch_pairs} rows per group), lr {args.lrs} (AdamW; ICPPAC: SGD with its eta), decay "
+                       f"{2 * args.batch_pairs} rows ({args.batch_pairs} pairs), |B_k| = {args.constraint_batch_pairs} pairs "
+                       f"({args.constraint_batch_pairs} rows per group), lr {args.lrs} (AdamW; ICPPAC: SGD with its eta), decay "
                        f"x0.1 at 50%/75%, MSVR gamma {args.msvr_gamma}, gamma' 0.1, "
                        f"{'' if args.constraint_margin is None else f'constraint margin {args.constraint_margin:g}, '}"
                        f"MLP {args.hidden_sizes}, "
@@ -720,6 +739,8 @@ def main(argv=None) -> dict:
                        f"{args.icppac_inner_output}), 1 torch thread per run"
                        f"{', methods ' + args.methods if args.methods else ''}",
             "command": previous.get("command") or "python benchmarks/roc_fairness_comparison.py " + " ".join(argv),
+            "batch_pairs": args.batch_pairs, "constraint_batch_pairs": args.constraint_batch_pairs,
+            "msvr_gamma": args.msvr_gamma, "constraint_margin": args.constraint_margin,
             "runs": len(runs), "runs_planned": len(specs),
             "runs_from": [os.path.relpath(p, os.path.dirname(HERE)) for p in runs_from],
             # planned settings with fewer finished seeds than planned (a run cut short by --time-budget): not reported

@@ -5,6 +5,8 @@ import os
 
 import pytest
 
+import hf_constrained.fairness.experiment as experiment
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -85,3 +87,22 @@ def test_incomplete_settings_names_the_settings_a_time_budget_cut_short(comparis
               "icppac": {"eta": eta, "tau": 10.0, "mu": 1e-3}} for eta in (0.1, 0.01) for seed in (0, 1)]
     done = {comparison.spec_key(s): {} for s in specs[:3]}
     assert comparison.incomplete_settings(specs, done) == {"d|icppac|eta=0.01,tau=10,mu=0.001": "1/2"}
+
+
+def test_constraint_batch_pairs_reach_the_trainer_and_default_to_the_batch_pairs(comparison, monkeypatch):
+    seen = []
+    monkeypatch.setattr(experiment, "run_roc_fairness",
+                        lambda script, targs, splits: seen.append(targs) or {"test_auc": 0.5})
+    monkeypatch.setitem(comparison._SPLITS, "compas", object())  # no data loading: the run is captured above
+    spec = {"dataset": "compas", "method": "hinge", "beta": 20.0, "seed": 0, "lr": 1e-3, "epochs": 1}
+    common = {"batch_pairs": 64, "constraint_batch_pairs": 256, "msvr_gamma": 0.05, "constraint_margin": 0.004,
+              "hidden_sizes": "8", "icppac_inner_steps": 1, "icppac_inner_output": "average"}
+    comparison._run_one(spec, common)
+    targs = seen[-1]
+    assert targs.per_device_train_batch_size == 64 and targs.constraint_batch_size == 256
+    assert targs.msvr_gamma == 0.05 and targs.constraint_margin == 0.004 and targs.penalty_beta == 20.0
+    assert comparison.common_settings(comparison.parse_args(["--batch-pairs", "32"]))["constraint_batch_pairs"] == 32
+    args = comparison.parse_args(["--batch-pairs", "32", "--constraint-batch-pairs", "128"])
+    assert comparison.common_settings(args)["constraint_batch_pairs"] == 128
+    with pytest.raises(SystemExit):
+        comparison.parse_args(["--constraint-batch-pairs", "0"])
