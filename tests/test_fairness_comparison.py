@@ -106,3 +106,14 @@ def test_constraint_batch_pairs_reach_the_trainer_and_default_to_the_batch_pairs
     assert comparison.common_settings(args)["constraint_batch_pairs"] == 128
     with pytest.raises(SystemExit):
         comparison.parse_args(["--constraint-batch-pairs", "0"])
+
+
+def test_every_seed_goal_in_range_counts_only_seeds_feasible_in_range(comparison):
+    # beta 20 is the smallest feasible in range (seed mean); both seeds hold on train but one saturated
+    settings = {f"d|hinge|beta={b}": _setting(b, *rest) for b, *rest in (
+        (10, False, 0.2, 0, 0), (20, True, 0.3, 2, 1), (40, True, 0.0, 2, 2))}
+    paper = comparison._goals(comparison._select(settings, ["d"], in_range=False), ["d"], in_range=False)
+    in_range = comparison._goals(comparison._select(settings, ["d"], in_range=True), ["d"], in_range=True)
+    goal = "hinge_every_seed_feasible_at_its_smallest_feasible_beta"
+    assert paper["d"][goal]["met"] is True and paper["d"][goal]["beta"] == 20
+    assert in_range["d"][goal]["met"] is False and in_range["d"][goal]["seeds_feasible_in_range"] == "1/2"
