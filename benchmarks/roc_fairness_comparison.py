@@ -292,7 +292,8 @@ def summarise(runs: list[dict], args: argparse.Namespace) -> dict:
     datasets = args.datasets.split(",")
     selected = _select(settings, datasets, in_range=False)
     selected_in_range = _select(settings_in_range, datasets, in_range=True)
-    return {"settings": settings, "all_lrs": every, "selected": selected, "goals": _goals(selected, datasets, in_range=False),
+    return {"settings": settings, "all_lrs": every, "selected": selected,
+            "goals": _goals(selected, datasets, in_range=False),
             # the same with "feasible" read as: constraints hold AND at most half of the training scores lie
             # outside the thresholds (soft rates that saturate meet the constraints by a score shift); each
             # setting's learning rate chosen under that reading
@@ -588,11 +589,16 @@ def read_runs(paths: list[str]) -> dict[str, dict]:
     return done
 
 
+def setting_id(spec: dict) -> str:
+    """``dataset|method|setting`` of a run's spec (its seeds share it)."""
+    return f"{spec['dataset']}|{spec['method']}|{setting_key(spec)}"
+
+
 def incomplete_settings(specs: list[dict], done: dict[str, dict]) -> dict[str, str]:
-    """``dataset|method|setting`` -> "finished/planned" seeds, for the settings not finished for every seed."""
+    """``setting_id`` -> "finished/planned" seeds, for the settings not finished for every seed."""
     planned: dict = defaultdict(lambda: [0, 0])
     for s in specs:
-        count = planned[f"{s['dataset']}|{s['method']}|{setting_key(s)}"]
+        count = planned[setting_id(s)]
         count[0] += spec_key(s) in done
         count[1] += 1
     return {k: f"{a}/{b}" for k, (a, b) in planned.items() if a < b}
@@ -651,15 +657,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="comma-separated run files (.jsonl or .jsonl.gz) of other --out folders, read as finished "
                         "runs besides <out>/roc_fairness_runs.jsonl[.gz]; new runs still go to --out")
     args = p.parse_args(argv)
-    if args.constraint_batch_pairs is None:
-        args.constraint_batch_pairs = args.batch_pairs
-    if args.constraint_batch_pairs < 1 or args.batch_pairs < 1:
-        p.error("--batch-pairs and --constraint-batch-pairs must be positive")
     if args.preset:  # preset values for the flags the command line does not set
         given = {a.split("=")[0] for a in argv if a.startswith("--")}
         for name, value in PRESETS[args.preset].items():
             if value is not None and f"--{name.replace('_', '-')}" not in given:
                 setattr(args, name, value)
+    if args.constraint_batch_pairs is None:
+        args.constraint_batch_pairs = args.batch_pairs
+    if args.constraint_batch_pairs < 1 or args.batch_pairs < 1:
+        p.error("--batch-pairs and --constraint-batch-pairs must be positive")
     return args
 
 
@@ -711,8 +717,7 @@ def main(argv=None) -> dict:
                 print(f"time budget reached: {len(queue)} runs not started", flush=True)
     wanted = {spec_key(s) for s in specs}
     incomplete = incomplete_settings(specs, done)  # left out: their seed means would cover other seeds
-    runs = [r for k, r in done.items() if k in wanted and
-            f"{r['spec']['dataset']}|{r['spec']['method']}|{setting_key(r['spec'])}" not in incomplete]
+    runs = [r for k, r in done.items() if k in wanted and setting_id(r["spec"]) not in incomplete]
     if not runs:
         raise SystemExit("no finished runs to report")
     summary = summarise(runs, args)
