@@ -218,7 +218,7 @@ def _run_one(spec: dict, common: dict) -> dict:
 
     method = "hinge" if spec["method"].startswith("hinge") else spec["method"]
     script = ROCFairnessArguments(dataset=spec["dataset"], method=method, save_model=False,
-                                  hidden_sizes=common["hidden_sizes"], **({
+                                  hidden_sizes=common["hidden_sizes"], score_bound=common["score_bound"], **({
                                       "icppac_eta": spec["icppac"]["eta"], "icppac_tau": spec["icppac"]["tau"],
                                       "icppac_mu": spec["icppac"]["mu"],
                                       "icppac_inner_output": common["icppac_inner_output"],
@@ -646,6 +646,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--constraint-batch-pairs", type=int, default=None,
                    help="pairs (= rows per group) per constraint batch |B_k| (default: --batch-pairs; paper: 64)")
     p.add_argument("--hidden-sizes", default="64,32")
+    p.add_argument("--score-bound", type=float, default=None,
+                   help="bound B of the MLP's scores, B * tanh(z / B) (default: none, the paper's model)")
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--time-budget", type=float, default=None, help="seconds: submit no new run after this")
     p.add_argument("--out", default=os.path.join(HERE, "results"))
@@ -673,7 +675,8 @@ def common_settings(args: argparse.Namespace) -> dict:
     """What every run of the command shares (the batch sizes, the estimator and margin settings)."""
     return {"batch_pairs": args.batch_pairs, "constraint_batch_pairs": args.constraint_batch_pairs,
             "msvr_gamma": args.msvr_gamma, "constraint_margin": args.constraint_margin,
-            "hidden_sizes": args.hidden_sizes, "icppac_inner_steps": args.icppac_inner_steps,
+            "hidden_sizes": args.hidden_sizes, "score_bound": args.score_bound,
+            "icppac_inner_steps": args.icppac_inner_steps,
             "icppac_inner_output": args.icppac_inner_output, "splits_cache": args.splits_cache}
 
 

@@ -241,6 +241,31 @@ def test_model_save_load_roundtrip(tmp_path):
         model(features=torch.randn(4, 5))
 
 
+def test_score_bound_is_b_tanh_of_the_logit_and_survives_save_load(tmp_path):
+    torch.manual_seed(0)
+    plain = MLPForScoring(MLPConfig(input_dim=4, hidden_sizes=[16, 8]))
+    bounded = MLPForScoring(MLPConfig(input_dim=4, hidden_sizes=[16, 8], score_bound=3.0))
+    bounded.load_state_dict(plain.state_dict())  # same weights: only the output map differs
+    with torch.no_grad():
+        plain.mlp[-1].weight.mul_(50.0)
+        bounded.mlp[-1].weight.mul_(50.0)
+    x = torch.randn(64, 4)
+    z = plain(features=x).logits
+    s = bounded(features=x).logits
+    assert z.abs().max() > 6.0  # the plain logit leaves [-3, 3] ...
+    assert s.abs().max() < 3.0  # ... the bounded score cannot
+    assert torch.allclose(s, 3.0 * torch.tanh(z / 3.0), atol=1e-6)
+    # monotone: the ranking (hence the AUC) of the bounded score is the logit's
+    assert torch.all(torch.diff(s[torch.argsort(z)]) >= 0)
+    bounded.save_pretrained(tmp_path)
+    again = AutoModel.from_pretrained(tmp_path)
+    assert again.config.score_bound == 3.0
+    assert torch.allclose(again(features=x).logits, s)
+    for bad in (0.0, -1.0, float("inf")):
+        with pytest.raises(ValueError, match="score_bound"):
+            MLPConfig(input_dim=4, score_bound=bad)
+
+
 def test_frvp_sigma_matches_svd_and_jacobian_matches_autograd(splits):
     rng = np.random.default_rng(0)
     jac = rng.normal(size=(5, 40))

@@ -64,6 +64,8 @@ class ROCFairnessArguments:
     thresholds: str = field(default="-3,-2,-1,0,1,2,3",
                             metadata={"help": "Comma-separated score thresholds Gamma (paper: -3..3)."})
     hidden_sizes: str = field(default="64,32", metadata={"help": "Widths of the MLP's hidden layers."})
+    score_bound: Optional[float] = field(default=None, metadata={
+        "help": "Bound B of the scores (B * tanh(z / B)); None: the plain logit (the paper's model)."})
     lr_decay_at: str = field(default="0.5,0.75",
                              metadata={"help": "Fractions of training at which the learning rate is decayed."})
     lr_decay_factor: float = field(default=0.1, metadata={"help": "Multiplier applied at each decay point."})
@@ -163,7 +165,8 @@ def run_roc_fairness(args: ROCFairnessArguments, training_args: ConstrainedTrain
     torch.manual_seed(training_args.seed)
     np.random.seed(training_args.seed)
     train = splits["train"]
-    model = MLPForScoring(MLPConfig(input_dim=train.features.shape[1], hidden_sizes=args.hidden_list))
+    model = MLPForScoring(MLPConfig(input_dim=train.features.shape[1], hidden_sizes=args.hidden_list,
+                                    score_bound=args.score_bound))
     constraints = roc_fairness_constraints(train, splits["validation"], thresholds=args.threshold_list,
                                            kappa=args.kappa, seed=training_args.seed)
     objective = objective_pairs(train, seed=training_args.seed)
@@ -251,6 +254,7 @@ def run_roc_fairness(args: ROCFairnessArguments, training_args: ConstrainedTrain
                     "theta": args.icppac_theta, "inner_steps": args.icppac_inner_steps,
                     "inner_output": args.icppac_inner_output}
                    if args.method == "icppac" else None),
+        "score_bound": args.score_bound,
         "num_parameters": sum(p.numel() for p in model.parameters()),
         "final": {split: final[split] for split in splits},
         "test_auc": final["test"]["auc"],

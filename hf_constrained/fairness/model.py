@@ -7,6 +7,7 @@ ROC-fairness constraints. ``MLPForScoring(features).logits`` has shape (batch,).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -25,20 +26,29 @@ class MLPConfig(PretrainedConfig):
         hidden_sizes: widths of the hidden layers (the paper uses 2 hidden layers).
         activation: ``"relu"``, ``"gelu"`` or ``"tanh"``.
         dropout: dropout after each hidden activation.
+        score_bound: if set, B > 0: the score is B * tanh(z / B) of the last layer's output z,
+            so |s| < B. With B = max |Gamma| the ROC-fairness constraints cannot be met by
+            moving every score past the thresholds (where the soft rates saturate and every
+            gap vanishes while the pairwise AUC ignores the shift): a bounded score can only
+            bunch at the bound, and bunching costs the AUC objective. ``None``: the plain
+            logit, as in the paper.
     """
 
     model_type = "hfc_mlp"
 
     def __init__(self, input_dim: int = 1, hidden_sizes: Sequence[int] = (64, 32), activation: str = "relu",
-                 dropout: float = 0.0, **kwargs: Any) -> None:
+                 dropout: float = 0.0, score_bound: Optional[float] = None, **kwargs: Any) -> None:
         if activation not in _ACTIVATIONS:
             raise ValueError(f"activation must be one of {sorted(_ACTIVATIONS)}, got {activation!r}")
         if int(input_dim) < 1 or any(int(h) < 1 for h in hidden_sizes):
             raise ValueError(f"input_dim and hidden_sizes must be positive, got {input_dim}, {list(hidden_sizes)}")
+        if score_bound is not None and not (math.isfinite(float(score_bound)) and float(score_bound) > 0):
+            raise ValueError(f"score_bound must be a positive finite number or None, got {score_bound!r}")
         self.input_dim = int(input_dim)
         self.hidden_sizes = [int(h) for h in hidden_sizes]
         self.activation = activation
         self.dropout = float(dropout)
+        self.score_bound = None if score_bound is None else float(score_bound)
         super().__init__(**kwargs)
 
 
@@ -54,7 +64,7 @@ class ScoringOutput(ModelOutput):
 
 
 class MLPForScoring(PreTrainedModel):
-    """features (batch, input_dim) -> score (batch,)."""
+    """features (batch, input_dim) -> score (batch,), bounded by ``config.score_bound`` when set."""
 
     config_class = MLPConfig
     base_model_prefix = "mlp"
@@ -83,6 +93,9 @@ class MLPForScoring(PreTrainedModel):
                 f"MLPForScoring expects features of shape (batch, {self.config.input_dim}), got {tuple(features.shape)}"
             )
         logits = self.mlp(features.to(self.mlp[0].weight.dtype)).squeeze(-1)
+        bound = getattr(self.config, "score_bound", None)  # configs saved before the option have none
+        if bound is not None:
+            logits = bound * torch.tanh(logits / bound)
         loss = None
         if labels is not None:
             loss = nn.functional.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype))
