@@ -741,6 +741,7 @@ def main(argv=None) -> dict:
                        f"x0.1 at 50%/75%, MSVR gamma {args.msvr_gamma}, gamma' 0.1, "
                        f"{'' if args.constraint_margin is None else f'constraint margin {args.constraint_margin:g}, '}"
                        f"MLP {args.hidden_sizes}, "
+                       f"{'' if args.score_bound is None else f'scores bounded by B tanh(z / B), B = {args.score_bound:g}, '}"
                        f"kappa 0.005, thresholds -3..3"
                        f"{', hinge_shared = hinge with shared constraint batches on ' + args.shared_batches_datasets if args.shared_batches_datasets else ''}"
                        f", ICPPAC grid {args.icppac_grid}"
@@ -750,7 +751,7 @@ def main(argv=None) -> dict:
             "command": previous.get("command") or "python benchmarks/roc_fairness_comparison.py " + " ".join(argv),
             "batch_pairs": args.batch_pairs, "constraint_batch_pairs": args.constraint_batch_pairs,
             "msvr_gamma": args.msvr_gamma, "constraint_margin": args.constraint_margin,
-            "runs": len(runs), "runs_planned": len(specs),
+            "score_bound": args.score_bound, "runs": len(runs), "runs_planned": len(specs),
             "runs_from": [os.path.relpath(p, os.path.dirname(HERE)) for p in runs_from],
             # planned settings with fewer finished seeds than planned (a run cut short by --time-budget): not reported
             "incomplete_settings": incomplete}

@@ -92,16 +92,19 @@ def test_incomplete_settings_names_the_settings_a_time_budget_cut_short(comparis
 def test_constraint_batch_pairs_reach_the_trainer_and_default_to_the_batch_pairs(comparison, monkeypatch):
     seen = []
     monkeypatch.setattr(experiment, "run_roc_fairness",
-                        lambda script, targs, splits: seen.append(targs) or {"test_auc": 0.5})
+                        lambda script, targs, splits: seen.append((script, targs)) or {"test_auc": 0.5})
     monkeypatch.setitem(comparison._SPLITS, "compas", object())  # no data loading: the run is captured above
     spec = {"dataset": "compas", "method": "hinge", "beta": 20.0, "seed": 0, "lr": 1e-3, "epochs": 1}
     common = {"batch_pairs": 64, "constraint_batch_pairs": 256, "msvr_gamma": 0.05, "constraint_margin": 0.004,
-              "hidden_sizes": "8", "icppac_inner_steps": 1, "icppac_inner_output": "average"}
+              "hidden_sizes": "8", "score_bound": 3.0, "icppac_inner_steps": 1, "icppac_inner_output": "average"}
     comparison._run_one(spec, common)
-    targs = seen[-1]
+    script, targs = seen[-1]
+    assert script.score_bound == 3.0
     assert targs.per_device_train_batch_size == 64 and targs.constraint_batch_size == 256
     assert targs.msvr_gamma == 0.05 and targs.constraint_margin == 0.004 and targs.penalty_beta == 20.0
     assert comparison.common_settings(comparison.parse_args(["--batch-pairs", "32"]))["constraint_batch_pairs"] == 32
+    assert comparison.common_settings(comparison.parse_args(["--score-bound", "3"]))["score_bound"] == 3.0
+    assert comparison.common_settings(comparison.parse_args([]))["score_bound"] is None  # the paper's model
     args = comparison.parse_args(["--batch-pairs", "32", "--constraint-batch-pairs", "128"])
     assert comparison.common_settings(args)["constraint_batch_pairs"] == 128
     with pytest.raises(SystemExit):

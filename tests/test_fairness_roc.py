@@ -320,6 +320,24 @@ def test_icppac_outer_step_returns_the_mean_of_its_inner_iterates(splits, inner_
         assert torch.allclose(anchors[4], iterates[3]) and torch.allclose(final, iterates[-1])
 
 
+def test_score_bound_reaches_the_trained_model_and_keeps_the_scores_within_the_thresholds(splits, tmp_path):
+    """The AUC objective alone spreads the scores past the thresholds (it gains from any larger
+    score difference); with ``score_bound`` = max |Gamma| none can leave [-1, 1]."""
+    from hf_constrained.fairness.experiment import ROCFairnessArguments, run_roc_fairness
+
+    outside = {}
+    for bound in (None, 1.0):
+        args = ROCFairnessArguments(dataset="adult", method="none", thresholds="-1,0,1", hidden_sizes="8",
+                                    score_bound=bound, save_model=False)
+        results = run_roc_fairness(args, make_args(tmp_path, num_train_epochs=2, learning_rate=5e-2), splits=splits)
+        assert results["score_bound"] == bound
+        outside[bound] = {split: results["final"][split]["shift_proof"]["fraction_outside_thresholds"]
+                          for split in ("train", "validation", "test")}
+        assert results["test_auc"] > 0.75  # both learn the ranking
+    assert min(outside[None].values()) > 0.5, outside
+    assert max(outside[1.0].values()) == 0.0, outside
+
+
 def test_penalty_methods_follow_the_step_decay_through_multisteplr(splits, tmp_path):
     """x0.1 at 50% and 75% of training: torch's MultiStepLR, read from the optimizer at every step."""
     from transformers import TrainerCallback
