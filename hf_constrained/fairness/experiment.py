@@ -234,8 +234,9 @@ def run_roc_fairness(args: ROCFairnessArguments, training_args: ConstrainedTrain
         logger.warning(
             "%s: more than %.0f%% of the scores on %s lie outside the thresholds [%g, %g]; the soft-rate constraints "
             "saturate there and say little about fairness: read the shift-proof measures (hard gaps at score "
-            "quantiles, ROC gap) in results.json instead", args.method, 100 * SHIFT_WARNING_FRACTION,
-            ", ".join(shifted), min(args.threshold_list), max(args.threshold_list))
+            "quantiles, ROC gap) in results.json instead, or bound the scores (--score_bound %g)", args.method,
+            100 * SHIFT_WARNING_FRACTION, ", ".join(shifted), min(args.threshold_list), max(args.threshold_list),
+            max(abs(t) for t in args.threshold_list))
     results = {
         "dataset": args.dataset,
         "method": args.method,
