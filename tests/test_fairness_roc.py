@@ -338,6 +338,22 @@ def test_score_bound_reaches_the_trained_model_and_keeps_the_scores_within_the_t
     assert max(outside[1.0].values()) == 0.0, outside
 
 
+def test_score_bound_flag_takes_a_number_auto_or_none_and_rejects_a_bound_below_the_thresholds():
+    from hf_constrained.fairness.experiment import ROCFairnessArguments
+
+    def bound(value, thresholds="-3,-2,-1,0,1,2,3"):
+        return ROCFairnessArguments(thresholds=thresholds, score_bound=value).score_bound_value
+
+    assert bound("none") is None and bound(None) is None  # the paper's plain logit
+    assert bound("auto") == 3.0 and bound("auto", "-1,0,2") == 2.0 and bound("auto", "0") == 1.0
+    assert bound("4.5") == 4.5 and bound(3.0) == 3.0
+    with pytest.raises(ValueError, match="below the largest .threshold. 3"):
+        bound("2")
+    for bad in ("0", "-1", "inf", "wide"):
+        with pytest.raises(ValueError, match="--score_bound"):
+            bound(bad)
+
+
 def test_penalty_methods_follow_the_step_decay_through_multisteplr(splits, tmp_path):
     """x0.1 at 50% and 75% of training: torch's MultiStepLR, read from the optimizer at every step."""
     from transformers import TrainerCallback

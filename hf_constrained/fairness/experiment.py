@@ -64,8 +64,11 @@ class ROCFairnessArguments:
     thresholds: str = field(default="-3,-2,-1,0,1,2,3",
                             metadata={"help": "Comma-separated score thresholds Gamma (paper: -3..3)."})
     hidden_sizes: str = field(default="64,32", metadata={"help": "Widths of the MLP's hidden layers."})
-    score_bound: Optional[float] = field(default=None, metadata={
-        "help": "Bound B of the scores (B * tanh(z / B)); None: the plain logit (the paper's model)."})
+    score_bound: Optional[str] = field(default="none", metadata={
+        "help": "Bound B of the scores, s = B * tanh(z / B): a number >= the largest |threshold|, 'auto' (the "
+                "largest |threshold|, 1 if all are 0) or 'none' (the plain logit, the paper's model). A bound keeps "
+                "the constraints from being met by moving every score past the thresholds, where the soft rates "
+                "saturate."})
     lr_decay_at: str = field(default="0.5,0.75",
                              metadata={"help": "Fractions of training at which the learning rate is decayed."})
     lr_decay_factor: float = field(default=0.1, metadata={"help": "Multiplier applied at each decay point."})
@@ -99,9 +102,31 @@ class ROCFairnessArguments:
             raise ValueError("--dataset csv needs --csv_path, --label_column and --group_column")
         self.threshold_list = _floats(self.thresholds, "thresholds")
         self.hidden_list = [int(h) for h in _floats(self.hidden_sizes, "hidden_sizes")]
+        self.score_bound_value = _score_bound(self.score_bound, self.threshold_list)
         self.decay_list = _floats(self.lr_decay_at, "lr_decay_at") if self.lr_decay_at.strip() else []
         if any(not 0 < f < 1 for f in self.decay_list):
             raise ValueError(f"lr_decay_at fractions must be in (0, 1), got {self.decay_list}")
+
+
+def _score_bound(text: Any, thresholds: Sequence[float]) -> Optional[float]:
+    """``--score_bound`` as a number or None ('none'); 'auto' is the largest |threshold| (1 when every
+    threshold is 0)."""
+    word = str(text).strip().lower()
+    largest = max((abs(t) for t in thresholds), default=0.0)
+    if word in ("none", ""):
+        return None
+    if word == "auto":
+        return largest if largest > 0 else 1.0
+    try:
+        bound = float(word)
+    except ValueError:
+        raise ValueError(f"--score_bound must be a number, 'auto' or 'none', got {text!r}") from None
+    if not (math.isfinite(bound) and bound > 0):
+        raise ValueError(f"--score_bound must be a positive finite number, 'auto' or 'none', got {text!r}")
+    if bound < largest:
+        raise ValueError(f"--score_bound {bound:g} is below the largest |threshold| {largest:g} (--thresholds): the soft "
+                         f"rate at that threshold could not pass 1/2; use a bound >= {largest:g}, 'auto' or 'none'")
+    return bound
 
 
 def _floats(text: str, what: str) -> list[float]:
@@ -166,7 +191,7 @@ def run_roc_fairness(args: ROCFairnessArguments, training_args: ConstrainedTrain
     np.random.seed(training_args.seed)
     train = splits["train"]
     model = MLPForScoring(MLPConfig(input_dim=train.features.shape[1], hidden_sizes=args.hidden_list,
-                                    score_bound=args.score_bound))
+                                    score_bound=args.score_bound_value))
     constraints = roc_fairness_constraints(train, splits["validation"], thresholds=args.threshold_list,
                                            kappa=args.kappa, seed=training_args.seed)
     objective = objective_pairs(train, seed=training_args.seed)
@@ -234,9 +259,8 @@ def run_roc_fairness(args: ROCFairnessArguments, training_args: ConstrainedTrain
         logger.warning(
             "%s: more than %.0f%% of the scores on %s lie outside the thresholds [%g, %g]; the soft-rate constraints "
             "saturate there and say little about fairness: read the shift-proof measures (hard gaps at score "
-            "quantiles, ROC gap) in results.json instead, or bound the scores (--score_bound %g)", args.method,
-            100 * SHIFT_WARNING_FRACTION, ", ".join(shifted), min(args.threshold_list), max(args.threshold_list),
-            max(abs(t) for t in args.threshold_list))
+            "quantiles, ROC gap) in results.json instead, or bound the scores (--score_bound auto)", args.method,
+            100 * SHIFT_WARNING_FRACTION, ", ".join(shifted), min(args.threshold_list), max(args.threshold_list))
     results = {
         "dataset": args.dataset,
         "method": args.method,
@@ -255,7 +279,7 @@ def run_roc_fairness(args: ROCFairnessArguments, training_args: ConstrainedTrain
                     "theta": args.icppac_theta, "inner_steps": args.icppac_inner_steps,
                     "inner_output": args.icppac_inner_output}
                    if args.method == "icppac" else None),
-        "score_bound": args.score_bound,
+        "score_bound": args.score_bound_value,
         "num_parameters": sum(p.numel() for p in model.parameters()),
         "final": {split: final[split] for split in splits},
         "test_auc": final["test"]["auc"],
