@@ -668,6 +668,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.constraint_batch_pairs = args.batch_pairs
     if args.constraint_batch_pairs < 1 or args.batch_pairs < 1:
         p.error("--batch-pairs and --constraint-batch-pairs must be positive")
+    if args.score_bound is not None and not 3.0 <= args.score_bound < float("inf"):
+        p.error(f"--score-bound must be at least the largest |threshold| 3, got {args.score_bound:g}")
     return args
 
 

@@ -105,6 +105,8 @@ def test_constraint_batch_pairs_reach_the_trainer_and_default_to_the_batch_pairs
     assert comparison.common_settings(comparison.parse_args(["--batch-pairs", "32"]))["constraint_batch_pairs"] == 32
     assert comparison.common_settings(comparison.parse_args(["--score-bound", "3"]))["score_bound"] == 3.0
     assert comparison.common_settings(comparison.parse_args([]))["score_bound"] is None  # the paper's model
+    with pytest.raises(SystemExit):
+        comparison.parse_args(["--score-bound", "2"])  # below the thresholds' range
     args = comparison.parse_args(["--batch-pairs", "32", "--constraint-batch-pairs", "128"])
     assert comparison.common_settings(args)["constraint_batch_pairs"] == 128
     with pytest.raises(SystemExit):

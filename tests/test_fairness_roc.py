@@ -187,7 +187,8 @@ def test_icppac_reduces_violation_with_nonnegative_duals(splits):
         ICPPACConfig(inner_output="median")
 
 
-def test_recipe_on_a_csv_writes_results_and_a_loadable_model(splits, tmp_path):
+def _csv_recipe_flags(splits, tmp_path) -> list[str]:
+    """The ROC recipe's flags for the training split written as a CSV with string labels and groups."""
     import pandas as pd
 
     tr = splits["train"]
@@ -197,20 +198,29 @@ def test_recipe_on_a_csv_writes_results_and_a_loadable_model(splits, tmp_path):
     df["colour"] = np.where(tr.features[:, 3] > 0, "red", "blue")
     path = tmp_path / "mine.csv"
     df.to_csv(path, index=False)
+    return ["--dataset", "csv", "--csv_path", str(path), "--label_column", "y", "--positive_label", "yes",
+            "--group_column", "sex", "--group_value", "M", "--method", "hinge", "--penalty_beta", "10",
+            "--thresholds", "0", "--use_cpu", "true", "--hidden_sizes", "8,8"]
+
+
+def _roc_recipe():
     sys.path.insert(0, os.path.join(ROOT, "recipes"))
     try:
         import roc_fairness
     finally:
         sys.path.pop(0)
+    return roc_fairness
+
+
+def test_recipe_on_a_csv_writes_results_and_a_loadable_model(splits, tmp_path):
     out = tmp_path / "run"
-    res = roc_fairness.main([
-        "--dataset", "csv", "--csv_path", str(path), "--label_column", "y", "--positive_label", "yes",
-        "--group_column", "sex", "--group_value", "M", "--method", "hinge", "--penalty_beta", "10",
-        "--thresholds", "0", "--num_train_epochs", "2", "--output_dir", str(out), "--use_cpu", "true",
-        "--hidden_sizes", "8,8"])
+    res = _roc_recipe().main(_csv_recipe_flags(splits, tmp_path) + ["--num_train_epochs", "2",
+                                                                     "--output_dir", str(out)])
     saved = json.loads((out / "results.json").read_text())
     assert saved["method"] == "hinge" and saved["beta"] == 10.0 and len(saved["history"]) == 3
-    assert saved["msvr_gamma"] == 0.1  # the recipe's default (the paper's 0.8 only when asked for)
+    # the recipe's defaults (the paper's gamma 0.8, lr 1e-3, no margin and plain logits only when asked for)
+    assert saved["msvr_gamma"] == 0.05 and saved["constraint_margin"] == 0.004 and saved["learning_rate"] == 1e-4
+    assert saved["score_bound"] == 1.0  # 'auto' with the single threshold 0
     for split in ("train", "validation", "test"):  # the shift-proof measures and where the scores lie
         assert 0.0 <= saved["shift_proof"][split]["roc_gap"] <= 1.0
         assert saved["shift_proof"][split]["hard_gap_max"] == saved["final"][split]["shift_proof"]["hard_gap_max"]
@@ -229,6 +239,24 @@ def test_recipe_on_a_csv_writes_results_and_a_loadable_model(splits, tmp_path):
     assert values == pytest.approx(saved["final"]["validation"]["constraints"], abs=1e-5)
     assert report["objective_metrics"]["test_auc"] == pytest.approx(saved["test_auc"])
     assert (out / "README.md").exists()
+
+
+def test_recipe_defaults_give_way_to_the_papers_setting_and_to_calibrated_margins(splits, tmp_path):
+    recipe, flags = _roc_recipe(), _csv_recipe_flags(splits, tmp_path)
+    out = tmp_path / "paper"
+    recipe.main(flags + ["--num_train_epochs", "1", "--output_dir", str(out), "--save_model", "false",
+                         "--learning_rate", "1e-3", "--msvr_gamma", "0.8", "--constraint_margin", "0",
+                         "--score_bound", "none"])
+    saved = json.loads((out / "results.json").read_text())
+    assert (saved["learning_rate"], saved["msvr_gamma"], saved["constraint_margin"], saved["score_bound"]) == (
+        1e-3, 0.8, 0.0, None)
+    # a calibrated margin (--constraint_confidence) excludes an explicit one: the default margin steps aside
+    out = tmp_path / "calibrated"
+    recipe.main(flags + ["--num_train_epochs", "1", "--output_dir", str(out), "--save_model", "false",
+                         "--constraint_confidence", "0.9"])
+    assert json.loads((out / "results.json").read_text())["constraint_margin"] is None
+    with pytest.raises(ValueError, match="--score_bound 0.5 is below the largest"):
+        recipe.main(flags + ["--thresholds=-1,1", "--score_bound", "0.5", "--output_dir", str(tmp_path / "x")])
 
 
 def test_model_save_load_roundtrip(tmp_path):

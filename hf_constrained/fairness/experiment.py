@@ -259,8 +259,9 @@ def run_roc_fairness(args: ROCFairnessArguments, training_args: ConstrainedTrain
         logger.warning(
             "%s: more than %.0f%% of the scores on %s lie outside the thresholds [%g, %g]; the soft-rate constraints "
             "saturate there and say little about fairness: read the shift-proof measures (hard gaps at score "
-            "quantiles, ROC gap) in results.json instead, or bound the scores (--score_bound auto)", args.method,
-            100 * SHIFT_WARNING_FRACTION, ", ".join(shifted), min(args.threshold_list), max(args.threshold_list))
+            "quantiles, ROC gap) in results.json instead%s", args.method, 100 * SHIFT_WARNING_FRACTION,
+            ", ".join(shifted), min(args.threshold_list), max(args.threshold_list),
+            ", or bound the scores (--score_bound auto)" if args.score_bound_value is None else "")
     results = {
         "dataset": args.dataset,
         "method": args.method,
@@ -274,6 +275,7 @@ def run_roc_fairness(args: ROCFairnessArguments, training_args: ConstrainedTrain
         "constraint_batch_size": training_args.constraint_batch_size,  # pairs: rows per group
         "msvr_gamma": training_args.msvr_gamma if args.method != "icppac" else None,
         "msvr_gamma_prime": training_args.msvr_gamma_prime if args.method != "icppac" else None,
+        "constraint_margin": training_args.constraint_margin if args.method != "icppac" else None,
         "learning_rate": training_args.learning_rate if args.method != "icppac" else args.icppac_eta,
         "icppac": ({"eta": args.icppac_eta, "tau": args.icppac_tau, "mu": args.icppac_mu,
                     "theta": args.icppac_theta, "inner_steps": args.icppac_inner_steps,
