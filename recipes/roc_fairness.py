@@ -1,6 +1,6 @@
 """AUC maximisation under ROC-fairness constraints (paper section 5.1).
 
-    python recipes/roc_fairness.py --dataset adult --method hinge --penalty_beta 20 --output_dir runs/adult
+    python recipes/roc_fairness.py --dataset adult --method hinge --penalty_beta 4 --output_dir runs/adult
     accelerate launch recipes/roc_fairness.py --dataset compas --method squared_hinge --penalty_beta 800 ...
     python recipes/roc_fairness.py --dataset csv --csv_path my.csv --label_column y --group_column sex \
         --group_value F --positive_label 1 --method hinge --output_dir runs/mine
