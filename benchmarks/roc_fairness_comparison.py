@@ -4,6 +4,8 @@
                                                                      # setting, from the committed run files
     python benchmarks/roc_fairness_comparison.py --preset extended   # lr 1e-3, part of ICPPAC's grid
     python benchmarks/roc_fairness_comparison.py --preset reduced    # the earlier, shorter setting
+    python benchmarks/roc_fairness_comparison.py --preset recipe --report-only   # the ROC recipe's defaults,
+                                                                     # hinge, both data sets at 60 epochs
     python benchmarks/roc_fairness_comparison.py --preset paper      # the paper's setting (60 epochs,
                                                                      # 5 seeds, lr {1e-3, 1e-4}, full grids)
     python benchmarks/roc_fairness_comparison.py --report-only       # tables + figures from the JSONL
@@ -87,6 +89,14 @@ PRESETS = {
                        out=os.path.join(HERE, "results", "roc_fairness_paper_grid"),
                        runs_from=",".join(os.path.join(HERE, "results", d, "roc_fairness_runs.jsonl.gz") for d in (
                            ".", "roc_fairness_lr1e-4", "roc_fairness_adult_lr1e-4", "roc_fairness_icppac_grid"))),
+    # the ROC recipe's defaults (scores bounded to [-3, 3], lr 1e-4, gamma 0.05, margin 0.004), hinge only, both data
+    # sets at 60 epochs, reported from the committed runs of docs/roc_fairness.md's "Bounded scores" commands
+    "recipe": dict(epochs=60, seeds="0,1,2,3,4", lrs="1e-4", hinge_betas="1,4,8,10,20", datasets="compas,adult",
+                   methods="hinge", msvr_gamma=0.05, constraint_margin=0.004, score_bound=3.0,
+                   out=os.path.join(HERE, "results", "roc_fairness_recipe"),
+                   runs_from=",".join(os.path.join(HERE, "results", d, "roc_fairness_runs.jsonl.gz") for d in (
+                       "roc_fairness_rule_bound3_lr1e-4_gamma005_margin004",
+                       "roc_fairness_rule_bound3_lr1e-4_gamma005_margin004_adult60"))),
 }
 
 
@@ -608,8 +618,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     """The command line, with a preset's values for the flags it does not set."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                   help="'paper' (section 5.1's setting), 'extended' (the docs' setting) or 'reduced' (shorter); "
-                        "explicit flags win")
+                   help="'paper' (section 5.1's setting), 'paper_grid' (the docs' comparison), 'extended' (its lr "
+                        "1e-3 part), 'reduced' (shorter) or 'recipe' (the ROC recipe's defaults, hinge); explicit flags "
+                        "win")
     p.add_argument("--datasets", default="adult,compas")
     p.add_argument("--seeds", default="0,1,2,3,4")
     p.add_argument("--dataset-seeds", default="",

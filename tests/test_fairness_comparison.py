@@ -122,3 +122,34 @@ def test_every_seed_goal_in_range_counts_only_seeds_feasible_in_range(comparison
     goal = "hinge_every_seed_feasible_at_its_smallest_feasible_beta"
     assert paper["d"][goal]["met"] is True and paper["d"][goal]["beta"] == 20
     assert in_range["d"][goal]["met"] is False and in_range["d"][goal]["seeds_feasible_in_range"] == "1/2"
+
+
+def test_recipe_preset_reports_committed_runs_made_with_the_recipes_defaults(comparison):
+    """docs/roc_fairness.md and the README quote ``--preset recipe`` as the recipe's defaults: its
+    settings, and every committed run it reads, must be the recipe's."""
+    import gzip
+    import json
+
+    spec = importlib.util.spec_from_file_location("roc_recipe", os.path.join(ROOT, "recipes", "roc_fairness.py"))
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    defaults = recipe.DEFAULTS
+    bound = experiment.ROCFairnessArguments(score_bound=defaults["score_bound"]).score_bound_value
+    args = comparison.parse_args(["--preset", "recipe"])
+    assert (args.msvr_gamma, args.constraint_margin, args.score_bound, args.epochs) == (
+        defaults["msvr_gamma"], recipe.DEFAULT_MARGIN, bound, defaults["num_train_epochs"])
+    assert comparison._floats(args.lrs) == [defaults["learning_rate"]]
+    assert (args.batch_pairs, args.constraint_batch_pairs) == (
+        defaults["per_device_train_batch_size"], defaults["constraint_batch_size"])
+    wanted = {comparison.spec_key(s) for s in comparison.run_specs(args)}
+    found = set()
+    for path in args.runs_from.split(","):
+        with open(os.path.join(os.path.dirname(path), "roc_fairness_summary.json")) as f:
+            assert json.load(f)["meta"]["constraint_margin"] == recipe.DEFAULT_MARGIN, path
+        with gzip.open(path, "rt") as f:
+            for run in (json.loads(line) for line in f if line.strip()):
+                if comparison.spec_key(run["spec"]) in wanted:
+                    found.add(comparison.spec_key(run["spec"]))
+                    assert (run["msvr_gamma"], run["score_bound"], run["learning_rate"]) == (
+                        defaults["msvr_gamma"], bound, defaults["learning_rate"]), path
+    assert found == wanted  # every planned run is there: the report leaves nothing out
