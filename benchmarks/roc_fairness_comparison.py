@@ -614,6 +614,22 @@ def incomplete_settings(specs: list[dict], done: dict[str, dict]) -> dict[str, s
     return {k: f"{a}/{b}" for k, (a, b) in planned.items() if a < b}
 
 
+def runs_made_otherwise(runs: list[dict], common: dict) -> list[str]:
+    """``spec_key: what differs`` for the runs whose recorded estimator settings or score bound are
+    not ``common``'s (runs that predate a recorded field are not checked on it)."""
+    out = []
+    for r in runs:
+        recorded = {"msvr_gamma": r.get("msvr_gamma"), "score_bound": r.get("score_bound")}
+        if "constraint_margin" in r:
+            recorded["constraint_margin"] = r["constraint_margin"]
+        if r.get("method") == "icppac":  # ICPPAC has no estimator or margin
+            recorded = {"score_bound": recorded["score_bound"]}
+        diff = [f"{k} {v} (not {common[k]})" for k, v in recorded.items() if v != common[k]]
+        if diff:
+            out.append(f"{spec_key(r['spec'])}: {', '.join(diff)}")
+    return out
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """The command line, with a preset's values for the flags it does not set."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -736,6 +752,10 @@ def main(argv=None) -> dict:
     runs = [r for k, r in done.items() if k in wanted and setting_id(r["spec"]) not in incomplete]
     if not runs:
         raise SystemExit("no finished runs to report")
+    mixed = runs_made_otherwise(runs, common)
+    if mixed:  # a run key does not hold these settings: runs of another setting in --out or --runs-from
+        raise SystemExit("runs made with other settings than this command's (keep one setting per --out): "
+                         + "; ".join(mixed[:5]) + (f"; and {len(mixed) - 5} more" if len(mixed) > 5 else ""))
     summary = summarise(runs, args)
     summary_path = os.path.join(args.out, "roc_fairness_summary.json")
     previous = {}
