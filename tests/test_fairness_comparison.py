@@ -153,3 +153,20 @@ def test_recipe_preset_reports_committed_runs_made_with_the_recipes_defaults(com
                     assert (run["msvr_gamma"], run["score_bound"], run["learning_rate"]) == (
                         defaults["msvr_gamma"], bound, defaults["learning_rate"]), path
     assert found == wanted  # every planned run is there: the report leaves nothing out
+
+
+def test_report_refuses_runs_made_with_other_settings_than_the_command(comparison):
+    common = {"msvr_gamma": 0.05, "score_bound": 3.0, "constraint_margin": 0.004}
+
+    def run(method="hinge", **recorded):
+        spec = {"dataset": "d", "method": method, "beta": 4.0, "seed": 0, "lr": 1e-4, "epochs": 60}
+        return {"spec": spec, "method": method, **recorded}
+
+    same = run(msvr_gamma=0.05, score_bound=3.0, constraint_margin=0.004)
+    older = run(msvr_gamma=0.05, score_bound=3.0)  # made before the margin was recorded: not checked on it
+    icppac = run("icppac", msvr_gamma=None, score_bound=3.0, constraint_margin=None)
+    assert comparison.runs_made_otherwise([same, older, icppac], common) == []
+    unbounded = run(msvr_gamma=0.05, score_bound=None, constraint_margin=0.004)
+    other_gamma = run(msvr_gamma=0.1, score_bound=3.0)
+    found = comparison.runs_made_otherwise([unbounded, other_gamma], common)
+    assert len(found) == 2 and "score_bound None (not 3.0)" in found[0] and "msvr_gamma 0.1 (not 0.05)" in found[1]
