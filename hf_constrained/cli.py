@@ -143,10 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true",
                    help="exit with status 1 when a constraint fails (status 2 for a report without constraints)")
     p.add_argument("--rule", choices=SAFETY_RULES, default=None,
-                   help="what decides pass/fail: 'point' (each held-out value within its tolerance) or "
-                        "'upper_bound' (each upper confidence bound within its tolerance; constraints without a "
-                        "bound are judged on their value). Default: the report's own rule (point unless "
-                        "finish_run(..., safety_rule=...) said otherwise)")
+                   help="what decides pass/fail: 'certified' (the finite-sample certificate on the certification "
+                        "split), or the uncertified 'point' (each held-out value within its tolerance) and "
+                        "'upper_bound' (each CLT upper bound within its tolerance). Default: the report's own rule "
+                        "(certified unless finish_run(..., safety_rule=...) said otherwise)")
     p.set_defaults(func=_report)
     p = sub.add_parser("plot", help="write PNG figures of the constraints and the objective over training")
     p.add_argument("run_dir", metavar="RUN_DIR")

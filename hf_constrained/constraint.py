@@ -37,6 +37,29 @@ RowTransform = Callable[[torch.Tensor], torch.Tensor]
 constraint, applied to the rows ``row_fn`` produced for it (e.g. ``sigmoid(s - tau)``)."""
 
 
+@dataclass(frozen=True)
+class CertifyStatistic:
+    """What the certificate measures for a constraint when it is not the training surrogate
+    (a proxy constraint: the measured quantity decides, the surrogate only gives the gradient).
+
+    Args:
+        row_fn: ``row_fn(model, batch)`` returning one value per row of a batch of the
+            constraint's ``certify_dataset`` (e.g. ``old_correct - new_correct`` in {-1, 0, 1},
+            so that "accuracy on class k falls by at most eps" is a bounded mean).
+        tolerance: the statistic must be <= tolerance on the population.
+        value_range: (low, high) every per-row value lies in (a value outside is an error).
+        bound: the finite-sample bound (:data:`hf_constrained.safety.bounds.BOUNDS`):
+            ``"betting"`` by default, ``"clopper_pearson"`` for 0/1 rates.
+        description: how reports and cards name the statistic.
+    """
+
+    row_fn: RowFn
+    tolerance: float
+    value_range: tuple[float, float]
+    bound: str = "betting"
+    description: str = ""
+
+
 def collate_examples(examples: Sequence[Any]) -> Any:
     """Stack a list of examples into a batch.
 
@@ -126,6 +149,15 @@ class Constraint:
             margin counts instead of ``len(dataset)`` (e.g. the number of original images
             when ``dataset`` holds several augmented copies of each: correlated copies do
             not shrink the standard error ``s / sqrt(n)``). Default: ``len(dataset)``.
+        certify_dataset: the certification split: rows of the constraint's population that
+            only the certificate reads (never a gradient, a look-ahead, an evaluation during
+            training, checkpoint selection or a default). A trainer whose certification rows
+            coincide with any training or selection rows refuses to start.
+        value_range: (low, high) that every per-row value of the constraint lies in (e.g.
+            ``(0, 1)`` for a rate); the finite-sample bounds of the certificate need it.
+        certify_statistic: a :class:`CertifyStatistic` when the certificate should measure
+            something other than the training surrogate (default: the constraint's own
+            per-row values, its tolerance and ``value_range``).
     """
 
     name: str
@@ -143,6 +175,9 @@ class Constraint:
     confidence: Optional[float] = None
     margin: Optional[float] = None
     independent_rows: Optional[int] = None
+    certify_dataset: Optional[Any] = None
+    value_range: Optional[tuple[float, float]] = None
+    certify_statistic: Optional[CertifyStatistic] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -189,7 +224,8 @@ class Constraint:
             if hasattr(self.dataset, "__len__") and self.independent_rows > len(self.dataset):
                 raise ValueError(f"constraint {self.name!r}: independent_rows={self.independent_rows} exceeds the "
                                  f"dataset's {len(self.dataset)} rows")
-        for attr in ("dataset", "eval_dataset"):
+        self._check_certification()
+        for attr in ("dataset", "eval_dataset", "certify_dataset"):
             data = getattr(self, attr)
             if data is not None:
                 try:
@@ -202,9 +238,59 @@ class Constraint:
                 if size == 0:
                     raise ValueError(f"constraint {self.name!r}: {attr} is empty (no data to estimate it on)")
 
+    def _check_certification(self) -> None:
+        def checked_range(value: Any, what: str) -> tuple[float, float]:
+            try:
+                low, high = (float(v) for v in value)
+            except (TypeError, ValueError):
+                raise ValueError(f"constraint {self.name!r}: {what} must be a pair (low, high), got {value!r}") from None
+            if not (math.isfinite(low) and math.isfinite(high) and low < high):
+                raise ValueError(f"constraint {self.name!r}: {what} must be finite with low < high, got {value!r}")
+            return low, high
+
+        if self.value_range is not None:
+            self.value_range = checked_range(self.value_range, "value_range")
+        stat = self.certify_statistic
+        if stat is not None:
+            if not isinstance(stat, CertifyStatistic):
+                raise TypeError(f"constraint {self.name!r}: certify_statistic must be a CertifyStatistic, got "
+                                f"{type(stat).__name__}")
+            if not callable(stat.row_fn):
+                raise TypeError(f"constraint {self.name!r}: certify_statistic.row_fn must be callable")
+            checked_range(stat.value_range, "certify_statistic.value_range")
+            if not math.isfinite(float(stat.tolerance)):
+                raise ValueError(f"constraint {self.name!r}: certify_statistic.tolerance must be finite")
+        if self.certify_dataset is not None:
+            if self.dataset is None:
+                raise ValueError(f"constraint {self.name!r}: a data-free constraint has no certification split")
+            if stat is None and self.row_fn is None:
+                raise ValueError(f"constraint {self.name!r}: certification needs per-row values: declare the "
+                                 "constraint with row_fn, or give a certify_statistic")
+
     @property
     def data_free(self) -> bool:
         return self.dataset is None
+
+    @property
+    def certifiable(self) -> bool:
+        """It has a certification split and per-row values to bound there."""
+        return self.certify_dataset is not None
+
+    def certification_tolerance(self) -> float:
+        """The tolerance the certificate tests (the statistic's, else the constraint's)."""
+        stat = self.certify_statistic
+        return float(stat.tolerance) if stat is not None else self.tolerance
+
+    def certification_range(self) -> Optional[tuple[float, float]]:
+        """The range of the per-row values the certificate bounds (``None`` if undeclared)."""
+        stat = self.certify_statistic
+        if stat is not None:
+            return (float(stat.value_range[0]), float(stat.value_range[1]))
+        return self.value_range
+
+    def certification_bound(self) -> str:
+        stat = self.certify_statistic
+        return stat.bound if stat is not None else "betting"
 
     def collate(self, examples: Sequence[Any]) -> Any:
         return (self.collate_fn or collate_examples)(examples)

@@ -72,7 +72,9 @@ from .estimators import MSVREstimator, resolve_gamma_prime
 from .fused import (RowGroup, RowUnit, batch_variances, collate_units, inner_values, local_contribution,
                     plan_row_groups, row_values_and_owners, same_callable, segment_sums, stats_dtype)
 from .penalties import make_penalty
+from .safety.certify import GroupRows
 from .safety.gate import SafetyMixin
+from .safety.splits import check_certification_splits
 from .sampling import ConstraintBatchStream, ConstraintSampler
 from .statistics import ConstraintStatistic, constraint_statistic, z_value
 from .trainer_internals import TrainerInternals, trainer_prepare_input, trainer_run_dir
@@ -95,6 +97,21 @@ class ConstraintValueError(RuntimeError):
 def _float_outer(c: Constraint) -> Any:
     """A constraint's ``outer`` as a float -> float map (for :mod:`hf_constrained.statistics`)."""
     return lambda x: float(c.apply_outer(torch.tensor(x, dtype=torch.float64)))
+
+
+def _is_abs(outer: Any) -> bool:
+    """Whether a constraint's ``outer`` is the identity (``None``) or ``|x|`` (checked on test points);
+    the certificate bounds a group difference or its absolute value, nothing else."""
+    if outer is None:
+        return False
+    x = torch.tensor([-2.0, -0.5, 0.0, 0.75, 3.0], dtype=torch.float64)
+    try:
+        y = outer(x)
+    except Exception:  # noqa: BLE001 - any failure means "not |x|"
+        y = None
+    if isinstance(y, torch.Tensor) and torch.allclose(y.double(), x.abs()):
+        return True
+    raise ValueError("certification supports constraints whose outer is the identity or the absolute value")
 
 
 def _shallow_copy(batch: Any) -> Any:
@@ -204,6 +221,11 @@ class ConstrainedTrainer(SafetyMixin, TrainerInternals):
             )
         if self.penalty.active and uses_ddp(self.args):
             self.add_callback(GradientCoverageCallback())
+        # certification rows must be touched by nothing else: refuse an overlap before any training
+        others = {"the objective's train_dataset": self.train_dataset}
+        evals = self.eval_dataset if isinstance(self.eval_dataset, Mapping) else {"": self.eval_dataset}
+        others.update({f"the objective's eval_dataset {k}".rstrip(): v for k, v in evals.items()})
+        self.certification_fingerprints: dict[str, str] = check_certification_splits(self.constraints, others)
         seed = self.args.constraint_sampling_seed
         if m:
             gamma_prime = resolve_gamma_prime(self.args.msvr_gamma_prime, m, self.num_sampled, self.args.msvr_gamma)
@@ -1146,6 +1168,38 @@ class ConstrainedTrainer(SafetyMixin, TrainerInternals):
         finally:
             model.train(was_training)
         return {c.name: out[c.name] for c in self.constraints}
+
+    @torch.no_grad()
+    def constraint_row_values(self, model: Optional[nn.Module] = None, split: str = "certify"
+                              ) -> dict[str, Any]:
+        """Per-row values of each certifiable constraint's certification statistic on its
+        ``certify_dataset`` (the only place those rows are read): name -> a 1-D array, or
+        :class:`~hf_constrained.safety.certify.GroupRows` for a difference of group means
+        (``outer=abs`` gives its absolute value). See :mod:`hf_constrained.safety.certify`."""
+        if split != "certify":
+            raise ValueError(f"constraint_row_values reads the certification split only (split='certify'), got {split!r}")
+        model = self._eval_model(model)
+        was_training = model.training
+        model.eval()
+        out: dict[str, Any] = {}
+        try:
+            for c in self.constraints:
+                if not c.certifiable:
+                    continue
+                stat = c.certify_statistic
+                values, groups = [], []
+                for rows, batch in self._eval_batches(c, c.certify_dataset, self._collate_of(c)):
+                    with self.compute_loss_context_manager():
+                        v = stat.row_fn(model, batch) if stat is not None else c.row_values(c.row_fn(model, batch))
+                    v = v.detach().double().reshape(-1)
+                    values.append(v.cpu())
+                    if stat is None and c.group_key is not None:
+                        groups.append(c.row_groups(batch, v.shape[0], v.device).cpu())
+                v = torch.cat(values).numpy()
+                out[c.name] = v if not groups else GroupRows(v, torch.cat(groups).numpy(), absolute=_is_abs(c.outer))
+        finally:
+            model.train(was_training)
+        return out
 
     def evaluate_constraints(self, model: Optional[nn.Module] = None, split: str = "eval") -> dict[str, float]:
         """Exact value of every constraint on its data (the ``value`` of

@@ -80,7 +80,7 @@ def theta_at(step: int, lr: float = 0.1, target: float = 5.0) -> float:
 
 def make_trainer(output_dir: str, *, tolerance: float = 2.0, max_steps: int = 6, penalty: str = "none",
                  callbacks: Optional[list] = None, trainer_cls: type = ConstrainedTrainer,
-                 **args_kw: Any) -> ConstrainedTrainer:
+                 safety_rule: str = "point", **args_kw: Any) -> ConstrainedTrainer:
     kw: dict[str, Any] = dict(
         output_dir=output_dir, per_device_train_batch_size=4, per_device_eval_batch_size=4, learning_rate=0.1,
         optim="sgd", weight_decay=0.0, max_grad_norm=0.0, lr_scheduler_type="constant", report_to=[],
@@ -93,5 +93,9 @@ def make_trainer(output_dir: str, *, tolerance: float = 2.0, max_steps: int = 6,
     args = ConstrainedTrainingArguments(**kw)
     torch.manual_seed(0)
     model = ThetaModel(ThetaConfig())
-    return trainer_cls(model=model, args=args, constraints=constraints(tolerance),
-                              train_dataset=objective_data(), eval_dataset=objective_data(8), callbacks=callbacks)
+    trainer = trainer_cls(model=model, args=args, constraints=constraints(tolerance),
+                          train_dataset=objective_data(), eval_dataset=objective_data(8), callbacks=callbacks)
+    # these runs have no certification split: the gate's mechanics are exercised under the explicit, uncertified
+    # point rule (the certificate, the default rule, is tested in test_certificate_gate.py)
+    trainer.safety_rule = safety_rule
+    return trainer

@@ -105,7 +105,7 @@ def test_safe_model_is_pushed_with_safe_card(tmp_path, hub):
     assert hub.names() == ["create_repo", "upload_folder"]
     card, report = hub.cards[0], hub.reports[0]
     assert report.all_satisfied and "UNSAFE" not in card
-    assert "SAFE: all 2 constraints hold" in card_body(card)[1]
+    assert "NOT CERTIFIED: all 2 constraints hold on held-out data by the uncertified `point` rule" in card_body(card)[1]
     assert_card_matches_report(card, report)
 
 
@@ -183,7 +183,7 @@ def test_report_is_tied_to_the_weights_it_describes(tmp_path, hub):
     assert trainer.current_safety_report() is None  # the report no longer describes these weights
     trainer.create_model_card()
     card = (tmp_path / "run" / "README.md").read_text()
-    assert card_body(card)[0].startswith("> **NOT CHECKED") and "SAFE: all" not in card
+    assert card_body(card)[0].startswith("> **NOT CHECKED") and "constraints hold on held-out data" not in card
     with pytest.raises(UnsafeModelError) as err:
         trainer.check_safe_to_push()
     assert "weights changed after the last safety report" in str(err.value)
@@ -206,7 +206,7 @@ def test_card_after_evaluate_shows_the_evaluation(tmp_path):
     trainer.evaluate()
     trainer.create_model_card()
     card = (tmp_path / "run" / "README.md").read_text()
-    assert "NOT CHECKED" not in card and "SAFE: all 2 constraints hold" in card_body(card)[1]
+    assert "NOT CHECKED" not in card and "NOT CERTIFIED: all 2 constraints hold on held-out data by the uncertified `point` rule" in card_body(card)[1]
 
 
 def test_weights_fingerprint_changes_with_any_weight():

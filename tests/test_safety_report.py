@@ -103,7 +103,7 @@ def test_final_card_matches_report(run):
     trainer, report, out = run
     card = (out / "README.md").read_text()
     body = card_body(card)
-    assert body[0].startswith("# run") and "SAFE: all 2 constraints hold" in body[1]
+    assert body[0].startswith("# run") and "NOT CERTIFIED: all 2 constraints hold on held-out data by the uncertified `point` rule" in body[1]
     assert "UNSAFE" not in card
     assert_card_matches_report(card, report)
     assert "base_model: org/theta-base" in card and "Synthetic rows." in card
@@ -189,7 +189,8 @@ def test_constraints_without_heldout_data_are_flagged():
     from hf_constrained.safety.report import ConstraintResult
 
     report = SafetyReport([ConstraintResult("a", 0.1, 0.2, 0.0, "held-out"),
-                           ConstraintResult("b", 0.3, 0.2, None, "training")], {"eval_loss": 1.0})
+                           ConstraintResult("b", 0.3, 0.2, None, "training")], {"eval_loss": 1.0},
+                          safety_rule="point")
     assert report.not_held_out == ["b"] and report.failed == ["b"]
     assert "no held-out data and were checked on their training data: b" in report.summary()
     assert "b (training data)" in report.format_table()

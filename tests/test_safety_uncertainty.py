@@ -105,7 +105,7 @@ def test_verdicts_and_rules(finished, hub, capsys):  # noqa: F811 (fixture)
     assert main(["report", str(out), "--check", "--rule", "upper_bound"]) == 1
     printed = capsys.readouterr().out
     assert "UNSAFE: 1 of 2" in printed and "upper bound (95% CLT)" in printed
-    with pytest.raises(ValueError, match="safety_rule must be one of point, upper_bound"):
+    with pytest.raises(ValueError, match="safety_rule must be one of certified, point, upper_bound"):
         trainer.check_safe_to_push(safety_rule="lower")
 
 

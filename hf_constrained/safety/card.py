@@ -230,6 +230,15 @@ def eval_results(report: SafetyReport, *, model_name: str, info: ModelCardInfo) 
             args.update(upper_bound=c.upper_bound, confidence=c.confidence, bound_method=c.bound_method)
         if c.old_value is not None:
             args["old_model_value"] = c.old_value
+        cert = report.certificate
+        if cert is not None and c.name in cert.get("tolerance", {}):
+            bounds = report.certified_bounds()
+            args.update(certified=c.name not in report.failed, certificate_delta=cert["delta"],
+                        certificate_bound=cert["bound"][c.name], certificate_tolerance=cert["tolerance"][c.name],
+                        certification_rows=cert["num_rows"].get(c.name),
+                        certification_split=cert.get("split_fingerprints", {}).get(c.name))
+            if c.name in bounds:
+                args["certified_upper_bound"] = bounds[c.name]
         # one result per constraint: the Hub groups results by task, dataset, config and split
         results.append(EvalResult(
             task_type=task, dataset_type="none" if c.data == "data-free" else dataset_id,
@@ -246,10 +255,14 @@ def eval_results(report: SafetyReport, *, model_name: str, info: ModelCardInfo) 
 
 
 def card_status(report: Optional[SafetyReport]) -> str:
-    """``safe``, ``unsafe`` or ``unchecked`` (no held-out evaluation of these weights)."""
+    """``certified`` (the certificate holds), ``passes`` (an uncertified rule passes: NOT
+    CERTIFIED), ``not_certified`` (the default rule fails), ``unsafe`` (an uncertified rule
+    fails) or ``unchecked`` (no held-out evaluation of these weights)."""
     if report is None or not report.checked:
         return "unchecked"
-    return "safe" if report.all_satisfied else "unsafe"
+    if report.safety_rule == "certified":
+        return "certified" if report.certified else "not_certified"
+    return "passes" if report.all_satisfied else "unsafe"
 
 
 def render_model_card(
@@ -281,8 +294,10 @@ def render_model_card(
     method.setdefault("num_constraints", len(report.constraints) if report is not None else "unknown")
     status = card_status(report)
     tags = ["hf_constrained", "constrained-fine-tuning"] + list(info.tags) + list(extra_tags or [])
-    if status == "unsafe":
-        tags.append("constraints-violated")
+    if status in ("unsafe", "not_certified"):
+        tags.append("constraints-violated" if status == "unsafe" else "not-certified")
+    elif status == "certified":
+        tags.append("certified-constraints")
     base_model = source.adapter_base_model if source.is_adapter and source.adapter_base_model else info.base_model
     card_data = ModelCardData(
         library_name=source.library_name,

@@ -19,8 +19,16 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional, Protocol, runtime_checkable
 
+from .certify import DEFAULT_DELTA, Certificate, certify
 from .fingerprint import weights_fingerprint
-from .report import EVAL_CONSTRAINT_PREFIX, ConstraintResult, SafetyReport, check_safety_rule, objective_metrics_from
+from .report import (
+    DEFAULT_SAFETY_RULE,
+    EVAL_CONSTRAINT_PREFIX,
+    ConstraintResult,
+    SafetyReport,
+    check_safety_rule,
+    objective_metrics_from,
+)
 
 BOUND_METHOD = "CLT"  # hf_constrained.statistics: value + z_c * s / sqrt(n), one-sided
 DEFAULT_CONFIDENCE = 0.95
@@ -188,6 +196,38 @@ def constraint_margins(trainer: ReportableTrainer) -> Optional[Mapping[str, Opti
     return None if method is None else method()
 
 
+# ---------------------------------------------------------------------- certification
+def not_certifiable(trainer: ReportableTrainer) -> list[str]:
+    """Constraints (other than data-free ones, which are exact) without a certification split."""
+    return [c.name for c in trainer.constraints
+            if not c.data_free and getattr(c, "certify_dataset", None) is None]
+
+
+def certify_models(trainer: ReportableTrainer, models: Sequence[Any] = (None,), *, delta: float = DEFAULT_DELTA,
+                   procedure: str = "fixed_sequence") -> Optional[Certificate]:
+    """Certify candidate models (in the order given, fixed before the certification data is
+    read; ``None`` is the trainer's model) on each constraint's ``certify_dataset`` with
+    :func:`~hf_constrained.safety.certify.certify`; ``None`` when no constraint has one.
+
+    A certifiable constraint must declare the range of its per-row values
+    (``Constraint.value_range`` or its ``certify_statistic``): an error names it otherwise.
+    """
+    certifiable = [c for c in trainer.constraints if getattr(c, "certify_dataset", None) is not None]
+    if not certifiable:
+        return None
+    unranged = [c.name for c in certifiable if c.certification_range() is None]
+    if unranged:
+        raise ValueError(f"constraint(s) {unranged} have a certify_dataset but no value_range: a finite-sample bound "
+                         "needs the range of the per-row values (e.g. Constraint(value_range=(0, 1)) for a rate, "
+                         "(-1, 1) for a paired 0/1 change)")
+    row_values = getattr(trainer, "constraint_row_values")
+    candidates = [row_values(model=m, split="certify") for m in models]
+    return certify(candidates, {c.name: c.certification_tolerance() for c in certifiable},
+                   {c.name: c.certification_range() for c in certifiable}, delta,
+                   bound={c.name: c.certification_bound() for c in certifiable}, procedure=procedure,
+                   split_fingerprints=getattr(trainer, "certification_fingerprints", None))
+
+
 # ---------------------------------------------------------------------- reports
 def _old_values(trainer: ReportableTrainer, old_model: Any, old_model_values: Optional[Mapping[str, float]]
                 ) -> Optional[dict[str, float]]:
@@ -204,8 +244,9 @@ def build_safety_report(
     checkpoint: Optional[str] = None,
     model_name: Optional[str] = None,
     confidence: float = DEFAULT_CONFIDENCE,
-    safety_rule: str = "point",
+    safety_rule: str = DEFAULT_SAFETY_RULE,
     extra_columns: Optional[Mapping[str, Mapping[str, Any]]] = None,
+    delta: float = DEFAULT_DELTA,
 ) -> SafetyReport:
     """Evaluate ``trainer.model`` on held-out data and build its :class:`SafetyReport`.
 
@@ -223,8 +264,12 @@ def build_safety_report(
         model_name: recorded name (default: the output directory's name).
         confidence: the level of the upper confidence bounds (from the trainer's
             ``constraint_statistics``, when it has them; data-free constraints are exact).
-        safety_rule: ``"point"`` (a constraint holds when its value is within tolerance) or
-            ``"upper_bound"`` (when its upper confidence bound is).
+        safety_rule: ``"certified"`` (default: the finite-sample certificate on each
+            constraint's ``certify_dataset`` decides), or the uncertified ``"point"`` (a
+            constraint holds when its held-out value is within tolerance) and
+            ``"upper_bound"`` (when its CLT upper confidence bound is).
+        delta: the certificate's error level (with probability at least ``1 - delta`` over the
+            certification sample, a certified model satisfies every constraint).
         extra_columns: caller-supplied per-constraint columns, ``{column: {name: value}}``
             (e.g. zero-one accuracy of the old and new model per protected class), shown in
             the table, the JSON and the card.
@@ -257,7 +302,10 @@ def build_safety_report(
     if checkpoint is None and origin is not None:
         # after training, load_best_model_at_end put the best checkpoint's weights in the model
         step, checkpoint = origin
+    certificate = certify_models(trainer, delta=delta)
     report = SafetyReport(
+        certificate=None if certificate is None else certificate.to_dict(),
+        not_certifiable=not_certifiable(trainer),
         constraints=constraint_results(trainer, values, old, statistics=constraint_statistics(trainer, confidence),
                                        margins=constraint_margins(trainer), extra_columns=extras,
                                        confidence=confidence),
@@ -295,6 +343,8 @@ def report_from_metrics(trainer: ReportableTrainer, metrics: Mapping[str, Any], 
         method=method_settings(trainer),
         model_name=os.path.basename(os.path.normpath(checkpoint or trainer.args.output_dir)),
         weights_fingerprint=fingerprint,
+        safety_rule=getattr(trainer, "safety_rule", DEFAULT_SAFETY_RULE),
+        not_certifiable=not_certifiable(trainer),
     )
 
 
@@ -320,7 +370,8 @@ def checkpoint_step(checkpoint: str) -> Optional[int]:
 def checkpoint_safety_report(trainer: ReportableTrainer, checkpoint: str, model: Any, *,
                              old_model: Optional[Any] = None,
                              old_model_values: Optional[Mapping[str, float]] = None,
-                             confidence: float = DEFAULT_CONFIDENCE, safety_rule: str = "point") -> SafetyReport:
+                             confidence: float = DEFAULT_CONFIDENCE, safety_rule: str = DEFAULT_SAFETY_RULE,
+                             delta: float = DEFAULT_DELTA) -> SafetyReport:
     """The report of a saved checkpoint whose weights are already loaded into ``model``
     (a copy: ``trainer.model`` is left alone). The objective metrics are those logged at
     the checkpoint's step (its ``trainer_state.json``), if any."""
@@ -337,7 +388,10 @@ def checkpoint_safety_report(trainer: ReportableTrainer, checkpoint: str, model:
                 objective.update(objective_metrics_from(entry))
     else:
         step = checkpoint_step(checkpoint)
+    certificate = certify_models(trainer, [model], delta=delta)
     return SafetyReport(
+        certificate=None if certificate is None else certificate.to_dict(),
+        not_certifiable=not_certifiable(trainer),
         constraints=constraint_results(trainer, values, _old_values(trainer, old_model, old_model_values),
                                        statistics=constraint_statistics(trainer, confidence, model),
                                        confidence=confidence),
@@ -359,7 +413,9 @@ __all__ = [
     "constraint_margins",
     "constraint_statistics",
     "build_safety_report",
+    "certify_models",
     "checkpoint_safety_report",
+    "not_certifiable",
     "checkpoint_step",
     "relative_checkpoint",
     "constraint_results",

@@ -18,9 +18,10 @@ from collections.abc import Mapping
 from typing import Any, Optional, Protocol
 
 from .card import ModelCardInfo
+from .certify import DEFAULT_DELTA
 from .evaluation import DEFAULT_CONFIDENCE, ReportableTrainer, build_safety_report, old_model_constraint_values
 from .figures import plot_log_history
-from .report import SafetyReport, check_safety_rule
+from .report import DEFAULT_SAFETY_RULE, SafetyReport, check_safety_rule
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +34,7 @@ class FinishableTrainer(ReportableTrainer, Protocol):
     reference_constraint_values: Optional[dict[str, float]]
     safety_rule: str
     safety_confidence: float
+    safety_delta: float
 
     def set_safety_report(self, report: SafetyReport) -> None: ...
 
@@ -53,8 +55,9 @@ def finish_run(
     reproduce_command: Optional[str] = None,
     objective_metrics: Optional[Mapping[str, float]] = None,
     plots: bool = True,
-    safety_rule: str = "point",
+    safety_rule: Optional[str] = None,
     confidence: float = DEFAULT_CONFIDENCE,
+    delta: float = DEFAULT_DELTA,
     extra_columns: Optional[Mapping[str, Mapping[str, Any]]] = None,
 ) -> SafetyReport:
     """End a run: safety report, model card, trainer state and figures in the output directory.
@@ -76,19 +79,25 @@ def finish_run(
         objective_metrics: held-out objective metrics, if ``trainer.evaluate()`` is not
             the right way to get them.
         plots: also write the training-curve figures.
-        safety_rule: what decides SAFE/UNSAFE, here and in later ``push_to_hub`` calls:
-            ``"point"`` (default; each held-out value within its tolerance) or
-            ``"upper_bound"`` (each upper confidence bound within its tolerance; a
-            constraint without per-row values, hence without a bound, is judged on its
-            value and the report lists it).
-        confidence: the level of the upper confidence bounds (CLT, one-sided; they come
-            from ``trainer.constraint_statistics`` when the trainer provides them).
+        safety_rule: what decides the verdict, here and in later ``push_to_hub`` calls
+            (default: the trainer's ``safety_rule``, which is ``"certified"`` unless set):
+            ``"certified"``: the certificate on each constraint's
+            ``certify_dataset`` (rows nothing else touched) certifies the model at ``delta``
+            with a finite-sample bound (:mod:`hf_constrained.safety.certify`); a run with a
+            constraint lacking such a split is NOT CERTIFIED. The uncertified rules:
+            ``"point"`` (each held-out value within its tolerance) and ``"upper_bound"``
+            (each CLT upper bound within its tolerance; asymptotic).
+        confidence: the level of the CLT upper confidence bounds shown in the table.
+        delta: the certificate's error level: with probability at least ``1 - delta`` over
+            the certification sample, a certified model satisfies every constraint on the
+            population the split was drawn from.
         extra_columns: per-constraint columns to show next to the values,
             ``{column: {constraint name: value}}``, e.g. ``{"old accuracy": {...},
             "new accuracy": {...}}`` for a non-forgetting run (zero-one accuracy per
             protected class beside the loss-based constraint value).
     """
-    check_safety_rule(safety_rule)
+    safety_rule = check_safety_rule(safety_rule if safety_rule is not None
+                                    else getattr(trainer, "safety_rule", DEFAULT_SAFETY_RULE))
     info = getattr(trainer, "model_card_info", None) or ModelCardInfo()
     if base_model_name is not None:
         info.base_model = base_model_name
@@ -102,9 +111,9 @@ def finish_run(
     old = old_model_constraint_values(trainer, old_model, old_model_values)
     if old is not None:
         trainer.reference_constraint_values = old
-    trainer.safety_rule, trainer.safety_confidence = safety_rule, confidence
+    trainer.safety_rule, trainer.safety_confidence, trainer.safety_delta = safety_rule, confidence, delta
     report = build_safety_report(trainer, objective_metrics=objective_metrics, confidence=confidence,
-                                 safety_rule=safety_rule, extra_columns=extra_columns)
+                                 safety_rule=safety_rule, extra_columns=extra_columns, delta=delta)
     trainer.set_safety_report(report)
     if trainer.is_world_process_zero():
         out = trainer.args.output_dir

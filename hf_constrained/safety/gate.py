@@ -43,7 +43,8 @@ from .evaluation import (
     report_from_metrics,
 )
 from .fingerprint import weights_fingerprint
-from .report import EVAL_CONSTRAINT_PREFIX, SafetyReport, UnsafeModelError, check_safety_rule
+from .certify import DEFAULT_DELTA
+from .report import DEFAULT_SAFETY_RULE, EVAL_CONSTRAINT_PREFIX, SafetyReport, UnsafeModelError, check_safety_rule
 from .selection import (
     EvaluationRecord,
     FeasibleSelection,
@@ -107,9 +108,11 @@ class SafetyMixin:
         self._weights_eval: Optional[WeightsEvaluation] = None  # the last exact evaluation of the model
         self._stale_note = ""  # why the last report no longer describes the weights
         self._push_allow_unsafe = False
-        # what decides SAFE/UNSAFE ("point" or "upper_bound") and the bounds' level; finish_run sets them
-        self.safety_rule = "point"
+        # what decides the verdict ("certified", or the uncertified "point" / "upper_bound"), the CLT bounds'
+        # level and the certificate's delta; finish_run sets them
+        self.safety_rule = DEFAULT_SAFETY_RULE
         self.safety_confidence = DEFAULT_CONFIDENCE
+        self.safety_delta = DEFAULT_DELTA
         self._group_constraint_tensorboard()
 
     # ------------------------------------------------------------------ TensorBoard
@@ -242,6 +245,7 @@ class SafetyMixin:
         """
         kwargs.setdefault("confidence", self.safety_confidence)
         kwargs.setdefault("safety_rule", self.safety_rule)
+        kwargs.setdefault("delta", self.safety_delta)
         if checkpoint is not None:
             return self._checkpoint_safety_report(checkpoint, **kwargs)
         self.set_safety_report(build_safety_report(self, **kwargs))
@@ -370,6 +374,9 @@ class SafetyMixin:
         if (report is not None and self.safety_rule == "upper_bound" and report.without_bound
                 and hasattr(self, "constraint_statistics")):
             report = None  # the bounds decide: evaluate again with the per-row statistics
+        if (report is not None and self.safety_rule == "certified" and report.certificate is None
+                and any(getattr(c, "certify_dataset", None) is not None for c in self.constraints)):
+            report = None  # an evaluation during training has no certificate: certify these weights now
         note = ""
         if report is None:
             # never evaluated, or the weights changed since: evaluate these weights now

@@ -24,8 +24,12 @@ from typing import Any, Optional
 SAFETY_REPORT_NAME = "safety_report.json"
 EVAL_CONSTRAINT_PREFIX = "eval_constraint/"
 
-# how a verdict is decided (see :meth:`ConstraintResult.holds`)
-SAFETY_RULES = ("point", "upper_bound")
+# how a verdict is decided: "certified" (the default: a finite-sample certificate on a certification split,
+# :mod:`hf_constrained.safety.certify`), or the uncertified rules of :meth:`ConstraintResult.holds`
+SAFETY_RULES = ("certified", "point", "upper_bound")
+DEFAULT_SAFETY_RULE = "certified"
+CERTIFIED = "certified"
+NOT_CERTIFIED = "not certified"
 HOLDS_WITH_CONFIDENCE = "holds with confidence"
 HOLDS_ON_POINT_ESTIMATE = "holds on the point estimate only"
 FAILS = "fails"
@@ -135,7 +139,9 @@ class ConstraintResult:
         def number(key: str) -> Optional[float]:
             return None if data.get(key) is None else float(data[key])
 
-        return cls(str(data["name"]), float(data["value"]), float(data["tolerance"]), number("old_value"),
+        value = number("value")  # a non-finite value is stored as null (strict JSON)
+        return cls(str(data["name"]), math.nan if value is None else value, float(data["tolerance"]),
+                   number("old_value"),
                    data.get("data", "held-out"), number("upper_bound"), number("confidence"),
                    data.get("bound_method"), number("std_error"),
                    None if data.get("num_rows") is None else int(data["num_rows"]), number("margin"),
@@ -159,10 +165,17 @@ class SafetyReport:
         model_name: what the report is about (run or model name).
         weights_fingerprint: :func:`~hf_constrained.safety.fingerprint.weights_fingerprint`
             of the evaluated weights; the gate re-evaluates when the weights no longer match.
-        safety_rule: what decides SAFE/UNSAFE: ``"point"`` (default: every value within
-            tolerance) or ``"upper_bound"`` (every upper confidence bound within tolerance).
+        safety_rule: what decides the verdict: ``"certified"`` (default: the
+            :attr:`certificate` certifies these weights, see :attr:`certified`), or the
+            uncertified rules ``"point"`` (every held-out value within tolerance) and
+            ``"upper_bound"`` (every CLT upper bound within tolerance).
         extra_columns: the names of the caller-supplied columns (``ConstraintResult.extra``),
             in display order.
+        certificate: :meth:`Certificate.to_dict() <hf_constrained.safety.certify.Certificate.to_dict>`
+            of the certification of these weights (``None`` without a certification split).
+        certificate_candidate: which candidate of the certificate these weights are.
+        not_certifiable: constraints without a certification split (``certify_dataset``): a
+            run with any is not certified.
     """
 
     constraints: list[ConstraintResult]
@@ -174,8 +187,11 @@ class SafetyReport:
     method: dict[str, Any] = field(default_factory=dict)
     model_name: Optional[str] = None
     weights_fingerprint: Optional[str] = None
-    safety_rule: str = "point"
+    safety_rule: str = DEFAULT_SAFETY_RULE
     extra_columns: list[str] = field(default_factory=list)
+    certificate: Optional[dict[str, Any]] = None
+    certificate_candidate: int = 0
+    not_certifiable: list[str] = field(default_factory=list)
     created_at: str = field(default_factory=lambda: _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
 
     # ------------------------------------------------------------------ verdict
@@ -183,9 +199,30 @@ class SafetyReport:
         check_safety_rule(self.safety_rule)
 
     @property
+    def certified(self) -> bool:
+        """Certified at the certificate's delta: every constraint has a certification split
+        and these weights are among the certified candidates (data-free constraints, which
+        have no sampling error, must hold exactly)."""
+        cert = self.certificate
+        if not self.constraints or cert is None or self.not_certifiable:
+            return False
+        exact_ok = all(c.satisfied for c in self.constraints if c.data == "data-free")
+        return exact_ok and self.certificate_candidate in cert.get("certified", [])
+
+    def certified_bounds(self) -> dict[str, float]:
+        """Constraint name -> the certificate's upper bound for these weights (empty when untested)."""
+        cert = self.certificate
+        if cert is None or self.certificate_candidate >= len(cert.get("upper_bounds", [])):
+            return {}
+        return dict(cert["upper_bounds"][self.certificate_candidate])
+
+    @property
     def all_satisfied(self) -> bool:
-        """True when every constraint holds on the held-out data under :attr:`safety_rule`
-        (vacuously true with none: see :attr:`checked`)."""
+        """True when the verdict under :attr:`safety_rule` passes: certified (the default rule),
+        or every constraint holds by the uncertified ``"point"`` / ``"upper_bound"`` rule
+        (vacuously true with no constraints: see :attr:`checked`)."""
+        if self.safety_rule == "certified":
+            return self.certified
         return all(c.holds(self.safety_rule) for c in self.constraints)
 
     @property
@@ -195,8 +232,20 @@ class SafetyReport:
 
     @property
     def failed(self) -> list[str]:
-        """Constraints that do not hold under :attr:`safety_rule`."""
-        return [c.name for c in self.constraints if not c.holds(self.safety_rule)]
+        """Constraints that do not hold under :attr:`safety_rule` (under ``"certified"``: those
+        without a certification split or whose certified bound exceeds its tolerance)."""
+        if self.safety_rule != "certified":
+            return [c.name for c in self.constraints if not c.holds(self.safety_rule)]
+        bounds = self.certified_bounds()
+        tolerance = (self.certificate or {}).get("tolerance", {})
+        out = []
+        for c in self.constraints:
+            if c.data == "data-free":
+                if not c.satisfied:
+                    out.append(c.name)
+            elif c.name in self.not_certifiable or c.name not in bounds or not bounds[c.name] <= tolerance[c.name]:
+                out.append(c.name)
+        return out
 
     @property
     def without_bound(self) -> list[str]:
@@ -230,6 +279,10 @@ class SafetyReport:
             "model_name": self.model_name,
             "weights_fingerprint": self.weights_fingerprint,
             "extra_columns": list(self.extra_columns),
+            "certified": self.certified,
+            "certificate": self.certificate,
+            "certificate_candidate": self.certificate_candidate,
+            "not_certifiable": list(self.not_certifiable),
             "created_at": self.created_at,
             "constraints": [c.to_dict() for c in self.constraints],
             "objective_metrics": dict(self.objective_metrics),
@@ -241,7 +294,7 @@ class SafetyReport:
     def from_dict(cls, data: Mapping[str, Any]) -> "SafetyReport":
         try:
             constraints = [ConstraintResult.from_dict(c) for c in data["constraints"]]
-            rule = check_safety_rule(data.get("safety_rule", "point"))
+            rule = check_safety_rule(data.get("safety_rule", DEFAULT_SAFETY_RULE))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"not a safety report: {exc!r}") from exc
         return cls(
@@ -256,6 +309,9 @@ class SafetyReport:
             weights_fingerprint=data.get("weights_fingerprint"),
             safety_rule=rule,
             extra_columns=list(data.get("extra_columns") or []),
+            certificate=data.get("certificate"),
+            certificate_candidate=int(data.get("certificate_candidate") or 0),
+            not_certifiable=list(data.get("not_certifiable") or []),
             created_at=data.get("created_at", ""),
         )
 
@@ -271,7 +327,7 @@ class SafetyReport:
             path = os.path.join(path, SAFETY_REPORT_NAME)
         tmp = f"{path}.tmp.{os.getpid()}"
         with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(self.to_dict(), f, indent=2, allow_nan=True)
+            json.dump(_strict_json(self.to_dict()), f, indent=2, allow_nan=False)
             f.write("\n")
         os.replace(tmp, path)
         return path
@@ -308,6 +364,13 @@ class SafetyReport:
         show_margin = any(c.margin is not None for c in self.constraints)
         header = ["constraint", "held-out value"] + ([self.bound_header()] if show_bound else [])
         header += ["old model", "tolerance"] + (["margin"] if show_margin else []) + ["violation", "verdict"]
+        cert = self.certificate
+        bounds = self.certified_bounds()
+        cert_tol = (cert or {}).get("tolerance", {})
+        show_cert_tol = any(cert_tol.get(c.name, c.tolerance) != c.tolerance for c in self.constraints)
+        if cert is not None:
+            header += [f"certified bound (delta {cert['delta']:g})"] + (["certified tolerance"] if show_cert_tol else [])
+            header += ["certification rows"]
         rows = [header + list(self.extra_columns)]
         for c in self.constraints:
             name = c.name + (" (training data)" if c.data == "training" else "")
@@ -316,6 +379,10 @@ class SafetyReport:
             row += [format_number(c.margin)] if show_margin else []
             verdict = c.verdict if c.verdict != FAILS else "FAILS"
             row += [format_number(c.violation), verdict]
+            if cert is not None:
+                row += [format_number(bounds.get(c.name)) + (f" ({cert['bound'][c.name]})" if c.name in bounds else "")]
+                row += [format_number(cert_tol.get(c.name))] if show_cert_tol else []
+                row += [format_number(cert.get("num_rows", {}).get(c.name))]
             row += [_cell(c.extra.get(col)) for col in self.extra_columns]
             rows.append(row)
         return rows
@@ -335,11 +402,40 @@ class SafetyReport:
         lines += [fmt.format(*r) for r in rows[1:]]
         return "\n".join(lines)
 
+    def certificate_summary(self) -> str:
+        """One line on the certificate: CERTIFIED at delta (the guarantee) or NOT CERTIFIED (why)."""
+        n = len(self.constraints)
+        cert = self.certificate
+        if cert is None:
+            return ("NOT CERTIFIED: no constraint has a certification split (certify_dataset), so nothing was tested "
+                    "on data that training and selection never touched")
+        rows = list(cert.get("num_rows", {}).values())
+        kinds = sorted(set(cert.get("bound", {}).values()))
+        asymptotic = " (asymptotic: no finite-sample guarantee)" if "clt" in kinds else ""
+        how = (f"{'/'.join(kinds)} upper bounds{asymptotic}, {min(rows)}-{max(rows)} certification rows per "
+               f"constraint, {cert['num_candidates']} candidate(s) by {cert['procedure'].replace('_', '-')} testing"
+               if rows else "")
+        if self.certified:
+            return (f"CERTIFIED at delta = {cert['delta']:g}: with probability at least {1 - cert['delta']:g} over the "
+                    f"certification sample, all {n} constraints hold on the population it was drawn from ({how})")
+        reasons = []
+        if self.not_certifiable:
+            reasons.append(f"no certification split for {', '.join(self.not_certifiable)}")
+        failing = [k for k in self.failed if k not in self.not_certifiable]
+        if failing:
+            reasons.append(f"bound above tolerance for {', '.join(failing)}")
+        if not reasons and self.certificate_candidate not in cert.get("certified", []):
+            reasons.append("these weights were not tested (an earlier candidate failed in the fixed sequence)")
+        return f"NOT CERTIFIED at delta = {cert['delta']:g}: {'; '.join(reasons)} ({how})"
+
     def summary(self) -> str:
-        """One line: SAFE/UNSAFE, how many constraints fail, the largest violation."""
+        """One line: the verdict under :attr:`safety_rule` (CERTIFIED / NOT CERTIFIED, or, by an
+        uncertified rule, PASSES (NOT CERTIFIED) / UNSAFE), with the reasons."""
         n = len(self.constraints)
         if not n:
             return "NOT CHECKED: the report has no constraints, so it shows nothing about the model's safety"
+        if self.safety_rule == "certified":
+            return self.certificate_summary()
         caveat = ""
         if self.not_held_out:
             caveat = (f"; {len(self.not_held_out)} constraint(s) have no held-out data and were checked on their "
@@ -355,11 +451,26 @@ class SafetyReport:
                          and c.upper_bound is not None]
             if uncertain:
                 caveat += f"; {len(uncertain)} hold on the point estimate only: {', '.join(uncertain)}"
+        if not self.certified:
+            caveat += "; not certified: " + self.certificate_summary().split(": ", 1)[1]
         if self.all_satisfied:
-            return (f"SAFE: all {n} constraints hold on held-out data, judged by {judged} "
+            return (f"PASSES, {'CERTIFIED' if self.certified else 'NOT CERTIFIED'} (uncertified '{self.safety_rule}' "
+                    f"rule): all {n} constraints hold on held-out data, judged by {judged} "
                     f"(max violation {format_number(self.max_violation)}){caveat}")
         return (f"UNSAFE: {len(self.failed)} of {n} constraints fail on held-out data, judged by {judged} "
                 f"(max violation {format_number(self.max_violation)}): {', '.join(self.failed)}{caveat}")
+
+
+def _strict_json(value: Any) -> Any:
+    """``value`` with every non-finite float as ``None``: reports are strict JSON (a NaN would
+    make ``safety_report.json`` unreadable to strict parsers)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, Mapping):
+        return {k: _strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict_json(v) for v in value]
+    return value
 
 
 def _cell(value: Any) -> str:
@@ -384,6 +495,9 @@ def objective_metrics_from(metrics: Mapping[str, Any]) -> dict[str, float]:
 
 
 __all__ = [
+    "CERTIFIED",
+    "DEFAULT_SAFETY_RULE",
+    "NOT_CERTIFIED",
     "EVAL_CONSTRAINT_PREFIX",
     "FAILS",
     "HOLDS_ON_POINT_ESTIMATE",

@@ -1,0 +1,133 @@
+"""Fingerprints of data rows: a certification split must share no row with anything else.
+
+A certificate is only as good as the independence of its split: a row that also fed a
+gradient (the constraint's or the objective's training data) or chose a checkpoint (the
+held-out data of feasible-checkpoint selection) makes its bound optimistic. Each row is
+hashed by its content (every field: tensors and arrays by dtype, shape and bytes; strings;
+numbers), so a copy of a row is found whatever dataset object holds it. The split's
+fingerprint (SHA-256 over its sorted row hashes and its size) is recorded in the report and
+the card.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Optional
+
+import numpy as np
+
+from ..constraint import fetch_rows
+
+_CHUNK = 512  # rows fetched per call
+
+
+def _feed(digest: Any, value: Any) -> None:
+    if isinstance(value, Mapping):
+        for key in sorted(value, key=str):
+            if key == "sample_index":  # a position, not content
+                continue
+            digest.update(f"<{key}>".encode())
+            _feed(digest, value[key])
+        return
+    if hasattr(value, "detach") and hasattr(value, "cpu"):  # a torch tensor, without importing torch here
+        value = value.detach().cpu().numpy()
+    if isinstance(value, np.ndarray):
+        digest.update(f"a{value.dtype.str}{value.shape}".encode())
+        digest.update(np.ascontiguousarray(value).tobytes())
+        return
+    if isinstance(value, (bytes, bytearray)):
+        digest.update(b"b" + bytes(value))
+        return
+    if isinstance(value, str):
+        digest.update(b"s" + value.encode())
+        return
+    if isinstance(value, (list, tuple)):
+        digest.update(f"l{len(value)}".encode())
+        for item in value:
+            _feed(digest, item)
+        return
+    if isinstance(value, (bool, int, float, np.generic)) or value is None:
+        digest.update(f"n{value!r}".encode())
+        return
+    tobytes = getattr(value, "tobytes", None)  # e.g. a PIL image
+    if callable(tobytes):
+        digest.update(f"o{type(value).__name__}{getattr(value, 'size', '')}".encode() + tobytes())
+        return
+    digest.update(f"r{value!r}".encode())
+
+
+def row_hash(row: Any) -> bytes:
+    """A 16-byte content hash of one example."""
+    digest = hashlib.blake2b(digest_size=16)
+    _feed(digest, row)
+    return digest.digest()
+
+
+def row_hashes(dataset: Any) -> list[bytes]:
+    """The content hash of every row of ``dataset`` (indexable with a length)."""
+    n = len(dataset)
+    out: list[bytes] = []
+    for start in range(0, n, _CHUNK):
+        out.extend(row_hash(r) for r in fetch_rows(dataset, range(start, min(start + _CHUNK, n))))
+    return out
+
+
+def split_fingerprint(hashes: Iterable[bytes]) -> str:
+    """``sha256:<hex>`` of a split: its sorted row hashes and its size (order-free)."""
+    ordered = sorted(hashes)
+    digest = hashlib.sha256(f"{len(ordered)}|".encode())
+    for h in ordered:
+        digest.update(h)
+    return "sha256:" + digest.hexdigest()
+
+
+def check_certification_splits(constraints: Sequence[Any], others: Optional[Mapping[str, Any]] = None
+                               ) -> dict[str, str]:
+    """Refuse certification rows that also appear in training or selection rows.
+
+    Args:
+        constraints: the run's constraints; those with a ``certify_dataset`` are checked
+            against every constraint's ``dataset`` and ``eval_dataset`` and against ``others``.
+        others: further datasets by name (the trainer's ``train_dataset``, ``eval_dataset``).
+
+    Returns:
+        constraint name -> fingerprint of its certification split.
+
+    Raises:
+        ValueError naming the constraint, how many rows overlap and with which data.
+    """
+    certifying = [c for c in constraints if getattr(c, "certify_dataset", None) is not None]
+    if not certifying:
+        return {}
+    used: list[tuple[str, Any]] = []
+    for c in constraints:
+        used.append((f"the training rows of constraint {c.name!r}", c.dataset))
+        used.append((f"the held-out (selection) rows of constraint {c.name!r}", c.eval_dataset))
+    for name, data in (others or {}).items():
+        used.append((name, data))
+    seen: dict[int, set[bytes]] = {}
+    sources: list[tuple[str, set[bytes]]] = []
+    for what, data in used:
+        if data is None or not hasattr(data, "__len__"):
+            continue
+        key = id(data)
+        if key not in seen:
+            seen[key] = set(row_hashes(data))
+        sources.append((what, seen[key]))
+    fingerprints = {}
+    for c in certifying:
+        hashes = row_hashes(c.certify_dataset)
+        own = set(hashes)
+        for what, rows in sources:
+            common = own & rows
+            if common:
+                raise ValueError(
+                    f"constraint {c.name!r}: {len(common)} of the {len(own)} rows of its certify_dataset also appear "
+                    f"in {what}. Certification rows must be touched by nothing else (no gradient, no evaluation "
+                    "during training, no checkpoint selection): split them off before training")
+        fingerprints[c.name] = split_fingerprint(hashes)
+    return fingerprints
+
+
+__all__ = ["check_certification_splits", "row_hash", "row_hashes", "split_fingerprint"]
