@@ -59,7 +59,9 @@ def test_recipe_bdd100k_hinge_saves_model_and_results(assets, tmp_path):
     # the run ends with a safety report and a model card whose verdict matches the exact evaluation
     with open(os.path.join(out, "safety_report.json")) as f:
         report = json.load(f)
-    assert report["all_satisfied"] == bool(results["eval_metrics"]["eval_constraints_satisfied"]) == results["safe"]
+    # the point values agree with the evaluation; the verdict (certified by default) is the recipe's "safe"
+    assert all(c["satisfied"] for c in report["constraints"]) == bool(results["eval_metrics"]["eval_constraints_satisfied"])
+    assert report["all_satisfied"] == results["safe"]
     assert sorted(c["name"] for c in report["constraints"]) == sorted(saved["constraints_train"])
     with open(os.path.join(out, "README.md")) as f:
         card = f.read()
