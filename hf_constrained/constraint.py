@@ -266,6 +266,10 @@ class Constraint:
             if stat is None and self.row_fn is None:
                 raise ValueError(f"constraint {self.name!r}: certification needs per-row values: declare the "
                                  "constraint with row_fn, or give a certify_statistic")
+            if stat is None and self.value_range is None:
+                raise ValueError(f"constraint {self.name!r}: certify_dataset needs value_range=(low, high), the range "
+                                 "of its per-row values (e.g. (0, 1) for a rate): the certificate's finite-sample "
+                                 "bound depends on it")
 
     @property
     def data_free(self) -> bool:

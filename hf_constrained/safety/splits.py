@@ -22,10 +22,10 @@ from ..constraint import fetch_rows
 _CHUNK = 512  # rows fetched per call
 
 
-def _feed(digest: Any, value: Any) -> None:
+def _feed(digest: Any, value: Any, keys: Optional[frozenset] = None) -> None:
     if isinstance(value, Mapping):
         for key in sorted(value, key=str):
-            if key == "sample_index":  # a position, not content
+            if key == "sample_index" or (keys is not None and key not in keys):  # a position, not content
                 continue
             digest.update(f"<{key}>".encode())
             _feed(digest, value[key])
@@ -57,20 +57,26 @@ def _feed(digest: Any, value: Any) -> None:
     digest.update(f"r{value!r}".encode())
 
 
-def row_hash(row: Any) -> bytes:
-    """A 16-byte content hash of one example."""
+def row_hash(row: Any, keys: Optional[frozenset] = None) -> bytes:
+    """A 16-byte content hash of one example (of its fields in ``keys`` only, when given)."""
     digest = hashlib.blake2b(digest_size=16)
-    _feed(digest, row)
+    _feed(digest, row, keys)
     return digest.digest()
 
 
-def row_hashes(dataset: Any) -> list[bytes]:
-    """The content hash of every row of ``dataset`` (indexable with a length)."""
+def row_hashes(dataset: Any, keys: Optional[frozenset] = None) -> list[bytes]:
+    """The content hash of every row of ``dataset`` (indexable with a length), on ``keys`` only when given."""
     n = len(dataset)
     out: list[bytes] = []
     for start in range(0, n, _CHUNK):
-        out.extend(row_hash(r) for r in fetch_rows(dataset, range(start, min(start + _CHUNK, n))))
+        out.extend(row_hash(r, keys) for r in fetch_rows(dataset, range(start, min(start + _CHUNK, n))))
     return out
+
+
+def _fields(dataset: Any) -> Optional[frozenset]:
+    """The field names of a dataset of dict rows (``None`` for other rows)."""
+    first = fetch_rows(dataset, [0])[0] if len(dataset) else None
+    return frozenset(k for k in first if k != "sample_index") if isinstance(first, Mapping) else None
 
 
 def split_fingerprint(hashes: Iterable[bytes]) -> str:
@@ -106,21 +112,19 @@ def check_certification_splits(constraints: Sequence[Any], others: Optional[Mapp
         used.append((f"the held-out (selection) rows of constraint {c.name!r}", c.eval_dataset))
     for name, data in (others or {}).items():
         used.append((name, data))
-    seen: dict[int, set[bytes]] = {}
-    sources: list[tuple[str, set[bytes]]] = []
-    for what, data in used:
-        if data is None or not hasattr(data, "__len__"):
-            continue
-        key = id(data)
-        if key not in seen:
-            seen[key] = set(row_hashes(data))
-        sources.append((what, seen[key]))
+    sources = [(what, data) for what, data in used if data is not None and hasattr(data, "__len__")]
+    # rows are compared on the certification rows' own fields, so that a dataset with extra columns (the
+    # objective's labels) still matches a copied row
+    seen: dict[tuple[int, Optional[frozenset]], set[bytes]] = {}
     fingerprints = {}
     for c in certifying:
+        keys = _fields(c.certify_dataset)
         hashes = row_hashes(c.certify_dataset)
-        own = set(hashes)
-        for what, rows in sources:
-            common = own & rows
+        own = set(row_hashes(c.certify_dataset, keys))
+        for what, data in sources:
+            if (id(data), keys) not in seen:
+                seen[(id(data), keys)] = set(row_hashes(data, keys))
+            common = own & seen[(id(data), keys)]
             if common:
                 raise ValueError(
                     f"constraint {c.name!r}: {len(common)} of the {len(own)} rows of its certify_dataset also appear "
