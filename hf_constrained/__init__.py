@@ -18,7 +18,8 @@ from .lazy_import import lazy_attributes
 
 if TYPE_CHECKING:  # pragma: no cover
     from .config import ConstrainedTrainingArguments
-    from .constraint import Constraint, collate_examples, constraints_per_value
+    from .constraint import CertifyStatistic, Constraint, collate_examples, constraints_per_value
+    from .safety.certify import Certificate, certify
     from .estimators import MSVREstimator, resolve_gamma_prime, theory_gamma_prime
     from .penalties import HingePenalty, NoPenalty, Penalty, SquaredHingePenalty, make_penalty
     from .safety.evaluation import build_safety_report
@@ -33,6 +34,9 @@ __version__ = "0.1.0"
 _LAZY = {
     "ConstrainedTrainingArguments": ".config",
     "Constraint": ".constraint",
+    "CertifyStatistic": ".constraint",
+    "Certificate": ".safety.certify",
+    "certify": ".safety.certify",
     "collate_examples": ".constraint",
     "constraints_per_value": ".constraint",
     "MSVREstimator": ".estimators",
