@@ -3,34 +3,44 @@
 A tiny non-forgetting problem (the paper's non-forgetting application, in miniature) on
 scikit-learn's digits, offline, on a CPU:
 
-1. the OLD model, an MLP, is trained on digits 0-7 only (its own 40% of the data);
+1. the OLD model, an MLP, is trained on digits 0-7 only (its own 30% of the data);
 2. the NEW task teaches it digits 8 and 9 (the objective: cross-entropy on 8/9 images);
 3. one constraint per old digit k = 0..7 asks it not to forget:
-   h_k(w) = CE_k(w) - CE_k(w_old) <= tolerance, on digit k's fine-tuning images, and is
-   checked exactly on digit k's held-out images (both unseen by the old model);
+   h_k(w) = CE_k(w) - CE_k(w_old) <= tolerance, on digit k's fine-tuning images (the training
+   surrogate), checked during training on digit k's selection images;
 4. training with the hinge penalty evaluates every ``--eval_steps``; ``load_best_model_at_end``
-   keeps the best objective among the checkpoints whose constraints all hold on held-out
-   data; ``finish_run`` writes the safety report, the model card and the figures;
-5. the push gate is checked offline (``trainer.check_safe_to_push()``); ``--hub_model_id``
-   pushes for real.
+   keeps the best objective among the checkpoints whose constraints all hold on the selection
+   images;
+5. ``finish_run`` certifies the chosen model on digit k's certification images, which nothing
+   else reads: the statistic is the share of digit k's images that the old model classified
+   right and the new one gets wrong (``--forget_tolerance``, a 0/1 rate with an exact
+   Clopper-Pearson bound at ``--delta``), so "certified" reads "with probability >= 1 - delta,
+   at most forget_tolerance of each old digit's images are forgotten"; it writes the safety
+   report, the model card, the figures and ``results.json``;
+6. the push gate is checked offline (``trainer.check_safe_to_push()``); ``--hub_model_id``
+   pushes for real. The exit status is 1 when the gate refuses.
 
-    python recipes/safe_release_digits.py                              # hinge: SAFE
+The images unseen by the old model are split, stratified by digit, into fine-tuning (30%),
+selection (15%) and certification (55%) images; ``--audit_fraction f`` sets a share ``f`` of
+the certification images aside as an audit split that neither training nor the certificate
+reads (``results.json`` reports both statistics on it: what a certificate's claim looks like on
+unseen images).
+
+    python recipes/safe_release_digits.py                              # hinge: CERTIFIED
     python recipes/safe_release_digits.py --constraint_penalty none --load_best_model_at_end false
-        # plain fine-tuning, its last weights: UNSAFE (every old digit forgotten), push refused
+        # plain fine-tuning, its last weights: NOT CERTIFIED (every old digit forgotten), push refused
     python recipes/safe_release_digits.py --docs docs/safety           # also refresh the README figures
     python recipes/safe_release_digits.py --config my_settings.yaml    # any flag, as YAML
 
-(Plain fine-tuning WITH feasible-checkpoint selection keeps its one feasible evaluation, step
-20, before it has learned digits 8 and 9: SAFE, at a held-out objective loss of 11.1 against
-the hinge's 1.34, seed 0.)
-
 Every field of ``ConstrainedTrainingArguments`` is a flag (``--penalty_beta``, ``--max_steps``,
 ``--eval_steps``, ``--seed``, ``--hub_model_id``, ...); the recipe's own flags are
-``--tolerance``, ``--docs`` and ``--allow_unsafe``. The seed also draws the data split.
+``--tolerance``, ``--forget_tolerance``, ``--delta``, ``--audit_fraction``, ``--docs`` and
+``--allow_unsafe``. The seed also draws the data split.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -45,7 +55,7 @@ from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 from torch import nn
 
-from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments, constraints_per_value
+from hf_constrained import CertifyStatistic, ConstrainedTrainer, ConstrainedTrainingArguments, constraints_per_value
 from hf_constrained import UnsafeModelError, finish_run
 from hf_constrained.recipe_args import parse_recipe_args
 
@@ -82,16 +92,26 @@ def train_old_model(x: np.ndarray, y: np.ndarray, seed: int, steps: int = 150) -
     return model.eval()
 
 
-def with_reference_loss(old: nn.Module, x: np.ndarray, y: np.ndarray) -> Dataset:
-    """Rows with the old model's per-sample loss, computed once (as in the paper's non-forgetting application)."""
+def with_reference_loss(old: nn.Module, x: np.ndarray, y: np.ndarray, ids: np.ndarray) -> Dataset:
+    """Rows with the old model's per-sample loss and correctness, computed once (as in the paper's
+    non-forgetting application), and the image's index in the digits data (its identity)."""
     with torch.no_grad():
-        ref = per_sample_ce(old, torch.tensor(x, dtype=torch.float32), torch.tensor(y))
-    return Dataset.from_dict({"pixels": x.tolist(), "labels": y.tolist(), "ref_loss": ref.tolist()})
+        pixels = torch.tensor(x, dtype=torch.float32)
+        ref = per_sample_ce(old, pixels, torch.tensor(y))
+        correct = old(pixels)["logits"].argmax(-1).numpy() == y
+    return Dataset.from_dict({"pixels": x.tolist(), "labels": y.tolist(), "ref_loss": ref.tolist(),
+                              "old_correct": correct.astype(np.int64).tolist(), "image_id": ids.tolist()})
 
 
-def forgetting(model: nn.Module, batch: dict) -> torch.Tensor:
-    """h_k on a batch of digit k: mean CE now minus the stored old CE on the same images."""
-    return (per_sample_ce(model, batch["pixels"].float(), batch["labels"]) - batch["ref_loss"].float()).mean()
+def loss_change(model: nn.Module, batch: dict) -> torch.Tensor:
+    """Per image of digit k: CE now minus the stored old CE (the training surrogate; h_k is its mean)."""
+    return per_sample_ce(model, batch["pixels"].float(), batch["labels"]) - batch["ref_loss"].float()
+
+
+def forgotten(model: nn.Module, batch: dict) -> torch.Tensor:
+    """Per image: 1 when the old model classified it right and the new one gets it wrong (the certified statistic)."""
+    wrong = model(batch["pixels"].float())["logits"].argmax(-1) != batch["labels"]
+    return (wrong & batch["old_correct"].bool()).double()
 
 
 # the recipe's settings; each is a flag of ConstrainedTrainingArguments that the command line or --config can change
@@ -106,7 +126,14 @@ TRAINING_DEFAULTS = dict(
 
 @dataclass
 class ReleaseArguments:
-    tolerance: float = field(default=0.1, metadata={"help": "h_k <= tolerance for every old digit k (nats)"})
+    tolerance: float = field(default=0.1, metadata={"help": "h_k <= tolerance for every old digit k (nats): training "
+                                                             "and checkpoint selection"})
+    forget_tolerance: float = field(default=0.1, metadata={
+        "help": "certified: at most this share of each old digit's images forgotten (right before, wrong now)"})
+    delta: float = field(default=0.05, metadata={"help": "the certificate's error level"})
+    audit_fraction: float = field(default=0.0, metadata={
+        "help": "share of the certification images set aside, read by neither training nor the certificate, and "
+                "reported in results.json"})
     docs: Optional[str] = field(default=None, metadata={"help": "copy the figures and the card here (README material)"})
     allow_unsafe: bool = field(default=False, metadata={"help": "with --hub_model_id: push even if a constraint fails"})
 
@@ -117,19 +144,37 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     seed = training_args.seed
 
+    if not 0.0 <= opts.audit_fraction < 1.0:
+        raise ValueError(f"--audit_fraction must be in [0, 1), got {opts.audit_fraction}")
     digits = load_digits()
     x, y = (digits.data / 16.0).astype(np.float32), digits.target
-    # three disjoint parts: the old model's training data, the fine-tuning / constraint data and the
-    # held-out data; constraint and held-out rows are equally unseen by the old model
-    x_old, x_rest, y_old, y_rest = train_test_split(x, y, test_size=0.6, stratify=y, random_state=seed)
-    x_tr, x_te, y_tr, y_te = train_test_split(x_rest, y_rest, test_size=0.5, stratify=y_rest, random_state=seed)
-    old = train_old_model(x_old, y_old, seed)
+    ids = np.arange(len(y))
+    # disjoint parts: the old model's data (30%); of the rest, fine-tuning / constraint batches (30%), selection
+    # (15%) and certification (55%): all three equally unseen by the old model. The certification share is the
+    # largest: a bound on a per-digit rate needs rows (0 of 60 images forgotten bounds the rate by 0.049 at 95%)
+    part = {}
+    idx_old, rest = train_test_split(ids, test_size=0.7, stratify=y, random_state=seed)
+    part["train"], rest = train_test_split(rest, train_size=0.3, stratify=y[rest], random_state=seed)
+    part["select"], part["certify"] = train_test_split(rest, train_size=0.15 / 0.7, stratify=y[rest],
+                                                       random_state=seed)
+    if opts.audit_fraction:
+        part["certify"], part["audit"] = train_test_split(part["certify"], test_size=opts.audit_fraction,
+                                                          stratify=y[part["certify"]], random_state=seed)
+    old = train_old_model(x[idx_old], y[idx_old], seed)
+    rows = {name: with_reference_loss(old, x[i], y[i], i) for name, i in part.items()}
 
-    train_all, heldout_all = with_reference_loss(old, x_tr, y_tr), with_reference_loss(old, x_te, y_te)
-    new_train = train_all.filter(lambda r: r["labels"] in NEW_DIGITS)
-    new_heldout = heldout_all.filter(lambda r: r["labels"] in NEW_DIGITS)
-    constraints = constraints_per_value(train_all, "labels", forgetting, values=OLD_DIGITS, name="forget_digit_{value}",
-                                        tolerance=opts.tolerance, eval_dataset=heldout_all)
+    def where(name: str, digits: list[int]) -> Dataset:
+        return rows[name].select(np.flatnonzero(np.isin(y[part[name]], digits)))
+
+    new_train, new_heldout = where("train", NEW_DIGITS), where("select", NEW_DIGITS)
+    certify_of = {k: where("certify", [k]) for k in OLD_DIGITS}
+    constraints = constraints_per_value(
+        rows["train"], "labels", values=OLD_DIGITS, name="forget_digit_{value}", tolerance=opts.tolerance,
+        eval_dataset=rows["select"], row_fn=loss_change,
+        certify_statistic=CertifyStatistic(forgotten, tolerance=opts.forget_tolerance, value_range=(0.0, 1.0),
+                                           bound="clopper_pearson", description="share of the digit's images forgotten"))
+    for c in constraints:
+        c.certify_dataset = certify_of[c.metadata["value"]]
 
     model = DigitMLP()
     model.load_state_dict(old.state_dict())
@@ -139,12 +184,18 @@ def main(argv: list[str] | None = None) -> int:
     command = "python recipes/safe_release_digits.py " + " ".join(argv if argv is not None else sys.argv[1:])
     report = finish_run(
         trainer, old_model=old, base_model_name="digits MLP trained on digits 0-7 (stage 1 of this recipe)",
-        dataset_description="scikit-learn digits (8x8), split stratified into three disjoint parts: 40% trains the "
-        "old model (digits 0-7), 30% is the fine-tuning data (objective: cross-entropy on digits 8-9; constraint "
-        "batches), 30% is held out (objective metric and exact constraint check). One non-forgetting constraint per "
-        f"old digit 0-7: CE_k(w) - CE_k(w_old) <= {opts.tolerance}.",
-        reproduce_command=command.strip(),
+        dataset_description="scikit-learn digits (8x8), split stratified into disjoint parts: 30% trains the old model "
+        "(digits 0-7); of the rest, 30% is the fine-tuning data (objective: cross-entropy on digits 8-9; constraint "
+        "batches), 15% selects the checkpoint (objective metric and constraint check during training), 55% certifies "
+        f"(read only by the certificate). One non-forgetting constraint per old digit 0-7, trained as "
+        f"CE_k(w) - CE_k(w_old) <= {opts.tolerance} and certified as 'at most {opts.forget_tolerance} of digit k's "
+        "images forgotten'.",
+        reproduce_command=command.strip(), delta=opts.delta,
     )
+    results = release_results(trainer, report, rows.get("audit"), opts)
+    if trainer.is_world_process_zero():
+        with open(os.path.join(training_args.output_dir, "results.json"), "w", encoding="utf-8") as f:
+            json.dump(results, f, indent=1)
     print(report.format_table())
     print(report.summary())
     try:
@@ -154,13 +205,38 @@ def main(argv: list[str] | None = None) -> int:
             trainer.push_to_hub(allow_unsafe=opts.allow_unsafe)
     except UnsafeModelError as err:
         print(f"push gate: closed\n{str(err).splitlines()[0]}")
+        gate_closed = True
+    else:
+        gate_closed = False
     if opts.docs:
         os.makedirs(opts.docs, exist_ok=True)
         for name in ("constraints.png", "objective.png"):
             shutil.copy(os.path.join(training_args.output_dir, "figures", name), os.path.join(opts.docs, name))
         shutil.copy(os.path.join(training_args.output_dir, "README.md"), os.path.join(opts.docs, "model_card.md"))
         print(f"figures and card copied to {opts.docs}")
-    return 0
+    return 1 if gate_closed else 0
+
+
+@torch.no_grad()
+def release_results(trainer: ConstrainedTrainer, report, audit: Optional[Dataset], opts: ReleaseArguments) -> dict:
+    """The verdicts and, on the audit images (when set aside), what each verdict claimed: the share of
+    each old digit's images forgotten (the certificate's statistic) and the loss change (the point rule's)."""
+    out = {"certified": report.certified, "point_rule_passes": report.with_rule("point").all_satisfied,
+           "forget_tolerance": opts.forget_tolerance, "tolerance": opts.tolerance, "delta": opts.delta,
+           "certified_bounds": report.certified_bounds(),
+           "selection_values": {c.name: c.value for c in report.constraints},
+           "objective_metrics": report.objective_metrics}
+    if audit is not None:
+        model = trainer.model.eval()
+        batch = audit.with_format("torch")[:]
+        lost, change = forgotten(model, batch).numpy(), loss_change(model, batch).numpy()
+        labels = batch["labels"].numpy()
+        out["audit"] = {
+            "rows_per_digit": {f"forget_digit_{k}": int((labels == k).sum()) for k in OLD_DIGITS},
+            "forgotten_share": {f"forget_digit_{k}": float(lost[labels == k].mean()) for k in OLD_DIGITS},
+            "loss_change": {f"forget_digit_{k}": float(change[labels == k].mean()) for k in OLD_DIGITS},
+        }
+    return out
 
 
 if __name__ == "__main__":

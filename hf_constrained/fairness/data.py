@@ -26,6 +26,7 @@ CheXpert (:func:`load_chexpert`): the CSV layout of the CheXpert release (``Path
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -55,6 +56,7 @@ COMPAS_FEATURES = [
     "c_charge_degree",
 ]
 SPLITS = ("train", "validation", "test")
+ROW_ID = "__hf_constrained_row_id"  # a temporary column: each raw row's file and line
 
 
 def _data_path(*parts: str) -> str:
@@ -173,12 +175,15 @@ def build_tabular_splits(
     for col in (label_column, group_column):
         if col not in train_df.columns:
             raise ValueError(f"column {col!r} not in the data; columns are {list(train_df.columns)}")
-    frames = {"train": train_df.reset_index(drop=True)}
+    # each row's identity: its file and line (rows with equal features are different people, and a
+    # certification split must share no PERSON with the training data)
+    frames = {"train": train_df.reset_index(drop=True).assign(**{ROW_ID: lambda d: [f"data:{i}" for i in range(len(d))]})}
     if test_df is not None:
         missing = [c for c in train_df.columns if c not in test_df.columns]
         if missing:
             raise ValueError(f"test data lacks columns {missing}")
-        frames["test"] = test_df.reset_index(drop=True)
+        frames["test"] = test_df.reset_index(drop=True).assign(
+            **{ROW_ID: lambda d: [f"test:{i}" for i in range(len(d))]})
     labels = {k: _binary(df[label_column], positive_label, "positive label", label_column) for k, df in frames.items()}
     groups = {k: _binary(df[group_column], group_value, "group", group_column) for k, df in frames.items()}
     if test_df is None:
@@ -194,7 +199,7 @@ def build_tabular_splits(
     labels.update(train=labels["train"][keep], validation=labels["train"][held])
     groups.update(train=groups["train"][keep], validation=groups["train"][held])
 
-    excluded = set(drop_columns) | {label_column} | ({group_column} if drop_group_feature else set())
+    excluded = set(drop_columns) | {label_column, ROW_ID} | ({group_column} if drop_group_feature else set())
     feature_cols = [c for c in train_df.columns if c not in excluded]
     if categorical_columns is None:
         categorical = [c for c in feature_cols if not pd.api.types.is_numeric_dtype(frames["train"][c])]
@@ -212,7 +217,8 @@ def build_tabular_splits(
     for split in SPLITS:
         features = prep.transform(frames[split])
         out[split] = datasets.Dataset.from_dict(
-            {"features": features, "label": labels[split], "group": groups[split]}, info=info, split=split
+            {"features": features, "label": labels[split], "group": groups[split],
+             "row_id": frames[split][ROW_ID].tolist()}, info=info, split=split
         )
     return datasets.DatasetDict(out)
 
@@ -378,20 +384,37 @@ TABULAR_LOADERS: dict[str, Callable[..., datasets.DatasetDict]] = {"adult": load
 # --------------------------------------------------------------------------- arrays for training
 @dataclass
 class TabularSplit:
-    """One split as arrays: ``features`` (n, d) float32, ``label`` and ``group`` (n,) int64."""
+    """One split as arrays: ``features`` (n, d) float32, ``label`` and ``group`` (n,) int64, and
+    optionally ``row_id`` (n,) strings, each row's place in the raw data (its identity)."""
 
     features: np.ndarray
     label: np.ndarray
     group: np.ndarray
+    row_id: Optional[np.ndarray] = None
 
     @classmethod
     def from_dataset(cls, ds: datasets.Dataset) -> "TabularSplit":
         cols = ds.with_format("numpy")[:]  # one columnar read, not a row-by-row iteration
+        row_id = np.asarray(cols["row_id"]).astype(str) if "row_id" in cols else None
         return cls(np.asarray(cols["features"], dtype=np.float32), np.asarray(cols["label"], dtype=np.int64),
-                   np.asarray(cols["group"], dtype=np.int64))
+                   np.asarray(cols["group"], dtype=np.int64), row_id)
 
     def __len__(self) -> int:
         return len(self.label)
+
+    def subset(self, rows: Sequence[int] | np.ndarray) -> "TabularSplit":
+        """The split restricted to ``rows``."""
+        i = np.asarray(rows, dtype=np.int64)
+        return TabularSplit(self.features[i], self.label[i], self.group[i],
+                            None if self.row_id is None else self.row_id[i])
+
+    def identities(self, rows: Sequence[int] | np.ndarray) -> list[str]:
+        """The identity of each of ``rows``: its ``row_id``, else a hash of its features, label and group."""
+        i = np.asarray(rows, dtype=np.int64)
+        if self.row_id is not None:
+            return [str(r) for r in self.row_id[i]]
+        return [hashlib.blake2b(self.features[j].tobytes() + bytes([int(self.label[j]), int(self.group[j])]),
+                                digest_size=16).hexdigest() for j in i]
 
     def fetch(self, rows: Sequence[int] | np.ndarray) -> torch.Tensor:
         """The model inputs of ``rows`` (see :class:`~hf_constrained.fairness.roc.PairedRows`)."""

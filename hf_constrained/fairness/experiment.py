@@ -29,9 +29,11 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
+from sklearn.model_selection import train_test_split
 from transformers import TrainerCallback
 
 from ..config import ConstrainedTrainingArguments
+from ..safety.evaluation import certify_models
 from ..safety.finish import finish_run
 from .data import TABULAR_LOADERS, TabularSplit, load_tabular_csv
 from .icppac import ICPPACConfig, ICPPACTrainer
@@ -92,6 +94,11 @@ class ROCFairnessArguments:
                               metadata={"help": "Results JSON, relative to output_dir unless absolute."})
     save_model: bool = field(default=True, metadata={"help": "Save the final model to output_dir, with a safety "
                                                       "report and model card (hinge, squared_hinge, none)."})
+    certify_fraction: float = field(default=0.5, metadata={
+        "help": "Share of the test split (stratified by label and group, seeded by --split_seed) set aside as the "
+                "certification split, read only by the certificate; the rest stays the test split. 0: no "
+                "certificate (the run is then NOT CERTIFIED)."})
+    delta: float = field(default=0.05, metadata={"help": "The certificate's error level."})
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -106,6 +113,8 @@ class ROCFairnessArguments:
         self.decay_list = _floats(self.lr_decay_at, "lr_decay_at") if self.lr_decay_at.strip() else []
         if any(not 0 < f < 1 for f in self.decay_list):
             raise ValueError(f"lr_decay_at fractions must be in (0, 1), got {self.decay_list}")
+        if not 0.0 <= self.certify_fraction < 1.0:
+            raise ValueError(f"--certify_fraction must be in [0, 1), got {self.certify_fraction}")
 
 
 def _score_bound(text: Any, thresholds: Sequence[float]) -> Optional[float]:
@@ -186,14 +195,22 @@ def run_roc_fairness(args: ROCFairnessArguments, training_args: ConstrainedTrain
     and the per-epoch history. ``callbacks`` are extra Trainer callbacks (penalty
     methods only; ICPPAC has its own loop).
     """
-    splits = splits or load_splits(args)
+    splits = dict(splits or load_splits(args))
+    certify_split = None
+    if args.certify_fraction > 0 and args.method != "icppac":
+        # the certification rows leave the test split: nothing but the certificate reads them (not the
+        # per-epoch history either); the rest of the test split is data that neither training nor the certificate saw
+        test = splits["test"]
+        keep, held = train_test_split(np.arange(len(test)), test_size=args.certify_fraction,
+                                      stratify=test.label * 2 + test.group, random_state=args.split_seed + 2)
+        splits["test"], certify_split = test.subset(np.sort(keep)), test.subset(np.sort(held))
     torch.manual_seed(training_args.seed)
     np.random.seed(training_args.seed)
     train = splits["train"]
     model = MLPForScoring(MLPConfig(input_dim=train.features.shape[1], hidden_sizes=args.hidden_list,
                                     score_bound=args.score_bound_value))
     constraints = roc_fairness_constraints(train, splits["validation"], thresholds=args.threshold_list,
-                                           kappa=args.kappa, seed=training_args.seed)
+                                           kappa=args.kappa, seed=training_args.seed, certify_data=certify_split)
     objective = objective_pairs(train, seed=training_args.seed)
     history = ROCHistoryCallback(splits, thresholds=args.threshold_list, kappa=args.kappa)
     epochs = int(math.ceil(training_args.num_train_epochs))
@@ -204,6 +221,7 @@ def run_roc_fairness(args: ROCFairnessArguments, training_args: ConstrainedTrain
     steps_per_epoch = max(1, batches_per_epoch // training_args.gradient_accumulation_steps)
     total = training_args.max_steps if training_args.max_steps > 0 else steps_per_epoch * epochs
     t_start = time.perf_counter()
+    certificate: Optional[dict[str, Any]] = None
 
     if args.method == "icppac":
         if training_args.world_size > 1:
@@ -239,12 +257,18 @@ def run_roc_fairness(args: ROCFairnessArguments, training_args: ConstrainedTrain
         )
         trainer.train()
         train_seconds = history.train_seconds
+        if certify_split is not None:
+            cert = certify_models(trainer, delta=args.delta)
+            certificate = {"certified": cert.certified == [0], "delta": args.delta, "bounds": cert.upper_bounds[0],
+                           "values": cert.values[0], "smallest_certified_gap": max(cert.upper_bounds[0].values()),
+                           "certify_rows": len(certify_split), "audit_rows": len(splits["test"]),
+                           "split_fingerprints": cert.split_fingerprints}
         if args.save_model:
             if training_args.should_save:
                 trainer.save_model(training_args.output_dir)
             final = history.history[-1]
             # safety report + model card: constraints on the validation split, objective metrics on all splits
-            finish_run(trainer, base_model_name=f"MLPForScoring {args.hidden_list} (trained from scratch)",
+            finish_run(trainer, base_model_name=f"MLPForScoring {args.hidden_list} (trained from scratch)", delta=args.delta,
                        dataset_description=f"{args.dataset}: objective and constraints on train, constraint check "
                                            f"on the validation split (kappa={args.kappa}, thresholds "
                                            f"{args.threshold_list})",
@@ -298,6 +322,7 @@ def run_roc_fairness(args: ROCFairnessArguments, training_args: ConstrainedTrain
         "seconds_per_epoch": train_seconds / max(epochs, 1),
         "wall_seconds": wall,
         "history": history.history,
+        "certificate": certificate,
     }
     if training_args.should_save:
         path = args.results_file if os.path.isabs(args.results_file) else os.path.join(

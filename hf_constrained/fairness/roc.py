@@ -138,6 +138,19 @@ class PairedRows(torch.utils.data.Dataset):
         a, b = self.pairs(items)
         return np.stack([a, b], axis=1).reshape(-1), np.tile(np.array([0, 1], dtype=np.int64), len(a))
 
+    def row_identities(self) -> list[str]:
+        """The identity of every row of both sides (see :func:`hf_constrained.safety.splits.row_hashes`)."""
+        return _identities(self.source, np.concatenate([self.rows_a, self.rows_b]))
+
+
+def _identities(source: Any, rows: np.ndarray) -> list[str]:
+    """Row identities from ``source.identities`` (a :class:`~hf_constrained.fairness.data.TabularSplit`);
+    other sources have none, and their rows are named by source object and position."""
+    identities = getattr(source, "identities", None)
+    if callable(identities):
+        return identities(rows)
+    return [f"{id(source)}:{int(r)}" for r in rows]
+
 
 class GroupRows(torch.utils.data.Dataset):
     """Every row of side A (group 0) and of side B (group 1) of ``source`` once, in order:
@@ -165,6 +178,10 @@ class GroupRows(torch.utils.data.Dataset):
     def rows(self, items: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         i = np.asarray(items, dtype=np.int64)
         return self._all[i], self._groups[i]
+
+    def row_identities(self) -> list[str]:
+        """The identity of every row (see :func:`hf_constrained.safety.splits.row_hashes`)."""
+        return _identities(self.source, self._all)
 
 
 def collate_pairs(examples: Sequence[tuple[PairedRows, int]]) -> dict[str, torch.Tensor]:
@@ -314,7 +331,8 @@ def group_label_rows(source: RowSource, split: str = "train") -> dict[tuple[int,
 
 def roc_fairness_constraints(train: RowSource, eval_data: Optional[RowSource] = None, *,
                              thresholds: Sequence[float] = DEFAULT_THRESHOLDS,
-                             kappa: float = DEFAULT_KAPPA, seed: int = 0) -> list[Constraint]:
+                             kappa: float = DEFAULT_KAPPA, seed: int = 0,
+                             certify_data: Optional[RowSource] = None) -> list[Constraint]:
     """The 2|Gamma| ROC-fairness constraints |gap_tau| <= kappa (paper section 5.1), row-wise.
 
     ``tpr_gap@tau`` uses the positives, ``fpr_gap@tau`` the negatives. All share the
@@ -324,7 +342,9 @@ def roc_fairness_constraints(train: RowSource, eval_data: Optional[RowSource] = 
     positives (group p, group u), the FPR ones one of the negatives; evaluation data
     (``eval_dataset``) is a :class:`GroupRows` with every row once. ``seed`` seeds the
     shorter group's walk. ``metadata["noise_scale"] = kappa``: the scale the mini-batch
-    dispersion is compared with.
+    dispersion is compared with. ``certify_data``: the certification split (every row once,
+    per-row soft rates in [0, 1], so ``value_range = (0, 1)``; the certificate bounds the
+    absolute gap from each group's bounds).
     """
     if not kappa >= 0 or not math.isfinite(kappa):
         raise ValueError(f"kappa must be a finite number >= 0, got {kappa}")
@@ -335,16 +355,20 @@ def roc_fairness_constraints(train: RowSource, eval_data: Optional[RowSource] = 
         raise ValueError(f"thresholds must be distinct, got {thresholds}")
     cells = group_label_rows(train, "train")
     eval_cells = group_label_rows(eval_data, "evaluation") if eval_data is not None else None
+    certify_cells = group_label_rows(certify_data, "certification") if certify_data is not None else None
     out = []
     for kind, y in (("tpr", 1), ("fpr", 0)):
         data = PairedRows(train, cells[(1, y)], cells[(0, y)], name=f"{kind}_rows", seed=seed)
         eval_rows = (GroupRows(eval_data, eval_cells[(1, y)], eval_cells[(0, y)], name=f"{kind}_eval_rows")
                      if eval_cells is not None else None)
+        certify_rows = (GroupRows(certify_data, certify_cells[(1, y)], certify_cells[(0, y)],
+                                  name=f"{kind}_certify_rows") if certify_cells is not None else None)
         for tau in thresholds:
             out.append(Constraint(
                 name=constraint_name(kind, tau), row_fn=roc_row_scores, row_transform=SigmoidRate(tau),
                 group_key=GROUP_KEY, dataset=data, eval_dataset=eval_rows, tolerance=float(kappa),
                 collate_fn=collate_rows, outer=torch.abs, exact_fn=_ExactGap(tau),
+                certify_dataset=certify_rows, value_range=(0.0, 1.0) if certify_rows is not None else None,
                 metadata={"kind": kind, "label": y, "threshold": tau, "kappa": float(kappa),
                           "noise_scale": float(kappa)},
             ))

@@ -65,7 +65,13 @@ def row_hash(row: Any, keys: Optional[frozenset] = None) -> bytes:
 
 
 def row_hashes(dataset: Any, keys: Optional[frozenset] = None) -> list[bytes]:
-    """The content hash of every row of ``dataset`` (indexable with a length), on ``keys`` only when given."""
+    """The hash of every row of ``dataset`` (indexable with a length): of its content (on ``keys`` only
+    when given), or of the identities a dataset gives itself with a ``row_identities()`` method (one
+    string per underlying row, e.g. the row's place in the raw data file: rows of tabular data with
+    equal features are different people)."""
+    identities = getattr(dataset, "row_identities", None)
+    if callable(identities):
+        return [hashlib.blake2b(str(i).encode(), digest_size=16).digest() for i in identities()]
     n = len(dataset)
     out: list[bytes] = []
     for start in range(0, n, _CHUNK):
@@ -75,6 +81,8 @@ def row_hashes(dataset: Any, keys: Optional[frozenset] = None) -> list[bytes]:
 
 def _fields(dataset: Any) -> Optional[frozenset]:
     """The field names of a dataset of dict rows (``None`` for other rows)."""
+    if callable(getattr(dataset, "row_identities", None)):
+        return None
     first = fetch_rows(dataset, [0])[0] if len(dataset) else None
     return frozenset(k for k in first if k != "sample_index") if isinstance(first, Mapping) else None
 
