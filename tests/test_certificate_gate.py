@@ -134,3 +134,40 @@ def test_a_proxy_statistic_is_what_gets_certified(tmp_path):
     assert report.certified_bounds()["rate"] == pytest.approx(clopper_pearson_upper_bound(k, 300, 0.05))
     assert report.certified == (clopper_pearson_upper_bound(k, 300, 0.05) <= 0.5)
     assert SafetyReport.load(str(tmp_path / "run")).certified == report.certified
+
+
+def test_checkpoints_are_certified_in_training_order_and_the_best_certified_is_released(tmp_path):
+    """theta grows with every step (1.0, 1.8, 2.44, 2.95, ...), and so does the rate: fixed-sequence
+    testing in training order certifies the early checkpoints, stops at the first that fails, and
+    the release is the certified checkpoint with the best selection objective (the latest certified)."""
+    def make_saving(tolerance):
+        kw = dict(dataset=rows(1, 40), eval_dataset=rows(2, 40), tolerance=tolerance, certify_dataset=rows(3, 300),
+                  value_range=(0.0, 1.0))
+        args = ConstrainedTrainingArguments(
+            output_dir=str(tmp_path / "run"), per_device_train_batch_size=4, learning_rate=0.1, optim="sgd",
+            weight_decay=0.0, max_grad_norm=0.0, lr_scheduler_type="constant", report_to=[], disable_tqdm=True,
+            use_cpu=True, seed=0, max_steps=5, logging_steps=1, eval_strategy="steps", eval_steps=1,
+            save_strategy="steps", save_steps=1, metric_for_best_model="loss", constraint_penalty="none",
+            constraint_batch_size=4, save_only_model=True)
+        torch.manual_seed(0)
+        return ConstrainedTrainer(model=ThetaModel(ThetaConfig()), args=args, train_dataset=objective_data(),
+                                  eval_dataset=objective_data(8),
+                                  constraints=[Constraint("rate", row_fn=scaled_rate, **kw)])
+
+    trainer = make_saving(tolerance=0.13)
+    trainer.train()
+    x = np.asarray(rows(3, 300)["x"])
+    thetas = [5.0 * (1 - 0.8 ** t) for t in range(1, 6)]
+    bounds = [betting_upper_bound(x * th / 5.0, (0, 1), 0.05) for th in thetas]
+    expected = []
+    for j, b in enumerate(bounds):
+        if b > 0.13:
+            break
+        expected.append(j)
+    assert expected and len(expected) < 5  # the tolerance cuts the sequence inside the run
+    report = finish_run(trainer, plots=False, candidates="checkpoints")
+    assert report.certificate["certified"] == expected
+    assert report.certificate["num_candidates"] == 5 and len(report.certificate["upper_bounds"]) == len(expected) + 1
+    assert report.certified and report.certificate_candidate == expected[-1]
+    assert float(trainer.model.theta) == pytest.approx(thetas[expected[-1]], abs=1e-5)
+    assert report.global_step == expected[-1] + 1 and report.checkpoint == f"checkpoint-{expected[-1] + 1}"

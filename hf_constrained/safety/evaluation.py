@@ -16,7 +16,7 @@ import inspect
 import json
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Optional, Protocol, runtime_checkable
 
 from .certify import DEFAULT_DELTA, Certificate, certify
@@ -203,11 +203,12 @@ def not_certifiable(trainer: ReportableTrainer) -> list[str]:
             if not c.data_free and getattr(c, "certify_dataset", None) is None]
 
 
-def certify_models(trainer: ReportableTrainer, models: Sequence[Any] = (None,), *, delta: float = DEFAULT_DELTA,
+def certify_models(trainer: ReportableTrainer, models: Iterable[Any] = (None,), *, delta: float = DEFAULT_DELTA,
                    procedure: str = "fixed_sequence") -> Optional[Certificate]:
     """Certify candidate models (in the order given, fixed before the certification data is
-    read; ``None`` is the trainer's model) on each constraint's ``certify_dataset`` with
-    :func:`~hf_constrained.safety.certify.certify`; ``None`` when no constraint has one.
+    read; ``None`` is the trainer's model; an iterable is consumed one model at a time) on
+    each constraint's ``certify_dataset`` with :func:`~hf_constrained.safety.certify.certify`;
+    ``None`` when no constraint has one.
 
     A certifiable constraint must declare the range of its per-row values
     (``Constraint.value_range`` or its ``certify_statistic``): an error names it otherwise.
@@ -247,6 +248,8 @@ def build_safety_report(
     safety_rule: str = DEFAULT_SAFETY_RULE,
     extra_columns: Optional[Mapping[str, Mapping[str, Any]]] = None,
     delta: float = DEFAULT_DELTA,
+    certificate: Optional[Certificate] = None,
+    certificate_candidate: int = 0,
 ) -> SafetyReport:
     """Evaluate ``trainer.model`` on held-out data and build its :class:`SafetyReport`.
 
@@ -270,6 +273,9 @@ def build_safety_report(
             ``"upper_bound"`` (when its CLT upper confidence bound is).
         delta: the certificate's error level (with probability at least ``1 - delta`` over the
             certification sample, a certified model satisfies every constraint).
+        certificate, certificate_candidate: a certificate already computed over several
+            candidates, and which of them the model in the trainer is (default: certify the
+            model in the trainer alone).
         extra_columns: caller-supplied per-constraint columns, ``{column: {name: value}}``
             (e.g. zero-one accuracy of the old and new model per protected class), shown in
             the table, the JSON and the card.
@@ -302,9 +308,11 @@ def build_safety_report(
     if checkpoint is None and origin is not None:
         # after training, load_best_model_at_end put the best checkpoint's weights in the model
         step, checkpoint = origin
-    certificate = certify_models(trainer, delta=delta)
+    if certificate is None:
+        certificate, certificate_candidate = certify_models(trainer, delta=delta), 0
     report = SafetyReport(
         certificate=None if certificate is None else certificate.to_dict(),
+        certificate_candidate=certificate_candidate,
         not_certifiable=not_certifiable(trainer),
         constraints=constraint_results(trainer, values, old, statistics=constraint_statistics(trainer, confidence),
                                        margins=constraint_margins(trainer), extra_columns=extras,

@@ -15,13 +15,19 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
+from collections.abc import Iterator
 from typing import Any, Optional, Protocol
 
 from .card import ModelCardInfo
 from .certify import DEFAULT_DELTA
 from .evaluation import DEFAULT_CONFIDENCE, ReportableTrainer, build_safety_report, old_model_constraint_values
 from .figures import plot_log_history
+from ..checkpointing import checkpoint_folders, is_complete_checkpoint
+from .certify import Certificate, best_certified
+from .evaluation import certify_models, checkpoint_step
+from .fingerprint import weights_fingerprint
 from .report import DEFAULT_SAFETY_RULE, SafetyReport, check_safety_rule
+from .selection import evaluation_records, metric_key
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +61,7 @@ def finish_run(
     reproduce_command: Optional[str] = None,
     objective_metrics: Optional[Mapping[str, float]] = None,
     plots: bool = True,
+    candidates: str = "final",
     safety_rule: Optional[str] = None,
     confidence: float = DEFAULT_CONFIDENCE,
     delta: float = DEFAULT_DELTA,
@@ -79,6 +86,14 @@ def finish_run(
         objective_metrics: held-out objective metrics, if ``trainer.evaluate()`` is not
             the right way to get them.
         plots: also write the training-curve figures.
+        candidates: what the certificate tests: ``"final"`` (default), the model in the
+            trainer (the feasible best checkpoint when ``load_best_model_at_end`` chose one on
+            the selection data); or ``"checkpoints"``: every complete checkpoint in the
+            output directory in training order (then the final weights, if they are none of
+            them), by fixed-sequence testing (each at ``delta``, stopping at the first not
+            certified: forgetting tends to grow with training, so this order is the one a
+            test can go furthest in); the certified candidate with the best selection-split
+            objective (``metric_for_best_model``) is loaded into the trainer and released.
         safety_rule: what decides the verdict, here and in later ``push_to_hub`` calls
             (default: the trainer's ``safety_rule``, which is ``"certified"`` unless set):
             ``"certified"``: the certificate on each constraint's
@@ -112,8 +127,15 @@ def finish_run(
     if old is not None:
         trainer.reference_constraint_values = old
     trainer.safety_rule, trainer.safety_confidence, trainer.safety_delta = safety_rule, confidence, delta
+    if candidates not in ("final", "checkpoints"):
+        raise ValueError(f"candidates must be 'final' or 'checkpoints', got {candidates!r}")
+    certificate, candidate, released = (certify_checkpoints(trainer, delta) if candidates == "checkpoints"
+                                        else (None, 0, None))
     report = build_safety_report(trainer, objective_metrics=objective_metrics, confidence=confidence,
-                                 safety_rule=safety_rule, extra_columns=extra_columns, delta=delta)
+                                 safety_rule=safety_rule, extra_columns=extra_columns, delta=delta,
+                                 certificate=certificate, certificate_candidate=candidate, checkpoint=released)
+    if released is not None:
+        report.global_step = checkpoint_step(released)
     trainer.set_safety_report(report)
     if trainer.is_world_process_zero():
         out = trainer.args.output_dir
@@ -131,4 +153,43 @@ def finish_run(
     return report
 
 
-__all__ = ["FinishableTrainer", "finish_run"]
+def certify_checkpoints(trainer: Any, delta: float) -> tuple[Optional[Certificate], int, Optional[str]]:
+    """Certify every complete checkpoint of the output directory in training order (then the
+    final weights when they are none of them) and load the released one into the trainer:
+    the certified candidate with the best selection-split objective, else the final weights.
+    Returns the certificate, the released candidate's index and, when the trainer's weights
+    were replaced, the checkpoint they now come from."""
+    # training order (checkpoint_folders lists the newest first)
+    folders = [f for f in reversed(checkpoint_folders(trainer.args.output_dir)) if is_complete_checkpoint(f)]
+    current = weights_fingerprint(trainer.model)
+    fingerprints: list[Optional[str]] = []
+
+    def models() -> Iterator[Any]:
+        for folder in folders:  # one copy of the model at a time
+            model = trainer.checkpoint_model(folder)
+            fingerprints.append(weights_fingerprint(model))
+            yield model
+        if current not in fingerprints:
+            fingerprints.append(current)
+            yield None  # the model in the trainer
+
+    certificate = certify_models(trainer, models(), delta=delta, procedure="fixed_sequence")
+    if certificate is None:
+        return None, 0, None
+    steps = [checkpoint_step(f) for f in folders] + ([trainer.state.global_step] if len(fingerprints) > len(folders)
+                                                     else [])
+    final = fingerprints.index(current)
+    key = trainer.args.metric_for_best_model
+    objective: list[Optional[float]] = [None] * len(steps)
+    if key is not None:
+        by_step = {r.step: r.metric for r in evaluation_records(trainer.state.log_history, metric_key(key))}
+        objective = [by_step.get(s) for s in steps]
+    release = best_certified(certificate, objective, bool(trainer.args.greater_is_better))
+    if release is None or release == final:
+        return certificate, final, None
+    logger.info("releasing %s: the certified checkpoint with the best selection objective", folders[release])
+    trainer.model.load_state_dict(trainer.checkpoint_model(folders[release]).state_dict())
+    return certificate, release, folders[release]
+
+
+__all__ = ["FinishableTrainer", "certify_checkpoints", "finish_run"]

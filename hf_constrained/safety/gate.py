@@ -256,14 +256,20 @@ class SafetyMixin:
         loaded into a copy of the model by the Trainer's loader, which knows every format
         (safetensors, sharded, adapters, FSDP) and evaluated exactly on held-out data. With
         ``save`` the report is written into the checkpoint directory."""
-        if not os.path.isdir(checkpoint):
-            raise FileNotFoundError(f"checkpoint directory {checkpoint} does not exist")
-        model = copy.deepcopy(self.accelerator.unwrap_model(self.model))
-        trainer_load_checkpoint(self, checkpoint, model)
+        model = self.checkpoint_model(checkpoint)
         report = checkpoint_safety_report(self, checkpoint, model, **kwargs)
         if save and self.is_world_process_zero():
             report.save(checkpoint)
         return report
+
+    def checkpoint_model(self, checkpoint: str) -> Any:
+        """A copy of the model with the weights of a saved ``checkpoint`` (the Trainer's loader, which
+        knows every format: safetensors, sharded, adapters, FSDP); ``self.model`` is left alone."""
+        if not os.path.isdir(checkpoint):
+            raise FileNotFoundError(f"checkpoint directory {checkpoint} does not exist")
+        model = copy.deepcopy(self.accelerator.unwrap_model(self.model))
+        trainer_load_checkpoint(self, checkpoint, model)
+        return model
 
     def weights_origin(self) -> Optional[tuple[int, str]]:
         """(step, checkpoint) the weights now in the model were loaded from, when
