@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .constraint import Constraint, collate_examples, fetch_rows
+from .constraint import CertifyStatistic, Constraint, collate_examples, fetch_rows
 from .per_sample_loss import (
     PaddingCollator,
     causal_lm_per_example_loss,
@@ -49,9 +49,19 @@ PerSampleLoss = Callable[[nn.Module, Any], torch.Tensor]
 """``loss(model, batch) -> tensor (rows,)``: one loss per row, independent of the other rows."""
 
 REFERENCE_KEY = "reference_loss"
+CORRECT_KEY = "reference_correct"
+
+PerSampleCorrect = Callable[[nn.Module, Any], torch.Tensor]
+"""``correct(model, batch) -> tensor (rows,)`` of 0/1: whether the model gets each row right
+(e.g. :func:`~hf_constrained.per_sample_loss.causal_lm_per_example_correct`)."""
 
 __all__ = [
+    "CORRECT_KEY",
+    "ForgottenRows",
     "NonForgettingConstraint",
+    "PerSampleCorrect",
+    "ReferenceCorrectDataset",
+    "forgetting_statistic",
     "PaddingCollator",
     "PerSampleLoss",
     "ReferenceGap",
@@ -172,6 +182,46 @@ class ReferenceLossDataset(torch.utils.data.Dataset):
         return float(self.losses.mean())
 
 
+class ReferenceCorrectDataset(ReferenceLossDataset):
+    """The rows of ``dataset`` with the old model's 0/1 correctness added as ``reference_correct``
+    (certification rows: the forgetting statistic needs no reference loss)."""
+
+    def _row(self, row: Any, i: int) -> dict[str, Any]:
+        if not isinstance(row, Mapping):
+            raise TypeError(f"ReferenceCorrectDataset needs dict rows, got {type(row).__name__} at row {i}")
+        row = dict(row)
+        row[CORRECT_KEY] = float(self.losses[i])
+        return row
+
+
+class ForgottenRows:
+    """Per row, 1 when the old model got it right and the model now gets it wrong, else 0: the
+    statistic a non-forgetting certificate bounds ("at most eps of task k's examples forgotten"),
+    a 0/1 rate with an exact (Clopper-Pearson) bound. Its mean bounds the accuracy drop from
+    above (rows newly right are not subtracted)."""
+
+    def __init__(self, correct: PerSampleCorrect) -> None:
+        self.correct = correct
+
+    def __call__(self, model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
+        if CORRECT_KEY not in batch:
+            raise KeyError(f"certification batch has no {CORRECT_KEY!r}: wrap the rows in ReferenceCorrectDataset "
+                           "(non_forgetting_constraints(certify_datasets=...) does)")
+        now = self.correct(model, batch).double()
+        old = torch.as_tensor(batch[CORRECT_KEY]).to(now)
+        return old * (1.0 - now)
+
+    def __repr__(self) -> str:
+        return f"ForgottenRows({getattr(self.correct, '__name__', type(self.correct).__name__)})"
+
+
+def forgetting_statistic(correct: PerSampleCorrect, tolerance: float) -> CertifyStatistic:
+    """The certification statistic of a non-forgetting constraint: the share of its certification
+    rows the old model got right and the new one gets wrong, at most ``tolerance``."""
+    return CertifyStatistic(ForgottenRows(correct), tolerance=float(tolerance), value_range=(0.0, 1.0),
+                            bound="clopper_pearson", description="share of the task's examples forgotten")
+
+
 class ReferenceGap:
     """The shared row function of non-forgetting constraints: ``l(w, x) - l(w_old, x)`` per row.
 
@@ -221,7 +271,9 @@ class NonForgettingConstraint(Constraint):
                        collate_fn: Optional[Callable] = None, *, eval_dataset: Optional[Any] = None,
                        tolerance: float = 0.0, relative_tolerance: float = 0.0, batch_size: int = 64,
                        row_fn: Optional[ReferenceGap] = None, name: str = "non_forgetting/{task}",
-                       use_base_of_adapter: bool = True) -> "NonForgettingConstraint":
+                       use_base_of_adapter: bool = True, certify_dataset: Optional[Any] = None,
+                       correct: Optional[PerSampleCorrect] = None,
+                       forget_tolerance: Optional[float] = None) -> "NonForgettingConstraint":
         """Run the reference pass of ``old_model`` on ``dataset`` (and ``eval_dataset``) and
         return the constraint over those rows.
 
@@ -238,6 +290,9 @@ class NonForgettingConstraint(Constraint):
             relative_tolerance: added tolerance as a fraction of the old model's mean loss
                 on ``dataset``: tol_k = tolerance + relative_tolerance * L_k(w_old, D_k).
             row_fn: a :class:`ReferenceGap` to share with other constraints (default: a new one).
+            certify_dataset: the task's certification rows (read only by the certificate); the
+                certificate then bounds the share of them forgotten (:class:`ForgottenRows`):
+                needs ``correct`` (per-row 0/1 correctness) and ``forget_tolerance``.
         """
         if relative_tolerance < 0:
             raise ValueError(f"protected task {task!r}: relative_tolerance must be >= 0, got {relative_tolerance}")
@@ -249,6 +304,16 @@ class NonForgettingConstraint(Constraint):
             if eval_dataset is not None:
                 held_out = ReferenceLossDataset(eval_dataset, reference_losses(
                     old_model, eval_dataset, loss, collate_fn, batch_size, desc=f"reference losses {task} (eval)"))
+        certify_rows, statistic = None, None
+        if certify_dataset is not None:
+            if correct is None or forget_tolerance is None:
+                raise ValueError(f"protected task {task!r}: certify_dataset needs correct= (per-row 0/1 correctness) "
+                                 "and forget_tolerance= (the largest share of examples that may be forgotten)")
+            with old_model_context(old_model, use_base_of_adapter):
+                certify_rows = ReferenceCorrectDataset(certify_dataset, reference_losses(
+                    old_model, certify_dataset, correct, collate_fn, batch_size,
+                    desc=f"old model's correctness {task} (certification)"))
+            statistic = forgetting_statistic(correct, forget_tolerance)
         old_loss = train.mean_loss
         tol = float(tolerance) + float(relative_tolerance) * old_loss
         metadata = {"task": task, "old_loss": old_loss, "absolute_tolerance": float(tolerance),
@@ -256,7 +321,8 @@ class NonForgettingConstraint(Constraint):
         if held_out is not None:
             metadata["old_eval_loss"] = held_out.mean_loss
         return cls(name=name.format(task=task), row_fn=row_fn if row_fn is not None else ReferenceGap(loss),
-                   dataset=train, tolerance=tol, eval_dataset=held_out, collate_fn=collate_fn, metadata=metadata)
+                   dataset=train, tolerance=tol, eval_dataset=held_out, collate_fn=collate_fn, metadata=metadata,
+                   certify_dataset=certify_rows, certify_statistic=statistic)
 
 
 def non_forgetting_constraints(old_model: nn.Module, loss: Union[PerSampleLoss, Any], datasets: Mapping[str, Any],
@@ -264,7 +330,9 @@ def non_forgetting_constraints(old_model: nn.Module, loss: Union[PerSampleLoss, 
                                eval_datasets: Optional[Mapping[str, Any]] = None, tolerance: Tolerance = 0.0,
                                relative_tolerance: Optional[Tolerance] = None, batch_size: int = 64,
                                name: str = "non_forgetting/{task}", row_fn: Optional[ReferenceGap] = None,
-                               use_base_of_adapter: bool = True) -> list[NonForgettingConstraint]:
+                               use_base_of_adapter: bool = True, certify_datasets: Optional[Mapping[str, Any]] = None,
+                               correct: Optional[PerSampleCorrect] = None,
+                               forget_tolerance: Optional[Tolerance] = None) -> list[NonForgettingConstraint]:
     """One :class:`NonForgettingConstraint` per protected task, all sharing one row function.
 
     Args:
@@ -280,6 +348,11 @@ def non_forgetting_constraints(old_model: nn.Module, loss: Union[PerSampleLoss, 
         name: constraint name format with ``{task}``.
         row_fn: a :class:`ReferenceGap` of the same loss to share with constraints built
             elsewhere (e.g. a safety set), so that all form one group.
+        certify_datasets: task name -> certification rows (read only by the certificate), with
+            ``correct`` (per-row 0/1 correctness, e.g.
+            :func:`~hf_constrained.per_sample_loss.causal_lm_per_example_correct`) and
+            ``forget_tolerance`` (one for all or per task): the certificate bounds the share of
+            each task's examples forgotten.
     """
     if not datasets:
         raise ValueError("no protected tasks: pass at least one task's data")
@@ -287,6 +360,10 @@ def non_forgetting_constraints(old_model: nn.Module, loss: Union[PerSampleLoss, 
         unknown = sorted(set(eval_datasets) - set(datasets))
         if unknown:
             raise KeyError(f"eval_datasets has tasks {unknown} that are not in datasets ({sorted(datasets)})")
+    if certify_datasets is not None:
+        unknown = sorted(set(certify_datasets) - set(datasets))
+        if unknown:
+            raise KeyError(f"certify_datasets has tasks {unknown} that are not in datasets ({sorted(datasets)})")
     row_fn = row_fn if row_fn is not None else ReferenceGap(loss)
     collate_fn = collate_fn or collate_examples
     out = []
@@ -296,7 +373,10 @@ def non_forgetting_constraints(old_model: nn.Module, loss: Union[PerSampleLoss, 
             task, old_model, loss, data, collate_fn, eval_dataset=held_out,
             tolerance=_for_task(tolerance, task, "tolerance"),
             relative_tolerance=_for_task(relative_tolerance, task, "relative_tolerance"),
-            batch_size=batch_size, row_fn=row_fn, name=name, use_base_of_adapter=use_base_of_adapter)
+            batch_size=batch_size, row_fn=row_fn, name=name, use_base_of_adapter=use_base_of_adapter,
+            certify_dataset=None if certify_datasets is None else certify_datasets.get(task), correct=correct,
+            forget_tolerance=None if forget_tolerance is None or certify_datasets is None
+            or task not in certify_datasets else _for_task(forget_tolerance, task, "forget_tolerance"))
         out.append(constraint)
         logger.info("non-forgetting constraint %s: %d rows, old loss %.4f, tolerance %.4g", constraint.name,
                     len(data), constraint.metadata["old_loss"], constraint.tolerance)

@@ -100,6 +100,30 @@ def sequence_classification_per_example_loss(model: nn.Module, batch: Mapping[st
     return nn.functional.cross_entropy(logits, labels, reduction="none")
 
 
+@torch.no_grad()
+def causal_lm_per_example_correct(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
+    """1.0 where every label token of the row is the model's argmax next-token prediction
+    (teacher-forced exact match of the answer), else 0.0; shape (rows,). The 0/1 statistic a
+    non-forgetting certificate bounds (:class:`~hf_constrained.non_forgetting.ForgottenRows`)."""
+    labels = causal_lm_labels(batch)
+    logits = model(**model_inputs(batch)).logits
+    shift_labels = labels[:, 1:].to(logits.device)
+    scored = shift_labels != IGNORE_INDEX
+    hit = (logits[:, :-1, :].argmax(-1) == shift_labels) | ~scored
+    return hit.all(dim=1).double()
+
+
+@torch.no_grad()
+def sequence_classification_per_example_correct(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
+    """1.0 where the argmax class is the row's label, else 0.0; shape (rows,)."""
+    key = "labels" if "labels" in batch else "label" if "label" in batch else None
+    if key is None:
+        raise KeyError(f"a classification statistic needs 'labels' (or 'label') in the batch; it has {sorted(batch)}")
+    logits = model(**model_inputs(batch)).logits
+    labels = torch.as_tensor(batch[key]).to(logits.device).long().reshape(-1)
+    return (logits.argmax(-1) == labels).double()
+
+
 class PaddingCollator:
     """Pad tokenised rows on the right into one batch.
 

@@ -184,3 +184,54 @@ def test_clear_errors(causal_lm, lm_rows, tokenizer):
                                    tolerance={"b": 0.1})
     with pytest.raises(ValueError, match="one value per row"):
         reference_losses(causal_lm, lm_rows, lambda m, b: causal_lm_per_example_loss(m, b).mean(), collate)
+
+
+def _direct_exact_match(model, rows):
+    """Each example alone: 1 when every answer token is the argmax next-token prediction."""
+    out = []
+    with torch.no_grad():
+        for r in rows:
+            logits = model(input_ids=torch.tensor([r["input_ids"]])).logits[0, :-1]
+            labels = torch.tensor(r["labels"][1:])
+            keep = labels != -100
+            out.append(float(bool((logits.argmax(-1)[keep] == labels[keep]).all())))
+    return torch.tensor(out, dtype=torch.float64)
+
+
+def test_certification_rows_measure_the_share_of_examples_forgotten(causal_lm, lm_rows, tokenizer):
+    from hf_constrained.non_forgetting import CORRECT_KEY, ForgottenRows
+    from hf_constrained.per_sample_loss import causal_lm_per_example_correct
+
+    collate = PaddingCollator(tokenizer)
+    new = _perturbed(causal_lm, scale=0.5)
+    # answers the old model gets right by construction (its own greedy continuation), so forgetting can show
+    greedy = []
+    with torch.no_grad():
+        for r in lm_rows:
+            prompt = [t for t, lab in zip(r["input_ids"], r["labels"]) if lab == -100]
+            ids = list(prompt)
+            for _ in range(2):
+                ids.append(int(causal_lm(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+            greedy.append({"input_ids": ids, "attention_mask": [1] * len(ids),
+                           "labels": [-100] * len(prompt) + ids[len(prompt):]})
+    lm_rows = Dataset.from_list(greedy)
+    data = {"reverse": lm_rows.select(range(4))}
+    certify = {"reverse": lm_rows.select(range(4, 8))}
+    constraints = non_forgetting_constraints(causal_lm, causal_lm_per_example_loss, data, collate, batch_size=3,
+                                             certify_datasets=certify, correct=causal_lm_per_example_correct,
+                                             forget_tolerance=0.25)
+    c = constraints[0]
+    assert c.certify_statistic.tolerance == 0.25 and c.certify_statistic.bound == "clopper_pearson"
+    assert c.certification_range() == (0.0, 1.0)
+    rows = [lm_rows[i] for i in range(4, 8)]
+    old_right = _direct_exact_match(causal_lm, rows)
+    assert old_right.tolist() == [1.0] * 4
+    batch = collate([c.certify_dataset[i] for i in range(4)])
+    torch.testing.assert_close(batch[CORRECT_KEY].double(), old_right)
+    torch.testing.assert_close(causal_lm_per_example_correct(new, batch), _direct_exact_match(new, rows))
+    forgotten = ForgottenRows(causal_lm_per_example_correct)(new, batch)
+    torch.testing.assert_close(forgotten, old_right * (1 - _direct_exact_match(new, rows)))
+    assert 0 < float(forgotten.sum()) <= 4  # the perturbed model forgets some of them
+    assert float(ForgottenRows(causal_lm_per_example_correct)(causal_lm, batch).sum()) == 0.0  # the old model forgets nothing
+    with pytest.raises(ValueError, match="certify_dataset needs correct="):
+        non_forgetting_constraints(causal_lm, causal_lm_per_example_loss, data, collate, certify_datasets=certify)

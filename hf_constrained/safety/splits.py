@@ -120,19 +120,27 @@ def check_certification_splits(constraints: Sequence[Any], others: Optional[Mapp
         used.append((f"the held-out (selection) rows of constraint {c.name!r}", c.eval_dataset))
     for name, data in (others or {}).items():
         used.append((name, data))
-    sources = [(what, data) for what, data in used if data is not None and hasattr(data, "__len__")]
-    # rows are compared on the certification rows' own fields, so that a dataset with extra columns (the
-    # objective's labels) still matches a copied row
+    sources = [(what, data) for what, data in used if data is not None and hasattr(data, "__len__") and len(data)]
+    # rows of dicts are compared on the fields both datasets have, so that a dataset with other columns (the
+    # objective's labels, a stored reference loss) still matches a copied row
     seen: dict[tuple[int, Optional[frozenset]], set[bytes]] = {}
+
+    def hashed(data: Any, keys: Optional[frozenset]) -> set[bytes]:
+        if (id(data), keys) not in seen:
+            seen[(id(data), keys)] = set(row_hashes(data, keys))
+        return seen[(id(data), keys)]
+
     fingerprints = {}
     for c in certifying:
-        keys = _fields(c.certify_dataset)
+        fields = _fields(c.certify_dataset)
         hashes = row_hashes(c.certify_dataset)
-        own = set(row_hashes(c.certify_dataset, keys))
         for what, data in sources:
-            if (id(data), keys) not in seen:
-                seen[(id(data), keys)] = set(row_hashes(data, keys))
-            common = own & seen[(id(data), keys)]
+            other = _fields(data)
+            keys = None if fields is None or other is None else fields & other
+            if keys is not None and not keys:
+                continue  # no field in common: rows of another kind
+            common = hashed(c.certify_dataset, keys) & hashed(data, keys)
+            own = hashed(c.certify_dataset, keys)
             if common:
                 raise ValueError(
                     f"constraint {c.name!r}: {len(common)} of the {len(own)} rows of its certify_dataset also appear "
