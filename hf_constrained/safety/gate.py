@@ -42,8 +42,9 @@ from .evaluation import (
     relative_checkpoint,
     report_from_metrics,
 )
-from .fingerprint import weights_fingerprint
+from .fingerprint import weight_files, weights_files_fingerprint, weights_fingerprint
 from .report import EVAL_CONSTRAINT_PREFIX, SafetyReport, UnsafeModelError, check_safety_rule
+from .verify import EXIT_STALE_OR_UNREADABLE, check_run_dir
 from .selection import (
     EvaluationRecord,
     FeasibleSelection,
@@ -69,6 +70,24 @@ class WeightsEvaluation:
     weights_step: int  # the step the weights were trained to
     checkpoint: Optional[str]  # the checkpoint they were loaded from (load_best_model_at_end)
     fingerprint: str
+
+
+@dataclass
+class SavedWeights:
+    """Weights this trainer saved into a folder: the fingerprint of the weights in memory then,
+    of the files written, and the files' (name, size, mtime) to notice a later change."""
+
+    weights_fingerprint: str
+    files_fingerprint: str
+    signature: tuple
+
+
+def _files_signature(folder: str) -> tuple:
+    signature = []
+    for name in weight_files(folder):
+        stat = os.stat(os.path.join(folder, name))
+        signature.append((name, stat.st_size, stat.st_mtime_ns))
+    return tuple(signature)
 
 
 class SafetyMixin:
@@ -106,6 +125,7 @@ class SafetyMixin:
         self.safety_report: Optional[SafetyReport] = None  # the last report built (see current_safety_report)
         self._weights_eval: Optional[WeightsEvaluation] = None  # the last exact evaluation of the model
         self._stale_note = ""  # why the last report no longer describes the weights
+        self._saved_weights: dict[str, SavedWeights] = {}  # folder (real path) -> the weights saved there
         self._push_allow_unsafe = False
         # what decides SAFE/UNSAFE ("point" or "upper_bound") and the bounds' level; finish_run sets them
         self.safety_rule = "point"
@@ -254,9 +274,13 @@ class SafetyMixin:
         ``save`` the report is written into the checkpoint directory."""
         if not os.path.isdir(checkpoint):
             raise FileNotFoundError(f"checkpoint directory {checkpoint} does not exist")
+        files_before = weights_files_fingerprint(checkpoint)
         model = copy.deepcopy(self.accelerator.unwrap_model(self.model))
         trainer_load_checkpoint(self, checkpoint, model)
         report = checkpoint_safety_report(self, checkpoint, model, **kwargs)
+        # the report names the files it evaluated, unless they changed while it was evaluated
+        report.weights_files_fingerprint = (files_before if files_before is not None
+                                            and weights_files_fingerprint(checkpoint) == files_before else None)
         if save and self.is_world_process_zero():
             report.save(checkpoint)
         return report
@@ -303,8 +327,46 @@ class SafetyMixin:
                                  allow_unsafe=self._push_allow_unsafe, source=describe_model(model),
                                  repo_id=self.hub_model_id or self.args.hub_model_id or name)
         if report is not None:
-            report.save(directory)
+            self.save_safety_report(report, directory)
         return write_model_card(directory, card)
+
+    def save_safety_report(self, report: SafetyReport, directory: str,
+                           files_fingerprint: Optional[str] = None) -> str:
+        """Write ``report`` into ``directory/safety_report.json``, naming the weight files there
+        (``weights_files_fingerprint``) only when they hold the weights it describes: files this
+        trainer saved from those weights and unchanged since, or ``files_fingerprint`` when the
+        caller knows them (the report keeps the value of its last save). Returns the path."""
+        if files_fingerprint is None:
+            files_fingerprint = self._saved_files_fingerprint(report, directory)
+        report.weights_files_fingerprint = files_fingerprint
+        return report.save(directory)
+
+    def _saved_files_fingerprint(self, report: SafetyReport, directory: str) -> Optional[str]:
+        """The fingerprint of the weight files in ``directory`` when this trainer saved them from
+        the weights ``report`` describes and they have not changed since; else ``None``."""
+        saved = self._saved_weights.get(os.path.realpath(directory))
+        if saved is None or report.weights_fingerprint is None or saved.weights_fingerprint != report.weights_fingerprint:
+            return None
+        try:
+            if _files_signature(directory) != saved.signature:
+                return None
+        except (OSError, ValueError):
+            return None
+        return saved.files_fingerprint
+
+    def _record_saved_weights(self, directory: str) -> None:
+        """Remember which weights :meth:`save_model` has just written into ``directory``."""
+        try:
+            files = weights_files_fingerprint(directory)
+            signature = _files_signature(directory)
+        except (OSError, ValueError) as exc:
+            logger.warning("cannot fingerprint the weight files in %s: %s", directory, exc)
+            files = None
+        key = os.path.realpath(directory)
+        if files is None:
+            self._saved_weights.pop(key, None)
+            return
+        self._saved_weights[key] = SavedWeights(self.current_weights_fingerprint(), files, signature)
 
     def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
         """``Trainer.save_model`` plus the model card (and safety report) next to the weights.
@@ -314,6 +376,8 @@ class SafetyMixin:
         """
         super().save_model(output_dir, _internal_call=True)
         if self.args.should_save:
+            if getattr(self, "constraints", None):
+                self._record_saved_weights(output_dir or self.args.output_dir)
             self.write_model_card(output_dir or self.args.output_dir)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
@@ -391,18 +455,54 @@ class SafetyMixin:
         return report
 
     def push_checkpoint(self, checkpoint_folder: str) -> None:
-        """Checkpoint pushes during training (``hub_strategy``): only feasible checkpoints."""
+        """Checkpoint pushes during training (``hub_strategy``): only checkpoints whose own weight
+        FILES are known to satisfy the constraints.
+
+        The decision is about the weights in ``checkpoint_folder`` (what is uploaded), never the
+        weights in memory: the report of the current weights is used when this trainer saved
+        exactly these files from them; else the folder's own ``safety_report.json`` when it is
+        intact and names these files; else the folder is evaluated on held-out data now.
+        """
         if getattr(self, "constraints", None):
-            report = self.current_safety_report()
+            report, files = self._checkpoint_folder_report(checkpoint_folder)
             if report is None or not report.all_satisfied:
                 why = "not evaluated on held-out data" if report is None else report.summary()
                 logger.warning("not pushing %s to the Hub: %s", checkpoint_folder, why)
                 return
             if self.is_world_process_zero():
-                self.write_model_card(self.args.output_dir, report)  # the pushed folder's card: these weights
+                # the pushed folder's card and report: these weights (the push copies the files over)
+                self.write_model_card(self.args.output_dir, report)
+                self.save_safety_report(report, self.args.output_dir, files_fingerprint=files)
         if self.hub_model_id is None:
             self.init_hf_repo()  # the first push that passed the gate creates the repository
         super().push_checkpoint(checkpoint_folder)
+
+    def _checkpoint_folder_report(self, folder: str) -> tuple[Optional[SafetyReport], Optional[str]]:
+        """The report of the weight files in ``folder`` under :attr:`safety_rule`, and their
+        fingerprint; ``(None, ...)`` when the folder holds no readable weights."""
+        try:
+            files = weights_files_fingerprint(folder)
+        except (OSError, ValueError) as exc:
+            logger.warning("the weight files in %s cannot be read: %s", folder, exc)
+            return None, None
+        if files is None:
+            logger.warning("%s holds no weight files", folder)
+            return None, None
+        saved = self._saved_weights.get(os.path.realpath(folder))
+        if saved is not None and saved.files_fingerprint == files:
+            current = self.current_safety_report()  # these files were saved from the weights it describes?
+            if current is not None and current.weights_fingerprint == saved.weights_fingerprint:
+                return current, files
+        check = check_run_dir(folder)  # the folder's own report, if intact and naming these files
+        if check.exit_code != EXIT_STALE_OR_UNREADABLE and check.report is not None:
+            return check.report.with_rule(self.safety_rule), files
+        logger.info("evaluating the weights in %s before pushing them (%s)", folder, check.message)
+        report = self._checkpoint_safety_report(folder, confidence=self.safety_confidence,
+                                                safety_rule=self.safety_rule)
+        if report.weights_files_fingerprint != files:
+            logger.warning("the weight files in %s changed while they were evaluated", folder)
+            return None, files
+        return report, files
 
     def init_hf_repo(self, token: Optional[str] = None, private: Optional[bool] = None) -> None:
         """``Trainer.init_hf_repo``, except while the trainer is being built: the repository

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
+import hashlib
 import json
 import math
 import os
@@ -22,6 +23,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 SAFETY_REPORT_NAME = "safety_report.json"
+# the key under which a saved report stores the digest of the rest of its content
+CONTENT_DIGEST_KEY = "content_digest"
 EVAL_CONSTRAINT_PREFIX = "eval_constraint/"
 
 # how a verdict is decided (see :meth:`ConstraintResult.holds`)
@@ -163,6 +166,9 @@ class SafetyReport:
             tolerance) or ``"upper_bound"`` (every upper confidence bound within tolerance).
         extra_columns: the names of the caller-supplied columns (``ConstraintResult.extra``),
             in display order.
+        weights_files_fingerprint: when the report is saved next to the evaluated weights,
+            :func:`~hf_constrained.safety.fingerprint.weights_files_fingerprint` of those files
+            (``hf-constrained report --check`` compares it with the files); ``None`` otherwise.
     """
 
     constraints: list[ConstraintResult]
@@ -176,6 +182,7 @@ class SafetyReport:
     weights_fingerprint: Optional[str] = None
     safety_rule: str = "point"
     extra_columns: list[str] = field(default_factory=list)
+    weights_files_fingerprint: Optional[str] = None
     created_at: str = field(default_factory=lambda: _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
 
     # ------------------------------------------------------------------ verdict
@@ -229,6 +236,7 @@ class SafetyReport:
             "checkpoint": self.checkpoint,
             "model_name": self.model_name,
             "weights_fingerprint": self.weights_fingerprint,
+            "weights_files_fingerprint": self.weights_files_fingerprint,
             "extra_columns": list(self.extra_columns),
             "created_at": self.created_at,
             "constraints": [c.to_dict() for c in self.constraints],
@@ -254,6 +262,7 @@ class SafetyReport:
             method=dict(data.get("method") or {}),
             model_name=data.get("model_name"),
             weights_fingerprint=data.get("weights_fingerprint"),
+            weights_files_fingerprint=data.get("weights_files_fingerprint"),
             safety_rule=rule,
             extra_columns=list(data.get("extra_columns") or []),
             created_at=data.get("created_at", ""),
@@ -263,15 +272,19 @@ class SafetyReport:
         """Write the report as JSON (to ``<dir>/safety_report.json`` for a directory).
 
         Written to a temporary file and moved into place, so a crash never leaves a
-        half-written report. Returns the path.
+        half-written report. The file ends with ``content_digest``, the
+        :func:`report_content_digest` of everything else in it, so that a later edit shows.
+        Returns the path.
         """
         path = directory_or_file
         if os.path.isdir(path) or not path.endswith(".json"):
             os.makedirs(path, exist_ok=True)
             path = os.path.join(path, SAFETY_REPORT_NAME)
         tmp = f"{path}.tmp.{os.getpid()}"
+        data = self.to_dict()
+        data[CONTENT_DIGEST_KEY] = report_content_digest(data)
         with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(self.to_dict(), f, indent=2, allow_nan=True)
+            json.dump(data, f, indent=2, allow_nan=True)
             f.write("\n")
         os.replace(tmp, path)
         return path
@@ -362,6 +375,16 @@ class SafetyReport:
                 f"(max violation {format_number(self.max_violation)}): {', '.join(self.failed)}{caveat}")
 
 
+def report_content_digest(data: Mapping[str, Any]) -> str:
+    """``sha256:<hex>`` of a report's JSON content without its ``content_digest`` key, in a
+    canonical form (sorted keys, no whitespace), so that it survives a save and a load. It
+    shows that a file was edited after it was written; it is no signature (whoever edits the
+    file can recompute it)."""
+    content = {k: v for k, v in data.items() if k != CONTENT_DIGEST_KEY}
+    text = json.dumps(content, sort_keys=True, separators=(",", ":"), allow_nan=True, ensure_ascii=True)
+    return "sha256:" + hashlib.sha256(text.encode("ascii")).hexdigest()
+
+
 def _cell(value: Any) -> str:
     return format_number(value) if value is None or isinstance(value, (int, float)) else str(value)
 
@@ -384,6 +407,7 @@ def objective_metrics_from(metrics: Mapping[str, Any]) -> dict[str, float]:
 
 
 __all__ = [
+    "CONTENT_DIGEST_KEY",
     "EVAL_CONSTRAINT_PREFIX",
     "FAILS",
     "HOLDS_ON_POINT_ESTIMATE",
@@ -396,4 +420,5 @@ __all__ = [
     "UnsafeModelError",
     "format_number",
     "objective_metrics_from",
+    "report_content_digest",
 ]
