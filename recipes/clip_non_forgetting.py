@@ -36,6 +36,7 @@ from transformers import CLIPModel, CLIPProcessor, set_seed
 from hf_constrained import ConstrainedTrainingArguments, finish_run
 from hf_constrained.callbacks import PeriodicMetricsCallback
 from hf_constrained.errors import check_model_path
+from hf_constrained.publishable import publishable_command
 from hf_constrained.recipe_args import parse_recipe_args
 from hf_constrained.clip import (
     CLIPWithClassTextHeads,
@@ -253,7 +254,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
         trainer, old_model_values={c.name: 0.0 for c in constraints}, base_model_name=script.model_name_or_path,
         dataset_description=f"target class {target!r}; protected classes {results['protected_classes']}; "
                             f"accuracies on {results['accuracy_split']} data",
-        reproduce_command="accelerate launch recipes/clip_non_forgetting.py " + " ".join(sys.argv[1:]),
+        reproduce_command=publishable_command("accelerate launch recipes/clip_non_forgetting.py",
+                                              sys.argv[1:] if argv is None else argv,
+                                              output_dir=args.output_dir),
         objective_metrics={f"accuracy/{c}": v for c, v in accuracy_new.items()},
         # what users look at beside the loss-based value: zero-one accuracy per protected class
         extra_columns={"old accuracy": {c.name: accuracy_old.get(c.metadata.get("class"), float("nan"))

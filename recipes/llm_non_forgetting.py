@@ -52,6 +52,7 @@ from hf_constrained.non_forgetting import (
     causal_lm_per_example_loss,
     non_forgetting_constraints,
 )
+from hf_constrained.publishable import publishable_command
 from hf_constrained.recipe_args import parse_recipe_args
 from hf_constrained.text_data import load_text_dataset, tokenize_sft
 
@@ -222,8 +223,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                                  f"{'; safety set ' + script.safety_dataset if script.safety_dataset else ''}; "
                                  f"{script.eval_fraction:.0%} of every dataset held out"),
             datasets=hub_ids or None,
-            reproduce_command="accelerate launch recipes/llm_non_forgetting.py " + " ".join(
-                sys.argv[1:] if argv is None else argv),
+            reproduce_command=publishable_command("accelerate launch recipes/llm_non_forgetting.py",
+                                                  sys.argv[1:] if argv is None else argv, output_dir=args.output_dir),
         )
         metrics = dict(report.objective_metrics)
     elif eval_rows is not None:

@@ -47,6 +47,7 @@ from torch import nn
 
 from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments, constraints_per_value
 from hf_constrained import UnsafeModelError, finish_run
+from hf_constrained.publishable import publishable_command
 from hf_constrained.recipe_args import parse_recipe_args
 
 OLD_DIGITS = list(range(8))
@@ -136,14 +137,16 @@ def main(argv: list[str] | None = None) -> int:
     trainer = ConstrainedTrainer(model=model, args=training_args, constraints=constraints,
                                  train_dataset=new_train, eval_dataset=new_heldout)
     trainer.train()
-    command = "python recipes/safe_release_digits.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    # no secrets (--hub_token) and no local paths: the command is published in the card
+    command = publishable_command("python recipes/safe_release_digits.py", argv if argv is not None else sys.argv[1:],
+                                  output_dir=training_args.output_dir)
     report = finish_run(
         trainer, old_model=old, base_model_name="digits MLP trained on digits 0-7 (stage 1 of this recipe)",
         dataset_description="scikit-learn digits (8x8), split stratified into three disjoint parts: 40% trains the "
         "old model (digits 0-7), 30% is the fine-tuning data (objective: cross-entropy on digits 8-9; constraint "
         "batches), 30% is held out (objective metric and exact constraint check). One non-forgetting constraint per "
         f"old digit 0-7: CE_k(w) - CE_k(w_old) <= {opts.tolerance}.",
-        reproduce_command=command.strip(),
+        reproduce_command=command,
     )
     print(report.format_table())
     print(report.summary())

@@ -24,14 +24,17 @@ public hooks it extends (the private ``Trainer`` members behind them are used th
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from transformers import TrainerCallback
 from transformers.integrations import TensorBoardCallback
 
+from ..publishable import OUTPUT_DIR_PLACEHOLDER, publish_trainer_state, resolve_output_path
 from ..trainer_internals import trainer_load_checkpoint
 from .card import ModelCardInfo, describe_model, render_model_card, write_model_card
 from .evaluation import (
@@ -90,6 +93,30 @@ def _files_signature(folder: str) -> tuple:
     return tuple(signature)
 
 
+TRAINER_STATE_NAME = "trainer_state.json"
+
+
+class _RestoreBestCheckpoint(TrainerCallback):
+    """On resume, puts back the best checkpoint's path that ``trainer_state.json`` stores without
+    its local part (the Trainer reads the file before any hook: it sees no such folder)."""
+
+    def __init__(self) -> None:
+        self.path: Optional[str] = None
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.path is not None and os.path.isdir(self.path):
+            logger.info("resumed: the best checkpoint so far is %s", self.path)
+            state.best_model_checkpoint = self.path
+        self.path = None
+
+
+def _not_a_missing_placeholder(record: logging.LogRecord) -> bool:
+    """Drops the Trainer's warning that a best checkpoint stored as ``<output_dir>/...`` does not
+    exist (:class:`_RestoreBestCheckpoint` puts its real path back)."""
+    message = record.getMessage()
+    return not (OUTPUT_DIR_PLACEHOLDER in message and "recorded in the resumed state" in message)
+
+
 class SafetyMixin:
     """Safety report, feasible-checkpoint selection, model cards and a gated ``push_to_hub``.
 
@@ -131,6 +158,8 @@ class SafetyMixin:
         self.safety_rule = "point"
         self.safety_confidence = DEFAULT_CONFIDENCE
         self._group_constraint_tensorboard()
+        self._best_restorer = _RestoreBestCheckpoint()
+        self.add_callback(self._best_restorer)
 
     # ------------------------------------------------------------------ TensorBoard
     def _group_constraint_tensorboard(self) -> None:
@@ -181,7 +210,15 @@ class SafetyMixin:
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         self.safety_report = None
-        result = super().train(*args, **kwargs)
+        resume = args[0] if args else kwargs.get("resume_from_checkpoint")
+        self._best_restorer.path = self._stored_best_checkpoint(resume) if isinstance(resume, str) else None
+        # the Trainer warns that "<output_dir>/checkpoint-N" does not exist before the path is put back
+        trainer_logger = logging.getLogger("transformers.trainer")
+        trainer_logger.addFilter(_not_a_missing_placeholder)
+        try:
+            result = super().train(*args, **kwargs)
+        finally:
+            trainer_logger.removeFilter(_not_a_missing_placeholder)
         best = self.state.best_model_checkpoint
         if self.args.load_best_model_at_end and best is not None and self.state.best_global_step:
             # the weights are now the best checkpoint's, whose evaluation is in the log history
@@ -200,6 +237,38 @@ class SafetyMixin:
             else:
                 logger.warning("Feasible-checkpoint selection: %s", selection.message())
         return result
+
+    # ------------------------------------------------------------------ trainer_state.json without local paths
+    def save_state(self) -> None:
+        """``Trainer.save_state``, with the best checkpoint's path stored without its local part
+        (see :func:`~hf_constrained.publishable.publish_trainer_state`)."""
+        super().save_state()
+        path = os.path.join(self.args.output_dir, TRAINER_STATE_NAME)
+        if self.is_world_process_zero() and os.path.isfile(path):
+            publish_trainer_state(path, self.args.output_dir)
+
+    def publish_checkpoint_state(self, checkpoint_folder: str) -> None:
+        """The checkpoint's ``trainer_state.json`` without local paths (called by the checkpoint
+        save before the checkpoint is marked complete)."""
+        path = os.path.join(checkpoint_folder, TRAINER_STATE_NAME)
+        if self.args.should_save and os.path.isfile(path):
+            publish_trainer_state(path, self.args.output_dir)
+
+    def _stored_best_checkpoint(self, checkpoint: str) -> Optional[str]:
+        """The best checkpoint recorded in ``checkpoint``'s state, as this run names it
+        (under ``output_dir`` as given), or ``None``."""
+        try:
+            with open(os.path.join(checkpoint, TRAINER_STATE_NAME), encoding="utf-8") as f:
+                best = json.load(f).get("best_model_checkpoint")
+        except (OSError, ValueError):
+            return None
+        if not isinstance(best, str):
+            return None
+        best = resolve_output_path(best, self.args.output_dir)
+        if os.path.isabs(self.args.output_dir) and not os.path.isabs(best):
+            rel = os.path.relpath(os.path.abspath(best), os.path.abspath(self.args.output_dir))
+            best = os.path.join(self.args.output_dir, rel)
+        return best
 
     # ------------------------------------------------------------------ which weights were evaluated
     def current_weights_fingerprint(self) -> str:

@@ -16,13 +16,20 @@ import dataclasses
 import datetime as _dt
 import hashlib
 import json
+import logging
 import math
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
+logger = logging.getLogger(__name__)
+
 SAFETY_REPORT_NAME = "safety_report.json"
+# a Hugging Face token (the pattern of hf_constrained.publishable.HF_TOKEN_PATTERN: this module
+# imports nothing from the package); a saved report never holds one
+_HF_TOKEN = re.compile(r"hf_[A-Za-z0-9]{30,}")
 # the key under which a saved report stores the digest of the rest of its content
 CONTENT_DIGEST_KEY = "content_digest"
 EVAL_CONSTRAINT_PREFIX = "eval_constraint/"
@@ -282,6 +289,11 @@ class SafetyReport:
             path = os.path.join(path, SAFETY_REPORT_NAME)
         tmp = f"{path}.tmp.{os.getpid()}"
         data = self.to_dict()
+        text = json.dumps(data, allow_nan=True)
+        if _HF_TOKEN.search(text):  # a token pasted into a name or a setting is never written
+            logger.warning("the safety report for %s contained a Hugging Face token: it was replaced by <redacted>",
+                           path)
+            data = json.loads(_HF_TOKEN.sub("<redacted>", text))
         data[CONTENT_DIGEST_KEY] = report_content_digest(data)
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(data, f, indent=2, allow_nan=True)
