@@ -5,7 +5,7 @@ published. :func:`publishable_command` turns a command line into one that can be
 
 - a secret flag (its name has the word ``token``, ``password``, ``passwd``, ``secret``, or
   ``api key`` / ``apikey`` / ``access key``, e.g. ``--hub_token``) is dropped with its value:
-  whoever reproduces the run passes their own (or logs in with ``huggingface-cli login``);
+  whoever reproduces the run passes their own (or logs in with ``hf auth login``);
 - an absolute path is made relative: the run's output folder becomes ``<output_dir>`` (a
   path inside it ``<output_dir>/...``), a path under the current folder becomes relative to
   it, any other absolute path becomes ``<local>/<its last component>``;

@@ -36,7 +36,7 @@ from transformers import CLIPModel, CLIPProcessor, set_seed
 from hf_constrained import ConstrainedTrainingArguments, finish_run
 from hf_constrained.callbacks import PeriodicMetricsCallback
 from hf_constrained.errors import check_model_path
-from hf_constrained.publishable import publishable_command
+from hf_constrained.publishable import publishable_command, publishable_path, publishable_values
 from hf_constrained.recipe_args import parse_recipe_args
 from hf_constrained.clip import (
     CLIPWithClassTextHeads,
@@ -224,7 +224,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     metrics = trainer.evaluate()
     accuracy_new = zero_shot_accuracy(model, report_rows, loss, collate, classes)
     results = {
-        "model": script.model_name_or_path,
+        "model": publishable_path(script.model_name_or_path),  # results are shared: no local paths
         "target_class": target,
         "protected_classes": [c for c in classes if c != target],
         "penalty": args.constraint_penalty,
@@ -236,7 +236,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         "accuracy_new": accuracy_new,
         "accuracy_split": "held-out" if eval_sets else "constraint data",
         "log_history": trainer.state.log_history,
-        "script_args": asdict(script),
+        "script_args": publishable_values(asdict(script), args.output_dir),
     }
     if trainer.is_world_process_zero():
         os.makedirs(args.output_dir, exist_ok=True)

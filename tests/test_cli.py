@@ -204,3 +204,26 @@ def test_report_into_a_closed_pipe_prints_no_traceback(run_dir):
     err = proc.stderr.read().decode()
     proc.wait(timeout=60)
     assert "BrokenPipe" not in err and "Traceback" not in err, err
+
+
+def test_check_certifies_weights_saved_before_finish_run_and_not_older_ones(tmp_path, capsys):
+    """``trainer.save_model(out)`` then ``finish_run``: the report names the files (exit 0). Weights
+    saved, then changed in memory before ``finish_run``: the files are not the evaluated weights,
+    so the report does not vouch for them (exit 2)."""
+    import torch
+
+    out = tmp_path / "run"
+    trainer = make_trainer(str(out), tolerance=2.0, max_steps=2, eval_strategy="no", save_strategy="no",
+                           load_best_model_at_end=False, metric_for_best_model=None)
+    trainer.train()
+    trainer.save_model(str(out))
+    report = finish_run(trainer, plots=False)
+    assert report.all_satisfied and SafetyReport.load(str(out)).weights_files_fingerprint is not None
+    assert main(["report", str(out), "--check"]) == 0
+
+    with torch.no_grad():
+        trainer.model.theta.fill_(1.0)  # still safe, but not the weights in the files
+    finish_run(trainer, plots=False)
+    assert SafetyReport.load(str(out)).weights_files_fingerprint is None
+    assert main(["report", str(out), "--check"]) == 2
+    assert "does not record the weight files" in capsys.readouterr().err
