@@ -278,3 +278,19 @@ def test_checkpoint_push_decides_on_the_folders_weights_not_the_models(tmp_path,
     assert hub.names() == ["upload_folder"] and hub.reports[-1].all_satisfied
     assert hub.reports[-1].weights_files_fingerprint == weights_files_fingerprint(str(safe))
     assert weights_files_fingerprint(trainer.args.output_dir) == weights_files_fingerprint(str(safe))
+
+
+def test_checkpoint_push_during_training_never_evaluates_an_unreported_folder(tmp_path, hub, monkeypatch):
+    """During training a folder without a report for its files is skipped, not evaluated (an
+    evaluation would copy the model in the middle of training)."""
+    trainer = make_trainer(str(tmp_path / "run"), tolerance=2.0, max_steps=2, push_to_hub=True,
+                           hub_model_id="user/theta", hub_strategy="every_save")
+    trainer.train()
+    folder = tmp_path / "run" / "checkpoint-1"
+    os.remove(folder / "safety_report.json")
+    hub.calls.clear()
+    monkeypatch.setattr(trainer, "is_in_train", True)
+    monkeypatch.setattr(trainer, "_checkpoint_safety_report",
+                        lambda *a, **k: pytest.fail("the folder was evaluated during training"))
+    trainer.push_checkpoint(str(folder))
+    assert hub.calls == []

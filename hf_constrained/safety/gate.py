@@ -15,8 +15,8 @@ public hooks it extends (the private ``Trainer`` members behind them are used th
 - ``push_to_hub(..., allow_unsafe=False)``: refuses, before creating a repository or
   uploading anything, when a constraint fails on held-out data; with
   ``allow_unsafe=True`` it uploads and the card says UNSAFE at the top. Checkpoint pushes
-  during training (``hub_strategy``, hook ``push_checkpoint``) are skipped while the latest
-  evaluation is infeasible or missing;
+  (``hub_strategy``, hook ``push_checkpoint``) judge the weight files of the pushed folder,
+  and are skipped when those are infeasible or were not evaluated;
 - the stock TensorBoard callback is replaced by
   :class:`~hf_constrained.safety.tensorboard.ConstraintTensorBoardCallback` (constraint scalars grouped).
 """
@@ -530,7 +530,8 @@ class SafetyMixin:
         The decision is about the weights in ``checkpoint_folder`` (what is uploaded), never the
         weights in memory: the report of the current weights is used when this trainer saved
         exactly these files from them; else the folder's own ``safety_report.json`` when it is
-        intact and names these files; else the folder is evaluated on held-out data now.
+        intact and names these files; else, outside training and on one process, the folder is
+        evaluated on held-out data now (during training it is not pushed).
         """
         if getattr(self, "constraints", None):
             report, files = self._checkpoint_folder_report(checkpoint_folder)
@@ -565,6 +566,11 @@ class SafetyMixin:
         check = check_run_dir(folder)  # the folder's own report, if intact and naming these files
         if check.exit_code != EXIT_STALE_OR_UNREADABLE and check.report is not None:
             return check.report.with_rule(self.safety_rule), files
+        if getattr(self, "is_in_train", False) or self.accelerator.num_processes > 1:
+            # during training (a second copy of the model could exhaust memory) and on several
+            # processes (an evaluation is collective, the push is rank 0's): not evaluated, not pushed
+            logger.info("%s: %s", folder, check.message)
+            return None, files
         logger.info("evaluating the weights in %s before pushing them (%s)", folder, check.message)
         report = self._checkpoint_safety_report(folder, confidence=self.safety_confidence,
                                                 safety_rule=self.safety_rule)
