@@ -114,3 +114,21 @@ def test_the_report_module_redacts_the_same_tokens():
     from hf_constrained.safety import report
 
     assert report._HF_TOKEN.pattern == HF_TOKEN_PATTERN.pattern
+
+
+def test_a_trainer_run_with_tensorboard_writes_no_token_and_no_absolute_path(tmp_path):
+    """A trainer (a ``PreTrainedModel``, so ``config.json`` too) with ``hub_token`` and TensorBoard
+    logging, checkpoints, the feasible best reloaded, ``save_model`` and ``finish_run``: neither
+    the token nor the absolute output folder is in any file, event files included."""
+    from safety_tiny import make_trainer
+
+    from hf_constrained.safety.finish import finish_run
+
+    out = tmp_path / "run"
+    trainer = make_trainer(str(out), tolerance=2.0, max_steps=3, hub_token=FAKE_TOKEN, report_to=["tensorboard"])
+    trainer.train()
+    trainer.save_model(str(out))
+    finish_run(trainer, plots=False)
+    assert any("tfevents" in f for _, _, files in os.walk(out) for f in files)
+    assert _files_containing(out, [FAKE_TOKEN.encode(), str(tmp_path).encode()]) == []
+    assert trainer.args.hub_token == FAKE_TOKEN  # the running trainer keeps it for its pushes

@@ -393,6 +393,7 @@ def report_content_digest(data: Mapping[str, Any]) -> str:
     shows that a file was edited after it was written; it is no signature (whoever edits the
     file can recompute it)."""
     content = {k: v for k, v in data.items() if k != CONTENT_DIGEST_KEY}
+    content = json.loads(json.dumps(content, allow_nan=True))  # as the file holds it: keys are strings
     text = json.dumps(content, sort_keys=True, separators=(",", ":"), allow_nan=True, ensure_ascii=True)
     return "sha256:" + hashlib.sha256(text.encode("ascii")).hexdigest()
 

@@ -100,9 +100,10 @@ def check_run_dir(run_dir: str, rule: Optional[str] = None) -> CheckResult:
         return _stale(f"the weight files in {folder} changed after {path} was written (recorded {recorded}, "
                       f"now {files_now}): the report no longer describes them; evaluate them again "
                       "(trainer.build_safety_report(checkpoint=DIR))", report)
-    where = "the weight files next to it" if files_now is not None else "the weights evaluated in memory (no weight files here)"
+    where = ("the report is intact and describes the weight files next to it" if files_now is not None
+             else "the report is intact; no weight files here: it describes weights evaluated in memory")
     if report.all_satisfied:
-        return CheckResult(EXIT_CERTIFIED, f"certified: {report.summary()} (report verified against {where})", report)
+        return CheckResult(EXIT_CERTIFIED, f"certified: {report.summary()} ({where})", report)
     return CheckResult(EXIT_NOT_CERTIFIED, f"not certified: {report.summary()}", report)
 
 
