@@ -294,3 +294,18 @@ def test_checkpoint_push_during_training_never_evaluates_an_unreported_folder(tm
                         lambda *a, **k: pytest.fail("the folder was evaluated during training"))
     trainer.push_checkpoint(str(folder))
     assert hub.calls == []
+
+
+def test_a_pushed_folder_passes_report_check(tmp_path, hub):
+    """What push_to_hub uploads (weights, card, report) verifies with ``hf-constrained report
+    --check``: the report names the weight files uploaded with it."""
+    from hf_constrained.cli import main
+    from hf_constrained.safety.fingerprint import weights_files_fingerprint
+
+    trainer = trained(tmp_path, steps=2)
+    finish_run(trainer, plots=False)
+    trainer.push_to_hub()
+    assert hub.names() == ["create_repo", "upload_folder"]
+    out = trainer.args.output_dir
+    assert hub.reports[0].weights_files_fingerprint == weights_files_fingerprint(out) is not None
+    assert main(["report", out, "--check"]) == 0
