@@ -227,3 +227,34 @@ def test_check_certifies_weights_saved_before_finish_run_and_not_older_ones(tmp_
     assert SafetyReport.load(str(out)).weights_files_fingerprint is None
     assert main(["report", str(out), "--check"]) == 2
     assert "does not record the weight files" in capsys.readouterr().err
+
+
+def test_weight_files_cover_shards_adapters_and_fsdp_folders(tmp_path):
+    """Every kind of saved weights counts: a change to any of their files changes the fingerprint;
+    a shard that the index lists but that is missing is an error naming it."""
+    from hf_constrained.safety.fingerprint import weight_files, weights_files_fingerprint
+
+    assert weight_files(str(tmp_path)) == [] and weights_files_fingerprint(str(tmp_path)) is None
+    (tmp_path / "README.md").write_text("not weights")
+    (tmp_path / "config.json").write_text("{}")
+    assert weight_files(str(tmp_path)) == []  # a config alone is not a model
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    (tmp_path / "model-00001-of-00002.safetensors").write_bytes(b"1")
+    with pytest.raises(FileNotFoundError, match="model-00002-of-00002.safetensors"):
+        weight_files(str(tmp_path))
+    (tmp_path / "model-00002-of-00002.safetensors").write_bytes(b"2")
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"3")
+    (tmp_path / "pytorch_model_fsdp_0").mkdir()
+    (tmp_path / "pytorch_model_fsdp_0" / "__0_0.distcp").write_bytes(b"4")
+    assert weight_files(str(tmp_path)) == [
+        "adapter_model.safetensors", "config.json", "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors", "model.safetensors.index.json", "pytorch_model_fsdp_0/__0_0.distcp"]
+    before = weights_files_fingerprint(str(tmp_path))
+    for name in weight_files(str(tmp_path)):
+        path = tmp_path / name
+        data = path.read_bytes()
+        path.write_bytes(data + b" ")
+        assert weights_files_fingerprint(str(tmp_path)) != before, name
+        path.write_bytes(data)
+    assert weights_files_fingerprint(str(tmp_path)) == before

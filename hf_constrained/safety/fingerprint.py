@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from typing import Any, Optional
 
 # the files that make up a saved model: single-file weights (full model, adapters, an FSDP
@@ -30,6 +31,7 @@ WEIGHT_FILE_NAMES = ("model.safetensors", "pytorch_model.bin", "adapter_model.sa
                      "pytorch_model_fsdp.bin")
 WEIGHT_INDEX_NAMES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 MODEL_CONFIG_NAMES = ("config.json", "adapter_config.json")
+_FSDP_SHARDS = re.compile(r"pytorch_model_fsdp_\d+")
 _CHUNK = 1 << 24
 
 
@@ -57,10 +59,16 @@ def weights_fingerprint(model: Any) -> str:
 
 def weight_files(folder: str) -> list[str]:
     """The names (relative to ``folder``, sorted) of the files that hold a saved model: its
-    weight files, the shards its indexes list, and ``config.json`` / ``adapter_config.json``
-    next to weights. Empty when ``folder`` holds no weights; ``FileNotFoundError`` naming the
+    weight files, the shards its indexes list, the files of an FSDP sharded state dict
+    (``pytorch_model_fsdp_0/``), and ``config.json`` / ``adapter_config.json`` next to weights. Empty when ``folder`` holds no weights; ``FileNotFoundError`` naming the
     shard when an index lists a shard that is missing, ``ValueError`` for an unreadable index."""
     found = {name for name in WEIGHT_FILE_NAMES if os.path.isfile(os.path.join(folder, name))}
+    # an FSDP sharded state dict: a folder of shards per model (pytorch_model_fsdp_0/*.distcp, .metadata)
+    if os.path.isdir(folder):
+        for entry in os.listdir(folder):
+            shards = os.path.join(folder, entry)
+            if _FSDP_SHARDS.fullmatch(entry) and os.path.isdir(shards):
+                found |= {f"{entry}/{f}" for f in os.listdir(shards) if os.path.isfile(os.path.join(shards, f))}
     for index in WEIGHT_INDEX_NAMES:
         path = os.path.join(folder, index)
         if not os.path.isfile(path):
