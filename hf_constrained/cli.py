@@ -1,6 +1,7 @@
 """``hf-constrained``: the command line.
 
     hf-constrained report RUN_DIR [--json] [--check]   print the safety table of a run or checkpoint
+                                                       (--check: exit 0 certified, 1 not, 2 stale/unreadable)
     hf-constrained plot RUN_DIR [--out DIR]            write constraints.png and objective.png
     hf-constrained demo [...]                          the CLIP non-forgetting demo on digits
     hf-constrained recipes                             list the recipes, their modules and shipped configs
@@ -28,6 +29,7 @@ from .recipes import RECIPES, Recipe, shipped_recipe_files
 from .safety.figures import plot_log_history
 from .safety.report import SAFETY_REPORT_NAME, SAFETY_RULES, SafetyReport, format_number
 from .safety.selection import FeasibleSelection
+from .safety.verify import EXIT_STALE_OR_UNREADABLE, check_run_dir
 
 
 
@@ -49,12 +51,18 @@ def find_trainer_state(run_dir: str) -> str:
 
 
 def _report(args: argparse.Namespace) -> int:
-    report = SafetyReport.load(args.run_dir)
-    if args.rule is not None:
-        report = report.with_rule(args.rule)
-    if args.check and not report.checked:
-        raise ValueError(f"{os.path.join(args.run_dir, SAFETY_REPORT_NAME)} holds no constraints: there is nothing "
-                         "to check, so it cannot pass --check (was the trainer given its constraints?)")
+    check = None
+    if args.check:  # the exit status is check_run_dir's, and only its
+        check = check_run_dir(args.run_dir, rule=args.rule)
+        if check.exit_code == EXIT_STALE_OR_UNREADABLE:
+            print(f"hf-constrained report: error: {check.message}", file=sys.stderr)
+            return check.exit_code
+        assert check.report is not None
+        report = check.report
+    else:
+        report = SafetyReport.load(args.run_dir)
+        if args.rule is not None:
+            report = report.with_rule(args.rule)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:
@@ -72,7 +80,10 @@ def _report(args: argparse.Namespace) -> int:
             known = {k: v for k, v in report.selection.items() if k in FeasibleSelection.__dataclass_fields__}
             print("Checkpoint selection: " + FeasibleSelection(**known).message())
         print(report.summary())
-    return 1 if args.check and not report.all_satisfied else 0
+    if check is not None:
+        print(f"--check: {check.message}", file=sys.stderr if args.json else sys.stdout)
+        return check.exit_code
+    return 0
 
 
 def _plot(args: argparse.Namespace) -> int:
@@ -141,7 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", metavar="RUN_DIR")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--check", action="store_true",
-                   help="exit with status 1 when a constraint fails (status 2 for a report without constraints)")
+                   help="verify the report and turn it into the exit status: 0 certified (the report is intact, "
+                        "describes the weight files in RUN_DIR, and every constraint holds), 1 not certified (a "
+                        "constraint fails), 2 stale or unreadable (no report, a report edited after it was "
+                        "written or without constraints, weight files replaced or missing)")
     p.add_argument("--rule", choices=SAFETY_RULES, default=None,
                    help="what decides pass/fail: 'certified' (the finite-sample certificate on the certification "
                         "split), or the uncertified 'point' (each held-out value within its tolerance) and "
@@ -178,10 +192,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     elif rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
+        return code
     except (FileNotFoundError, ValueError) as exc:
         print(f"hf-constrained {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # the reader went away (`hf-constrained report RUN --json | head -1`): no traceback, and
+        # no second error when the interpreter flushes stdout at exit
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, as a process killed by the signal
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import numbers
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 from transformers import TrainingArguments
 
 from .penalties import PENALTIES
+from .publishable import is_secret_flag, publishable_path
 
 LOOKAHEAD_PLACEMENTS = ("after_backward", "before_backward", "in_call")
 """Where the trainer computes the MSVR look-ahead (``lookahead_placement``)."""
@@ -151,6 +153,39 @@ class ConstrainedTrainingArguments(TrainingArguments):
     @property
     def constraint_sampling_seed(self) -> int:
         return self.seed if self.constraint_seed is None else self.constraint_seed
+
+    # ------------------------------------------------------------------ what a pickle keeps
+    def __getstate__(self) -> dict[str, Any]:
+        """The state a pickle keeps: every setting except secrets and local paths.
+
+        The Trainer pickles its arguments into ``training_args.bin`` in every checkpoint (and
+        checkpoint pushes upload it): the Hub token (``hub_token``, any field named like a
+        secret) is left out (``None``), and an absolute path becomes ``<output_dir>``,
+        ``<output_dir>/...`` inside the output folder, relative under the current folder, else
+        ``<local>/<name>`` (see :func:`hf_constrained.publishable.publishable_path`). Copies
+        (``copy.copy``, ``copy.deepcopy``) keep everything.
+        """
+        state = dict(self.__dict__)
+        output_dir = state.get("output_dir")
+        for key, value in state.items():
+            if value is None:
+                continue
+            if is_secret_flag(key) and isinstance(value, str):
+                state[key] = None
+            elif isinstance(value, str):
+                state[key] = publishable_path(value, output_dir)
+        return state
+
+    def __copy__(self) -> "ConstrainedTrainingArguments":
+        new = self.__class__.__new__(self.__class__)
+        new.__dict__.update(self.__dict__)
+        return new
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "ConstrainedTrainingArguments":
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return new
 
 
 def _parse_gamma_prime(name: str, value: Union[str, float]) -> Union[str, float]:

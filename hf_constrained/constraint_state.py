@@ -4,6 +4,9 @@ The state (estimators, data-stream positions, the drawn next step) is written th
 temporary file and ``os.replace``, so the file is the old one or the complete new one; a
 file that cannot be read, or that is not a constraint state, is a
 :class:`~hf_constrained.checkpointing.CheckpointError` that names it and says what to do.
+
+The file is read with ``torch.load(weights_only=True)``: it holds tensors and plain Python
+values only, so a crafted file cannot run code when a run resumes from it.
 """
 
 from __future__ import annotations
@@ -36,9 +39,14 @@ def load_constraint_state(path: str) -> dict[str, Any]:
     advice = ("Resume from an earlier checkpoint (resume_from_checkpoint=<path>), or delete this checkpoint "
               "folder so that resume_from_checkpoint=True skips it.")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        # tensors and plain values only: a crafted file cannot run code here
+        state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # UnpicklingError, EOFError, RuntimeError (bad zip), ...: all mean a damaged file
-        raise CheckpointError(f"{path} cannot be read ({type(e).__name__}: {e}). {advice}") from e
+        why = " ".join(f"{type(e).__name__}: {e}".split())  # one line
+        if len(why) > 600:  # torch's weights_only message is long: its first lines name the refused object
+            why = why[:600] + " ..."
+        raise CheckpointError(f"{path} cannot be read with torch.load(weights_only=True): it is damaged or holds "
+                              f"objects other than tensors and plain values ({why}). {advice}") from e
     if not isinstance(state, dict):
         raise CheckpointError(f"{path} holds a {type(state).__name__}, not a constraint state. {advice}")
     missing = [k for k in CONSTRAINT_STATE_KEYS if k not in state]

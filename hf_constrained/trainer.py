@@ -1342,6 +1342,7 @@ class ConstrainedTrainer(SafetyMixin, TrainerInternals):
             super().save_checkpoint(model, trial)
         finally:
             self.args.save_total_limit, self.args.push_to_hub = limit, push
+        self.publish_checkpoint_state(folder)  # trainer_state.json without local paths
         if self.args.should_save:  # also without constraints: subclasses keep objective estimators here
             atomic_torch_save(self.constraint_state_dict(), os.path.join(folder, CONSTRAINT_STATE_NAME))
         self.accelerator.wait_for_everyone()  # every rank's files (RNG states, shards) are written

@@ -36,6 +36,7 @@ from transformers import CLIPModel, CLIPProcessor, set_seed
 from hf_constrained import ConstrainedTrainingArguments, finish_run
 from hf_constrained.callbacks import PeriodicMetricsCallback
 from hf_constrained.errors import check_model_path
+from hf_constrained.publishable import publishable_command, publishable_path, publishable_values
 from hf_constrained.recipe_args import parse_recipe_args
 from hf_constrained.clip import (
     CLIPWithClassTextHeads,
@@ -223,7 +224,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     metrics = trainer.evaluate()
     accuracy_new = zero_shot_accuracy(model, report_rows, loss, collate, classes)
     results = {
-        "model": script.model_name_or_path,
+        "model": publishable_path(script.model_name_or_path),  # results are shared: no local paths
         "target_class": target,
         "protected_classes": [c for c in classes if c != target],
         "penalty": args.constraint_penalty,
@@ -235,7 +236,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         "accuracy_new": accuracy_new,
         "accuracy_split": "held-out" if eval_sets else "constraint data",
         "log_history": trainer.state.log_history,
-        "script_args": asdict(script),
+        "script_args": publishable_values(asdict(script), args.output_dir),
     }
     if trainer.is_world_process_zero():
         os.makedirs(args.output_dir, exist_ok=True)
@@ -253,7 +254,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
         trainer, old_model_values={c.name: 0.0 for c in constraints}, base_model_name=script.model_name_or_path,
         dataset_description=f"target class {target!r}; protected classes {results['protected_classes']}; "
                             f"accuracies on {results['accuracy_split']} data",
-        reproduce_command="accelerate launch recipes/clip_non_forgetting.py " + " ".join(sys.argv[1:]),
+        reproduce_command=publishable_command("accelerate launch recipes/clip_non_forgetting.py",
+                                              sys.argv[1:] if argv is None else argv,
+                                              output_dir=args.output_dir),
         objective_metrics={f"accuracy/{c}": v for c, v in accuracy_new.items()},
         # what users look at beside the loss-based value: zero-one accuracy per protected class
         extra_columns={"old accuracy": {c.name: accuracy_old.get(c.metadata.get("class"), float("nan"))

@@ -52,6 +52,7 @@ from hf_constrained.non_forgetting import (
     causal_lm_per_example_loss,
     non_forgetting_constraints,
 )
+from hf_constrained.publishable import publishable_command, publishable_path, publishable_values
 from hf_constrained.recipe_args import parse_recipe_args
 from hf_constrained.text_data import load_text_dataset, tokenize_sft
 
@@ -218,18 +219,19 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         # a non-forgetting constraint is 0 at the old model by definition
         report = finish_run(
             trainer, old_model_values={c.name: 0.0 for c in constraints}, base_model_name=script.model_name_or_path,
-            dataset_description=(f"SFT on {script.target_dataset}; protected: {sorted(protected) or 'none'}"
-                                 f"{'; safety set ' + script.safety_dataset if script.safety_dataset else ''}; "
+            dataset_description=(f"SFT on {publishable_path(script.target_dataset)}; "
+                                 f"protected: {sorted(protected) or 'none'}"
+                                 f"{'; safety set ' + publishable_path(script.safety_dataset) if script.safety_dataset else ''}; "
                                  f"{script.eval_fraction:.0%} of every dataset held out"),
             datasets=hub_ids or None,
-            reproduce_command="accelerate launch recipes/llm_non_forgetting.py " + " ".join(
-                sys.argv[1:] if argv is None else argv),
+            reproduce_command=publishable_command("accelerate launch recipes/llm_non_forgetting.py",
+                                                  sys.argv[1:] if argv is None else argv, output_dir=args.output_dir),
         )
         metrics = dict(report.objective_metrics)
     elif eval_rows is not None:
         metrics = trainer.evaluate()
     results = {
-        "model": script.model_name_or_path,
+        "model": publishable_path(script.model_name_or_path),  # results are shared: no local paths
         "penalty": args.constraint_penalty,
         "penalty_beta": args.penalty_beta,
         "num_processes": trainer.accelerator.num_processes,
@@ -238,7 +240,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         "constraints": {c.name: {"tolerance": c.tolerance, **c.metadata} for c in constraints},
         "safety_report": None if report is None else report.to_dict(),
         "safe": None if report is None else report.all_satisfied,
-        "script_args": asdict(script),
+        "script_args": publishable_values(asdict(script), args.output_dir),
     }
     if trainer.is_world_process_zero():
         tokenizer.save_pretrained(args.output_dir)

@@ -60,6 +60,7 @@ from hf_constrained.non_forgetting import (
     reference_losses,
 )
 from hf_constrained.per_sample_loss import IGNORE_INDEX
+from hf_constrained.publishable import publishable_command
 from hf_constrained.recipe_args import parse_recipe_args
 from hf_constrained.text_data import tokenize_sft
 from hf_constrained.tiny_lm import char_tokenizer, tiny_causal_lm
@@ -296,7 +297,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                     {t: round(m["accuracy"], 3) for t, m in r["held_out"].items()}, r["seconds"])
     summary = summarize(old, runs, cfg)
     usage = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
-    result = {"command": "python recipes/llm_tiny_example.py " + " ".join(sys.argv[1:] if argv is None else argv),
+    result = {"command": publishable_command("python recipes/llm_tiny_example.py",
+                                             sys.argv[1:] if argv is None else argv),
               "config": asdict(cfg), "summary": summary, "runs": runs, "seconds": round(time.time() - t0, 1),
               "cpu_seconds": round(sum(u.ru_utime + u.ru_stime for u in usage), 1),
               "os_cpu_count": os.cpu_count()}

@@ -80,7 +80,7 @@ def main(argv=None) -> dict:
     if training_args.constraint_margin is None and training_args.constraint_confidence is None:
         training_args.constraint_margin = DEFAULT_MARGIN
     logging.basicConfig(level=logging.INFO if training_args.should_log else logging.WARNING)
-    results = run_roc_fairness(script_args, training_args)
+    results = run_roc_fairness(script_args, training_args, argv=argv)
     if training_args.should_save:
         summary = {k: results[k] for k in ("dataset", "method", "beta", "seed", "test_auc", "train_max_violation",
                                            "test_max_violation", "feasible_on_train", "seconds_per_epoch")}

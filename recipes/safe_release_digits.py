@@ -57,6 +57,7 @@ from torch import nn
 
 from hf_constrained import CertifyStatistic, ConstrainedTrainer, ConstrainedTrainingArguments, constraints_per_value
 from hf_constrained import UnsafeModelError, finish_run
+from hf_constrained.publishable import publishable_command
 from hf_constrained.recipe_args import parse_recipe_args
 
 OLD_DIGITS = list(range(8))
@@ -183,7 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     trainer = ConstrainedTrainer(model=model, args=training_args, constraints=constraints,
                                  train_dataset=new_train, eval_dataset=new_heldout)
     trainer.train()
-    command = "python recipes/safe_release_digits.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    # no secrets (--hub_token) and no local paths: the command is published in the card
+    command = publishable_command("python recipes/safe_release_digits.py", argv if argv is not None else sys.argv[1:],
+                                  output_dir=training_args.output_dir)
     report = finish_run(
         trainer, old_model=old, base_model_name="digits MLP trained on digits 0-7 (stage 1 of this recipe)",
         dataset_description="scikit-learn digits (8x8), split stratified into disjoint parts: 30% trains the old model "
@@ -192,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         f"(read only by the certificate). One non-forgetting constraint per old digit 0-7, trained as "
         f"CE_k(w) - CE_k(w_old) <= {opts.tolerance} and certified as 'at most {opts.forget_tolerance} of digit k's "
         "images forgotten'.",
-        reproduce_command=command.strip(), delta=opts.delta,
+        reproduce_command=command, delta=opts.delta,
     )
     results = release_results(trainer, report, rows.get("audit"), opts)
     if trainer.is_world_process_zero():

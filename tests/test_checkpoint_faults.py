@@ -218,3 +218,30 @@ def test_kill9_during_checkpoint_saves_then_resume(tmp_path):
         status = _in_child(lambda: _run(out, limit, resume=True, snap_file=resume_snap))
         assert status == 0, f"resume after a kill at save event {kill_at}/{total} failed (see captured stderr)"
         _assert_same(reference, torch.load(resume_snap, weights_only=False))
+
+
+class _Payload:
+    """A pickle that runs code when it is loaded: what a crafted checkpoint would carry."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))  # loading it creates the marker file
+
+
+def test_crafted_constraint_state_is_refused_without_running_its_payload(tmp_path):
+    """``constraint_state.pt`` is read with ``torch.load(weights_only=True)``: a file whose pickle
+    calls a function (here: creates a file) is a CheckpointError naming it, and nothing runs."""
+    out = str(tmp_path / "run")
+    make_trainer(out, max_steps=2, save_strategy="steps", save_steps=2).train()
+    ckpt = os.path.join(out, "checkpoint-2")
+    state_path = os.path.join(ckpt, CONSTRAINT_STATE_NAME)
+    state = torch.load(state_path, weights_only=True)  # what the trainer writes loads safely
+    marker = str(tmp_path / "payload_ran")
+    state["names"] = _Payload(marker)
+    torch.save(state, state_path)
+    os.remove(os.path.join(ckpt, COMPLETE_MARKER))  # whoever crafts the file can rewrite the manifest too
+    with pytest.raises(CheckpointError, match=f"{CONSTRAINT_STATE_NAME}.*cannot be read.*weights_only"):
+        make_trainer(str(tmp_path / "b"), max_steps=4).train(resume_from_checkpoint=ckpt)
+    assert not os.path.exists(marker), "the checkpoint's payload ran"

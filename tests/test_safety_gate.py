@@ -247,3 +247,65 @@ def test_checkpoints_between_evaluations_are_not_checked_and_not_flagged(tmp_pat
     for step in (1, 2, 3, 4):
         card = (tmp_path / "run" / f"checkpoint-{step}" / "README.md").read_text()
         assert card_body(card)[0].startswith("> **NOT CHECKED") == (step % 2 == 1)
+
+
+@pytest.mark.parametrize("folder_report", ["its own", "a safe one copied from another checkpoint", "none"])
+def test_checkpoint_push_decides_on_the_folders_weights_not_the_models(tmp_path, hub, folder_report):
+    """A SAFE model in memory (the feasible best, step 2) and an UNSAFE checkpoint folder (step 4):
+    ``push_checkpoint(folder)`` uploads the folder's files, so it must judge those; whatever
+    report the folder holds (its own, a SAFE one of other weights, none), nothing is uploaded."""
+    import shutil
+
+    trainer = make_trainer(str(tmp_path / "run"), tolerance=2.0, max_steps=4, push_to_hub=True,
+                           hub_model_id="user/theta", hub_strategy="every_save")
+    trainer.train()
+    assert trainer.current_safety_report().all_satisfied  # the feasible best (step 2) is in memory
+    unsafe = tmp_path / "run" / "checkpoint-4"
+    if folder_report == "a safe one copied from another checkpoint":
+        shutil.copy(tmp_path / "run" / "checkpoint-2" / "safety_report.json", unsafe / "safety_report.json")
+    elif folder_report == "none":
+        os.remove(unsafe / "safety_report.json")
+    hub.calls.clear()
+    trainer.push_checkpoint(str(unsafe))
+    assert hub.calls == []
+    if folder_report != "its own":  # the folder was evaluated: its own report now says UNSAFE
+        assert not SafetyReport.load(str(unsafe)).all_satisfied
+    # the safe checkpoint is pushed, with a report that names the files uploaded
+    from hf_constrained.safety.fingerprint import weights_files_fingerprint
+
+    safe = tmp_path / "run" / "checkpoint-2"
+    trainer.push_checkpoint(str(safe))
+    assert hub.names() == ["upload_folder"] and hub.reports[-1].all_satisfied
+    assert hub.reports[-1].weights_files_fingerprint == weights_files_fingerprint(str(safe))
+    assert weights_files_fingerprint(trainer.args.output_dir) == weights_files_fingerprint(str(safe))
+
+
+def test_checkpoint_push_during_training_never_evaluates_an_unreported_folder(tmp_path, hub, monkeypatch):
+    """During training a folder without a report for its files is skipped, not evaluated (an
+    evaluation would copy the model in the middle of training)."""
+    trainer = make_trainer(str(tmp_path / "run"), tolerance=2.0, max_steps=2, push_to_hub=True,
+                           hub_model_id="user/theta", hub_strategy="every_save")
+    trainer.train()
+    folder = tmp_path / "run" / "checkpoint-1"
+    os.remove(folder / "safety_report.json")
+    hub.calls.clear()
+    monkeypatch.setattr(trainer, "is_in_train", True)
+    monkeypatch.setattr(trainer, "_checkpoint_safety_report",
+                        lambda *a, **k: pytest.fail("the folder was evaluated during training"))
+    trainer.push_checkpoint(str(folder))
+    assert hub.calls == []
+
+
+def test_a_pushed_folder_passes_report_check(tmp_path, hub):
+    """What push_to_hub uploads (weights, card, report) verifies with ``hf-constrained report
+    --check``: the report names the weight files uploaded with it."""
+    from hf_constrained.cli import main
+    from hf_constrained.safety.fingerprint import weights_files_fingerprint
+
+    trainer = trained(tmp_path, steps=2)
+    finish_run(trainer, plots=False)
+    trainer.push_to_hub()
+    assert hub.names() == ["create_repo", "upload_folder"]
+    out = trainer.args.output_dir
+    assert hub.reports[0].weights_files_fingerprint == weights_files_fingerprint(out) is not None
+    assert main(["report", out, "--check"]) == 0

@@ -34,6 +34,7 @@ from transformers import TrainerCallback
 
 from ..config import ConstrainedTrainingArguments
 from ..safety.evaluation import certify_models
+from ..publishable import publishable_command
 from ..safety.finish import finish_run
 from .data import TABULAR_LOADERS, TabularSplit, load_tabular_csv
 from .icppac import ICPPACConfig, ICPPACTrainer
@@ -185,7 +186,8 @@ def _write_json(path: str, payload: dict[str, Any]) -> None:
 
 def run_roc_fairness(args: ROCFairnessArguments, training_args: ConstrainedTrainingArguments,
                      splits: Optional[dict[str, TabularSplit]] = None,
-                     callbacks: Sequence[TrainerCallback] = ()) -> dict[str, Any]:
+                     callbacks: Sequence[TrainerCallback] = (),
+                     argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     """Train one method on one data set and return (and write) its results.
 
     The results hold the final exact h = |gap| - kappa of every constraint on train /
@@ -272,7 +274,9 @@ def run_roc_fairness(args: ROCFairnessArguments, training_args: ConstrainedTrain
                        dataset_description=f"{args.dataset}: objective and constraints on train, constraint check "
                                            f"on the validation split (kappa={args.kappa}, thresholds "
                                            f"{args.threshold_list})",
-                       reproduce_command="python recipes/roc_fairness.py " + " ".join(sys.argv[1:]),
+                       reproduce_command=publishable_command("python recipes/roc_fairness.py",
+                                                             sys.argv[1:] if argv is None else argv,
+                                                             output_dir=training_args.output_dir),
                        objective_metrics={f"{split}_auc": final[split]["auc"] for split in splits})
     wall = time.perf_counter() - t_start
 

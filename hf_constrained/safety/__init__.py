@@ -6,6 +6,9 @@ trainer imports :mod:`~hf_constrained.safety.gate`, never the other way round):
 - :mod:`~hf_constrained.safety.report`: :class:`SafetyReport` (exact held-out constraint
   values, old model's values, tolerances, verdict), its JSON file and text/Markdown tables;
 - :mod:`~hf_constrained.safety.selection`: feasible-checkpoint selection from a log history;
+- :mod:`~hf_constrained.safety.fingerprint`: fingerprints of weights in memory and of saved weight files;
+- :mod:`~hf_constrained.safety.verify`: ``check_run_dir``, the verification behind
+  ``hf-constrained report --check`` (exit 0 certified, 1 not, 2 stale or unreadable);
 - :mod:`~hf_constrained.safety.card`: the model card of a report (``huggingface_hub.ModelCard``);
 - :mod:`~hf_constrained.safety.figures`: training-curve figures of a log history and report;
 - :mod:`~hf_constrained.safety.tensorboard`: TensorBoard with the constraint scalars grouped;

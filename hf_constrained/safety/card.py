@@ -22,6 +22,7 @@ Only relative paths appear: local base-model and checkpoint paths are shown by t
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import re
 import sys
@@ -33,9 +34,12 @@ from typing import Any, Optional
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
+from ..publishable import redact_secrets
 from ..recipes import RECIPES
 from .report import SafetyReport, format_number
 from .selection import FeasibleSelection
+
+logger = logging.getLogger(__name__)
 
 TEMPLATE_NAME = "constrained_model_card.md"
 
@@ -348,12 +352,19 @@ def render_model_card(
 
 
 def write_model_card(directory: str, card: ModelCard) -> str:
-    """Write ``README.md`` into ``directory`` through a temporary file; returns the path."""
+    """Write ``README.md`` into ``directory`` through a temporary file; returns the path.
+
+    A string shaped like a Hugging Face token is never written: it is replaced by
+    ``<redacted>`` (with a warning), wherever it came from (a reproduce command, a description)."""
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, "README.md")
+    text = str(card)
+    safe_text = redact_secrets(text)
+    if safe_text != text:
+        logger.warning("the model card for %s contained a Hugging Face token: it was replaced by <redacted>", directory)
     tmp = f"{path}.tmp.{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as f:
-        f.write(str(card))
+        f.write(safe_text)
     os.replace(tmp, path)
     return path
 

@@ -44,6 +44,8 @@ class FinishableTrainer(ReportableTrainer, Protocol):
 
     def set_safety_report(self, report: SafetyReport) -> None: ...
 
+    def save_safety_report(self, report: SafetyReport, directory: str) -> str: ...
+
     def write_model_card(self, directory: Optional[str] = None, report: Optional[SafetyReport] = None,
                          **card_kwargs: Any) -> Optional[str]: ...
 
@@ -140,7 +142,8 @@ def finish_run(
     if trainer.is_world_process_zero():
         out = trainer.args.output_dir
         os.makedirs(out, exist_ok=True)
-        report.save(out)
+        # names the weight files in ``out`` when the trainer saved them from these weights
+        trainer.save_safety_report(report, out)
         trainer.write_model_card(out, report=report)
         trainer.save_state()
         if plots:

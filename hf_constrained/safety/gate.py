@@ -15,8 +15,8 @@ public hooks it extends (the private ``Trainer`` members behind them are used th
 - ``push_to_hub(..., allow_unsafe=False)``: refuses, before creating a repository or
   uploading anything, when a constraint fails on held-out data; with
   ``allow_unsafe=True`` it uploads and the card says UNSAFE at the top. Checkpoint pushes
-  during training (``hub_strategy``, hook ``push_checkpoint``) are skipped while the latest
-  evaluation is infeasible or missing;
+  (``hub_strategy``, hook ``push_checkpoint``) judge the weight files of the pushed folder,
+  and are skipped when those are infeasible or were not evaluated;
 - the stock TensorBoard callback is replaced by
   :class:`~hf_constrained.safety.tensorboard.ConstraintTensorBoardCallback` (constraint scalars grouped).
 """
@@ -24,14 +24,17 @@ public hooks it extends (the private ``Trainer`` members behind them are used th
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from transformers import TrainerCallback
 from transformers.integrations import TensorBoardCallback
 
+from ..publishable import OUTPUT_DIR_PLACEHOLDER, publish_trainer_state, resolve_output_path
 from ..trainer_internals import trainer_load_checkpoint
 from .card import ModelCardInfo, describe_model, render_model_card, write_model_card
 from .evaluation import (
@@ -42,9 +45,10 @@ from .evaluation import (
     relative_checkpoint,
     report_from_metrics,
 )
-from .fingerprint import weights_fingerprint
 from .certify import DEFAULT_DELTA
+from .fingerprint import weight_files, weights_files_fingerprint, weights_fingerprint
 from .report import DEFAULT_SAFETY_RULE, EVAL_CONSTRAINT_PREFIX, SafetyReport, UnsafeModelError, check_safety_rule
+from .verify import EXIT_STALE_OR_UNREADABLE, check_run_dir
 from .selection import (
     EvaluationRecord,
     FeasibleSelection,
@@ -70,6 +74,48 @@ class WeightsEvaluation:
     weights_step: int  # the step the weights were trained to
     checkpoint: Optional[str]  # the checkpoint they were loaded from (load_best_model_at_end)
     fingerprint: str
+
+
+@dataclass
+class SavedWeights:
+    """Weights this trainer saved into a folder: the fingerprint of the weights in memory then,
+    of the files written, and the files' (name, size, mtime) to notice a later change."""
+
+    weights_fingerprint: str
+    files_fingerprint: str
+    signature: tuple
+
+
+def _files_signature(folder: str) -> tuple:
+    signature = []
+    for name in weight_files(folder):
+        stat = os.stat(os.path.join(folder, name))
+        signature.append((name, stat.st_size, stat.st_mtime_ns))
+    return tuple(signature)
+
+
+TRAINER_STATE_NAME = "trainer_state.json"
+
+
+class _RestoreBestCheckpoint(TrainerCallback):
+    """On resume, puts back the best checkpoint's path that ``trainer_state.json`` stores without
+    its local part (the Trainer reads the file before any hook: it sees no such folder)."""
+
+    def __init__(self) -> None:
+        self.path: Optional[str] = None
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.path is not None and os.path.isdir(self.path):
+            logger.info("resumed: the best checkpoint so far is %s", self.path)
+            state.best_model_checkpoint = self.path
+        self.path = None
+
+
+def _not_a_missing_placeholder(record: logging.LogRecord) -> bool:
+    """Drops the Trainer's warning that a best checkpoint stored as ``<output_dir>/...`` does not
+    exist (:class:`_RestoreBestCheckpoint` puts its real path back)."""
+    message = record.getMessage()
+    return not (OUTPUT_DIR_PLACEHOLDER in message and "recorded in the resumed state" in message)
 
 
 class SafetyMixin:
@@ -107,6 +153,7 @@ class SafetyMixin:
         self.safety_report: Optional[SafetyReport] = None  # the last report built (see current_safety_report)
         self._weights_eval: Optional[WeightsEvaluation] = None  # the last exact evaluation of the model
         self._stale_note = ""  # why the last report no longer describes the weights
+        self._saved_weights: dict[str, SavedWeights] = {}  # folder (real path) -> the weights saved there
         self._push_allow_unsafe = False
         # what decides the verdict ("certified", or the uncertified "point" / "upper_bound"), the CLT bounds'
         # level and the certificate's delta; finish_run sets them
@@ -114,6 +161,8 @@ class SafetyMixin:
         self.safety_confidence = DEFAULT_CONFIDENCE
         self.safety_delta = DEFAULT_DELTA
         self._group_constraint_tensorboard()
+        self._best_restorer = _RestoreBestCheckpoint()
+        self.add_callback(self._best_restorer)
 
     # ------------------------------------------------------------------ TensorBoard
     def _group_constraint_tensorboard(self) -> None:
@@ -164,7 +213,15 @@ class SafetyMixin:
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         self.safety_report = None
-        result = super().train(*args, **kwargs)
+        resume = args[0] if args else kwargs.get("resume_from_checkpoint")
+        self._best_restorer.path = self._stored_best_checkpoint(resume) if isinstance(resume, str) else None
+        # the Trainer warns that "<output_dir>/checkpoint-N" does not exist before the path is put back
+        trainer_logger = logging.getLogger("transformers.trainer")
+        trainer_logger.addFilter(_not_a_missing_placeholder)
+        try:
+            result = super().train(*args, **kwargs)
+        finally:
+            trainer_logger.removeFilter(_not_a_missing_placeholder)
         best = self.state.best_model_checkpoint
         if self.args.load_best_model_at_end and best is not None and self.state.best_global_step:
             # the weights are now the best checkpoint's, whose evaluation is in the log history
@@ -183,6 +240,38 @@ class SafetyMixin:
             else:
                 logger.warning("Feasible-checkpoint selection: %s", selection.message())
         return result
+
+    # ------------------------------------------------------------------ trainer_state.json without local paths
+    def save_state(self) -> None:
+        """``Trainer.save_state``, with the best checkpoint's path stored without its local part
+        (see :func:`~hf_constrained.publishable.publish_trainer_state`)."""
+        super().save_state()
+        path = os.path.join(self.args.output_dir, TRAINER_STATE_NAME)
+        if self.is_world_process_zero() and os.path.isfile(path):
+            publish_trainer_state(path, self.args.output_dir)
+
+    def publish_checkpoint_state(self, checkpoint_folder: str) -> None:
+        """The checkpoint's ``trainer_state.json`` without local paths (called by the checkpoint
+        save before the checkpoint is marked complete)."""
+        path = os.path.join(checkpoint_folder, TRAINER_STATE_NAME)
+        if self.args.should_save and os.path.isfile(path):
+            publish_trainer_state(path, self.args.output_dir)
+
+    def _stored_best_checkpoint(self, checkpoint: str) -> Optional[str]:
+        """The best checkpoint recorded in ``checkpoint``'s state, as this run names it
+        (under ``output_dir`` as given), or ``None``."""
+        try:
+            with open(os.path.join(checkpoint, TRAINER_STATE_NAME), encoding="utf-8") as f:
+                best = json.load(f).get("best_model_checkpoint")
+        except (OSError, ValueError):
+            return None
+        if not isinstance(best, str):
+            return None
+        best = resolve_output_path(best, self.args.output_dir)
+        if os.path.isabs(self.args.output_dir) and not os.path.isabs(best):
+            rel = os.path.relpath(os.path.abspath(best), os.path.abspath(self.args.output_dir))
+            best = os.path.join(self.args.output_dir, rel)
+        return best
 
     # ------------------------------------------------------------------ which weights were evaluated
     def current_weights_fingerprint(self) -> str:
@@ -256,8 +345,14 @@ class SafetyMixin:
         loaded into a copy of the model by the Trainer's loader, which knows every format
         (safetensors, sharded, adapters, FSDP) and evaluated exactly on held-out data. With
         ``save`` the report is written into the checkpoint directory."""
+        if not os.path.isdir(checkpoint):
+            raise FileNotFoundError(f"checkpoint directory {checkpoint} does not exist")
+        files_before = weights_files_fingerprint(checkpoint)
         model = self.checkpoint_model(checkpoint)
         report = checkpoint_safety_report(self, checkpoint, model, **kwargs)
+        # the report names the files it evaluated, unless they changed while it was evaluated
+        report.weights_files_fingerprint = (files_before if files_before is not None
+                                            and weights_files_fingerprint(checkpoint) == files_before else None)
         if save and self.is_world_process_zero():
             report.save(checkpoint)
         return report
@@ -313,8 +408,46 @@ class SafetyMixin:
                                  allow_unsafe=self._push_allow_unsafe, source=describe_model(model),
                                  repo_id=self.hub_model_id or self.args.hub_model_id or name)
         if report is not None:
-            report.save(directory)
+            self.save_safety_report(report, directory)
         return write_model_card(directory, card)
+
+    def save_safety_report(self, report: SafetyReport, directory: str,
+                           files_fingerprint: Optional[str] = None) -> str:
+        """Write ``report`` into ``directory/safety_report.json``, naming the weight files there
+        (``weights_files_fingerprint``) only when they hold the weights it describes: files this
+        trainer saved from those weights and unchanged since, or ``files_fingerprint`` when the
+        caller knows them (the report keeps the value of its last save). Returns the path."""
+        if files_fingerprint is None:
+            files_fingerprint = self._saved_files_fingerprint(report, directory)
+        report.weights_files_fingerprint = files_fingerprint
+        return report.save(directory)
+
+    def _saved_files_fingerprint(self, report: SafetyReport, directory: str) -> Optional[str]:
+        """The fingerprint of the weight files in ``directory`` when this trainer saved them from
+        the weights ``report`` describes and they have not changed since; else ``None``."""
+        saved = self._saved_weights.get(os.path.realpath(directory))
+        if saved is None or report.weights_fingerprint is None or saved.weights_fingerprint != report.weights_fingerprint:
+            return None
+        try:
+            if _files_signature(directory) != saved.signature:
+                return None
+        except (OSError, ValueError):
+            return None
+        return saved.files_fingerprint
+
+    def _record_saved_weights(self, directory: str) -> None:
+        """Remember which weights :meth:`save_model` has just written into ``directory``."""
+        try:
+            files = weights_files_fingerprint(directory)
+            signature = _files_signature(directory)
+        except (OSError, ValueError) as exc:
+            logger.warning("cannot fingerprint the weight files in %s: %s", directory, exc)
+            files = None
+        key = os.path.realpath(directory)
+        if files is None:
+            self._saved_weights.pop(key, None)
+            return
+        self._saved_weights[key] = SavedWeights(self.current_weights_fingerprint(), files, signature)
 
     def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
         """``Trainer.save_model`` plus the model card (and safety report) next to the weights.
@@ -324,6 +457,8 @@ class SafetyMixin:
         """
         super().save_model(output_dir, _internal_call=True)
         if self.args.should_save:
+            if getattr(self, "constraints", None):
+                self._record_saved_weights(output_dir or self.args.output_dir)
             self.write_model_card(output_dir or self.args.output_dir)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
@@ -404,18 +539,60 @@ class SafetyMixin:
         return report
 
     def push_checkpoint(self, checkpoint_folder: str) -> None:
-        """Checkpoint pushes during training (``hub_strategy``): only feasible checkpoints."""
+        """Checkpoint pushes during training (``hub_strategy``): only checkpoints whose own weight
+        FILES are known to satisfy the constraints.
+
+        The decision is about the weights in ``checkpoint_folder`` (what is uploaded), never the
+        weights in memory: the report of the current weights is used when this trainer saved
+        exactly these files from them; else the folder's own ``safety_report.json`` when it is
+        intact and names these files; else, outside training and on one process, the folder is
+        evaluated on held-out data now (during training it is not pushed).
+        """
         if getattr(self, "constraints", None):
-            report = self.current_safety_report()
+            report, files = self._checkpoint_folder_report(checkpoint_folder)
             if report is None or not report.all_satisfied:
                 why = "not evaluated on held-out data" if report is None else report.summary()
                 logger.warning("not pushing %s to the Hub: %s", checkpoint_folder, why)
                 return
             if self.is_world_process_zero():
-                self.write_model_card(self.args.output_dir, report)  # the pushed folder's card: these weights
+                # the pushed folder's card and report: these weights (the push copies the files over)
+                self.write_model_card(self.args.output_dir, report)
+                self.save_safety_report(report, self.args.output_dir, files_fingerprint=files)
         if self.hub_model_id is None:
             self.init_hf_repo()  # the first push that passed the gate creates the repository
         super().push_checkpoint(checkpoint_folder)
+
+    def _checkpoint_folder_report(self, folder: str) -> tuple[Optional[SafetyReport], Optional[str]]:
+        """The report of the weight files in ``folder`` under :attr:`safety_rule`, and their
+        fingerprint; ``(None, ...)`` when the folder holds no readable weights."""
+        try:
+            files = weights_files_fingerprint(folder)
+        except (OSError, ValueError) as exc:
+            logger.warning("the weight files in %s cannot be read: %s", folder, exc)
+            return None, None
+        if files is None:
+            logger.warning("%s holds no weight files", folder)
+            return None, None
+        saved = self._saved_weights.get(os.path.realpath(folder))
+        if saved is not None and saved.files_fingerprint == files:
+            current = self.current_safety_report()  # these files were saved from the weights it describes?
+            if current is not None and current.weights_fingerprint == saved.weights_fingerprint:
+                return current, files
+        check = check_run_dir(folder)  # the folder's own report, if intact and naming these files
+        if check.exit_code != EXIT_STALE_OR_UNREADABLE and check.report is not None:
+            return check.report.with_rule(self.safety_rule), files
+        if getattr(self, "is_in_train", False) or self.accelerator.num_processes > 1:
+            # during training (a second copy of the model could exhaust memory) and on several
+            # processes (an evaluation is collective, the push is rank 0's): not evaluated, not pushed
+            logger.info("%s: %s", folder, check.message)
+            return None, files
+        logger.info("evaluating the weights in %s before pushing them (%s)", folder, check.message)
+        report = self._checkpoint_safety_report(folder, confidence=self.safety_confidence,
+                                                safety_rule=self.safety_rule)
+        if report.weights_files_fingerprint != files:
+            logger.warning("the weight files in %s changed while they were evaluated", folder)
+            return None, files
+        return report, files
 
     def init_hf_repo(self, token: Optional[str] = None, private: Optional[bool] = None) -> None:
         """``Trainer.init_hf_repo``, except while the trainer is being built: the repository

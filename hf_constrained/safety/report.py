@@ -14,14 +14,24 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
+import hashlib
 import json
+import logging
 import math
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
+logger = logging.getLogger(__name__)
+
 SAFETY_REPORT_NAME = "safety_report.json"
+# a Hugging Face token (the pattern of hf_constrained.publishable.HF_TOKEN_PATTERN: this module
+# imports nothing from the package); a saved report never holds one
+_HF_TOKEN = re.compile(r"hf_[A-Za-z0-9]{30,}")
+# the key under which a saved report stores the digest of the rest of its content
+CONTENT_DIGEST_KEY = "content_digest"
 EVAL_CONSTRAINT_PREFIX = "eval_constraint/"
 
 # how a verdict is decided: "certified" (the default: a finite-sample certificate on a certification split,
@@ -176,6 +186,9 @@ class SafetyReport:
         certificate_candidate: which candidate of the certificate these weights are.
         not_certifiable: constraints without a certification split (``certify_dataset``): a
             run with any is not certified.
+        weights_files_fingerprint: when the report is saved next to the evaluated weights,
+            :func:`~hf_constrained.safety.fingerprint.weights_files_fingerprint` of those files
+            (``hf-constrained report --check`` compares it with the files); ``None`` otherwise.
     """
 
     constraints: list[ConstraintResult]
@@ -192,6 +205,7 @@ class SafetyReport:
     certificate: Optional[dict[str, Any]] = None
     certificate_candidate: int = 0
     not_certifiable: list[str] = field(default_factory=list)
+    weights_files_fingerprint: Optional[str] = None
     created_at: str = field(default_factory=lambda: _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
 
     # ------------------------------------------------------------------ verdict
@@ -207,7 +221,7 @@ class SafetyReport:
         if not self.constraints or cert is None or self.not_certifiable:
             return False
         exact_ok = all(c.satisfied for c in self.constraints if c.data == "data-free")
-        return exact_ok and self.certificate_candidate in cert.get("certified", [])
+        return exact_ok and self.certificate_candidate in certified_candidates(cert)
 
     def certified_bounds(self) -> dict[str, float]:
         """Constraint name -> the certificate's upper bound for these weights (empty when untested)."""
@@ -278,6 +292,7 @@ class SafetyReport:
             "checkpoint": self.checkpoint,
             "model_name": self.model_name,
             "weights_fingerprint": self.weights_fingerprint,
+            "weights_files_fingerprint": self.weights_files_fingerprint,
             "extra_columns": list(self.extra_columns),
             "certified": self.certified,
             "certificate": self.certificate,
@@ -307,6 +322,7 @@ class SafetyReport:
             method=dict(data.get("method") or {}),
             model_name=data.get("model_name"),
             weights_fingerprint=data.get("weights_fingerprint"),
+            weights_files_fingerprint=data.get("weights_files_fingerprint"),
             safety_rule=rule,
             extra_columns=list(data.get("extra_columns") or []),
             certificate=data.get("certificate"),
@@ -319,15 +335,24 @@ class SafetyReport:
         """Write the report as JSON (to ``<dir>/safety_report.json`` for a directory).
 
         Written to a temporary file and moved into place, so a crash never leaves a
-        half-written report. Returns the path.
+        half-written report. The file ends with ``content_digest``, the
+        :func:`report_content_digest` of everything else in it, so that a later edit shows.
+        Returns the path.
         """
         path = directory_or_file
         if os.path.isdir(path) or not path.endswith(".json"):
             os.makedirs(path, exist_ok=True)
             path = os.path.join(path, SAFETY_REPORT_NAME)
         tmp = f"{path}.tmp.{os.getpid()}"
+        data = _strict_json(self.to_dict())  # strict JSON: a NaN would make the file unreadable to strict parsers
+        text = json.dumps(data, allow_nan=False)
+        if _HF_TOKEN.search(text):  # a token pasted into a name or a setting is never written
+            logger.warning("the safety report for %s contained a Hugging Face token: it was replaced by <redacted>",
+                           path)
+            data = json.loads(_HF_TOKEN.sub("<redacted>", text))
+        data[CONTENT_DIGEST_KEY] = report_content_digest(data)
         with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(_strict_json(self.to_dict()), f, indent=2, allow_nan=False)
+            json.dump(data, f, indent=2, allow_nan=False)
             f.write("\n")
         os.replace(tmp, path)
         return path
@@ -461,6 +486,20 @@ class SafetyReport:
                 f"(max violation {format_number(self.max_violation)}): {', '.join(self.failed)}{caveat}")
 
 
+def certified_candidates(certificate: Mapping[str, Any]) -> list[int]:
+    """The certified candidates that a certificate's stored bounds, tolerances and procedure imply
+    (recomputed, never read from its stored list: see
+    :meth:`~hf_constrained.safety.certify.Certificate.recomputed_certified`)."""
+    tolerance = certificate.get("tolerance", {})
+    out = []
+    for j, bounds in enumerate(certificate.get("upper_bounds", [])):
+        if all(k in bounds and bounds[k] is not None and bounds[k] <= t for k, t in tolerance.items()):
+            out.append(j)
+        elif certificate.get("procedure") == "fixed_sequence":
+            break
+    return out
+
+
 def _strict_json(value: Any) -> Any:
     """``value`` with every non-finite float as ``None``: reports are strict JSON (a NaN would
     make ``safety_report.json`` unreadable to strict parsers)."""
@@ -471,6 +510,15 @@ def _strict_json(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_strict_json(v) for v in value]
     return value
+def report_content_digest(data: Mapping[str, Any]) -> str:
+    """``sha256:<hex>`` of a report's JSON content without its ``content_digest`` key, in a
+    canonical form (sorted keys, no whitespace), so that it survives a save and a load. It
+    shows that a file was edited after it was written; it is no signature (whoever edits the
+    file can recompute it)."""
+    content = {k: v for k, v in data.items() if k != CONTENT_DIGEST_KEY}
+    content = json.loads(json.dumps(content, allow_nan=True))  # as the file holds it: keys are strings
+    text = json.dumps(content, sort_keys=True, separators=(",", ":"), allow_nan=True, ensure_ascii=True)
+    return "sha256:" + hashlib.sha256(text.encode("ascii")).hexdigest()
 
 
 def _cell(value: Any) -> str:
@@ -498,6 +546,7 @@ __all__ = [
     "CERTIFIED",
     "DEFAULT_SAFETY_RULE",
     "NOT_CERTIFIED",
+    "CONTENT_DIGEST_KEY",
     "EVAL_CONSTRAINT_PREFIX",
     "FAILS",
     "HOLDS_ON_POINT_ESTIMATE",
@@ -510,4 +559,5 @@ __all__ = [
     "UnsafeModelError",
     "format_number",
     "objective_metrics_from",
+    "report_content_digest",
 ]

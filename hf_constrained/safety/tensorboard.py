@@ -16,11 +16,14 @@ constraint in one chart. Every other scalar keeps the stock naming.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from transformers.integrations import TensorBoardCallback
 from transformers.integrations.integration_utils import rewrite_logs
+
+from ..publishable import publishable_path, redact_secrets
 
 SUMMARY_KEYS = ("max_estimate", "active_fraction", "penalty", "penalty_loss", "sampled_active_fraction")
 
@@ -56,6 +59,23 @@ def constraint_layout(constraint_names: Sequence[str]) -> dict[str, Any]:
     return {"constraints": charts}
 
 
+class _PublishableArguments:
+    """The training arguments as the event files show them: ``to_json_string`` without absolute
+    local paths (see :func:`hf_constrained.publishable.publishable_path`); everything else is
+    the arguments' own."""
+
+    def __init__(self, args: Any) -> None:
+        self._args = args
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._args, name)
+
+    def to_json_string(self) -> str:
+        shown = {k: (redact_secrets(publishable_path(v, self._args.output_dir)) if isinstance(v, str) else v)
+                 for k, v in self._args.to_dict().items()}
+        return json.dumps(shown, indent=2, default=str)
+
+
 class ConstraintTensorBoardCallback(TensorBoardCallback):
     """``TensorBoardCallback`` that groups constraint scalars (see the module docstring)."""
 
@@ -70,7 +90,8 @@ class ConstraintTensorBoardCallback(TensorBoardCallback):
             self._layout_written = True
 
     def on_train_begin(self, args, state, control, **kwargs):  # noqa: D102 (Trainer callback API)
-        super().on_train_begin(args, state, control, **kwargs)
+        # the "args" text of the event file: no token (transformers masks it) and no local paths
+        super().on_train_begin(_PublishableArguments(args), state, control, **kwargs)
         if state.is_world_process_zero:
             self._write_layout()
 

@@ -1,0 +1,167 @@
+"""What may leave the machine: commands, paths and text without secrets or local paths.
+
+A run writes its reproduce command into the model card and its results; those files are
+published. :func:`publishable_command` turns a command line into one that can be shown:
+
+- a secret flag (its name has the word ``token``, ``password``, ``passwd``, ``secret``, or
+  ``api key`` / ``apikey`` / ``access key``, e.g. ``--hub_token``) is dropped with its value:
+  whoever reproduces the run passes their own (or logs in with ``hf auth login``);
+- an absolute path is made relative: the run's output folder becomes ``<output_dir>`` (a
+  path inside it ``<output_dir>/...``), a path under the current folder becomes relative to
+  it, any other absolute path becomes ``<local>/<its last component>``;
+- a string shaped like a Hugging Face token (``hf_`` and 30 or more letters and digits) is
+  replaced by ``<redacted>`` wherever it is (:func:`redact_secrets`).
+
+This module imports nothing beyond the standard library.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shlex
+from collections.abc import Sequence
+from typing import Any, Optional
+
+logger = logging.getLogger(__name__)
+
+REDACTED = "<redacted>"
+OUTPUT_DIR_PLACEHOLDER = "<output_dir>"
+LOCAL_PLACEHOLDER = "<local>"
+# a Hugging Face user access token
+HF_TOKEN_PATTERN = re.compile(r"hf_[A-Za-z0-9]{30,}")
+_SECRET_WORDS = frozenset({"token", "password", "passwd", "secret"})
+_KEY_WORDS = frozenset({"api", "access", "private", "secret"})  # <word>_key
+
+
+def is_secret_flag(flag: str) -> bool:
+    """Whether a command-line flag (``--hub_token``, ``--api-key``, ``--wandb_api_key``) carries
+    a secret: a word of its name is ``token``, ``password``, ``passwd``, ``secret``, or a
+    ``key`` after ``api`` / ``access`` / ``private`` / ``secret`` (or ``apikey``).
+    ``--include_num_input_tokens_seen`` is not one (``tokens`` is a count)."""
+    words = [w for w in re.split(r"[_\-.]+", flag.lstrip("-").lower()) if w]
+    if _SECRET_WORDS & set(words) or "apikey" in words:
+        return True
+    return any(w == "key" and i > 0 and words[i - 1] in _KEY_WORDS for i, w in enumerate(words))
+
+
+def redact_secrets(text: str) -> str:
+    """``text`` with every Hugging Face token-shaped string replaced by ``<redacted>``."""
+    return HF_TOKEN_PATTERN.sub(REDACTED, text)
+
+
+def _inside(path: str, folder: str) -> Optional[str]:
+    """``path`` relative to ``folder`` when it is inside it (``"."`` for the folder itself)."""
+    try:
+        rel = os.path.relpath(path, folder)
+    except ValueError:  # another drive
+        return None
+    return None if rel == ".." or rel.startswith(".." + os.sep) else rel
+
+
+def publishable_path(path: str, output_dir: Optional[str] = None) -> str:
+    """An absolute ``path`` as it may be published (see the module docstring); other
+    strings are returned unchanged."""
+    if not os.path.isabs(path):
+        return path
+    path = os.path.normpath(path)
+    if output_dir:
+        rel = _inside(path, os.path.abspath(output_dir))
+        if rel is not None:
+            return OUTPUT_DIR_PLACEHOLDER if rel == "." else f"{OUTPUT_DIR_PLACEHOLDER}/{rel}"
+    rel = _inside(path, os.getcwd())
+    if rel is not None and rel != ".":
+        return rel
+    return f"{LOCAL_PLACEHOLDER}/{os.path.basename(path) or ''}".rstrip("/")
+
+
+def _publishable_value(value: str, output_dir: Optional[str]) -> str:
+    # lists and mappings given as one flag value: "a=/x/y,b=/z" (each piece on its own)
+    parts = re.split(r"([,=])", value)
+    return redact_secrets("".join(p if p in ",=" else publishable_path(p, output_dir) for p in parts))
+
+
+def publishable_argv(argv: Sequence[str], output_dir: Optional[str] = None) -> list[str]:
+    """``argv`` without secret flags (and their values) and without absolute local paths
+    (see the module docstring). ``output_dir``: the run's output folder (absolute or
+    relative), shown as ``<output_dir>``; by default the value of ``--output_dir`` in ``argv``."""
+    argv = [str(a) for a in argv]
+    if output_dir is None:
+        for i, arg in enumerate(argv):
+            if arg == "--output_dir" and i + 1 < len(argv):
+                output_dir = argv[i + 1]
+            elif arg.startswith("--output_dir="):
+                output_dir = arg.split("=", 1)[1]
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith("-") and is_secret_flag(arg.split("=", 1)[0]):
+            # drop the flag, and its value when it is the next word
+            if "=" not in arg and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                i += 1
+            i += 1
+            continue
+        if arg.startswith("--") and "=" in arg:
+            flag, value = arg.split("=", 1)
+            out.append(f"{flag}={_publishable_value(value, output_dir)}")
+        else:
+            out.append(arg if arg.startswith("--") else _publishable_value(arg, output_dir))
+        i += 1
+    return out
+
+
+def publishable_command(program: str, argv: Sequence[str], output_dir: Optional[str] = None) -> str:
+    """``program`` followed by :func:`publishable_argv` of ``argv``, quoted for a POSIX shell."""
+    return " ".join([program, shlex.join(publishable_argv(argv, output_dir))]).strip()
+
+
+def publishable_values(value: Any, output_dir: Optional[str] = None) -> Any:
+    """A JSON-like value (dicts, lists, strings, numbers) with every absolute path and
+    token-shaped string made publishable, and the values of secret keys dropped (``None``)."""
+    if isinstance(value, str):
+        return _publishable_value(value, output_dir)
+    if isinstance(value, dict):
+        return {k: (None if isinstance(k, str) and is_secret_flag(k) and v is not None
+                    else publishable_values(v, output_dir)) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [publishable_values(v, output_dir) for v in value]
+    return value
+
+
+def resolve_output_path(value: str, output_dir: str) -> str:
+    """The inverse of :func:`publishable_path` for paths inside the output folder:
+    ``<output_dir>/checkpoint-20`` -> ``os.path.join(output_dir, "checkpoint-20")``; other
+    values are returned unchanged."""
+    if value == OUTPUT_DIR_PLACEHOLDER:
+        return output_dir
+    if value.startswith(OUTPUT_DIR_PLACEHOLDER + "/"):
+        return os.path.join(output_dir, value[len(OUTPUT_DIR_PLACEHOLDER) + 1:])
+    return value
+
+
+def publish_trainer_state(path: str, output_dir: str) -> None:
+    """Rewrite the ``trainer_state.json`` at ``path`` without local paths: an absolute
+    ``best_model_checkpoint`` is stored relative to the current folder when it lies inside it
+    (as the Trainer stores it for a relative ``output_dir``), else as ``<output_dir>/...``
+    (:func:`resolve_output_path` reads it back on resume). Written through a temporary file
+    in the Trainer's own format (sorted keys, indent 2)."""
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    best = data.get("best_model_checkpoint")
+    if not isinstance(best, str) or not os.path.isabs(best):
+        return
+    rel = _inside(best, os.getcwd())
+    data["best_model_checkpoint"] = rel if rel not in (None, ".") else publishable_path(best, output_dir)
+    text = redact_secrets(json.dumps(data, indent=2, sort_keys=True)) + "\n"
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+__all__ = ["HF_TOKEN_PATTERN", "LOCAL_PLACEHOLDER", "OUTPUT_DIR_PLACEHOLDER", "REDACTED", "is_secret_flag",
+           "publish_trainer_state", "publishable_argv", "publishable_command", "publishable_path", "publishable_values",
+           "redact_secrets", "resolve_output_path"]
