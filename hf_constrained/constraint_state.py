@@ -4,16 +4,24 @@ The state (estimators, data-stream positions, the drawn next step) is written th
 temporary file and ``os.replace``, so the file is the old one or the complete new one; a
 file that cannot be read, or that is not a constraint state, is a
 :class:`~hf_constrained.checkpointing.CheckpointError` that names it and says what to do.
+
+A trainer with nothing of its own to keep (no constraints, no subclass estimators:
+:func:`library_state`) writes no constraint state and no completeness marker, so its
+checkpoints hold exactly the Trainer's files; :func:`prepare_resume` resolves and checks the
+checkpoint to resume from by the rule of :mod:`hf_constrained.checkpointing`.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 
-from .checkpointing import CheckpointError
+from .checkpointing import CheckpointError, check_named_checkpoint, latest_complete_checkpoint
+
+if TYPE_CHECKING:
+    from .trainer import ConstrainedTrainer
 
 
 def atomic_torch_save(obj: Any, path: str) -> None:
@@ -28,6 +36,8 @@ def atomic_torch_save(obj: Any, path: str) -> None:
 
 
 CONSTRAINT_STATE_KEYS = ("names", "estimator", "streams", "next_draw", "constraint_step")
+BASE_STATE_KEYS = CONSTRAINT_STATE_KEYS + ("sampling_seed", "num_processes", "global_constraint_batch_size")
+"""The keys of ``ConstrainedTrainer.constraint_state_dict``; a subclass that adds others keeps state of its own."""
 
 
 def load_constraint_state(path: str) -> dict[str, Any]:
@@ -47,4 +57,43 @@ def load_constraint_state(path: str) -> dict[str, Any]:
     return state
 
 
-__all__ = ["CONSTRAINT_STATE_KEYS", "atomic_torch_save", "load_constraint_state"]
+def library_state(trainer: "ConstrainedTrainer") -> Optional[dict[str, Any]]:
+    """What ``trainer`` saves as its constraint state, or ``None`` when it has nothing of its
+    own: no constraints and no state a subclass added to ``constraint_state_dict`` (e.g. the
+    per-sample objective estimators of Setting II). Then checkpoints hold the Trainer's files only."""
+    state = trainer.constraint_state_dict()
+    if trainer.constraints or set(state) - set(BASE_STATE_KEYS):
+        return state
+    return None
+
+
+def prepare_resume(trainer: "ConstrainedTrainer", resume_from_checkpoint: Optional[Union[str, bool]],
+                   state_name: str) -> Optional[Union[str, bool]]:
+    """The checkpoint ``trainer.train`` resumes from, checked, with the constraint state loaded.
+
+    ``True``: the newest complete checkpoint of ``output_dir``
+    (:func:`~hf_constrained.checkpointing.latest_complete_checkpoint`). A path: checked by
+    :func:`~hf_constrained.checkpointing.check_named_checkpoint` (no such directory is the
+    Trainer's ``ValueError``). A trained penalty needs the checkpoint's ``state_name``
+    (``FileNotFoundError`` without it); a checkpoint of a run without constraints resumes as
+    the Trainer resumes it.
+    """
+    keeps_state = library_state(trainer) is not None
+    if resume_from_checkpoint is True:
+        resume_from_checkpoint = latest_complete_checkpoint(trainer.args.output_dir, library_state=keeps_state)
+    if not resume_from_checkpoint:
+        return resume_from_checkpoint
+    folder = str(resume_from_checkpoint)
+    path = os.path.join(folder, state_name)
+    if os.path.isdir(folder) and not os.path.exists(path) and trainer.penalty.active:
+        raise FileNotFoundError(
+            f"{path} is missing: the checkpoint holds no constraint estimator state, so the run cannot resume exactly"
+        )
+    check_named_checkpoint(folder, library_state=keeps_state)
+    if os.path.exists(path):
+        trainer.load_constraint_state_dict(load_constraint_state(path))
+    return resume_from_checkpoint
+
+
+__all__ = ["BASE_STATE_KEYS", "CONSTRAINT_STATE_KEYS", "atomic_torch_save", "library_state", "load_constraint_state",
+           "prepare_resume"]

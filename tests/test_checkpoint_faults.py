@@ -28,6 +28,7 @@ from hf_constrained import CONSTRAINT_STATE_NAME
 from hf_constrained.checkpointing import (
     COMPLETE_MARKER,
     CheckpointError,
+    checkpoint_changes,
     checkpoint_problem,
     is_complete_checkpoint,
     latest_complete_checkpoint,
@@ -78,21 +79,29 @@ def test_stop_right_after_trainer_save_keeps_previous_checkpoint(tmp_path, monke
 
 
 def test_completeness_detects_truncated_and_missing_files(tmp_path, caplog):
+    """The marker vouches for the library's own files, file by file; the Trainer's files follow
+    the Trainer's rules (a change is reported, not refused: see tests/test_trainer_parity.py)."""
     out = str(tmp_path / "run")
     make_trainer(out, max_steps=4, save_strategy="steps", save_steps=2).train()
     c2, c4 = os.path.join(out, "checkpoint-2"), os.path.join(out, "checkpoint-4")
-    assert checkpoint_problem(c4) is None
-    with open(os.path.join(c4, "model.safetensors"), "r+b") as f:  # a half-written weights file
+    assert checkpoint_problem(c4) is None and checkpoint_changes(c4) == []
+    size = os.path.getsize(os.path.join(c4, "model.safetensors"))
+    with open(os.path.join(c4, "model.safetensors"), "r+b") as f:  # the Trainer's file: reported, not refused
         f.truncate(10)
-    assert "model.safetensors has 10 bytes" in checkpoint_problem(c4)
+    assert checkpoint_problem(c4) is None
+    assert checkpoint_changes(c4) == [f"model.safetensors resized ({size} -> 10 bytes)"]
+    with open(os.path.join(c4, CONSTRAINT_STATE_NAME), "r+b") as f:  # a half-written library file
+        f.truncate(10)
+    assert f"{CONSTRAINT_STATE_NAME} has 10 bytes" in checkpoint_problem(c4)
     with caplog.at_level("WARNING", logger="hf_constrained.checkpointing"):
         assert latest_complete_checkpoint(out) == c2
-    assert "checkpoint-4 (model.safetensors has 10 bytes" in caplog.text
+    assert f"checkpoint-4 ({CONSTRAINT_STATE_NAME} has 10 bytes" in caplog.text
     # named explicitly, a damaged checkpoint is an error, not a silent load
     with pytest.raises(CheckpointError, match="checkpoint-4 is damaged"):
         make_trainer(str(tmp_path / "b"), max_steps=6).train(resume_from_checkpoint=c4)
-    os.remove(os.path.join(c2, "optimizer.pt"))
-    with pytest.raises(CheckpointError, match="no complete checkpoint.*checkpoint-4.*checkpoint-2.*optimizer.pt is missing"):
+    os.remove(os.path.join(c2, CONSTRAINT_STATE_NAME))
+    with pytest.raises(CheckpointError, match=f"no complete checkpoint.*checkpoint-4.*checkpoint-2.*"
+                                              f"{CONSTRAINT_STATE_NAME} is missing"):
         latest_complete_checkpoint(out)
 
 

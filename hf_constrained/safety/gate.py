@@ -405,10 +405,11 @@ class SafetyMixin:
         super().push_checkpoint(checkpoint_folder)
 
     def init_hf_repo(self, token: Optional[str] = None, private: Optional[bool] = None) -> None:
-        """``Trainer.init_hf_repo``, except while the trainer is being built: the repository
-        is created by the first push that passes the gate (``push_to_hub`` or a feasible
-        checkpoint push), so an unsafe run never creates one."""
-        if self._defer_hub_repo:
+        """``Trainer.init_hf_repo``, except while a trainer with constraints is being built: the
+        repository is created by the first push that passes the gate (``push_to_hub`` or a
+        feasible checkpoint push), so an unsafe run never creates one. Without constraints
+        there is no gate, and the repository is created when the trainer is built, as the Trainer does."""
+        if self._defer_hub_repo and getattr(self, "constraints", None):
             logger.info("push_to_hub: the Hub repository will be created when the safety gate first passes")
             self.push_in_progress = None
             return
