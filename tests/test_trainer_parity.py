@@ -438,3 +438,20 @@ def test_library_file_names_agree():
     from hf_constrained.checkpointing import LIBRARY_FILES
 
     assert LIBRARY_FILES == (CONSTRAINT_STATE_NAME,)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_callbacks_are_the_trainers(tmp_path, variant):
+    """The Trainer's callbacks, in the Trainer's order; with constraints the TensorBoard one
+    groups the constraint scalars (a subclass of the stock callback, in its place)."""
+    pytest.importorskip("tensorboard")
+    from transformers.integrations import TensorBoardCallback
+
+    kinds = []
+    for kind in ("trainer", variant):
+        trainer = build(kind, str(tmp_path / kind), max_steps=1, report_to=["tensorboard"])
+        kinds.append([type(cb) for cb in trainer.callback_handler.callbacks])
+    if variant == "none":
+        assert kinds[0] == kinds[1]
+    else:
+        assert [TensorBoardCallback if issubclass(k, TensorBoardCallback) else k for k in kinds[1]] == kinds[0]

@@ -17,8 +17,11 @@ public hooks it extends (the private ``Trainer`` members behind them are used th
   ``allow_unsafe=True`` it uploads and the card says UNSAFE at the top. Checkpoint pushes
   during training (``hub_strategy``, hook ``push_checkpoint``) are skipped while the latest
   evaluation is infeasible or missing;
-- the stock TensorBoard callback is replaced by
+- with constraints, the stock TensorBoard callback is replaced by
   :class:`~hf_constrained.safety.tensorboard.ConstraintTensorBoardCallback` (constraint scalars grouped).
+
+Without constraints every one of these is the Trainer's own behaviour: no card or report
+files, no deferred repository, the Trainer's callbacks.
 """
 
 from __future__ import annotations
@@ -114,11 +117,15 @@ class SafetyMixin:
 
     # ------------------------------------------------------------------ TensorBoard
     def _group_constraint_tensorboard(self) -> None:
-        stock = [cb for cb in self.callback_handler.callbacks if type(cb) is TensorBoardCallback]
-        names = [c.name for c in getattr(self, "constraints", [])]
-        for cb in stock:
-            self.callback_handler.remove_callback(cb)
-            self.callback_handler.add_callback(ConstraintTensorBoardCallback(names, tb_writer=cb.tb_writer))
+        """With constraints, the stock TensorBoard callback gives way, in its place in the
+        callback order, to the grouping one; without, the Trainer's callbacks stay as they are."""
+        names = [c.name for c in getattr(self, "constraints", None) or []]
+        if not names:
+            return
+        callbacks = self.callback_handler.callbacks
+        for i, cb in enumerate(callbacks):
+            if type(cb) is TensorBoardCallback:
+                callbacks[i] = ConstraintTensorBoardCallback(names, tb_writer=cb.tb_writer)
 
     # ------------------------------------------------------------------ feasible-checkpoint selection
     def is_new_best(self, metrics: dict[str, float], trial: Any) -> bool:
