@@ -1265,7 +1265,8 @@ class ConstrainedTrainer(SafetyMixin, TrainerInternals):
         rotation of old ones (``on_save`` fires after both), so the constraint state and the
         completeness marker could only come after the rotation; this is the save itself
         (:mod:`hf_constrained.trainer_internals`). Here the rotation is deferred: the Trainer saves with ``save_total_limit`` unset, then the
-        constraint state and the marker are written, and only then is the checkpoint pushed
+        constraint state and the marker are written (only when the trainer keeps state of its own:
+        without constraints the checkpoint holds the Trainer's files only), and only then is the checkpoint pushed
         (``hub_strategy``, through the safety gate) and are old checkpoints rotated (with the
         Trainer's own ``rotate_checkpoints`` and arguments). A kill at any moment
         leaves the previous complete checkpoint in place.

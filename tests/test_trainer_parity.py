@@ -373,7 +373,10 @@ def test_checkpoint_pushes(tmp_path, monkeypatch, strategy):
                         push_to_hub=True, hub_model_id="user/parity", hub_strategy=strategy)
         built = list(hub.calls)  # the Trainer creates the repository when it is built
         trainer.train()
-        calls.append((built, hub.calls))
+        trainer.push_to_hub()  # the end-of-training push, with the Trainer's model card
+        with open(os.path.join(trainer.args.output_dir, "README.md"), encoding="utf-8") as f:
+            card = f.read()
+        calls.append((built, hub.calls, card))
     assert calls[0] == calls[1]
     assert calls[0][0] == [("create_repo", "user/parity")]
     assert [c[0] for c in calls[0][1]].count("upload_folder") >= 2
