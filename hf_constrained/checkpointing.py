@@ -136,6 +136,13 @@ def has_library_state(folder: str) -> bool:
     return any(os.path.isfile(os.path.join(other, COMPLETE_MARKER)) for other in checkpoint_folders(parent))
 
 
+def _expects_library_state(folder: str, library_state: Optional[bool]) -> bool:
+    """Whether ``folder`` is judged as a checkpoint with the library's state (see :func:`checkpoint_problem`)."""
+    if _holds_library_files(folder):
+        return True
+    return has_library_state(folder) if library_state is None else library_state
+
+
 def _trainer_state_problem(folder: str) -> Optional[str]:
     path = os.path.join(folder, TRAINER_STATE_NAME)
     if not os.path.isfile(path):
@@ -153,9 +160,10 @@ def checkpoint_problem(folder: str, library_state: Optional[bool] = None) -> Opt
 
     ``library_state``: whether the resuming run keeps the library's state (constraints, or a
     subclass's estimators), so that a folder without a marker is one cut short; ``None``
-    (the default) decides from the folders (:func:`has_library_state`).
+    (the default) decides from the folders (:func:`has_library_state`). A folder that holds a
+    library file is judged as one with the library's state in any case.
     """
-    expected = has_library_state(folder) if library_state is None else library_state
+    expected = _expects_library_state(folder, library_state)
     if os.path.isfile(os.path.join(folder, COMPLETE_MARKER)):
         try:
             recorded = _recorded_files(folder)
@@ -247,7 +255,7 @@ def check_named_checkpoint(folder: str, library_state: Optional[bool] = None) ->
     if not os.path.isdir(folder):
         raise CheckpointError(f"Can't find a valid checkpoint at {folder}: no such directory")
     has_marker = os.path.isfile(os.path.join(folder, COMPLETE_MARKER))
-    expected = has_library_state(folder) if library_state is None else library_state
+    expected = _expects_library_state(folder, library_state)
     problem = checkpoint_problem(folder, library_state) if (has_marker or expected) else None
     if problem is not None and has_marker:
         raise CheckpointError(f"checkpoint {folder} is damaged: {problem}. Resume from an earlier checkpoint.")

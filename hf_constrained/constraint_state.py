@@ -57,6 +57,12 @@ def load_constraint_state(path: str) -> dict[str, Any]:
     return state
 
 
+class ConstraintStateMissingError(CheckpointError, FileNotFoundError):
+    """A checkpoint without the constraint state a trained penalty needs to resume: a
+    :class:`~hf_constrained.checkpointing.CheckpointError` (the Trainer's ``ValueError`` for a
+    checkpoint it cannot use) and a ``FileNotFoundError`` (as before)."""
+
+
 def library_state(trainer: "ConstrainedTrainer") -> Optional[dict[str, Any]]:
     """What ``trainer`` saves as its constraint state, or ``None`` when it has nothing of its
     own: no constraints and no state a subclass added to ``constraint_state_dict`` (e.g. the
@@ -75,7 +81,7 @@ def prepare_resume(trainer: "ConstrainedTrainer", resume_from_checkpoint: Option
     (:func:`~hf_constrained.checkpointing.latest_complete_checkpoint`). A path: checked by
     :func:`~hf_constrained.checkpointing.check_named_checkpoint` (no such directory is the
     Trainer's ``ValueError``). A trained penalty needs the checkpoint's ``state_name``
-    (``FileNotFoundError`` without it); a checkpoint of a run without constraints resumes as
+    (:class:`ConstraintStateMissingError` without it); a checkpoint of a run without constraints resumes as
     the Trainer resumes it.
     """
     keeps_state = library_state(trainer) is not None
@@ -86,8 +92,9 @@ def prepare_resume(trainer: "ConstrainedTrainer", resume_from_checkpoint: Option
     folder = str(resume_from_checkpoint)
     path = os.path.join(folder, state_name)
     if os.path.isdir(folder) and not os.path.exists(path) and trainer.penalty.active:
-        raise FileNotFoundError(
-            f"{path} is missing: the checkpoint holds no constraint estimator state, so the run cannot resume exactly"
+        raise ConstraintStateMissingError(
+            f"Can't find a valid checkpoint at {folder}: {path} is missing: the checkpoint holds no constraint "
+            "estimator state, so the run cannot resume exactly"
         )
     check_named_checkpoint(folder, library_state=keeps_state)
     if os.path.exists(path):
@@ -95,5 +102,5 @@ def prepare_resume(trainer: "ConstrainedTrainer", resume_from_checkpoint: Option
     return resume_from_checkpoint
 
 
-__all__ = ["BASE_STATE_KEYS", "CONSTRAINT_STATE_KEYS", "atomic_torch_save", "library_state", "load_constraint_state",
-           "prepare_resume"]
+__all__ = ["BASE_STATE_KEYS", "CONSTRAINT_STATE_KEYS", "ConstraintStateMissingError", "atomic_torch_save",
+           "library_state", "load_constraint_state", "prepare_resume"]

@@ -167,8 +167,7 @@ def assert_same_run(reference: Trainer, ours: Trainer, variant: str) -> None:
     assert ours.state.best_global_step == reference.state.best_global_step
     assert ours.state.best_metric == reference.state.best_metric
     best = [t.state.best_model_checkpoint for t in (reference, ours)]
-    assert [None if b is None else os.path.basename(b) for b in best] == [
-        None if best[0] is None else os.path.basename(best[0])] * 2
+    assert [b and os.path.basename(b) for b in best] == [best[0] and os.path.basename(best[0])] * 2
     assert comparable_logs(ours.state.log_history, variant) == comparable_logs(reference.state.log_history, variant)
     if variant == "none":  # nothing extra: not a single constraint or clipping key
         assert not [k for entry in ours.state.log_history for k in entry if is_library_key(k)]
@@ -323,9 +322,10 @@ def _error_of(trainer: Trainer, resume: Any) -> Exception:
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_missing_checkpoints_raise_the_trainers_error(tmp_path, variant):
-    """A wrong path, and ``resume_from_checkpoint=True`` with nothing saved: the Trainer's
-    ``ValueError`` and wording (the library's detail may follow)."""
-    for resume in (str(tmp_path / "no-such-checkpoint"), True):
+    """A wrong path, a folder that holds no checkpoint, and ``resume_from_checkpoint=True`` with
+    nothing saved: the Trainer's ``ValueError`` and wording (the library's detail may follow)."""
+    os.makedirs(tmp_path / "not-a-checkpoint")
+    for resume in (str(tmp_path / "no-such-checkpoint"), str(tmp_path / "not-a-checkpoint"), True):
         want = _error_of(build("trainer", str(tmp_path / "t"), max_steps=2), resume)
         got = _error_of(build(variant, str(tmp_path / "c"), max_steps=2), resume)
         assert type(want) is ValueError
