@@ -362,24 +362,40 @@ class RecordingHub:
         return done if kwargs.get("run_as_future") else done.result()
 
 
+def _without_library_files(calls: list[tuple]) -> list[tuple]:
+    return [c[:-1] + ([n for n in c[-1] if n not in LIBRARY_FILES],) if c[0] == "upload_folder" else c for c in calls]
+
+
 @pytest.mark.parametrize("strategy", ["every_save", "checkpoint"])
-def test_checkpoint_pushes(tmp_path, monkeypatch, strategy):
-    """``hub_strategy``: the same repository calls and uploads, of the same files."""
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_checkpoint_pushes(tmp_path, monkeypatch, variant, strategy):
+    """``hub_strategy`` and the end-of-training ``push_to_hub``: the same uploads of the same
+    files. With a constraint, the pushes pass the safety gate (each checkpoint was evaluated
+    and is feasible), carry the library's files too, and the repository is created by the
+    first push that passed the gate instead of when the trainer is built."""
     calls = []
-    for kind in ("trainer", "none"):
+    for kind in ("trainer", variant):
         hub = RecordingHub()
         monkeypatch.setattr(hf_trainer, "hf_api", lambda: hub)
         trainer = build(kind, str(tmp_path / kind), max_steps=4, save_strategy="steps", save_steps=2,
-                        push_to_hub=True, hub_model_id="user/parity", hub_strategy=strategy)
-        built = list(hub.calls)  # the Trainer creates the repository when it is built
+                        eval_strategy="steps", eval_steps=2, push_to_hub=True, hub_model_id="user/parity",
+                        hub_strategy=strategy)
+        built = list(hub.calls)
         trainer.train()
-        trainer.push_to_hub()  # the end-of-training push, with the Trainer's model card
+        trainer.push_to_hub()  # the end-of-training push, with the model card
         with open(os.path.join(trainer.args.output_dir, "README.md"), encoding="utf-8") as f:
             card = f.read()
         calls.append((built, hub.calls, card))
-    assert calls[0] == calls[1]
-    assert calls[0][0] == [("create_repo", "user/parity")]
-    assert [c[0] for c in calls[0][1]].count("upload_folder") >= 2
+    (built, pushed, card), (our_built, our_pushed, our_card) = calls
+    assert built == [("create_repo", "user/parity")]  # the Trainer creates the repository when it is built
+    assert [c[0] for c in pushed].count("upload_folder") >= 3
+    if variant == "none":
+        assert (our_built, our_pushed, our_card) == (built, pushed, card)
+    else:
+        assert our_built == [] and our_pushed[0] == built[0]
+        # the card (README.md) is the constrained one, written with each gated push
+        assert _without_library_files(our_pushed[1:]) == _without_library_files(pushed[1:])
+        assert "constraint" in our_card.lower()
 
 
 # ----------------------------------------------------------------------------- crash safety without extra files
