@@ -211,6 +211,17 @@ def test_training_with_accumulation_eval_and_checkpoints(tmp_path, variant):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
+def test_epoch_strategies(tmp_path, variant):
+    """Epoch-based training: logging, evaluation and checkpoints per epoch, the first step logged."""
+    reference, ours = run_pair(tmp_path, variant, "epochs", num_train_epochs=2, per_device_train_batch_size=12,
+                               logging_strategy="epoch", logging_first_step=True, eval_strategy="epoch",
+                               save_strategy="epoch")
+    assert reference.state.global_step == 8
+    assert_same_run(reference, ours, variant)
+    assert sorted(os.listdir(ours.args.output_dir)) == ["checkpoint-4", "checkpoint-8"]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_load_best_model_at_end_with_save_total_limit(tmp_path, variant):
     """The best checkpoint survives the rotation (save_total_limit=1 keeps it and the newest)
     and its weights are loaded at the end."""
