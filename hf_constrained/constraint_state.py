@@ -57,6 +57,26 @@ def load_constraint_state(path: str) -> dict[str, Any]:
     return state
 
 
+SPREAD_ATTRIBUTES = ("_spread_var", "_spread_rows", "_spread_visits")
+"""The trainer's running per-row spread of the row-wise constraints (noise and calibrated margins)."""
+
+
+def _spread_state(trainer: "ConstrainedTrainer") -> dict[str, torch.Tensor]:
+    return {name: getattr(trainer, name).detach().cpu().clone() for name in SPREAD_ATTRIBUTES}
+
+
+def _load_spread_state(trainer: "ConstrainedTrainer", saved: Optional[dict[str, torch.Tensor]]) -> None:
+    """Restore the running spread (a checkpoint written before it was saved keeps the fresh one)."""
+    for name in SPREAD_ATTRIBUTES:
+        if saved is None or name not in saved:
+            continue
+        current = getattr(trainer, name)
+        if saved[name].shape != current.shape:
+            raise CheckpointError(f"the checkpoint's {name} has shape {tuple(saved[name].shape)}, this trainer's "
+                                  f"{tuple(current.shape)}: written for other constraints")
+        current.copy_(saved[name].to(current))
+
+
 class ConstraintStateMissingError(CheckpointError, FileNotFoundError):
     """A checkpoint without the constraint state a trained penalty needs to resume: a
     :class:`~hf_constrained.checkpointing.CheckpointError` (the Trainer's ``ValueError`` for a
@@ -66,9 +86,15 @@ class ConstraintStateMissingError(CheckpointError, FileNotFoundError):
 def library_state(trainer: "ConstrainedTrainer") -> Optional[dict[str, Any]]:
     """What ``trainer`` saves as its constraint state, or ``None`` when it has nothing of its
     own: no constraints and no state a subclass added to ``constraint_state_dict`` (e.g. the
-    per-sample objective estimators of Setting II). Then checkpoints hold the Trainer's files only."""
+    per-sample objective estimators of Setting II). Then checkpoints hold the Trainer's files only.
+    With constraints it holds, besides ``constraint_state_dict()``, the running spread of the
+    row-wise constraints' per-row values (``"spread"``), which sets the calibrated margins."""
     state = trainer.constraint_state_dict()
-    if trainer.constraints or set(state) - set(BASE_STATE_KEYS):
+    if trainer.constraints:
+        # the running spread of the per-row values: the calibrated margins continue exactly
+        state["spread"] = _spread_state(trainer)
+        return state
+    if set(state) - set(BASE_STATE_KEYS):
         return state
     return None
 
@@ -98,7 +124,10 @@ def prepare_resume(trainer: "ConstrainedTrainer", resume_from_checkpoint: Option
         )
     check_named_checkpoint(folder, library_state=keeps_state)
     if os.path.exists(path):
-        trainer.load_constraint_state_dict(load_constraint_state(path))
+        state = load_constraint_state(path)
+        trainer.load_constraint_state_dict(state)
+        if trainer.constraints:
+            _load_spread_state(trainer, state.get("spread"))
     return resume_from_checkpoint
 
 
