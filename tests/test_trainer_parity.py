@@ -18,7 +18,6 @@ saves, reshards and reloads like a Hub model.
 from __future__ import annotations
 
 import os
-import shutil
 from concurrent.futures import Future
 from types import SimpleNamespace
 from typing import Any, Optional
