@@ -173,14 +173,13 @@ def assert_same_run(reference: Trainer, ours: Trainer, variant: str) -> None:
     assert files_of(ours.args.output_dir, variant) == files_of(reference.args.output_dir, variant)
 
 
-def run_pair(tmp_path, variant: str, name: str, train_kwargs: Optional[dict] = None, callbacks=None,
-             **overrides: Any) -> tuple[Trainer, Trainer]:
+def run_pair(tmp_path, variant: str, name: str, callbacks=None, **overrides: Any) -> tuple[Trainer, Trainer]:
     """The same run with ``Trainer`` and with ``ConstrainedTrainer``, each in its own folder."""
     runs = []
     for kind in ("trainer", variant):
         make_callbacks = callbacks or (lambda: None)
         trainer = build(kind, str(tmp_path / f"{name}-{kind}"), callbacks=make_callbacks(), **overrides)
-        trainer.train(**(train_kwargs or {}))
+        trainer.train()
         runs.append(trainer)
     return runs[0], runs[1]
 
@@ -222,8 +221,8 @@ def test_epoch_strategies(tmp_path, variant):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_load_best_model_at_end_with_save_total_limit(tmp_path, variant):
-    """The best checkpoint survives the rotation (save_total_limit=1 keeps it and the newest)
-    and its weights are loaded at the end."""
+    """The best checkpoint survives the rotation of save_total_limit=1 and its weights are
+    loaded at the end."""
     reference, ours = run_pair(tmp_path, variant, "best", max_steps=8, eval_strategy="steps", eval_steps=2,
                                save_strategy="steps", save_steps=2, save_total_limit=1, load_best_model_at_end=True,
                                metric_for_best_model="eval_loss", greater_is_better=True)
@@ -312,15 +311,23 @@ def _drop_optimizer(checkpoint: str) -> None:
 @pytest.mark.parametrize("change", [_reshard, _drop_optimizer], ids=["resharded", "optimizer_removed"])
 @pytest.mark.parametrize("how", ["latest", "named"])
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_resume_from_a_checkpoint_the_user_changed(tmp_path, variant, how, change):
+def test_resume_from_a_checkpoint_the_user_changed(tmp_path, caplog, variant, how, change):
     """Sharded weights and a deleted optimizer.pt are legitimate checkpoints: the Trainer resumes
-    from them, and so does ConstrainedTrainer, to the same weights."""
+    from them, and so does ConstrainedTrainer, to the same weights. With a constraint the
+    checkpoint's record of its files names what changed, in a warning."""
     stopped = _interrupted_pair(tmp_path, variant, "changed")
     for trainer in stopped:
         change(os.path.join(trainer.args.output_dir, "checkpoint-4"))
-    reference, ours = _resume_pair(stopped, variant, True if how == "latest" else "checkpoint-4")
+    with caplog.at_level("WARNING", logger="hf_constrained.checkpointing"):
+        reference, ours = _resume_pair(stopped, variant, True if how == "latest" else "checkpoint-4")
     assert reference.state.global_step == 8
     assert_same_run(reference, ours, variant)
+    changed = [r.getMessage() for r in caplog.records if "changed since it was saved" in r.getMessage()]
+    if variant == "none":
+        assert changed == []  # no record, nothing to compare: the Trainer's checkpoint as it is
+    else:
+        removed = "model.safetensors removed" if change is _reshard else "optimizer.pt removed"
+        assert len(changed) == 1 and removed in changed[0], changed
 
 
 # ----------------------------------------------------------------------------- errors
