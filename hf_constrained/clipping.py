@@ -19,6 +19,11 @@ adds to each training log
 
 and warns once when clipping dominates (at least half of at least 5 logged steps clipped).
 No extra computation: the counts cover the logged steps (every step with ``logging_steps=1``).
+
+The metrics are about the penalty, so they are logged only when a penalty is trained, or
+when asked for: ``trainer.clip_monitor.report = True``, or a measurement of the penalty's
+gradient (:class:`~hf_constrained.callbacks.PenaltyGradientNormCallback`) in the entry.
+Without constraints (or with penalty ``none``) the logs are the Trainer's, key for key.
 """
 
 from __future__ import annotations
@@ -39,12 +44,15 @@ class ClipMonitor:
         active: whether a penalty is trained (the warning is about the penalty).
         warn_fraction, min_observations: warn when at least ``warn_fraction`` of at least
             ``min_observations`` logged steps were clipped.
+        report: log the metrics; ``None`` (default): when ``active``, or when the entry holds
+            a measurement of the penalty's gradient. Settable later (``clip_monitor.report = True``).
     """
 
     def __init__(self, max_grad_norm: Optional[float], active: bool, warn_fraction: float = 0.5,
-                 min_observations: int = 5) -> None:
+                 min_observations: int = 5, report: Optional[bool] = None) -> None:
         self.max_grad_norm = float(max_grad_norm or 0.0)
         self.active = active
+        self.report = report
         self.warn_fraction = warn_fraction
         self.min_observations = min_observations
         self.observed = 0
@@ -57,8 +65,10 @@ class ClipMonitor:
 
     def observe(self, grad_norm: Optional[float], step: int,
                 penalty_grad_norm: Optional[float] = None) -> dict[str, float]:
-        """The clipping metrics of one training log (empty without clipping or a norm)."""
-        if self.max_grad_norm <= 0 or grad_norm is None:
+        """The clipping metrics of one training log (empty without clipping or a norm, and
+        when not reporting: see ``report``)."""
+        report = self.report if self.report is not None else (self.active or penalty_grad_norm is not None)
+        if self.max_grad_norm <= 0 or grad_norm is None or not report:
             return {}
         grad_norm = float(grad_norm)
         self.observed += 1

@@ -7,16 +7,23 @@ file that cannot be read, or that is not a constraint state, is a
 
 The file is read with ``torch.load(weights_only=True)``: it holds tensors and plain Python
 values only, so a crafted file cannot run code when a run resumes from it.
+A trainer with nothing of its own to keep (no constraints, no subclass estimators:
+:func:`library_state`) writes no constraint state and no completeness marker, so its
+checkpoints hold exactly the Trainer's files; :func:`prepare_resume` resolves and checks the
+checkpoint to resume from by the rule of :mod:`hf_constrained.checkpointing`.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 
-from .checkpointing import CheckpointError
+from .checkpointing import CheckpointError, check_named_checkpoint, latest_complete_checkpoint
+
+if TYPE_CHECKING:
+    from .trainer import ConstrainedTrainer
 
 
 def atomic_torch_save(obj: Any, path: str) -> None:
@@ -31,6 +38,8 @@ def atomic_torch_save(obj: Any, path: str) -> None:
 
 
 CONSTRAINT_STATE_KEYS = ("names", "estimator", "streams", "next_draw", "constraint_step")
+BASE_STATE_KEYS = CONSTRAINT_STATE_KEYS + ("sampling_seed", "num_processes", "global_constraint_batch_size")
+"""The keys of ``ConstrainedTrainer.constraint_state_dict``; a subclass that adds others keeps state of its own."""
 
 
 def load_constraint_state(path: str) -> dict[str, Any]:
@@ -55,4 +64,79 @@ def load_constraint_state(path: str) -> dict[str, Any]:
     return state
 
 
-__all__ = ["CONSTRAINT_STATE_KEYS", "atomic_torch_save", "load_constraint_state"]
+SPREAD_ATTRIBUTES = ("_spread_var", "_spread_rows", "_spread_visits")
+"""The trainer's running per-row spread of the row-wise constraints (noise and calibrated margins)."""
+
+
+def _spread_state(trainer: "ConstrainedTrainer") -> dict[str, torch.Tensor]:
+    return {name: getattr(trainer, name).detach().cpu().clone() for name in SPREAD_ATTRIBUTES}
+
+
+def _load_spread_state(trainer: "ConstrainedTrainer", saved: Optional[dict[str, torch.Tensor]]) -> None:
+    """Restore the running spread (a checkpoint written before it was saved keeps the fresh one)."""
+    for name in SPREAD_ATTRIBUTES:
+        if saved is None or name not in saved:
+            continue
+        current = getattr(trainer, name)
+        if saved[name].shape != current.shape:
+            raise CheckpointError(f"the checkpoint's {name} has shape {tuple(saved[name].shape)}, this trainer's "
+                                  f"{tuple(current.shape)}: written for other constraints")
+        current.copy_(saved[name].to(current))
+
+
+class ConstraintStateMissingError(CheckpointError, FileNotFoundError):
+    """A checkpoint without the constraint state a trained penalty needs to resume: a
+    :class:`~hf_constrained.checkpointing.CheckpointError` (the Trainer's ``ValueError`` for a
+    checkpoint it cannot use) and a ``FileNotFoundError`` (as before)."""
+
+
+def library_state(trainer: "ConstrainedTrainer") -> Optional[dict[str, Any]]:
+    """What ``trainer`` saves as its constraint state, or ``None`` when it has nothing of its
+    own: no constraints and no state a subclass added to ``constraint_state_dict`` (e.g. the
+    per-sample objective estimators of Setting II). Then checkpoints hold the Trainer's files only.
+    With constraints it holds, besides ``constraint_state_dict()``, the running spread of the
+    row-wise constraints' per-row values (``"spread"``), which sets the calibrated margins."""
+    state = trainer.constraint_state_dict()
+    if trainer.constraints:
+        # the running spread of the per-row values: the calibrated margins continue exactly
+        state["spread"] = _spread_state(trainer)
+        return state
+    if set(state) - set(BASE_STATE_KEYS):
+        return state
+    return None
+
+
+def prepare_resume(trainer: "ConstrainedTrainer", resume_from_checkpoint: Optional[Union[str, bool]],
+                   state_name: str) -> Optional[Union[str, bool]]:
+    """The checkpoint ``trainer.train`` resumes from, checked, with the constraint state loaded.
+
+    ``True``: the newest complete checkpoint of ``output_dir``
+    (:func:`~hf_constrained.checkpointing.latest_complete_checkpoint`). A path: checked by
+    :func:`~hf_constrained.checkpointing.check_named_checkpoint` (no such directory is the
+    Trainer's ``ValueError``). A trained penalty needs the checkpoint's ``state_name``
+    (:class:`ConstraintStateMissingError` without it); a checkpoint of a run without constraints resumes as
+    the Trainer resumes it.
+    """
+    keeps_state = library_state(trainer) is not None
+    if resume_from_checkpoint is True:
+        resume_from_checkpoint = latest_complete_checkpoint(trainer.args.output_dir, library_state=keeps_state)
+    if not resume_from_checkpoint:
+        return resume_from_checkpoint
+    folder = str(resume_from_checkpoint)
+    path = os.path.join(folder, state_name)
+    if os.path.isdir(folder) and not os.path.exists(path) and trainer.penalty.active:
+        raise ConstraintStateMissingError(
+            f"Can't find a valid checkpoint at {folder}: {path} is missing: the checkpoint holds no constraint "
+            "estimator state, so the run cannot resume exactly"
+        )
+    check_named_checkpoint(folder, library_state=keeps_state)
+    if os.path.exists(path):
+        state = load_constraint_state(path)
+        trainer.load_constraint_state_dict(state)
+        if trainer.constraints:
+            _load_spread_state(trainer, state.get("spread"))
+    return resume_from_checkpoint
+
+
+__all__ = ["BASE_STATE_KEYS", "CONSTRAINT_STATE_KEYS", "ConstraintStateMissingError", "atomic_torch_save",
+           "library_state", "load_constraint_state", "prepare_resume"]

@@ -57,13 +57,8 @@ from tqdm.auto import tqdm
 from transformers import default_data_collator
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, IntervalStrategy, rotate_checkpoints
 
-from .checkpointing import (
-    check_named_checkpoint,
-    latest_complete_checkpoint,
-    mark_complete,
-    mark_incomplete,
-)
-from .constraint_state import atomic_torch_save, load_constraint_state
+from .checkpointing import mark_complete, mark_incomplete
+from .constraint_state import atomic_torch_save, library_state, prepare_resume
 from .clipping import PENALTY_GRAD_NORM_KEY, ClipMonitor
 from .config import ConstrainedTrainingArguments
 from .constraint import Constraint, collate_examples, fetch_rows
@@ -1324,7 +1319,8 @@ class ConstrainedTrainer(SafetyMixin, TrainerInternals):
         rotation of old ones (``on_save`` fires after both), so the constraint state and the
         completeness marker could only come after the rotation; this is the save itself
         (:mod:`hf_constrained.trainer_internals`). Here the rotation is deferred: the Trainer saves with ``save_total_limit`` unset, then the
-        constraint state and the marker are written, and only then is the checkpoint pushed
+        constraint state and the marker are written (only when the trainer keeps state of its own:
+        without constraints the checkpoint holds the Trainer's files only), and only then is the checkpoint pushed
         (``hub_strategy``, through the safety gate) and are old checkpoints rotated (with the
         Trainer's own ``rotate_checkpoints`` and arguments). A kill at any moment
         leaves the previous complete checkpoint in place.
@@ -1343,10 +1339,11 @@ class ConstrainedTrainer(SafetyMixin, TrainerInternals):
         finally:
             self.args.save_total_limit, self.args.push_to_hub = limit, push
         self.publish_checkpoint_state(folder)  # trainer_state.json without local paths
-        if self.args.should_save:  # also without constraints: subclasses keep objective estimators here
-            atomic_torch_save(self.constraint_state_dict(), os.path.join(folder, CONSTRAINT_STATE_NAME))
+        state = library_state(self)  # None with nothing of our own to keep: the Trainer's files only
+        if state is not None and self.args.should_save:  # subclasses may keep objective estimators here
+            atomic_torch_save(state, os.path.join(folder, CONSTRAINT_STATE_NAME))
         self.accelerator.wait_for_everyone()  # every rank's files (RNG states, shards) are written
-        if self.args.should_save:
+        if state is not None and self.args.should_save:
             mark_complete(folder, self.state.global_step)
         if push:
             self.push_checkpoint(folder)  # the Trainer's checkpoint push (hub_strategy), gated
@@ -1355,20 +1352,7 @@ class ConstrainedTrainer(SafetyMixin, TrainerInternals):
                                best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
 
     def train(self, resume_from_checkpoint: Optional[Union[str, bool]] = None, *args: Any, **kwargs: Any) -> Any:
-        if resume_from_checkpoint is True:
-            resume_from_checkpoint = latest_complete_checkpoint(self.args.output_dir)
-        if resume_from_checkpoint:
-            path = os.path.join(resume_from_checkpoint, CONSTRAINT_STATE_NAME)
-            if os.path.exists(path):
-                check_named_checkpoint(resume_from_checkpoint)
-                self.load_constraint_state_dict(load_constraint_state(path))
-            elif self.penalty.active:
-                raise FileNotFoundError(
-                    f"{path} is missing: the checkpoint holds no constraint estimator state, so the run cannot "
-                    "resume exactly"
-                )
-            else:
-                check_named_checkpoint(resume_from_checkpoint)
+        resume_from_checkpoint = prepare_resume(self, resume_from_checkpoint, CONSTRAINT_STATE_NAME)
         if self.penalty.active:
             self.preflight_constraints()
         return super().train(resume_from_checkpoint, *args, **kwargs)

@@ -28,11 +28,13 @@ from hf_constrained import CONSTRAINT_STATE_NAME
 from hf_constrained.checkpointing import (
     COMPLETE_MARKER,
     CheckpointError,
+    checkpoint_changes,
     checkpoint_problem,
     is_complete_checkpoint,
     latest_complete_checkpoint,
 )
-from scale_tiny import make_trainer, snapshot
+from hf_constrained import ConstrainedTrainer
+from scale_tiny import TinyClassifier, make_data, make_trainer, snapshot, tiny_args
 
 STEPS = 8
 COMMON = dict(max_steps=STEPS, save_strategy="steps", save_steps=2, constraints_per_step=2)
@@ -78,21 +80,29 @@ def test_stop_right_after_trainer_save_keeps_previous_checkpoint(tmp_path, monke
 
 
 def test_completeness_detects_truncated_and_missing_files(tmp_path, caplog):
+    """The marker vouches for the library's own files, file by file; the Trainer's files follow
+    the Trainer's rules (a change is reported, not refused: see tests/test_trainer_parity.py)."""
     out = str(tmp_path / "run")
     make_trainer(out, max_steps=4, save_strategy="steps", save_steps=2).train()
     c2, c4 = os.path.join(out, "checkpoint-2"), os.path.join(out, "checkpoint-4")
-    assert checkpoint_problem(c4) is None
-    with open(os.path.join(c4, "model.safetensors"), "r+b") as f:  # a half-written weights file
+    assert checkpoint_problem(c4) is None and checkpoint_changes(c4) == []
+    size = os.path.getsize(os.path.join(c4, "model.safetensors"))
+    with open(os.path.join(c4, "model.safetensors"), "r+b") as f:  # the Trainer's file: reported, not refused
         f.truncate(10)
-    assert "model.safetensors has 10 bytes" in checkpoint_problem(c4)
+    assert checkpoint_problem(c4) is None
+    assert checkpoint_changes(c4) == [f"model.safetensors resized ({size} -> 10 bytes)"]
+    with open(os.path.join(c4, CONSTRAINT_STATE_NAME), "r+b") as f:  # a half-written library file
+        f.truncate(10)
+    assert f"{CONSTRAINT_STATE_NAME} has 10 bytes" in checkpoint_problem(c4)
     with caplog.at_level("WARNING", logger="hf_constrained.checkpointing"):
         assert latest_complete_checkpoint(out) == c2
-    assert "checkpoint-4 (model.safetensors has 10 bytes" in caplog.text
+    assert f"checkpoint-4 ({CONSTRAINT_STATE_NAME} has 10 bytes" in caplog.text
     # named explicitly, a damaged checkpoint is an error, not a silent load
     with pytest.raises(CheckpointError, match="checkpoint-4 is damaged"):
         make_trainer(str(tmp_path / "b"), max_steps=6).train(resume_from_checkpoint=c4)
-    os.remove(os.path.join(c2, "optimizer.pt"))
-    with pytest.raises(CheckpointError, match="no complete checkpoint.*checkpoint-4.*checkpoint-2.*optimizer.pt is missing"):
+    os.remove(os.path.join(c2, CONSTRAINT_STATE_NAME))
+    with pytest.raises(CheckpointError, match=f"no complete checkpoint.*checkpoint-4.*checkpoint-2.*"
+                                              f"{CONSTRAINT_STATE_NAME} is missing"):
         latest_complete_checkpoint(out)
 
 
@@ -117,8 +127,24 @@ def _assert_same(a: dict, b: dict) -> None:
     assert a["global_step"] == b["global_step"]
     for name in a["params"]:
         assert torch.equal(a["params"][name], b["params"][name]), f"parameter {name} differs after resume"
-    assert torch.equal(a["estimator_values"], b["estimator_values"])
-    assert a["streams"] == b["streams"]
+    if "estimator_values" in a:
+        assert torch.equal(a["estimator_values"], b["estimator_values"])
+        assert a["streams"] == b["streams"]
+
+
+def _unconstrained_trainer(out: str, **overrides) -> ConstrainedTrainer:
+    """The run of ``make_trainer`` without constraints: checkpoints of the Trainer's files only."""
+    torch.manual_seed(1234)
+    train, _ = make_data(0)
+    overrides.pop("constraints_per_step", None)
+    return ConstrainedTrainer(model=TinyClassifier(), args=tiny_args(out, constraint_penalty="none", **overrides),
+                              train_dataset=train)
+
+
+def _unconstrained_snapshot(trainer: ConstrainedTrainer) -> dict:
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    return {"params": {n: p.detach().cpu().clone() for n, p in model.named_parameters()},
+            "global_step": trainer.state.global_step}
 
 
 def _in_child(fn, timeout: float = 60.0) -> int:
@@ -150,10 +176,11 @@ def _in_child(fn, timeout: float = 60.0) -> int:
 
 
 def _run(out: str, limit, *, kill_at: int = 0, count_file: str = "", snap_file: str = "",
-         resume: bool = False) -> None:
+         resume: bool = False, constrained: bool = True) -> None:
     """Train (or resume) in this process; with ``kill_at`` SIGKILL ourselves at that profile
     event of the saves after the first; with ``count_file`` record how many events they had."""
-    trainer = make_trainer(out, save_total_limit=limit, **dict(COMMON, max_steps=6))
+    build = make_trainer if constrained else _unconstrained_trainer
+    trainer = build(out, save_total_limit=limit, **dict(COMMON, max_steps=6))
     events = [0]
     original = trainer._save_checkpoint
 
@@ -184,19 +211,25 @@ def _run(out: str, limit, *, kill_at: int = 0, count_file: str = "", snap_file: 
         with open(count_file, "w") as f:
             json.dump({"total": events[0], "rotations": rotations}, f)
     if snap_file:
-        torch.save(snapshot(trainer), snap_file)
+        torch.save((snapshot if constrained else _unconstrained_snapshot)(trainer), snap_file)
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"),
                     reason="the kill -9 is delivered to a forked child mid-save; os.fork exists on Linux and "
                            "macOS (where this runs, CI included), not on Windows")
-def test_kill9_during_checkpoint_saves_then_resume(tmp_path):
+@pytest.mark.parametrize("constrained", [True, False], ids=["constrained", "unconstrained"])
+def test_kill9_during_checkpoint_saves_then_resume(tmp_path, constrained):
     """Seeded kill points: 3 runs with ``save_total_limit=1`` killed anywhere in a save, 1 killed
     while the rotation deletes the previous checkpoint, 1 without a limit (the newest folder
     is the half-written one). The limit does not change the weights, so one uninterrupted
-    run is the reference of all."""
+    run is the reference of all. Without constraints the checkpoints hold the Trainer's files
+    only (no marker): ``trainer_state.json``, the Trainer's last file, tells a save cut short."""
     ref_snap, count = str(tmp_path / "ref.pt"), str(tmp_path / "count.txt")
-    assert _in_child(lambda: _run(str(tmp_path / "ref"), 1, count_file=count, snap_file=ref_snap)) == 0
+    assert _in_child(lambda: _run(str(tmp_path / "ref"), 1, count_file=count, snap_file=ref_snap,
+                                  constrained=constrained)) == 0
+    if not constrained:
+        assert not any(COMPLETE_MARKER in names or CONSTRAINT_STATE_NAME in names
+                       for _, _, names in os.walk(tmp_path / "ref"))
     reference = torch.load(ref_snap, weights_only=False)
     with open(count) as f:
         counted = json.load(f)
@@ -212,10 +245,10 @@ def test_kill9_during_checkpoint_saves_then_resume(tmp_path):
     plan.append((None, rng.randint(1, total // 2)))
     for trial, (limit, kill_at) in enumerate(plan):
         out = str(tmp_path / f"kill{trial}")
-        status = _in_child(lambda: _run(out, limit, kill_at=kill_at))
+        status = _in_child(lambda: _run(out, limit, kill_at=kill_at, constrained=constrained))
         assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, (limit, kill_at, status)
         resume_snap = str(tmp_path / f"resumed{trial}.pt")
-        status = _in_child(lambda: _run(out, limit, resume=True, snap_file=resume_snap))
+        status = _in_child(lambda: _run(out, limit, resume=True, snap_file=resume_snap, constrained=constrained))
         assert status == 0, f"resume after a kill at save event {kill_at}/{total} failed (see captured stderr)"
         _assert_same(reference, torch.load(resume_snap, weights_only=False))
 

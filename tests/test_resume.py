@@ -15,7 +15,7 @@ import torch
 
 
 from hf_constrained import CONSTRAINT_STATE_NAME
-from scale_tiny import StopAt, make_contrastive_trainer, make_trainer, snapshot
+from scale_tiny import StopAt, make_contrastive_trainer, make_rowwise_trainer, make_trainer, snapshot
 
 
 def _assert_same(a: dict, b: dict) -> None:
@@ -103,3 +103,19 @@ def test_per_sample_estimators_saved_and_restored_without_constraints(tmp_path):
         untouched = saved[side]["visited"] & (ref.values == saved[side]["values"])
         assert int(untouched.sum()) > 0
         assert torch.equal(est.values[untouched], saved[side]["values"][untouched])
+
+
+def test_resume_with_calibrated_margins_is_bitwise_exact(tmp_path):
+    """The margins z_c * s_k / sqrt(n_k) come from the running spread of the per-row values: the
+    checkpoint keeps it, so a resumed run enforces the same margins and ends at the same weights."""
+    common = dict(max_steps=8, save_strategy="steps", save_steps=4, constraint_confidence=0.9)
+    straight = make_rowwise_trainer(str(tmp_path / "straight"), **common)
+    straight.train()
+    stopped = make_rowwise_trainer(str(tmp_path / "stopped"), **common)
+    stopped.add_callback(StopAt(4))
+    stopped.train()
+    resumed = make_rowwise_trainer(str(tmp_path / "resumed"), **common)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "stopped" / "checkpoint-4"))
+    assert resumed.constraint_margins() == straight.constraint_margins()
+    assert all(v > 0 for v in straight.constraint_margins().values())
+    _assert_same(snapshot(straight), snapshot(resumed))

@@ -17,8 +17,11 @@ public hooks it extends (the private ``Trainer`` members behind them are used th
   ``allow_unsafe=True`` it uploads and the card says UNSAFE at the top. Checkpoint pushes
   (``hub_strategy``, hook ``push_checkpoint``) judge the weight files of the pushed folder,
   and are skipped when those are infeasible or were not evaluated;
-- the stock TensorBoard callback is replaced by
+- with constraints, the stock TensorBoard callback is replaced by
   :class:`~hf_constrained.safety.tensorboard.ConstraintTensorBoardCallback` (constraint scalars grouped).
+
+Without constraints every one of these is the Trainer's own behaviour: no card or report
+files, no deferred repository, the Trainer's callbacks.
 """
 
 from __future__ import annotations
@@ -101,14 +104,13 @@ class _RestoreBestCheckpoint(TrainerCallback):
     """On resume, puts back the best checkpoint's path that ``trainer_state.json`` stores without
     its local part (the Trainer reads the file before any hook: it sees no such folder)."""
 
-    def __init__(self) -> None:
-        self.path: Optional[str] = None
+    def __init__(self, path: str) -> None:
+        self.path = path
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.path is not None and os.path.isdir(self.path):
+        if os.path.isdir(self.path):
             logger.info("resumed: the best checkpoint so far is %s", self.path)
             state.best_model_checkpoint = self.path
-        self.path = None
 
 
 def _not_a_missing_placeholder(record: logging.LogRecord) -> bool:
@@ -161,16 +163,18 @@ class SafetyMixin:
         self.safety_confidence = DEFAULT_CONFIDENCE
         self.safety_delta = DEFAULT_DELTA
         self._group_constraint_tensorboard()
-        self._best_restorer = _RestoreBestCheckpoint()
-        self.add_callback(self._best_restorer)
 
     # ------------------------------------------------------------------ TensorBoard
     def _group_constraint_tensorboard(self) -> None:
-        stock = [cb for cb in self.callback_handler.callbacks if type(cb) is TensorBoardCallback]
-        names = [c.name for c in getattr(self, "constraints", [])]
-        for cb in stock:
-            self.callback_handler.remove_callback(cb)
-            self.callback_handler.add_callback(ConstraintTensorBoardCallback(names, tb_writer=cb.tb_writer))
+        """With constraints, the stock TensorBoard callback gives way, in its place in the
+        callback order, to the grouping one; without, the Trainer's callbacks stay as they are."""
+        names = [c.name for c in getattr(self, "constraints", None) or []]
+        if not names:
+            return
+        callbacks = self.callback_handler.callbacks
+        for i, cb in enumerate(callbacks):
+            if type(cb) is TensorBoardCallback:
+                callbacks[i] = ConstraintTensorBoardCallback(names, tb_writer=cb.tb_writer)
 
     # ------------------------------------------------------------------ feasible-checkpoint selection
     def is_new_best(self, metrics: dict[str, float], trial: Any) -> bool:
@@ -214,7 +218,11 @@ class SafetyMixin:
     def train(self, *args: Any, **kwargs: Any) -> Any:
         self.safety_report = None
         resume = args[0] if args else kwargs.get("resume_from_checkpoint")
-        self._best_restorer.path = self._stored_best_checkpoint(resume) if isinstance(resume, str) else None
+        best_path = self._stored_best_checkpoint(resume) if isinstance(resume, str) else None
+        # only while a resumed run needs its best checkpoint's path put back: otherwise the callbacks are the Trainer's
+        restorer = _RestoreBestCheckpoint(best_path) if best_path is not None else None
+        if restorer is not None:
+            self.add_callback(restorer)
         # the Trainer warns that "<output_dir>/checkpoint-N" does not exist before the path is put back
         trainer_logger = logging.getLogger("transformers.trainer")
         trainer_logger.addFilter(_not_a_missing_placeholder)
@@ -222,6 +230,8 @@ class SafetyMixin:
             result = super().train(*args, **kwargs)
         finally:
             trainer_logger.removeFilter(_not_a_missing_placeholder)
+            if restorer is not None:
+                self.remove_callback(restorer)
         best = self.state.best_model_checkpoint
         if self.args.load_best_model_at_end and best is not None and self.state.best_global_step:
             # the weights are now the best checkpoint's, whose evaluation is in the log history
@@ -595,10 +605,11 @@ class SafetyMixin:
         return report, files
 
     def init_hf_repo(self, token: Optional[str] = None, private: Optional[bool] = None) -> None:
-        """``Trainer.init_hf_repo``, except while the trainer is being built: the repository
-        is created by the first push that passes the gate (``push_to_hub`` or a feasible
-        checkpoint push), so an unsafe run never creates one."""
-        if self._defer_hub_repo:
+        """``Trainer.init_hf_repo``, except while a trainer with constraints is being built: the
+        repository is created by the first push that passes the gate (``push_to_hub`` or a
+        feasible checkpoint push), so an unsafe run never creates one. Without constraints
+        there is no gate, and the repository is created when the trainer is built, as the Trainer does."""
+        if self._defer_hub_repo and getattr(self, "constraints", None):
             logger.info("push_to_hub: the Hub repository will be created when the safety gate first passes")
             self.push_in_progress = None
             return
