@@ -139,6 +139,10 @@ class ConstrainedTrainingArguments(TrainingArguments):
         if self.lookahead_placement not in LOOKAHEAD_PLACEMENTS:
             raise ValueError(f"lookahead_placement must be one of {list(LOOKAHEAD_PLACEMENTS)}, "
                              f"got {self.lookahead_placement!r}")
+        if self.max_steps == 0:
+            # the Trainer checks its bound after a step: max_steps=0 would train one step
+            raise ValueError("max_steps=0 trains nothing; give max_steps >= 1, or -1 (the default) to train "
+                             "num_train_epochs epochs")
         if self.constraints_per_step is not None and self.constraints_per_step < 1:
             raise ValueError(f"constraints_per_step must be >= 1, got {self.constraints_per_step}")
         if self.constraint_batch_size < 1:

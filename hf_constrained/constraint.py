@@ -37,6 +37,14 @@ RowTransform = Callable[[torch.Tensor], torch.Tensor]
 constraint, applied to the rows ``row_fn`` produced for it (e.g. ``sigmoid(s - tau)``)."""
 
 
+class ConstraintValueError(RuntimeError):
+    """A constraint function returned something the method cannot use."""
+
+
+class EmptyGroupError(ConstraintValueError, ValueError):
+    """A ``group_key`` constraint (a difference of two group means) got rows of one group only."""
+
+
 def collate_examples(examples: Sequence[Any]) -> Any:
     """Stack a list of examples into a batch.
 
@@ -239,15 +247,22 @@ class Constraint:
                              f"{num_rows} rows")
         return groups
 
+    def check_group_counts(self, rows_0: int, rows_1: int) -> None:
+        """A difference of group means needs rows of both groups: the same :class:`EmptyGroupError`
+        in the fused step, the scalar form and the exact evaluation."""
+        if self.group_key is not None and (rows_0 == 0 or rows_1 == 0):
+            raise EmptyGroupError(
+                f"constraint {self.name!r}: a difference of group means needs rows of both groups of "
+                f"{self.group_key!r}, got {rows_0} of group 0 and {rows_1} of group 1 (raise constraint_batch_size "
+                "or balance the constraint's dataset between the groups)")
+
     def reduce_rows(self, values: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
         """The mini-batch value h(w; B) from per-row values: their mean, or with ``group_key``
         the mean over group 0 minus the mean over group 1 (e.g. a TPR gap between two groups)."""
         if self.group_key is None:
             return values.mean()
         first, second = values[groups == 0], values[groups == 1]
-        if first.numel() == 0 or second.numel() == 0:
-            raise ValueError(f"constraint {self.name!r}: a batch needs rows of both groups of {self.group_key!r}, got "
-                             f"{first.numel()} and {second.numel()}")
+        self.check_group_counts(first.numel(), second.numel())
         return first.mean() - second.mean()
 
     def _reduced_row_fn(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:

@@ -293,8 +293,8 @@ def inner_values(stats: torch.Tensor) -> torch.Tensor:
     """h(w; B) per constraint from (global) sums and counts: ``S_0/N_0 - S_1/N_1`` with the
     group-1 term taken as 0 where a constraint has no group-1 rows (a plain mean).
 
-    A group-key constraint whose batch lacks one of its groups gives NaN (0/0) on purpose:
-    the finite check then names it.
+    A ``group_key`` constraint whose batch lacks one of its groups is an
+    :class:`~hf_constrained.constraint.EmptyGroupError` (checked by the caller on the counts).
     """
     s, n = stats[0].view(-1, 2), stats[2].view(-1, 2)
     mean0 = s[:, 0] / n[:, 0]

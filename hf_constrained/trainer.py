@@ -55,7 +55,8 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 from transformers import default_data_collator
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, IntervalStrategy, rotate_checkpoints
+from transformers.trainer_callback import TrainerState
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, IntervalStrategy, TrainOutput, rotate_checkpoints
 
 from .checkpointing import (
     check_named_checkpoint,
@@ -66,7 +67,7 @@ from .checkpointing import (
 from .constraint_state import atomic_torch_save, load_constraint_state
 from .clipping import PENALTY_GRAD_NORM_KEY, ClipMonitor
 from .config import ConstrainedTrainingArguments
-from .constraint import Constraint, collate_examples, fetch_rows
+from .constraint import Constraint, ConstraintValueError, collate_examples, fetch_rows
 from .distributed import GradientCoverageCallback, configure_ddp_for_constraints, fsdp_requested, uses_ddp
 from .estimators import MSVREstimator, resolve_gamma_prime
 from .fused import (RowGroup, RowUnit, batch_variances, collate_units, inner_values, local_contribution,
@@ -75,21 +76,18 @@ from .penalties import make_penalty
 from .safety.gate import SafetyMixin
 from .sampling import ConstraintBatchStream, ConstraintSampler
 from .statistics import ConstraintStatistic, constraint_statistic, z_value
-from .trainer_internals import TrainerInternals, trainer_prepare_input, trainer_run_dir
+from .trainer_internals import TrainerInternals, trainer_load_checkpoint, trainer_prepare_input, trainer_run_dir
 
 logger = logging.getLogger(__name__)
 
 CONSTRAINT_STATE_NAME = "constraint_state.pt"
+TRAINER_STATE_NAME = "trainer_state.json"  # the Trainer's own state file in a checkpoint
 PREFLIGHT_CHUNK = 64  # row-wise constraints checked per no-grad row_fn call before training
 
 
 SPREAD_DECAY = 0.1
 """Weight of the newest batch in the running per-row variance of a row-wise constraint
 (a running mean over the first 10 visits, then an exponential average over about 10)."""
-
-
-class ConstraintValueError(RuntimeError):
-    """A constraint function returned something the method cannot use."""
 
 
 def _float_outer(c: Constraint) -> Any:
@@ -639,6 +637,7 @@ class ConstrainedTrainer(SafetyMixin, TrainerInternals):
         else:
             is_row = torch.ones(n, dtype=torch.bool).index_fill_(0, torch.tensor(scalar_pos), False)
             current = torch.where(is_row.to(device, non_blocking=True), inner_values(stats), scalar_vec)
+        self._check_group_counts(ids, stats)
 
         local = None
         if need_grad:
@@ -649,6 +648,16 @@ class ConstrainedTrainer(SafetyMixin, TrainerInternals):
             if scalar_local:
                 local = local.index_add(0, pos_t, torch.stack(scalar_local).to(dtype))
         return local, current, stats
+
+    def _check_group_counts(self, ids: list[int], stats: Optional[torch.Tensor]) -> None:
+        """Every ``group_key`` constraint of the draw has rows of both groups in its global batch
+        (one host sync, only for draws holding such constraints)."""
+        grouped = [p for p, k in enumerate(ids) if self.constraints[k].group_key is not None]
+        if stats is None or not grouped:
+            return
+        counts = stats[2].view(-1, 2)[grouped].cpu().tolist()
+        for p, (n0, n1) in zip(grouped, counts):
+            self.constraints[ids[p]].check_group_counts(int(n0), int(n1))
 
     # ------------------------------------------------------------------ the step
     def _outer(self, ids: torch.Tensor, inner: torch.Tensor,
@@ -804,12 +813,7 @@ class ConstrainedTrainer(SafetyMixin, TrainerInternals):
             return
         n = ids.numel()
         if not bool(torch.isfinite(current).all()):
-            what = "h_k(w_t; B_k) at this step's parameters"
-            bad = [self.constraints[k] for k, v in zip(ids.tolist(), current.cpu().tolist()) if not math.isfinite(v)]
-            if any(c.group_key is not None for c in bad):
-                what += ("; a group_key constraint is NaN when its batch lacks rows of one group: raise "
-                         "constraint_batch_size or balance its dataset")
-            self._raise_non_finite(ids, current.cpu(), what)
+            self._raise_non_finite(ids, current.cpu(), "h_k(w_t; B_k) at this step's parameters")
         self._raise_non_finite(ids, check[n:].cpu(),
                                f"the look-ahead h_k(w_(t-1); B_k^t) computed at step {self.state.global_step - 1}")
 
@@ -1122,6 +1126,9 @@ class ConstrainedTrainer(SafetyMixin, TrainerInternals):
                             groups[k].append(c.row_groups(batch, v.shape[0], v.device).cpu())
                 for k in members:
                     c = self.constraints[k]
+                    if groups[k]:
+                        labels = torch.cat(groups[k])
+                        c.check_group_counts(int((labels == 0).sum()), int((labels == 1).sum()))
                     outer = None if c.outer is None else _float_outer(c)
                     out[c.name] = constraint_statistic(
                         torch.cat(values[k]).numpy(), groups=torch.cat(groups[k]).numpy() if groups[k] else None,
@@ -1203,6 +1210,9 @@ class ConstrainedTrainer(SafetyMixin, TrainerInternals):
             "streams": [None if s is None else s.state_dict() for s in self.streams],
             "next_draw": None if self._next_draw is None else self._next_draw.state_dict(),
             "constraint_step": self._constraint_step,
+            # the running per-row spread behind the margins z_c * s_k / sqrt(n_k) and the noise logs
+            "spread": {"var": self._spread_var.cpu(), "rows": self._spread_rows.cpu(),
+                       "visits": self._spread_visits.cpu(), "noise_warned": self._noise_warned},
             # B_c^t and the streams' permutations are functions of (seed, step): the seed is their RNG state
             "sampling_seed": self.sampler.seed if self.constraints else self.args.constraint_sampling_seed,
             # the prefetched draw holds global batches of this size, split by rank (see _local_rows)
@@ -1225,6 +1235,12 @@ class ConstrainedTrainer(SafetyMixin, TrainerInternals):
         if self._next_draw is not None and self._next_draw.previous is not None:
             self._next_draw.previous = self._next_draw.previous.to(self.estimator.values.device)
         self._constraint_step = state["constraint_step"]
+        spread = state.get("spread")
+        if spread is not None:
+            self._spread_var.copy_(spread["var"].to(self._spread_var))
+            self._spread_rows.copy_(spread["rows"].to(self._spread_rows))
+            self._spread_visits.copy_(spread["visits"].to(self._spread_visits))
+            self._noise_warned = bool(spread["noise_warned"])
         self._restore_sampling_seed(state.get("sampling_seed"))
 
     def _check_process_count(self, state: dict[str, Any]) -> None:
@@ -1314,6 +1330,23 @@ class ConstrainedTrainer(SafetyMixin, TrainerInternals):
                 )
             else:
                 check_named_checkpoint(resume_from_checkpoint)
+        if resume_from_checkpoint and self._finished_at(resume_from_checkpoint):
+            return TrainOutput(self.state.global_step, 0.0, {})
         if self.penalty.active:
             self.preflight_constraints()
         return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _finished_at(self, checkpoint: str) -> bool:
+        """Whether ``checkpoint`` was written at (or past) ``max_steps``; then its weights and state
+        are loaded and nothing is trained (the Trainer would check its bound only after one more step)."""
+        path = os.path.join(checkpoint, TRAINER_STATE_NAME)
+        if self.args.max_steps <= 0 or not os.path.isfile(path):
+            return False
+        state = TrainerState.load_from_json(path)
+        if state.global_step < self.args.max_steps:
+            return False
+        logger.info("checkpoint %s is at step %d, max_steps is %d: nothing to train", checkpoint,
+                    state.global_step, self.args.max_steps)
+        trainer_load_checkpoint(self, checkpoint, self.model)
+        self.state = state
+        return True

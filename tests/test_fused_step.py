@@ -355,3 +355,31 @@ def test_constraints_per_value_groups_tensor_values():
     cons = constraints_per_value(rows, "labels", row_fn=per_row_ce)
     assert [c.name for c in cons] == ["labels=0", "labels=1", "labels=2"]
     assert [len(c.dataset) for c in cons] == [10, 10, 10]
+
+
+def test_a_batch_without_one_group_is_the_same_error_in_every_path(tmp_path):
+    """A ``group_key`` constraint is a difference of two group means: a batch (or an evaluation
+    set) without rows of one group has no value. The fused step, the scalar form and the exact
+    evaluation all stop with the same error naming the constraint."""
+    from hf_constrained.constraint import EmptyGroupError
+
+    data = make_data(40, 0)
+    # two group-1 rows among 40, the first two rows one of each group (so the check before
+    # training passes): most batches of 2 rows have no group-1 row
+    groups = [0] * 40
+    groups[1] = groups[30] = 1
+    data = data.remove_columns("g").add_column("g", groups)
+    gap = Constraint("gap", row_fn=per_row_ce, dataset=data, group_key="g", tolerance=0.0,
+                     eval_dataset=data.select(range(2, 30)))
+    args = make_args(tmp_path, "empty", max_steps=8, constraint_batch_size=2, constraints_per_step=None)
+    trainer = ConstrainedTrainer(model=Net64(), args=args, train_dataset=make_data(16, 1), constraints=[gap])
+    match = r"constraint 'gap'.* both groups of 'g'"
+    with pytest.raises(EmptyGroupError, match=match):  # the fused step
+        trainer.train()
+    from hf_constrained.constraint import collate_examples
+
+    batch = collate_examples([data[i] for i in range(2, 6)])
+    with pytest.raises(EmptyGroupError, match=match):  # the scalar form
+        gap.fn(trainer.model, batch)
+    with pytest.raises(EmptyGroupError, match=match):  # the exact evaluation
+        trainer.constraint_statistics()

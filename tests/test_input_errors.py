@@ -111,3 +111,11 @@ def test_clip_recipe_names_a_missing_model_path(tmp_path):
     with pytest.raises(FileNotFoundError, match="--model_name_or_path='./missing-clip'"):
         mod.main(["--model_name_or_path", "./missing-clip", "--output_dir", str(tmp_path), "--use_cpu",
                   "--report_to", "none", "--bdd100k_root", str(tmp_path / "nothing-here")])
+
+
+def test_max_steps_zero_is_an_error(tmp_path):
+    """``max_steps=0`` would train one step (the Trainer checks the bound only after a step)."""
+    from scale_tiny import tiny_args
+
+    with pytest.raises(ValueError, match="max_steps"):
+        tiny_args(str(tmp_path), max_steps=0)

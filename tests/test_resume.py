@@ -103,3 +103,36 @@ def test_per_sample_estimators_saved_and_restored_without_constraints(tmp_path):
         untouched = saved[side]["visited"] & (ref.values == saved[side]["values"])
         assert int(untouched.sum()) > 0
         assert torch.equal(est.values[untouched], saved[side]["values"][untouched])
+
+
+def test_resume_with_calibrated_margins_is_bitwise_exact(tmp_path):
+    """Calibrated constraints (``constraint_confidence``): the margin z_c * s_k / sqrt(n_k) reads the
+    running per-row spread, so the spread is part of the saved state and a resumed run equals an
+    uninterrupted one, margins included."""
+    from scale_tiny import make_rowwise_trainer
+
+    common = dict(max_steps=8, constraint_confidence=0.9, save_strategy="steps", save_steps=4)
+    straight = make_rowwise_trainer(str(tmp_path / "straight"), **common)
+    straight.train()
+    assert straight.constraint_margins() and max(straight.constraint_margins().values()) > 0
+    stopped = make_rowwise_trainer(str(tmp_path / "stopped"), **common)
+    stopped.add_callback(StopAt(4))
+    stopped.train()
+    resumed = make_rowwise_trainer(str(tmp_path / "resumed"), **common)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "stopped" / "checkpoint-4"))
+    _assert_same(snapshot(straight), snapshot(resumed))
+    assert resumed.constraint_margins() == straight.constraint_margins()
+    assert resumed.constraint_noise() == straight.constraint_noise()
+
+
+def test_resume_at_max_steps_trains_nothing(tmp_path):
+    """Resuming from the checkpoint written at ``max_steps`` leaves the run as it was: no extra
+    step, the checkpoint's weights and estimators."""
+    common = dict(max_steps=4, save_strategy="steps", save_steps=4)
+    straight = make_trainer(str(tmp_path / "straight"), **common)
+    straight.train()
+    resumed = make_trainer(str(tmp_path / "resumed"), **common)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "straight" / "checkpoint-4"))
+    assert resumed.state.global_step == 4
+    _assert_same(snapshot(straight), snapshot(resumed))
+    assert not (tmp_path / "resumed" / "checkpoint-5").exists()
