@@ -53,8 +53,17 @@ def resolve_gamma_prime(gamma_prime: GammaPrime, num_total: int, num_sampled: in
     return gamma_prime
 
 
+def run_precision(model: Optional[torch.nn.Module]) -> torch.dtype:
+    """The precision the estimators of a run are kept in: float64 when the model's parameters
+    are float64, else float32 (also for half-precision models: a moving average of many small
+    steps needs at least float32)."""
+    if model is not None and any(p.dtype == torch.float64 for p in model.parameters()):
+        return torch.float64
+    return torch.float32
+
+
 class MSVREstimator:
-    """``size`` MSVR estimators held as one float32 tensor.
+    """``size`` MSVR estimators held as one tensor (float32, or the run's precision).
 
     Args:
         size: number of estimators (m constraints, or n training samples).
@@ -62,13 +71,14 @@ class MSVREstimator:
         gamma_prime: the variance-reduction weight g' >= 0 (0 gives a plain moving
             average, what the squared-hinge baseline's code does).
         device: where the state lives (the model's device, so updates need no copy).
+        dtype: the precision of the state (:func:`run_precision`: float64 in a float64 run).
 
     An estimator is initialised on its first visit with the current mini-batch value
     (there is no earlier value to average with).
     """
 
     def __init__(self, size: int, gamma: float = 0.8, gamma_prime: float = 0.1,
-                 device: Union[str, torch.device, None] = None) -> None:
+                 device: Union[str, torch.device, None] = None, dtype: torch.dtype = torch.float32) -> None:
         if size < 1:
             raise ValueError(f"an MSVREstimator needs size >= 1, got {size}")
         if not 0.0 < gamma <= 1.0:
@@ -78,7 +88,7 @@ class MSVREstimator:
         self.size = int(size)
         self.gamma = float(gamma)
         self.gamma_prime = float(gamma_prime)
-        self.values = torch.zeros(self.size, dtype=torch.float32, device=device)
+        self.values = torch.zeros(self.size, dtype=dtype, device=device)
         self.visited = torch.zeros(self.size, dtype=torch.bool, device=device)
 
     # ------------------------------------------------------------------ access

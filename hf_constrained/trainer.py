@@ -69,7 +69,7 @@ from .clipping import PENALTY_GRAD_NORM_KEY, ClipMonitor
 from .config import ConstrainedTrainingArguments
 from .constraint import Constraint, ConstraintValueError, collate_examples, fetch_rows
 from .distributed import GradientCoverageCallback, configure_ddp_for_constraints, fsdp_requested, uses_ddp
-from .estimators import MSVREstimator, resolve_gamma_prime
+from .estimators import MSVREstimator, resolve_gamma_prime, run_precision
 from .fused import (RowGroup, RowUnit, batch_variances, collate_units, inner_values, local_contribution,
                     plan_row_groups, row_values_and_owners, same_callable, segment_sums, stats_dtype)
 from .penalties import make_penalty
@@ -205,13 +205,14 @@ class ConstrainedTrainer(SafetyMixin, TrainerInternals):
         seed = self.args.constraint_sampling_seed
         if m:
             gamma_prime = resolve_gamma_prime(self.args.msvr_gamma_prime, m, self.num_sampled, self.args.msvr_gamma)
-            self.estimator = MSVREstimator(m, self.args.msvr_gamma, gamma_prime, device=self.args.device)
+            self.estimator = MSVREstimator(m, self.args.msvr_gamma, gamma_prime, device=self.args.device,
+                                           dtype=run_precision(self.model))
             self.sampler = ConstraintSampler(m, self.num_sampled, seed)
         self.streams: list[Optional[ConstraintBatchStream]] = [
             None if c.data_free else ConstraintBatchStream(len(c.dataset), seed, k)
             for k, c in enumerate(self.constraints)
         ]
-        self._tolerances = torch.tensor([c.tolerance for c in self.constraints], dtype=torch.float32)
+        self._tolerances = torch.tensor([c.tolerance for c in self.constraints], dtype=torch.float64)
         self._next_draw: Optional[_ConstraintDraw] = None
         self._constraint_step = -1  # global step whose constraint part has run (once per accumulation window)
         self._in_training_step = False
@@ -616,7 +617,8 @@ class ConstrainedTrainer(SafetyMixin, TrainerInternals):
                 batch = None if rows is None else self._make_batch(k, self._local_rows(rows))
                 if not need_grad and batch is not None:
                     draw.batches[("scalar", p)] = _shallow_copy(batch)
-            scalar_local.append(self._check_value(k, self.constraints[k].fn(model, batch), need_grad=need_grad).float())
+            value = self._check_value(k, self.constraints[k].fn(model, batch), need_grad=need_grad)
+            scalar_local.append(value.to(torch.promote_types(value.dtype, torch.float32)))
 
         acc = stats_dtype(device)
         world = self.accelerator.num_processes
@@ -642,6 +644,8 @@ class ConstrainedTrainer(SafetyMixin, TrainerInternals):
         local = None
         if need_grad:
             dtype = torch.float32 if sums is None else sums.dtype
+            if scalar_local:
+                dtype = torch.promote_types(dtype, scalar_local[0].dtype)
             local = torch.zeros(n, dtype=dtype, device=device)
             if sums is not None:
                 local = local + local_contribution(sums, stats[2], world)
@@ -670,7 +674,7 @@ class ConstrainedTrainer(SafetyMixin, TrainerInternals):
         convex ``outer``; the slope stays d outer / d inner at ``inner``.
         """
         id_list = ids.tolist()  # the step passes host ids: no sync
-        tol = self._tolerance_on(inner.device)[ids.to(inner.device, non_blocking=True)]
+        tol = self._tolerance_on(inner.device)[ids.to(inner.device, non_blocking=True)].to(inner.dtype)
         if not any(self.constraints[k].outer is not None for k in id_list):
             h = inner if margin is None else inner + margin.to(inner)
             return h - tol, torch.ones_like(inner)
@@ -752,7 +756,7 @@ class ConstrainedTrainer(SafetyMixin, TrainerInternals):
         if ahead is not None:
             with torch.no_grad():
                 _, previous, _ = self._evaluate_draw(model, ahead, need_grad=False, precomputed=precomputed_next)
-            ahead.previous = previous.to(self.estimator.values.device, torch.float32)
+            ahead.previous = previous.to(self.estimator.values)
             lookahead = ahead
         penalty = self.constraint_penalty_loss(model, draw=draw, precomputed=precomputed_now, lookahead=lookahead)
         return result, penalty
@@ -824,7 +828,7 @@ class ConstrainedTrainer(SafetyMixin, TrainerInternals):
         ``row_fn`` call per group)."""
         draw = self._draw(step)
         _, previous, _ = self._evaluate_draw(model, draw, need_grad=False)
-        draw.previous = previous.to(self.estimator.values.device, torch.float32)
+        draw.previous = previous.to(self.estimator.values)
         return draw
 
     # ------------------------------------------------------------------ per-row spread, noise, margins
@@ -1002,8 +1006,8 @@ class ConstrainedTrainer(SafetyMixin, TrainerInternals):
         if not self.constraints:
             return {}
         ids = torch.arange(len(self.constraints))
-        h, _ = self._outer(ids, self.estimator.values.detach().float().cpu())
-        h = h + self._tolerances
+        h, _ = self._outer(ids, self.estimator.values.detach().cpu())
+        h = h + self._tolerances.to(h)
         visited = self.estimator.visited.cpu().tolist()
         return {c.name: float(v) for c, v, seen in zip(self.constraints, h.tolist(), visited) if seen}
 

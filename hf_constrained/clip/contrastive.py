@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from ..config import ConstrainedTrainingArguments
-from ..estimators import MSVREstimator, resolve_gamma_prime
+from ..estimators import MSVREstimator, resolve_gamma_prime, run_precision
 from ..non_forgetting import REFERENCE_KEY, ReferenceGap
 from ..trainer import ConstrainedTrainer
 from ..trainer_internals import trainer_num_items_in_batch, trainer_prepare_inputs
@@ -136,7 +136,9 @@ def contrastive_terms(image_embeds: torch.Tensor, text_embeds: torch.Tensor, is_
         is_positive: (N,) bool; positives are the anchors, the others the negatives.
         temperature: t (0.05 in the paper).
     """
-    image_embeds, text_embeds = image_embeds.float(), text_embeds.float()
+    # at least fp32 (float64 in a float64 run): the exponentials reach exp(40) at t = 0.05
+    dtype = torch.promote_types(image_embeds.dtype, torch.float32)
+    image_embeds, text_embeds = image_embeds.to(dtype), text_embeds.to(dtype)
     pos = is_positive.bool().to(image_embeds.device)
     neg = ~pos
     sim = image_embeds @ text_embeds.T  # sim[a, b] = <E_1(x_a), E_2(t_b)>
@@ -282,7 +284,8 @@ class ContrastiveConstrainedTrainer(ConstrainedTrainer):
                                               self.args.objective_msvr_gamma)
             for side in ("image", "text"):
                 self.objective_estimators[side] = MSVREstimator(n, self.args.objective_msvr_gamma, gamma_prime,
-                                                                device=self.args.device)
+                                                                device=self.args.device,
+                                                                dtype=run_precision(self.model))
 
     # ------------------------------------------------------------------ data plumbing
     def train_sampler(self, train_dataset: Any = None) -> Any:

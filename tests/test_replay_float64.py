@@ -1,0 +1,142 @@
+"""An independent float64 replay of Algorithm 1 (section 4 of the paper) against the trainer.
+
+The replay recomputes every step from the paper's lines, with plain tensors and no trainer
+code: B_c^t (line 3) and B_k^t (line 5) from the same seeded draws, h_k(w_t; B_k^t) and the
+previous-iterate value h_k(w_{t-1}; B_k^t) on the same rows, the MSVR update (line 6), the
+penalty weight at u_k^t (line 9, chained through ``outer'`` for a compositional constraint)
+and the SGD step along G_1 + G_2 (line 10). In float64 the trainer must match it to 1e-12 in
+the parameters AND the estimators: the estimators are kept in the run's precision.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments, Constraint
+from hf_constrained.sampling import ConstraintBatchStream, ConstraintSampler
+
+SEED, M, SAMPLED, B = 0, 4, 3, 8  # B > 6: every batch of the 12 gap rows (6 per group) has both groups
+GAMMA, GAMMA_PRIME, BETA, LR, STEPS = 0.5, 0.3, 2.0, 0.3, 7
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin1, self.lin2 = nn.Linear(3, 6), nn.Linear(6, 2)
+        self.double()
+
+    def forward(self, x, labels=None, **_):
+        logits = self.lin2(torch.tanh(self.lin1(x.double())))
+        return {"loss": None if labels is None else nn.functional.cross_entropy(logits, labels), "logits": logits}
+
+
+class Rows(torch.utils.data.Dataset):
+    def __init__(self, n: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        # float32-representable inputs: every collate path (float32 or float64) gives the same numbers
+        self.x = torch.randn(n, 3, generator=g).double()
+        self.y = (self.x[:, 0] + 0.3 * torch.randn(n, generator=g).double() > 0).long()
+        self.g = torch.arange(n) % 2
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"x": self.x[i], "labels": self.y[i], "g": self.g[i]}
+
+
+def row_ce(model, batch):
+    return nn.functional.cross_entropy(model(batch["x"])["logits"], batch["labels"], reduction="none")
+
+
+def scalar_ce(model, batch):
+    return row_ce(model, batch).mean()
+
+
+def weight_norm(model, batch):
+    return 0.1 * (model.lin1.weight ** 2).sum()
+
+
+def constraints(data: list[Rows]) -> list[Constraint]:
+    return [
+        Constraint("ce_a", row_fn=row_ce, dataset=data[0], tolerance=0.3),
+        Constraint("ce_b", fn=scalar_ce, dataset=data[1], tolerance=0.1),  # the scalar path
+        Constraint("gap", row_fn=row_ce, dataset=data[2], tolerance=0.01, group_key="g", outer=torch.abs),
+        Constraint("norm", fn=weight_norm, tolerance=0.05),  # data-free
+    ]
+
+
+def h_value(k: int, model: nn.Module, data: list[Rows], rows: list[int]) -> torch.Tensor:
+    """The inner value h_k(w; B) of constraint k on ``rows``, written out."""
+    if k == 3:
+        return weight_norm(model, None)
+    d = data[k]
+    ce = nn.functional.cross_entropy(model(d.x[rows])["logits"], d.y[rows], reduction="none")
+    if k == 2:
+        g = d.g[rows]
+        return ce[g == 0].mean() - ce[g == 1].mean()
+    return ce.mean()
+
+
+def replay(model: nn.Module, train: Rows, data: list[Rows], tolerances: list[float], penalty: str):
+    sampler = ConstraintSampler(M, SAMPLED, SEED)
+    streams = [ConstraintBatchStream(len(d), SEED, k) for k, d in enumerate(data)]
+    u = torch.zeros(M, dtype=torch.float64)
+    visited = torch.zeros(M, dtype=torch.bool)
+    previous_model = None
+    params = list(model.parameters())
+    for t in range(STEPS):
+        ids = sampler.sample(t).tolist()                                       # line 3
+        rows = {k: streams[k].next_indices(B) for k in ids if k < 3}           # line 5
+        loss = nn.functional.cross_entropy(model(train.x)["logits"], train.y)  # F on the full batch
+        penalty_loss = 0.0
+        for k in ids:
+            h = h_value(k, model, data, rows.get(k))
+            cur = h.detach()
+            prev = cur if previous_model is None else h_value(k, previous_model, data, rows.get(k)).detach()
+            u_t = u[k].clone() if visited[k] else cur                           # u_k^t (first visit: h)
+            u[k] = (1 - GAMMA) * u[k] + GAMMA * cur + GAMMA_PRIME * (cur - prev) if visited[k] else cur  # line 6
+            visited[k] = True
+            x = u_t.clone().requires_grad_(True)
+            inner = torch.abs(x) if k == 2 else x
+            (slope,) = torch.autograd.grad(inner, x)
+            violation = inner.detach() - tolerances[k]
+            weight = BETA * (violation > 0).double() if penalty == "hinge" else BETA * violation.clamp(min=0)
+            penalty_loss = penalty_loss + weight * slope * h                    # line 9: G_2
+        total = loss + penalty_loss / len(ids)
+        grads = torch.autograd.grad(total, params)
+        previous_model = copy.deepcopy(model)                                   # w_t for step t+1's line 6
+        with torch.no_grad():
+            for p, g in zip(params, grads):
+                p -= LR * g                                                     # line 10 (SGD)
+    return u, visited
+
+
+@pytest.mark.parametrize("penalty", ["hinge", "squared_hinge"])
+def test_trainer_matches_an_independent_float64_replay_of_algorithm_1(tmp_path, penalty):
+    train = Rows(16, 10)
+    data = [Rows(11, 11), Rows(9, 12), Rows(12, 13)]
+    cons = constraints(data)
+    args = ConstrainedTrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=16, learning_rate=LR, optim="sgd", weight_decay=0.0,
+        max_grad_norm=0.0, lr_scheduler_type="constant", max_steps=STEPS, report_to=[], save_strategy="no",
+        disable_tqdm=True, use_cpu=True, seed=SEED, logging_strategy="no", constraint_penalty=penalty,
+        penalty_beta=BETA, msvr_gamma=GAMMA, msvr_gamma_prime=str(GAMMA_PRIME), constraints_per_step=SAMPLED,
+        constraint_batch_size=B)
+    trainer = ConstrainedTrainer(model=Net(), args=args, train_dataset=train, constraints=cons)
+    trainer.train()
+
+    model = Net()
+    u, visited = replay(model, train, data, [c.tolerance for c in cons], penalty)
+    assert trainer.estimator.values.dtype == torch.float64
+    assert torch.equal(trainer.estimator.visited.cpu(), visited)
+    assert (trainer.estimator.values.cpu() - u).abs().max().item() < 1e-12, (trainer.estimator.values, u)
+    for (name, p), q in zip(trainer.model.named_parameters(), model.parameters()):
+        assert (p.detach().cpu() - q.detach()).abs().max().item() < 1e-12, name
+    # not vacuous: the penalty moved the parameters away from the unconstrained run
+    assert visited.all()
