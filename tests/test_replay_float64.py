@@ -140,3 +140,88 @@ def test_trainer_matches_an_independent_float64_replay_of_algorithm_1(tmp_path, 
         assert (p.detach().cpu() - q.detach()).abs().max().item() < 1e-12, name
     # not vacuous: the penalty moved the parameters away from the unconstrained run
     assert visited.all()
+
+
+def test_contrastive_trainer_matches_an_independent_float64_replay_of_algorithm_2(tmp_path):
+    """Setting II (Appendix E, Algorithm 2): one MSVR estimator u_{1,i} per training sample and
+    side tracks g_i(w) = mean_j exp(d_ij / t) (line 6, the previous-iterate value on the same
+    batch), and G_1 = mean_i mean_j sg(exp(d_ij / t) / u_i^t) grad d_ij (line 9). The replay
+    takes the batches the trainer drew and recomputes everything else in float64."""
+    from clip_synthetic import tiny_contrastive_setup
+    from hf_constrained.clip import ContrastiveConstrainedTrainer
+    from hf_constrained.clip.data import CLIPCollator
+
+    temperature, gamma, gamma_prime, lr, steps = 0.05, 0.8, 0.1, 0.5, 5  # 5 of the epoch's 6 batches
+    tok, model, rows = tiny_contrastive_setup(48)
+    model = model.double()
+    start = copy.deepcopy(model)
+    args = ConstrainedTrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=8, learning_rate=lr, optim="sgd", weight_decay=0.0,
+        max_grad_norm=0.0, lr_scheduler_type="constant", max_steps=steps, report_to=[], save_strategy="no",
+        disable_tqdm=True, use_cpu=True, seed=SEED, logging_strategy="no", constraint_penalty="none",
+        objective_msvr_gamma=gamma, objective_msvr_gamma_prime=str(gamma_prime))
+    trainer = ContrastiveConstrainedTrainer(model=model, args=args, train_dataset=rows,
+                                            data_collator=CLIPCollator(tokenizer=tok),
+                                            contrastive_temperature=temperature)
+    batches: list[dict] = []
+    objective = trainer.compute_objective_loss
+
+    def recorded(model, inputs, **kw):
+        batches.append({k: v.detach().clone() for k, v in inputs.items()})
+        return objective(model, inputs, **kw)
+
+    trainer.compute_objective_loss = recorded
+    trainer.train()
+    assert len(batches) == steps
+
+    def differences(net, batch):
+        out = net(pixel_values=batch["pixel_values"].double(), input_ids=batch["input_ids"],
+                  attention_mask=batch.get("attention_mask"))
+        image = nn.functional.normalize(out.image_embeds, dim=-1)
+        text = nn.functional.normalize(out.text_embeds, dim=-1)
+        pos = batch["is_positive"].bool()
+        sim = image @ text.T
+        own = sim.diagonal()[pos]
+        return {"image": sim[pos][:, ~pos] - own[:, None], "text": sim[~pos][:, pos].T - own[:, None]}, \
+            batch["sample_index"][pos]
+
+    n = len(rows)
+    u = {side: torch.zeros(n, dtype=torch.float64) for side in ("image", "text")}
+    visited = {side: torch.zeros(n, dtype=torch.bool) for side in ("image", "text")}
+    net, previous_net = start, None
+    params = list(net.parameters())
+    for t, batch in enumerate(batches):
+        d, index = differences(net, batch)
+        if index.numel() == 0 or d["image"].shape[1] == 0:
+            previous_net = copy.deepcopy(net)
+            continue  # nothing to contrast: no update, no gradient
+        prev_d = None
+        if previous_net is not None:
+            with torch.no_grad():
+                prev_d, _ = differences(previous_net, batch)
+        surrogate = 0.0
+        for side in ("image", "text"):
+            g = torch.exp(d[side].detach() / temperature).mean(dim=1)                 # g_i(w_t; B^t)
+            prev = g if prev_d is None else torch.exp(prev_d[side] / temperature).mean(dim=1)
+            seen = visited[side][index]
+            u_t = torch.where(seen, u[side][index], g)
+            u_t = torch.where(u_t > 0, u_t, g)
+            u[side][index] = torch.where(seen, (1 - gamma) * u[side][index] + gamma * g + gamma_prime * (g - prev), g)
+            visited[side][index] = True                                                  # line 6
+            weight = torch.exp(d[side].detach() / temperature) / u_t[:, None]           # line 9
+            surrogate = surrogate + (weight * d[side]).mean(dim=1).mean()
+        grads = torch.autograd.grad(surrogate, params, allow_unused=True)
+        previous_net = copy.deepcopy(net)
+        with torch.no_grad():
+            for p, g in zip(params, grads):
+                if g is not None:
+                    p -= lr * g
+
+    for side in ("image", "text"):
+        est = trainer.objective_estimators[side]
+        assert est.values.dtype == torch.float64
+        assert torch.equal(est.visited.cpu(), visited[side])
+        assert visited[side].any()
+        assert (est.values.cpu() - u[side]).abs().max().item() < 1e-12, side
+    for (name, p), q in zip(trainer.model.named_parameters(), net.parameters()):
+        assert (p.detach().cpu() - q.detach()).abs().max().item() < 1e-12, name
