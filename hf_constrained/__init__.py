@@ -18,13 +18,14 @@ from .lazy_import import lazy_attributes
 
 if TYPE_CHECKING:  # pragma: no cover
     from .config import ConstrainedTrainingArguments
-    from .constraint import Constraint, collate_examples, constraints_per_value
-    from .estimators import MSVREstimator, resolve_gamma_prime, theory_gamma_prime
-    from .penalties import HingePenalty, NoPenalty, Penalty, SquaredHingePenalty, make_penalty
+    from .batches import collate_examples
+    from .constraint import Constraint, constraints_per_value
+    from .method.estimators import MSVREstimator, resolve_gamma_prime, theory_gamma_prime
+    from .method.penalties import HingePenalty, NoPenalty, Penalty, SquaredHingePenalty, make_penalty
     from .safety.evaluation import build_safety_report
     from .safety.finish import finish_run
     from .safety.report import SafetyReport, UnsafeModelError
-    from .sampling import ConstraintBatchStream, ConstraintSampler
+    from .method.sampling import ConstraintBatchStream, ConstraintSampler
     from .trainer import CONSTRAINT_STATE_NAME, ConstrainedTrainer, ConstraintValueError
 
 __version__ = "0.1.0"
@@ -33,25 +34,25 @@ __version__ = "0.1.0"
 _LAZY = {
     "ConstrainedTrainingArguments": ".config",
     "Constraint": ".constraint",
-    "collate_examples": ".constraint",
+    "collate_examples": ".batches",
     "constraints_per_value": ".constraint",
-    "MSVREstimator": ".estimators",
-    "resolve_gamma_prime": ".estimators",
-    "theory_gamma_prime": ".estimators",
-    "HingePenalty": ".penalties",
-    "NoPenalty": ".penalties",
-    "Penalty": ".penalties",
-    "SquaredHingePenalty": ".penalties",
-    "make_penalty": ".penalties",
+    "MSVREstimator": ".method.estimators",
+    "resolve_gamma_prime": ".method.estimators",
+    "theory_gamma_prime": ".method.estimators",
+    "HingePenalty": ".method.penalties",
+    "NoPenalty": ".method.penalties",
+    "Penalty": ".method.penalties",
+    "SquaredHingePenalty": ".method.penalties",
+    "make_penalty": ".method.penalties",
     "build_safety_report": ".safety.evaluation",
     "finish_run": ".safety.finish",
     "SafetyReport": ".safety.report",
     "UnsafeModelError": ".safety.report",
-    "ConstraintBatchStream": ".sampling",
-    "ConstraintSampler": ".sampling",
+    "ConstraintBatchStream": ".method.sampling",
+    "ConstraintSampler": ".method.sampling",
     "CONSTRAINT_STATE_NAME": ".trainer",
     "ConstrainedTrainer": ".trainer",
-    "ConstraintValueError": ".trainer",
+    "ConstraintValueError": ".constraint",
 }
 
 

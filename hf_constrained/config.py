@@ -9,11 +9,7 @@ from typing import Optional, Union
 
 from transformers import TrainingArguments
 
-from .penalties import PENALTIES
-
-LOOKAHEAD_PLACEMENTS = ("after_backward", "before_backward", "in_call")
-"""Where the trainer computes the MSVR look-ahead (``lookahead_placement``)."""
-
+from .method.penalties import PENALTIES
 
 @dataclass
 class ConstrainedTrainingArguments(TrainingArguments):
@@ -90,23 +86,6 @@ class ConstrainedTrainingArguments(TrainingArguments):
                   "draw ONE batch per step from one stream and are scored once (e.g. every TPR constraint on one "
                   "batch of positives). A different sampling: their batches are no longer independent."},
     )
-    lookahead_placement: str = field(
-        default="after_backward",
-        metadata={"help": "When the MSVR look-ahead h_k(w_t; B_k^(t+1)) (gamma' > 0, Algorithm 1, line 6) is computed, "
-                  "always at the step's parameters w_t: 'after_backward' (a no-grad call after the step's backward, "
-                  "when the step's activations are freed: lower peak memory), 'before_backward' (right after the "
-                  "constraint call, inside the loss) or 'in_call' (the look-ahead rows ride in the step's row_fn "
-                  "call with grad, their outputs detached: one model call fewer per group, but the backward runs "
-                  "over those rows too).",
-                  "choices": list(LOOKAHEAD_PLACEMENTS)},
-    )
-    share_objective_call: bool = field(
-        default=False,
-        metadata={"help": "Compute the objective and the row-wise constraint group whose row_fn supports it "
-                  "(an objective_with_rows method, or a trainer that overrides objective_with_rows) in ONE model "
-                  "call on the concatenated inputs. Refused for models with BatchNorm (concatenating batches "
-                  "changes its batch statistics)."},
-    )
     constraint_confidence: Optional[float] = field(
         default=None,
         metadata={"help": "Calibrated constraints: enforce h_k <= tol_k with the margin z_c * s_k / sqrt(|D_k|) "
@@ -136,9 +115,13 @@ class ConstrainedTrainingArguments(TrainingArguments):
                 raise ValueError(f"{name} must be in (0, 1], got {value}")
         for name in ("msvr_gamma_prime", "objective_msvr_gamma_prime"):
             setattr(self, name, _parse_gamma_prime(name, getattr(self, name)))
-        if self.lookahead_placement not in LOOKAHEAD_PLACEMENTS:
-            raise ValueError(f"lookahead_placement must be one of {list(LOOKAHEAD_PLACEMENTS)}, "
-                             f"got {self.lookahead_placement!r}")
+        if self.constraint_confidence is not None and self.constraint_margin is not None:
+            raise ValueError("give constraint_confidence or constraint_margin, not both")
+        if self.constraint_confidence is not None and not 0.5 <= float(self.constraint_confidence) < 1.0:
+            raise ValueError(f"constraint_confidence must be in [0.5, 1), got {self.constraint_confidence}")
+        if self.constraint_margin is not None and not (math.isfinite(float(self.constraint_margin))
+                                                       and float(self.constraint_margin) >= 0):
+            raise ValueError(f"constraint_margin must be a finite number >= 0, got {self.constraint_margin}")
         if self.max_steps == 0:
             # the Trainer checks its bound after a step: max_steps=0 would train one step
             raise ValueError("max_steps=0 trains nothing; give max_steps >= 1, or -1 (the default) to train "
@@ -192,6 +175,6 @@ def _check_types(args: ConstrainedTrainingArguments) -> None:
             continue
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
-    for name in ("check_constraint_finite", "share_objective_call"):
+    for name in ("check_constraint_finite", "share_constraint_batches"):
         if not isinstance(getattr(args, name), bool):
             raise TypeError(f"{name} must be True or False, got {getattr(args, name)!r}")

@@ -133,7 +133,7 @@ def test_msvr_update_of_per_sample_estimators(tiny, tmp_path):
     trainer = _trainer(tiny, tmp_path, objective_msvr_gamma=0.5, objective_msvr_gamma_prime=0.25)
     batch = CLIPCollator(tokenizer=tok)([data[i] for i in range(8)])
     est = trainer.objective_estimators["image"]
-    trainer._in_training_step = True
+    trainer.in_training_step = True
     with torch.no_grad():
         terms, index = trainer._global_terms(model, batch)
     est.values[index] = 2.0

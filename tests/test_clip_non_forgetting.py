@@ -5,6 +5,8 @@ import copy
 import pytest
 import torch
 
+from hf_constrained.batches import collate_examples
+
 from hf_constrained.clip import (
     CLIPWithClassTextHeads,
     NonForgettingConstraint,
@@ -64,7 +66,7 @@ def test_constraint_is_new_minus_old_loss_on_the_same_samples(setup):
     (c,) = non_forgetting_constraints(model, loss, {"clear": data}, collate, batch_size=5)
     assert isinstance(c, NonForgettingConstraint) and c.name == "non_forgetting/clear"
     rows = [2, 7, 11]
-    batch = c.collate([c.dataset[i] for i in rows])
+    batch = (c.collate_fn or collate_examples)([c.dataset[i] for i in rows])
     with torch.no_grad():
         assert abs(float(c.fn(model, batch))) < 1e-5  # the old model itself: h = 0
         new = _perturbed(model)

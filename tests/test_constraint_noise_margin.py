@@ -18,7 +18,7 @@ import torch
 from scipy.stats import norm
 
 from hf_constrained import ConstrainedTrainer, Constraint, constraints_per_value
-from hf_constrained.trainer import SPREAD_DECAY
+from hf_constrained.method.margins import SPREAD_DECAY
 
 from test_fused_step import Net64, make_args, make_data, per_row_ce
 
@@ -26,7 +26,7 @@ from test_fused_step import Net64, make_args, make_data, per_row_ce
 def recording(outputs: list, holder: dict):
     def row_fn(model, batch):
         out = per_row_ce(model, batch)
-        if holder["trainer"]._in_training_step and torch.is_grad_enabled():
+        if holder["trainer"].in_training_step and torch.is_grad_enabled():
             outputs.append(out.detach().numpy().copy())
         return out
     return row_fn

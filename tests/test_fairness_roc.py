@@ -7,6 +7,8 @@ import sys
 import numpy as np
 import pytest
 import torch
+
+from hf_constrained.batches import collate_examples
 from transformers import AutoModel
 
 from hf_constrained import ConstrainedTrainingArguments
@@ -101,7 +103,7 @@ def test_paired_batches_hold_both_groups_and_labels(splits):
         data = c.dataset
         assert set(train.group[data.rows_a]) == {1} and set(train.group[data.rows_b]) == {0}
         assert set(train.label[data.rows_a]) == {y} and set(train.label[data.rows_b]) == {y}
-        batch = c.collate([data[j] for j in range(len(data) - 5, len(data))] + [data[0]])
+        batch = (c.collate_fn or collate_examples)([data[j] for j in range(len(data) - 5, len(data))] + [data[0]])
         assert batch["inputs"].shape == (12, 4) and batch["roc_group"].tolist() == [0, 1] * 6
     obj = objective_pairs(train)
     rows = obj.batch(list(range(7)))

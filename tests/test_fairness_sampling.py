@@ -5,6 +5,8 @@ import numpy as np
 import pytest
 import torch
 
+from hf_constrained.batches import collate_examples
+
 from hf_constrained import ConstrainedTrainingArguments
 from hf_constrained.fairness import (
     GROUP_KEY,
@@ -20,7 +22,7 @@ from hf_constrained.fairness import (
     roc_fairness_constraints,
     roc_row_scores,
 )
-from hf_constrained.sampling import ConstraintBatchStream
+from hf_constrained.method.sampling import ConstraintBatchStream
 
 THRESHOLDS = (-1.0, 0.0, 1.0)
 
@@ -98,7 +100,7 @@ def test_constraint_batches_visit_both_groups_uniformly():
     p_seen, u_seen = [], []
     for step in range(40):
         for k, c in enumerate(tpr):  # as the trainer draws: one stream per constraint
-            batch = c.collate([c.dataset[i] for i in streams[k].next_indices(10)])
+            batch = (c.collate_fn or collate_examples)([c.dataset[i] for i in streams[k].next_indices(10)])
             rows = np.concatenate(train.fetched[-1:])
             g = batch[GROUP_KEY].numpy()
             assert batch["inputs"].shape == (20, 3) and g.tolist() == [0, 1] * 10
@@ -127,7 +129,7 @@ def test_expected_batch_gap_equals_exact_gap():
         with torch.no_grad():  # the constraint's own mini-batch value agrees with the rows it drew
             for _ in range(5):
                 train.fetched = []
-                batch = c.collate([data[i] for i in stream.next_indices(8)])
+                batch = (c.collate_fn or collate_examples)([data[i] for i in stream.next_indices(8)])
                 rows, g = train.fetched[-1], batch[GROUP_KEY].numpy()
                 assert float(c.fn(model, batch)) == pytest.approx(r[rows][g == 0].mean() - r[rows][g == 1].mean(),
                                                                   rel=1e-5, abs=1e-7)

@@ -1,4 +1,4 @@
-"""The fused constraint step (hf_constrained.fused) against the per-constraint step.
+"""The fused constraint step (hf_constrained.method.rows) against the per-constraint step.
 
 The same constraints are declared twice: row-wise (one shared ``row_fn``: the trainer
 evaluates every sampled constraint of the group in one model call, per-constraint values
@@ -19,7 +19,8 @@ import torch
 from datasets import Dataset
 from torch import nn
 
-import hf_constrained.fused as fused_module
+import hf_constrained.batches as batches_module
+from hf_constrained.batches import collate_examples
 from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments, Constraint, constraints_per_value
 
 
@@ -95,7 +96,7 @@ def run(tmp_path, name: str, constraints: list[Constraint], holder: dict | None 
 
 def count_calls(fn, calls: list, holder: dict):
     def counted(model, batch):
-        if holder["trainer"]._in_training_step:  # not the preflight check before training
+        if holder["trainer"].in_training_step:  # not the preflight check before training
             calls.append((len(batch["sample_index"]), torch.is_grad_enabled()))
         return fn(model, batch)
     return counted
@@ -117,22 +118,22 @@ def test_fused_step_equals_per_constraint_step(tmp_path, monkeypatch, accumulati
     reference_cons = [scalar_twin(c) for c in rowwise_constraints(data, gap_rows)]
     fast_reads: list = []
     if torch_format:
-        original = fused_module._torch_batch_read
+        original = batches_module._column_read
 
         def counted(units, collate):
             batch = original(units, collate)
             fast_reads.append(batch is not None)
             return batch
 
-        monkeypatch.setattr(fused_module, "_torch_batch_read", counted)
+        monkeypatch.setattr(batches_module, "_column_read", counted)
     kw = dict(gradient_accumulation_steps=accumulation, per_device_train_batch_size=16 // accumulation)
     fused = run(tmp_path, f"fused{accumulation}{torch_format}", fused_cons, holder, **kw)
     reference = run(tmp_path, f"ref{accumulation}{torch_format}", reference_cons, **kw)
 
-    assert len(fused._row_groups) == 1 and len(fused._row_groups[0].members) == 5
+    assert len(fused.engine.values.row_groups) == 1 and len(fused.engine.values.row_groups[0].members) == 5
     if torch_format:  # the column-batch read was taken, every step and look-ahead
         assert len(fast_reads) >= 8 and all(fast_reads)
-    assert reference._row_groups == []
+    assert reference.engine.values.row_groups == []
     # one row_fn call with grad and one without (the look-ahead) per step, on all sampled rows at once
     grad_calls = [n for n, g in calls if g]
     assert len(grad_calls) == 8 and len([n for n, g in calls if not g]) == 8
@@ -140,14 +141,14 @@ def test_fused_step_equals_per_constraint_step(tmp_path, monkeypatch, accumulati
     for name, p in reference.model.named_parameters():
         q = dict(fused.model.named_parameters())[name]
         torch.testing.assert_close(q, p, rtol=1e-12, atol=1e-13, msg=lambda m, n=name: f"{n}: {m}")
-    assert torch.equal(fused.estimator.visited, reference.estimator.visited)
-    torch.testing.assert_close(fused.estimator.values, reference.estimator.values, rtol=1e-6, atol=1e-7)
+    assert torch.equal(fused.engine.estimator.visited, reference.engine.estimator.visited)
+    torch.testing.assert_close(fused.engine.estimator.values, reference.engine.estimator.values, rtol=1e-6, atol=1e-7)
     def streams(t):
-        return [None if s is None else s.state_dict() for s in t.streams]
+        return [None if s is None else s.state_dict() for s in t.engine.streams]
 
     assert streams(fused) == streams(reference)
-    assert fused._next_draw.sample_indices == reference._next_draw.sample_indices
-    torch.testing.assert_close(fused._next_draw.previous, reference._next_draw.previous, rtol=1e-6, atol=1e-7)
+    assert fused.engine.next_draw.sample_indices == reference.engine.next_draw.sample_indices
+    torch.testing.assert_close(fused.engine.next_draw.previous, reference.engine.next_draw.previous, rtol=1e-6, atol=1e-7)
     # the comparison is not vacuous: the penalty moved the parameters
     plain = run(tmp_path, f"plain{accumulation}{torch_format}", rowwise_constraints(data), constraint_penalty="none",
                 **kw)
@@ -163,13 +164,13 @@ def test_fused_values_are_segment_means_of_the_rows(tmp_path):
     cons = rowwise_constraints(data)
     trainer = ConstrainedTrainer(model=Net64(), args=make_args(tmp_path, "direct", constraints_per_step=6),
                                  train_dataset=make_data(16, 1), constraints=cons)
-    draw = trainer._draw(0)
+    draw = trainer.engine.draw(0)
     with torch.no_grad():
-        _, current, stats = trainer._evaluate_draw(trainer.model, draw, need_grad=False)
+        _, current, stats = trainer.engine.values.evaluate(trainer.model, draw, need_grad=False)
         for p, k in enumerate(draw.constraint_ids.tolist()):
             c = cons[k]
             rows = draw.sample_indices[p]
-            batch = c.collate([c.dataset[i] for i in rows]) if rows is not None else None
+            batch = (c.collate_fn or collate_examples)([c.dataset[i] for i in rows]) if rows is not None else None
             direct = c.fn(trainer.model, batch)
             # the scalar path keeps its float32 values (as before the fused step)
             assert abs(float(current[p]) - float(direct)) < (1e-12 if c.rowwise else 1e-7), c.name
@@ -181,7 +182,7 @@ def test_row_fn_output_errors_name_the_constraints(tmp_path):
     trainer = ConstrainedTrainer(model=Net64(), args=make_args(tmp_path, "bad"), train_dataset=make_data(16, 1),
                                  constraints=bad)
     with pytest.raises(Exception, match="cls=0"):
-        trainer._evaluate_draw(trainer.model, trainer._draw(0), need_grad=True)
+        trainer.engine.values.evaluate(trainer.model, trainer.engine.draw(0), need_grad=True)
 
 
 def test_non_finite_look_ahead_is_an_error_naming_constraint_and_step(tmp_path):
@@ -264,19 +265,19 @@ def test_shared_constraint_batches_score_one_batch_per_step(tmp_path, share):
     grad_rows = [n for n, g in calls if g]
     assert len(grad_rows) == 4
     assert grad_rows == ([8] * 4 if share else [24] * 4)  # one batch for the three, or one each
-    positions = [s.state_dict()["position"] + 50 * s.state_dict()["epoch"] for s in trainer.streams]
+    positions = [s.state_dict()["position"] + 50 * s.state_dict()["epoch"] for s in trainer.engine.streams]
     # 5 draws of 8 rows (steps 0-3 and step 4's, drawn early for the look-ahead); shared: only the
     # first constraint's stream moved
     assert positions == ([40, 0, 0] if share else [40, 40, 40])
     # each constraint's value is its transform's mean over the ONE shared batch
-    draw = trainer._draw(99)
+    draw = trainer.engine.draw(99)
     if share:
         assert draw.sample_indices[0] is draw.sample_indices[1] is draw.sample_indices[2]
     with torch.no_grad():
-        _, current, _ = trainer._evaluate_draw(trainer.model, draw, need_grad=False)
+        _, current, _ = trainer.engine.values.evaluate(trainer.model, draw, need_grad=False)
         for p, c in enumerate(cons):
             rows = draw.sample_indices[p]
-            batch = c.collate([data[i] for i in rows])
+            batch = (c.collate_fn or collate_examples)([data[i] for i in rows])
             direct = torch.sigmoid(score_rows(trainer.model, batch) - [-1.0, 0.0, 1.0][p]).mean()
             assert abs(float(current[p]) - float(direct)) < 1e-12
 
@@ -294,7 +295,7 @@ def test_constraint_batches_use_the_trainers_data_collator(tmp_path):
     cons = constraints_per_value(data, "cls", row_fn=per_row_ce, tolerance=0.3)
     trainer = ConstrainedTrainer(model=Net64(), args=make_args(tmp_path, "coll", max_steps=2), data_collator=collator,
                                  train_dataset=make_data(16, 1).remove_columns(["g", "cls"]), constraints=cons)
-    assert all(trainer._collate_of(c) is collator for c in cons)
+    assert all(trainer.batches.collate_of(c) is collator for c in cons)
     seen.clear()
     trainer.train()
     assert 24 in seen  # a fused constraint batch: 3 constraints x 8 rows in one collate call
@@ -376,8 +377,6 @@ def test_a_batch_without_one_group_is_the_same_error_in_every_path(tmp_path):
     match = r"constraint 'gap'.* both groups of 'g'"
     with pytest.raises(EmptyGroupError, match=match):  # the fused step
         trainer.train()
-    from hf_constrained.constraint import collate_examples
-
     batch = collate_examples([data[i] for i in range(2, 6)])
     with pytest.raises(EmptyGroupError, match=match):  # the scalar form
         gap.fn(trainer.model, batch)

@@ -13,7 +13,7 @@ import torch
 from scipy.stats import norm
 
 from hf_constrained import ConstrainedTrainer, Constraint, constraints_per_value
-from hf_constrained.trainer import SPREAD_DECAY
+from hf_constrained.method.margins import SPREAD_DECAY
 
 from test_constraint_noise_margin import recording
 from test_fused_step import Net64, make_args, make_data, per_row_ce

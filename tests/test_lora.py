@@ -54,7 +54,7 @@ def test_lora_trains_adapters_only(straight_run):
         assert torch.equal(p, base0[n]), f"base weight {n} changed"
     changed = [n for n, p in _adapters(model).items() if not torch.equal(p, lora0[n])]
     assert len(changed) == len(lora0), f"adapters that did not move: {sorted(set(lora0) - set(changed))}"
-    assert bool(trainer.estimator.visited.all())
+    assert bool(trainer.engine.estimator.visited.all())
 
 
 def test_lora_penalty_moves_the_adapters(straight_run, tmp_path):

@@ -5,6 +5,8 @@ import copy
 
 import pytest
 import torch
+
+from hf_constrained.batches import collate_examples
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, BertConfig
 
@@ -120,7 +122,7 @@ def test_constraints_share_one_row_function_and_measure_new_minus_old(causal_lm,
     assert constraints[1].tolerance == pytest.approx(0.5 * float(old[4:].mean()), rel=1e-5)
 
     c = constraints[1]
-    batch = c.collate([c.dataset[i] for i in [0, 2, 3]])
+    batch = (c.collate_fn or collate_examples)([c.dataset[i] for i in [0, 2, 3]])
     torch.testing.assert_close(batch["reference_loss"], old[[4, 6, 7]], rtol=1e-5, atol=1e-5)
     new = _perturbed(causal_lm)
     with torch.no_grad():

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments, Constraint
-from hf_constrained.sampling import ConstraintBatchStream, ConstraintSampler
+from hf_constrained.method.sampling import ConstraintBatchStream, ConstraintSampler
 
 SEED, M, SAMPLED, B = 0, 4, 3, 8  # B > 6: every batch of the 12 gap rows (6 per group) has both groups
 GAMMA, GAMMA_PRIME, BETA, LR, STEPS = 0.5, 0.3, 2.0, 0.3, 7
@@ -133,9 +133,9 @@ def test_trainer_matches_an_independent_float64_replay_of_algorithm_1(tmp_path, 
 
     model = Net()
     u, visited = replay(model, train, data, [c.tolerance for c in cons], penalty)
-    assert trainer.estimator.values.dtype == torch.float64
-    assert torch.equal(trainer.estimator.visited.cpu(), visited)
-    assert (trainer.estimator.values.cpu() - u).abs().max().item() < 1e-12, (trainer.estimator.values, u)
+    assert trainer.engine.estimator.values.dtype == torch.float64
+    assert torch.equal(trainer.engine.estimator.visited.cpu(), visited)
+    assert (trainer.engine.estimator.values.cpu() - u).abs().max().item() < 1e-12, (trainer.engine.estimator.values, u)
     for (name, p), q in zip(trainer.model.named_parameters(), model.parameters()):
         assert (p.detach().cpu() - q.detach()).abs().max().item() < 1e-12, name
     # not vacuous: the penalty moved the parameters away from the unconstrained run

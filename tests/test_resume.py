@@ -77,11 +77,11 @@ def test_resume_continues_the_checkpoints_sampling_sequence(tmp_path):
     stopped.train()
     resumed = make_trainer(str(tmp_path / "resumed"), constraint_seed=99, **common)
     resumed.train(resume_from_checkpoint=str(tmp_path / "stopped" / "checkpoint-3"))
-    assert resumed.sampler.seed == straight.sampler.seed
+    assert resumed.engine.sampler.seed == straight.engine.sampler.seed
     _assert_same(snapshot(straight), snapshot(resumed))
     # and the resumed run's own checkpoint records the sequence it actually followed
     saved = torch.load(tmp_path / "resumed" / "checkpoint-6" / CONSTRAINT_STATE_NAME, weights_only=False)
-    assert saved["sampling_seed"] == straight.sampler.seed
+    assert saved["sampling_seed"] == straight.engine.sampler.seed
 
 
 def test_per_sample_estimators_saved_and_restored_without_constraints(tmp_path):

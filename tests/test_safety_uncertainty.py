@@ -15,6 +15,8 @@ from statistics import NormalDist
 import numpy as np
 import pytest
 import torch
+
+from hf_constrained.batches import collate_examples
 from safety_tiny import make_trainer, theta_at
 from test_safety_gate import hub  # noqa: F401 (fixture)
 from test_safety_report import assert_card_matches_report, card_constraint_rows
@@ -40,7 +42,7 @@ class StatsTrainer(ConstrainedTrainer):
                 out[c.name] = ConstraintStatistic(value=float(c.fn(model, None)))
                 continue
             data = c.eval_dataset if split == "eval" and c.eval_dataset is not None else c.dataset
-            rows = [float(c.fn(model, c.collate([data[i]]))) for i in range(len(data))]
+            rows = [float(c.fn(model, (c.collate_fn or collate_examples)([data[i]]))) for i in range(len(data))]
             out[c.name] = constraint_statistic(rows, confidence=confidence)
         return out
 

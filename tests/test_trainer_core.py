@@ -94,7 +94,7 @@ def test_step_matches_independent_algorithm_1(tmp_path):
                 p -= lr * p.grad
         u = u_next
 
-    assert torch.allclose(trainer.estimator.values, u, atol=1e-5)
+    assert torch.allclose(trainer.engine.estimator.values, u, atol=1e-5)
     for p, q in zip(model.parameters(), ref.parameters()):
         assert torch.allclose(p, q, atol=1e-5)
 
@@ -250,7 +250,7 @@ def test_compositional_outer_chains_the_weight(tmp_path):
     kappa = 0.1
     cons = [Constraint(f"c{i}", class_loss, dataset=data, outer=lambda z: z.abs() - kappa) for i in range(3)]
     trainer = ConstrainedTrainer(model=TinyNet(), args=make_args(tmp_path), train_dataset=data, constraints=cons)
-    h, slope = trainer._outer(torch.arange(3), torch.tensor([-0.5, 0.05, 0.3]))
+    h, slope = trainer.engine.violations(torch.arange(3), torch.tensor([-0.5, 0.05, 0.3]))
     assert h.tolist() == pytest.approx([0.4, -0.05, 0.2])
     assert slope.tolist() == [-1.0, 1.0, 1.0]
     weights = trainer.penalty.weight(h) * slope

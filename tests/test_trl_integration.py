@@ -10,6 +10,8 @@ import sys
 
 import pytest
 import torch
+
+from hf_constrained.batches import collate_examples
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -104,12 +106,12 @@ def test_loss_is_the_sft_objective_plus_the_hinge_penalty(setup, tmp_path):
     new.eval()  # no dropout: the three forward passes below must see the same function
     sft = trl.SFTTrainer.compute_loss(trainer, new, dict(batch)).detach()
     # the constraint batch is the whole protected set (6 rows), so h(w; B) is its exact value
-    h = c.fn(new, trainer._prepare_input(c.collate([c.dataset[i] for i in range(len(c.dataset))]))).detach()
-    trainer._in_training_step, trainer.current_gradient_accumulation_steps = True, 1  # as inside train()
+    h = c.fn(new, trainer._prepare_input((c.collate_fn or collate_examples)([c.dataset[i] for i in range(len(c.dataset))]))).detach()
+    trainer.in_training_step, trainer.current_gradient_accumulation_steps = True, 1  # as inside train()
     try:
         total = trainer.compute_loss(new, dict(batch))
     finally:
-        trainer._in_training_step = False
+        trainer.in_training_step = False
     assert total.requires_grad and abs(float(h)) > 1e-3
     torch.testing.assert_close(total.detach(), sft + beta * h, rtol=1e-5, atol=1e-5)
 
@@ -133,7 +135,7 @@ def test_training_with_packing_and_chat_template_keeps_trl_features(setup, tmp_p
     logs = [e for e in trainer.state.log_history if "loss" in e]
     assert logs and all("mean_token_accuracy" in e for e in logs)  # TRL's compute_loss and log ran
     assert all("constraint/penalty_loss" in e for e in logs)  # and so did the constrained step
-    assert bool(trainer.estimator.visited.all())
+    assert bool(trainer.engine.estimator.visited.all())
     report = finish_run(trainer, old_model_values={"non_forgetting/reverse": 0.0}, plots=False)
     assert [r.name for r in report.constraints] == ["non_forgetting/reverse"]
     assert (tmp_path / "safety_report.json").exists() and "non_forgetting/reverse" in (tmp_path / "README.md").read_text()

@@ -1,4 +1,4 @@
-"""The fused constraint step: every sampled row-wise constraint of a group in one model call.
+"""Row-wise constraints: one planner of model calls, one reduction of per-row values.
 
 Algorithm 1 needs, for each sampled constraint k in B_c^t (line 3), the mini-batch value
 h_k(w_t; B_k^t) with grad (lines 5-6, 9) and, when gamma' > 0, the previous-iterate value
@@ -7,7 +7,7 @@ h_k(w_{t-1}; B_k^t) on the same batch (line 6). Constraints declared in the row-
 one collate function form a :class:`RowGroup`. For a group, one step:
 
 1. fetches the rows B_k^t of every sampled member, collates them in ONE call of the shared
-   collate and runs ``row_fn`` ONCE on the concatenation (:func:`collate_units`);
+   collate and runs ``row_fn`` ONCE on the concatenation (:func:`~hf_constrained.batches.collate_units`);
 2. maps each member's slice of the outputs to its per-row values (``row_transform``) and
    reads each row's group (``group_key``: 0/1, else 0);
 3. accumulates per-(constraint, group) sums of the values (with grad) and, detached in
@@ -23,7 +23,8 @@ local sums divided by the global counts (:func:`local_contribution`), so the dat
 gradient average yields exactly the gradient of the global value.
 
 With ``share_constraint_batches`` the members of a group whose ``dataset`` is the same
-object draw ONE batch per step from one stream (a :class:`RowUnit` with several members):
+object draw ONE batch per step from one stream (a :class:`~hf_constrained.batches.RowUnit`
+with several members):
 its rows are collated and scored once and every member's ``row_transform`` is applied to
 the same outputs. That is a different sampling (the members' batches are no longer
 independent), hence opt-in.
@@ -31,16 +32,16 @@ independent), hence opt-in.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, MutableMapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import numpy as np
 import torch
 
-from .constraint import Constraint, RowFn, collate_examples, fetch_rows
-
-Collate = Callable[[Sequence[Any]], Any]
+if TYPE_CHECKING:  # pragma: no cover
+    from ..batches import Collate, RowUnit
+    from ..constraint import Constraint, RowFn
 
 
 @dataclass
@@ -48,22 +49,8 @@ class RowGroup:
     """Row-wise constraints evaluated together: one ``row_fn`` object, one collate function."""
 
     members: list[int]
-    row_fn: RowFn
-    collate: Collate
-
-
-@dataclass
-class RowUnit:
-    """One set of rows of one dataset in a fused call, and the sampled constraints evaluated on them.
-
-    ``positions`` are the constraints' positions in the step's B_c^t (the draw's order);
-    ``rows`` are this process's row indices into ``dataset``.
-    """
-
-    dataset: Any
-    rows: list[int]
-    positions: list[int] = field(default_factory=list)
-    constraints: list[int] = field(default_factory=list)
+    row_fn: "RowFn"
+    collate: "Collate"
 
 
 def same_callable(a: Any, b: Any) -> bool:
@@ -75,132 +62,32 @@ def same_callable(a: Any, b: Any) -> bool:
         return False
 
 
-def plan_row_groups(constraints: Sequence[Constraint], collate_of: Callable[[Constraint], Collate]) -> list[RowGroup]:
-    """Group the row-wise constraints by their shared ``row_fn`` object and collate function.
+def plan_row_groups(constraints: Sequence["Constraint"], collate_of: Callable[["Constraint"], "Collate"],
+                    data_of: Optional[Callable[[int], Any]] = None) -> list[RowGroup]:
+    """Group the row-wise constraints by their shared ``row_fn`` object and collate function
+    (and, with ``data_of``, the same data object: the exact evaluation's passes).
 
     Constraints with one ``row_fn`` but different collate functions cannot be collated in
     one call; they form separate groups (each still one call for its own members).
     """
     groups: list[RowGroup] = []
+    data: list[Any] = []
     for k, c in enumerate(constraints):
         if not c.rowwise:
             continue
         collate = collate_of(c)
-        for g in groups:
-            if g.row_fn is c.row_fn and same_callable(g.collate, collate):
+        own = None if data_of is None else data_of(k)
+        for g, d in zip(groups, data):
+            if g.row_fn is c.row_fn and same_callable(g.collate, collate) and d is own:
                 g.members.append(k)
                 break
         else:
             groups.append(RowGroup([k], c.row_fn, collate))
+            data.append(own)
     return groups
 
 
-ROW_SOURCE_ATTR = "hfc_row_source"
-"""Attribute :func:`~hf_constrained.constraints_per_value` sets on each constraint's subset of a
-``datasets.Dataset``: ``(parent, absolute rows)``, so rows of many constraints drawn from one
-parent are read in ONE ``parent.__getitems__`` call (per-call formatting dominates small reads)."""
-
-
-def row_source(dataset: Any) -> Optional[tuple[Any, Any]]:
-    """``(parent, absolute row of each local row)`` when ``dataset`` is a row subset of ``parent``
-    with the same output format (a ``torch.utils.data.Subset``, or a subset made by
-    ``constraints_per_value``); else ``None``."""
-    source = getattr(dataset, ROW_SOURCE_ATTR, None)
-    if source is not None:
-        parent, rows = source
-        # a format changed on one side since the subset was made: read the subset itself
-        return (parent, rows) if getattr(dataset, "format", None) == getattr(parent, "format", None) else None
-    if isinstance(dataset, torch.utils.data.Subset):
-        return dataset.dataset, dataset.indices
-    if hasattr(dataset, "column_names") and hasattr(dataset, "format"):  # a datasets.Dataset: its own parent
-        return dataset, _IDENTITY
-    return None
-
-
-class _Identity:
-    """Row i of a dataset is row i of itself."""
-
-    def __getitem__(self, i: int) -> int:
-        return i
-
-
-_IDENTITY = _Identity()
-
-
-def fetch_unit_examples(units: Sequence[RowUnit]) -> list[list[Any]]:
-    """The examples of every unit, reading the units that share a parent dataset in one call."""
-    reads: dict[int, tuple[Any, list[int], list[tuple[int, int, int]]]] = {}
-    out: list[Optional[list[Any]]] = [None] * len(units)
-    for u, unit in enumerate(units):
-        source = row_source(unit.dataset)
-        if source is None:
-            out[u] = fetch_rows(unit.dataset, unit.rows)
-            continue
-        parent, absolute = source
-        parent_rows = reads.setdefault(id(parent), (parent, [], []))
-        start = len(parent_rows[1])
-        parent_rows[1].extend(int(absolute[i]) for i in unit.rows)
-        parent_rows[2].append((u, start, len(parent_rows[1])))
-    for parent, rows, spans in reads.values():
-        examples = fetch_rows(parent, rows)
-        for u, start, end in spans:
-            out[u] = examples[start:end]
-    return out  # type: ignore[return-value]
-
-
-def _torch_batch_read(units: Sequence[RowUnit], collate: Collate) -> Optional[dict[str, Any]]:
-    """The batch of all units read as ONE column batch, where that equals collating the rows.
-
-    Only for the default collate (:func:`~hf_constrained.collate_examples`) over subsets of ONE
-    torch-formatted ``datasets.Dataset``: ``parent[rows]`` then gives the same stacked tensors
-    without splitting the read into per-row dicts and stacking them again. ``None`` otherwise.
-    """
-    if collate is not collate_examples:
-        return None
-    sources = [row_source(u.dataset) for u in units]
-    if any(src is None for src in sources) or len({id(src[0]) for src in sources}) != 1:
-        return None
-    parent = sources[0][0]
-    fmt = getattr(parent, "format", None)
-    if not isinstance(fmt, Mapping) or fmt.get("type") != "torch" or not hasattr(parent, "column_names"):
-        return None
-    rows = [int(src[1][i]) for src, u in zip(sources, units) for i in u.rows]
-    batch = parent[rows]
-    if not isinstance(batch, Mapping) or not all(isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == len(rows)
-                                                 for v in batch.values()):
-        return None  # ragged or non-numeric columns: collate the rows
-    return dict(batch)
-
-
-def collate_units(units: Sequence[RowUnit], collate: Collate) -> tuple[Any, list[tuple[int, int]]]:
-    """The rows of all units in ONE collate call, and each unit's (start, end) slice of the batch.
-
-    Dict-like batches get ``batch["sample_index"]``: each row's index in its own dataset.
-    """
-    fast = _torch_batch_read(units, collate)
-    if fast is not None:
-        slices, sample_index, start = [], [], 0
-        for unit in units:
-            slices.append((start, start + len(unit.rows)))
-            sample_index.extend(unit.rows)
-            start += len(unit.rows)
-        fast["sample_index"] = torch.as_tensor(sample_index, dtype=torch.long)
-        return fast, slices
-    examples: list[Any] = []
-    slices: list[tuple[int, int]] = []
-    sample_index: list[int] = []
-    for unit, unit_examples in zip(units, fetch_unit_examples(units)):
-        start = len(examples)
-        examples.extend(unit_examples)
-        sample_index.extend(unit.rows)
-        slices.append((start, len(examples)))
-    batch = collate(examples)
-    if isinstance(batch, MutableMapping):
-        batch["sample_index"] = torch.as_tensor(sample_index, dtype=torch.long)
-    return batch, slices
-
-
-def _group_labels(c: Constraint, batch: Any, num_rows: int, device: torch.device,
+def _group_labels(c: "Constraint", batch: Any, num_rows: int, device: torch.device,
                   cache: dict[str, torch.Tensor]) -> Optional[torch.Tensor]:
     """Each row's group (0/1) from the fused batch, read once per ``group_key``."""
     if c.group_key is None:
@@ -210,7 +97,7 @@ def _group_labels(c: Constraint, batch: Any, num_rows: int, device: torch.device
     return cache[c.group_key]
 
 
-def row_values_and_owners(constraints: Sequence[Constraint], units: Sequence[RowUnit], slices: Sequence[tuple[int, int]],
+def row_values_and_owners(constraints: Sequence["Constraint"], units: Sequence["RowUnit"], slices: Sequence[tuple[int, int]],
                           outputs: torch.Tensor, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row values of every (unit, constraint) pair, concatenated, and each value's owner
     ``2 * position + group`` (``position`` in B_c^t, ``group`` 0 or 1).
@@ -320,3 +207,14 @@ def batch_variances(stats: torch.Tensor) -> torch.Tensor:
     s, ss, n = stats
     var = (ss - s * s / n.clamp(min=1)) / (n - 1).clamp(min=1)
     return torch.where(n > 1, var.clamp(min=0), torch.zeros_like(var))
+
+
+def reduce_rows(values: torch.Tensor, groups: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """h(w; B) of ONE constraint from its per-row values, with grad: their mean, or with
+    ``groups`` (0/1 per row) the group-0 mean minus the group-1 mean. The same segment sums
+    and group means as the fused step (:func:`segment_sums`, :func:`local_contribution`);
+    the caller checks that both groups have rows
+    (:meth:`~hf_constrained.Constraint.check_group_counts`)."""
+    owners = torch.zeros(values.shape[0], dtype=torch.long, device=values.device) if groups is None else groups.long()
+    sums, stats = segment_sums(values, owners, 1, need_grad=True)
+    return local_contribution(sums, stats[2], 1)[0]

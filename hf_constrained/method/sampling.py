@@ -86,6 +86,11 @@ class ConstraintBatchStream:
                 self.epoch, self.position, self._perm = self.epoch + 1, 0, None
         return out
 
+    def reseed(self, seed: int) -> None:
+        """Continue with another seed's shuffles from the current position (a resumed run keeps
+        its checkpoint's sampling sequence)."""
+        self.seed, self._perm = int(seed), None
+
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "position": self.position, "size": self.size}
 

@@ -1,0 +1,120 @@
+"""Exact evaluation: every constraint on all of its data (a full pass, not the estimator).
+
+:func:`row_values` is the ONE pass over the data: the per-row values of every row-wise
+constraint on a split, one ``row_fn`` call per batch for the constraints that share
+``row_fn``, collate and data. :func:`constraint_statistics` turns them into values with
+one-sided CLT upper bounds (:func:`~hf_constrained.statistics.constraint_statistic`) and
+adds the constraints without per-row values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+from torch import nn
+
+from .batches import BatchMaker
+from .constraint import Constraint
+from .method.rows import plan_row_groups
+from .statistics import ConstraintStatistic, constraint_statistic
+
+SPLITS = ("eval", "train")
+
+RowValues = dict[str, tuple[np.ndarray, Optional[np.ndarray]]]
+"""Constraint name -> (per-row values, per-row group 0/1 or ``None``), float64 on the host."""
+
+
+def split_data(c: Constraint, split: str) -> Any:
+    """A constraint's data for ``split``: ``"eval"`` its ``eval_dataset`` (falling back to its
+    training data), ``"train"`` its training data."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {list(SPLITS)}, got {split!r}")
+    return c.dataset if split == "train" or c.eval_dataset is None else c.eval_dataset
+
+
+@torch.no_grad()
+def row_values(model: nn.Module, constraints: Sequence[Constraint], batches: BatchMaker, *, split: str = "eval",
+               batch_size: int, context: Callable[[], Any] = contextlib.nullcontext,
+               which: Optional[Sequence[int]] = None) -> RowValues:
+    """The per-row values (and groups) of the row-wise constraints (without ``exact_fn``) on ``split``.
+
+    Args:
+        model: evaluated as given (the caller sets eval mode).
+        batches: the one way rows become a device batch.
+        batch_size: rows per ``row_fn`` call.
+        context: entered around each model call (the trainer's autocast).
+        which: the constraint positions to evaluate (default: every row-wise one without ``exact_fn``).
+    """
+    chosen = [k for k, c in enumerate(constraints) if c.rowwise and c.exact_fn is None
+              and (which is None or k in which)]
+    subset = [constraints[k] for k in chosen]
+    out: RowValues = {}
+    for group in plan_row_groups(subset, batches.collate_of, data_of=lambda i: split_data(subset[i], split)):
+        members = [subset[i] for i in group.members]
+        values: dict[str, list[torch.Tensor]] = {c.name: [] for c in members}
+        groups: dict[str, list[torch.Tensor]] = {c.name: [] for c in members}
+        for _, batch in batches.in_order(split_data(members[0], split), group.collate, batch_size):
+            with context():
+                outputs = group.row_fn(model, batch)
+            for c in members:
+                v = c.row_values(outputs)
+                values[c.name].append(v.detach().double().cpu())
+                if c.group_key is not None:
+                    groups[c.name].append(c.row_groups(batch, v.shape[0], v.device).cpu())
+        for c in members:
+            labels = torch.cat(groups[c.name]).numpy() if groups[c.name] else None
+            if labels is not None:
+                c.check_group_counts(int((labels == 0).sum()), int((labels == 1).sum()))
+            out[c.name] = (torch.cat(values[c.name]).numpy(), labels)
+    return out
+
+
+def _float_outer(c: Constraint) -> Any:
+    """A constraint's ``outer`` as a float -> float map (for :mod:`hf_constrained.statistics`)."""
+    return lambda x: float(c.apply_outer(torch.tensor(x, dtype=torch.float64)))
+
+
+@torch.no_grad()
+def constraint_statistics(model: nn.Module, constraints: Sequence[Constraint], batches: BatchMaker, *,
+                          split: str = "eval", confidence: float = 0.95, batch_size: int,
+                          context: Callable[[], Any] = contextlib.nullcontext) -> dict[str, ConstraintStatistic]:
+    """Exact value of every constraint on its ``split`` data, with its upper confidence bound
+    where the constraint gives per-row values.
+
+    Row-wise constraints: :func:`row_values`, then
+    :func:`~hf_constrained.statistics.constraint_statistic` (value, CLT upper bound, standard
+    error). A constraint's ``exact_fn`` wins when given; scalar ``fn`` constraints give their
+    batch values averaged with batch-size weights (exact for per-sample means) and data-free
+    ones their value: value only (``upper_bound`` None).
+    """
+    out: dict[str, ConstraintStatistic] = {}
+    for name, (values, groups) in row_values(model, constraints, batches, split=split, batch_size=batch_size,
+                                             context=context).items():
+        c = next(c for c in constraints if c.name == name)
+        out[name] = constraint_statistic(values, groups=groups, outer=None if c.outer is None else _float_outer(c),
+                                         confidence=confidence)
+    for c in constraints:
+        if c.name in out:
+            continue
+        data = split_data(c, split)
+        if c.exact_fn is not None:
+            value = float(c.exact_fn(model, data))
+        elif data is None:
+            with context():
+                value = float(c.apply_outer(c.fn(model, None).float()))
+        else:
+            total, count = 0.0, 0
+            for rows, batch in batches.in_order(data, batches.collate_of(c), batch_size):
+                with context():
+                    total += float(c.fn(model, batch)) * len(rows)
+                count += len(rows)
+            value = float(c.apply_outer(torch.tensor(total / count)))
+        out[c.name] = ConstraintStatistic(value=value, confidence=confidence)
+    return {c.name: out[c.name] for c in constraints}
+
+
+__all__ = ["RowValues", "SPLITS", "constraint_statistics", "row_values", "split_data"]
