@@ -11,15 +11,43 @@ from transformers import TrainingArguments
 
 from .method.penalties import PENALTIES
 
+
 @dataclass
 class ConstrainedTrainingArguments(TrainingArguments):
     """``TrainingArguments`` plus the settings of the hinge exact-penalty method.
 
-    Defaults follow the paper's experiments: hinge penalty, MSVR gamma = 0.8,
-    gamma' = 0.1, every constraint visited each step. Every field can be set from the
-    command line through ``HfArgumentParser``.
+    The three settings to choose (:data:`USER_SETTINGS`, first in ``--help``):
+
+    * ``penalty_beta``: the penalty parameter beta (section 4: any constant above the
+      exact-penalty threshold; 10-20 in the paper's experiments);
+    * ``constraints_per_step``: |B_c|, the constraints visited per step (Algorithm 1, line 3);
+    * ``constraint_batch_size``: |B_k|, rows per visited constraint and step (line 5).
+
+    The method's other settings keep the paper's values: ``constraint_penalty`` (hinge),
+    ``msvr_gamma`` 0.8 and ``msvr_gamma_prime`` 0.1 (line 6), ``objective_msvr_gamma*`` for
+    Algorithm 2. Calibrated constraints: ``constraint_confidence`` or ``constraint_margin``.
+    Evaluation, logging and checks: ``constraint_eval_batch_size``, ``constraint_seed``,
+    ``log_constraint_estimates_max``, ``check_constraint_finite``; a sampling choice:
+    ``share_constraint_batches``. Every field can be set from the command line through
+    ``HfArgumentParser``.
     """
 
+    USER_SETTINGS = ("penalty_beta", "constraints_per_step", "constraint_batch_size")
+
+    penalty_beta: float = field(
+        default=10.0,
+        metadata={"help": "Penalty parameter beta > 0. The hinge needs only a constant above the exact-penalty "
+                  "threshold (10-20 in the paper); the squared hinge needs a large one (~800)."},
+    )
+    constraints_per_step: Optional[int] = field(
+        default=None,
+        metadata={"help": "|B_c|: constraints sampled each optimizer step, in [1, m]. Default: all m."},
+    )
+    constraint_batch_size: int = field(
+        default=10,
+        metadata={"help": "|B_k|: samples drawn per sampled constraint and step, per device "
+                  "(the global constraint batch is this times the number of processes)."},
+    )
     constraint_penalty: str = field(
         default="hinge",
         metadata={
@@ -27,11 +55,6 @@ class ConstrainedTrainingArguments(TrainingArguments):
             "'squared_hinge' ((beta/2)*[h]_+^2, the baseline of Li et al. 2024) or 'none' (plain Trainer).",
             "choices": sorted(PENALTIES),
         },
-    )
-    penalty_beta: float = field(
-        default=10.0,
-        metadata={"help": "Penalty parameter beta > 0. The hinge needs only a constant above the exact-penalty "
-                  "threshold (10-20 in the paper); the squared hinge needs a large one (~800)."},
     )
     msvr_gamma: float = field(
         default=0.8,
@@ -44,15 +67,6 @@ class ConstrainedTrainingArguments(TrainingArguments):
         default="0.1",
         metadata={"help": "MSVR variance-reduction weight gamma' >= 0, or 'theory' for "
                   "(m-|B_c|)/(|B_c|(1-gamma)) + (1-gamma). 0 gives a plain moving average."},
-    )
-    constraints_per_step: Optional[int] = field(
-        default=None,
-        metadata={"help": "|B_c|: constraints sampled each optimizer step, in [1, m]. Default: all m."},
-    )
-    constraint_batch_size: int = field(
-        default=10,
-        metadata={"help": "|B_k|: samples drawn per sampled constraint and step, per device "
-                  "(the global constraint batch is this times the number of processes)."},
     )
     constraint_eval_batch_size: Optional[int] = field(
         default=None,

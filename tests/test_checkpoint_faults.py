@@ -24,7 +24,7 @@ import pytest
 import torch
 import transformers
 
-from hf_constrained import CONSTRAINT_STATE_NAME
+from hf_constrained.trainer import CONSTRAINT_STATE_NAME
 from hf_constrained.checkpointing import (
     COMPLETE_MARKER,
     CheckpointError,

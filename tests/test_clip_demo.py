@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from hf_constrained import demo
+from hf_constrained.recipes import demo_clip_digits as demo
 
 
 def test_digits_demo_data_design():

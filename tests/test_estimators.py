@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_constrained import (ConstraintBatchStream, ConstraintSampler, HingePenalty, MSVREstimator,
-                            SquaredHingePenalty, make_penalty, resolve_gamma_prime, theory_gamma_prime)
+from hf_constrained.method.estimators import MSVREstimator, resolve_gamma_prime, theory_gamma_prime
+from hf_constrained.method.penalties import HingePenalty, SquaredHingePenalty, make_penalty
+from hf_constrained.method.sampling import ConstraintBatchStream, ConstraintSampler
 
 
 def test_msvr_recurrence_hand_computed():

@@ -12,8 +12,8 @@ import torch
 from datasets import Dataset
 from transformers import HfArgumentParser
 
-from hf_constrained import (ConstrainedTrainer, ConstrainedTrainingArguments, Constraint, ConstraintValueError,
-                            collate_examples)
+from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments, Constraint, ConstraintValueError
+from hf_constrained.batches import collate_examples
 from hf_constrained.errors import check_model_path
 from test_trainer_core import TinyNet, class_loss, make_args, make_data
 

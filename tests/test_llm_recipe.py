@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hf_constrained.tiny_lm import char_tokenizer, tiny_causal_lm
+from hf_constrained.recipes.tiny_lm import char_tokenizer, tiny_causal_lm
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = ROOT / "recipes" / "llm_non_forgetting.py"

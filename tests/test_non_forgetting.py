@@ -21,7 +21,7 @@ from hf_constrained.non_forgetting import (
     sequence_classification_per_example_loss,
 )
 from hf_constrained.text_data import tokenize_sft
-from hf_constrained.tiny_lm import char_tokenizer, tiny_causal_lm
+from hf_constrained.recipes.tiny_lm import char_tokenizer, tiny_causal_lm
 
 PROMPTS = ["rev:abc=", "rev:hello=", "add:2+3=", "cp:xy=", "add:11+4=", "rev:a=", "cp:abcdefg=", "rev:qrs="]
 ANSWERS = ["cba", "olleh", "5", "xy", "15", "a", "abcdefg", "srq"]

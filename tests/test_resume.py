@@ -14,7 +14,7 @@ import pytest
 import torch
 
 
-from hf_constrained import CONSTRAINT_STATE_NAME
+from hf_constrained.trainer import CONSTRAINT_STATE_NAME
 from scale_tiny import StopAt, make_contrastive_trainer, make_trainer, snapshot
 
 

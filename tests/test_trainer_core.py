@@ -10,8 +10,9 @@ from datasets import Dataset
 from torch import nn
 from transformers import Trainer, TrainingArguments
 
-from hf_constrained import (ConstrainedTrainer, ConstrainedTrainingArguments, Constraint, ConstraintBatchStream,
-                            ConstraintValueError, constraints_per_value)
+from hf_constrained import (ConstrainedTrainer, ConstrainedTrainingArguments, Constraint, ConstraintValueError,
+                            constraints_per_value)
+from hf_constrained.method.sampling import ConstraintBatchStream
 
 
 class TinyNet(nn.Module):

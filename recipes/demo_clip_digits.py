@@ -43,7 +43,7 @@ The selection, test and constraint pools all hold augmented copies of their own 
 (copies never cross splits), so one held-out image is worth ``1 / eval_copies`` of an
 image in the accuracies and 2 points are not a single image.
 
-``python -m hf_constrained.demo --seeds 0,1,2,3,4`` repeats everything for several seeds,
+``python -m hf_constrained.recipes.demo_clip_digits --seeds 0,1,2,3,4`` repeats everything for several seeds,
 each with its own split and stage-1 old model, and states each goal as met or not over
 the seeds. ``--help`` lists the knobs.
 """
@@ -69,13 +69,13 @@ import numpy as np
 import torch
 from transformers import AutoTokenizer, CLIPModel, TrainerCallback
 
-from .clip import ContrastiveConstrainedTrainer, ReferenceLossDataset, ZeroShotLoss, reference_losses, zero_shot_accuracy
-from .clip.data import CLIPCollator, RowDataset
-from .clip.tiny import tiny_clip, word_tokenizer
-from .config import ConstrainedTrainingArguments
-from .constraint import Constraint
-from .safety.selection import EvaluationRecord, select_best
-from .statistics import constraint_statistic
+from hf_constrained.clip import ContrastiveConstrainedTrainer, ReferenceLossDataset, ZeroShotLoss, reference_losses, zero_shot_accuracy
+from hf_constrained.clip.data import CLIPCollator, RowDataset
+from hf_constrained.clip.tiny import tiny_clip, word_tokenizer
+from hf_constrained.config import ConstrainedTrainingArguments
+from hf_constrained.constraint import Constraint
+from hf_constrained.safety.selection import EvaluationRecord, select_best
+from hf_constrained.statistics import constraint_statistic
 
 logger = logging.getLogger(__name__)
 
@@ -677,8 +677,8 @@ def _write_json(path: str, results: dict[str, Any]) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """``python -m hf_constrained.demo``: the same options as ``hf-constrained demo``."""
-    parser = argparse.ArgumentParser(prog="python -m hf_constrained.demo", description=__doc__.split("\n")[0],
+    """``python -m hf_constrained.recipes.demo_clip_digits``: the same options as ``hf-constrained demo``."""
+    parser = argparse.ArgumentParser(prog="python -m hf_constrained.recipes.demo_clip_digits", description=__doc__.split("\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
     add_demo_arguments(parser)
     ns = parser.parse_args(argv)
