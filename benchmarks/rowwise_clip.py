@@ -18,7 +18,6 @@ from typing import Any, Optional
 
 import torch
 
-from transformers.models.clip.modeling_clip import image_text_contrastive_loss
 
 from common import CONFIGS, BankedCLIP, base_args, make_train_rows
 from datasets import Dataset

@@ -5,10 +5,11 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Optional
 
 from transformers import TrainingArguments
 
+from .method.estimators import parse_gamma_prime
 from .method.penalties import PENALTIES
 
 
@@ -128,7 +129,7 @@ class ConstrainedTrainingArguments(TrainingArguments):
             if not 0.0 < value <= 1.0:
                 raise ValueError(f"{name} must be in (0, 1], got {value}")
         for name in ("msvr_gamma_prime", "objective_msvr_gamma_prime"):
-            setattr(self, name, _parse_gamma_prime(name, getattr(self, name)))
+            setattr(self, name, parse_gamma_prime(getattr(self, name), name))
         if self.constraint_confidence is not None and self.constraint_margin is not None:
             raise ValueError("give constraint_confidence or constraint_margin, not both")
         if self.constraint_confidence is not None and not 0.5 <= float(self.constraint_confidence) < 1.0:
@@ -152,22 +153,6 @@ class ConstrainedTrainingArguments(TrainingArguments):
     @property
     def constraint_sampling_seed(self) -> int:
         return self.seed if self.constraint_seed is None else self.constraint_seed
-
-
-def _parse_gamma_prime(name: str, value: Union[str, float]) -> Union[str, float]:
-    """A finite number >= 0 or ``"theory"`` (the gamma' of Algorithm 1, line 6)."""
-    if isinstance(value, str):
-        if value.strip().lower() == "theory":
-            return "theory"
-        try:
-            value = float(value)
-        except ValueError:
-            raise ValueError(f"{name} must be a number >= 0 or 'theory', got {value!r}") from None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a number >= 0 or 'theory', got {type(value).__name__} {value!r}")
-    if not (math.isfinite(float(value)) and float(value) >= 0):
-        raise ValueError(f"{name} must be >= 0 and finite, or 'theory', got {value}")
-    return float(value)
 
 
 # fields that must hold Python numbers when set from Python (the command line converts them already)

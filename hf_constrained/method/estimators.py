@@ -17,6 +17,8 @@ through :meth:`state_dict` into checkpoints.
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Any, Optional, Union
 
 import torch
@@ -38,19 +40,27 @@ def theory_gamma_prime(num_total: int, num_sampled: int, gamma: float) -> float:
     return (num_total - num_sampled) / (num_sampled * (1.0 - gamma)) + (1.0 - gamma)
 
 
+def parse_gamma_prime(value: GammaPrime, name: str = "gamma'") -> GammaPrime:
+    """A configured g' (Algorithm 1, line 6) as a finite number >= 0 or ``"theory"``; ``name``
+    names the setting in the error."""
+    if isinstance(value, str):
+        if value.strip().lower() == "theory":
+            return "theory"
+        try:
+            value = float(value)
+        except ValueError:
+            raise ValueError(f"{name} must be a number >= 0 or 'theory', got {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number >= 0 or 'theory', got {type(value).__name__} {value!r}")
+    if not (math.isfinite(float(value)) and float(value) >= 0):
+        raise ValueError(f"{name} must be >= 0 and finite, or 'theory', got {value}")
+    return float(value)
+
+
 def resolve_gamma_prime(gamma_prime: GammaPrime, num_total: int, num_sampled: int, gamma: float) -> float:
     """Turn a configured g' (a number or ``"theory"``) into a number."""
-    if isinstance(gamma_prime, str):
-        if gamma_prime.strip().lower() == "theory":
-            return theory_gamma_prime(num_total, num_sampled, gamma)
-        try:
-            gamma_prime = float(gamma_prime)
-        except ValueError as err:
-            raise ValueError(f"gamma' must be a number >= 0 or 'theory', got {gamma_prime!r}") from err
-    gamma_prime = float(gamma_prime)
-    if gamma_prime < 0 or gamma_prime != gamma_prime:
-        raise ValueError(f"gamma' must be a number >= 0 or 'theory', got {gamma_prime}")
-    return gamma_prime
+    parsed = parse_gamma_prime(gamma_prime)
+    return theory_gamma_prime(num_total, num_sampled, gamma) if parsed == "theory" else float(parsed)
 
 
 def run_precision(model: Optional[torch.nn.Module]) -> torch.dtype:
