@@ -18,7 +18,6 @@ from typing import Any, Optional
 
 import torch
 
-
 from common import CONFIGS, BankedCLIP, base_args, make_train_rows
 from datasets import Dataset
 

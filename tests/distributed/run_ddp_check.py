@@ -1,4 +1,4 @@
-"""One rank of the multi-process consistency check (tests/test_distributed.py).
+"""One rank of the multi-process consistency check (tests/trainer/test_distributed.py).
 
 Launched with ``accelerate launch --config_file recipes/accelerate_configs/multi_gpu.yaml
 --num_processes N`` on CPU (gloo backend, ``use_cpu=True`` in the training arguments). Trains

@@ -11,10 +11,11 @@ import importlib.util
 import os
 
 import numpy as np
+import pytest
 
 # the toy problem lives with the benchmarks (benchmarks/toy_problems.py), not in the package
 _spec = importlib.util.spec_from_file_location(
-    "toy_problems", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", "toy_problems.py"))
+    "toy_problems", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks", "toy_problems.py"))
 toy_problems = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(toy_problems)
 make_projection_qp, train_projection = toy_problems.make_projection_qp, toy_problems.train_projection
@@ -53,6 +54,7 @@ def test_squared_hinge_at_same_beta_stays_infeasible(tmp_path):
     assert max_violation(x) > 0.2
 
 
+@pytest.mark.slow
 def test_stochastic_sampled_constraints_end_feasible_with_msvr(tmp_path):
     """Noisy objective, noisy constraints, 6 of 24 constraints sampled per step, gamma' = 0.1.
 

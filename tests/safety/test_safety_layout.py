@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PACKAGE = "hf_constrained"
 
 
@@ -191,6 +191,7 @@ def third_party_imports() -> list[tuple[str, list[str]]]:
     return sorted((m, sorted(names)) for m, names in found.items() if m.split(".")[0] != PACKAGE)
 
 
+@pytest.mark.slow
 def test_every_module_imports_alone_in_a_fresh_interpreter():
     """Each module is imported first, alone, in a process where no module of the package
     was imported before (so import order cannot hide a cycle). To keep this fast, one parent

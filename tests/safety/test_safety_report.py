@@ -175,7 +175,7 @@ def test_bad_inputs_are_named(run, tmp_path):
 
 def test_template_ships_from_model_cards_in_editable_and_wheel_installs(tmp_path):
     """One source (model_cards/); setup.py copies it into the wheel, where it is found."""
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert os.path.samefile(template_path(), os.path.join(repo, "model_cards", TEMPLATE_NAME))
     result = subprocess.run([sys.executable, "setup.py", "-q", "build_py", "--build-lib", str(tmp_path / "lib")],
                             cwd=repo, capture_output=True, text=True)

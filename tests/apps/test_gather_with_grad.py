@@ -16,7 +16,9 @@ import pytest
 import torch
 from launch_once import launch_once
 
-HERE = Path(__file__).resolve().parent
+pytestmark = pytest.mark.slow  # every test here starts processes
+
+HERE = Path(__file__).resolve().parents[1]  # tests/
 
 
 def _launch(out: Path) -> None:
@@ -25,6 +27,7 @@ def _launch(out: Path) -> None:
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
            str(HERE / "distributed" / "run_gather_check.py"), "--out", str(out)]
+
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(HERE.parent))
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, f"launch failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"

@@ -15,7 +15,7 @@ import yaml
 
 from hf_constrained.recipes.tiny_lm import char_tokenizer, tiny_causal_lm
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "recipes" / "llm_non_forgetting.py"
 
 
@@ -141,6 +141,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_process_run(setup, tmp_path):
     out = tmp_path / "ddp"
     cmd = [sys.executable, "-m", "accelerate.commands.launch",

@@ -26,7 +26,7 @@ from hf_constrained.fairness import (
 from hf_constrained.fairness.frvp import constraint_jacobian, frvp_report, min_singular_value
 from hf_constrained.fairness.icppac import ICPPACConfig, ICPPACTrainer
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 THRESHOLDS = (-1.0, 0.0, 1.0)
 
 

@@ -20,7 +20,7 @@ from hf_constrained.non_forgetting import PaddingCollator, causal_lm_per_example
 from hf_constrained.text_data import tokenize_sft
 from hf_constrained.recipes.tiny_lm import char_tokenizer, tiny_causal_lm
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORDS = ["abc", "hello", "xyz", "qrs", "mnop", "dog", "cat", "tree", "sun", "moon", "star", "leaf", "sky", "sea"]
 
 

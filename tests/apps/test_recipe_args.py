@@ -46,7 +46,7 @@ def test_roc_recipe_refuses_flags_it_cannot_honour(tmp_path):
     import importlib.util
     import os
 
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "recipes", "roc_fairness.py")
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "recipes", "roc_fairness.py")
     spec = importlib.util.spec_from_file_location("roc_fairness_recipe", path)
     recipe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(recipe)

@@ -12,7 +12,7 @@ from transformers import TrainerCallback
 
 from hf_constrained import ConstrainedTrainer, Constraint
 from hf_constrained.callbacks import PenaltyGradientNormCallback, PeriodicMetricsCallback, penalty_gradient_norm
-from test_trainer_core import TinyNet, class_loss, make_args, make_data
+from conftest import TinyNet, class_loss, tiny_args as make_args, tiny_rows as make_data
 
 
 def _trainer(tmp_path, constraints=None, **kw):

@@ -23,7 +23,7 @@ from packaging.version import Version
 from hf_constrained import trainer_internals
 from hf_constrained.trainer_internals import PRIVATE_MEMBERS, TrainerInternals
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PACKAGE_DIR = os.path.join(REPO, "hf_constrained")
 INTERNALS = os.path.join(PACKAGE_DIR, "trainer_internals.py")
 

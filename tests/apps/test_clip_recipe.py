@@ -11,7 +11,7 @@ from transformers import CLIPModel
 
 from clip_synthetic import make_bdd100k, make_csv, save_tiny_clip
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _recipe():
@@ -88,6 +88,7 @@ def test_recipe_csv_lora_squared_hinge(assets, tmp_path):
                         "--protected_classes", "clear", "--output_dir", out, *COMMON])
 
 
+@pytest.mark.slow
 def test_short_constrained_run_forgets_less_than_unconstrained(tmp_path):
     """Scaled-down demo: on the pulled digit the hinge keeps the constraint far lower than no penalty."""
     from hf_constrained.recipes import demo_clip_digits as demo

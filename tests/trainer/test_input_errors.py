@@ -15,9 +15,9 @@ from transformers import HfArgumentParser
 from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments, Constraint, ConstraintValueError
 from hf_constrained.batches import collate_examples
 from hf_constrained.errors import check_model_path
-from test_trainer_core import TinyNet, class_loss, make_args, make_data
+from conftest import TinyNet, class_loss, tiny_args as make_args, tiny_rows as make_data
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 # ----------------------------------------------------------------------------- settings

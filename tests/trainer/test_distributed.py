@@ -39,7 +39,9 @@ from scale_tiny import per_row_ce  # noqa: E402  (the shared row_fn)
 from scale_tiny import (TinyClassifier, contrastive_snapshot, make_contrastive_trainer, make_rowwise_trainer,
                         make_trainer, record_constraint_calls, snapshot)
 
-HERE = Path(__file__).resolve().parent
+pytestmark = pytest.mark.slow  # every test here starts processes
+
+HERE = Path(__file__).resolve().parents[1]  # tests/
 CONFIGS = HERE.parent / "recipes" / "accelerate_configs"
 STEPS = 6
 TOL = 1e-5
@@ -179,6 +181,7 @@ def test_fused_step_all_reduces_sums_and_counts(two_process_run, tmp_path):
     f0, f1 = (torch.load(out / f"rank{r}_fused.pt", weights_only=False) for r in range(2))
     single = make_rowwise_trainer(str(tmp_path / "fused_single"), per_device_train_batch_size=8,
                                   constraint_batch_size=6)
+
     single.train()
     ref = snapshot(single)
     assert torch.equal(f0["estimator_values"], f1["estimator_values"])

@@ -21,7 +21,7 @@ import yaml
 from hf_constrained.cli import main
 from hf_constrained.recipes import DEMO_MODULE, HELPER_MODULES, RECIPES, recipe_file, shipped_recipe_files
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
 
 
@@ -71,6 +71,7 @@ def test_wheel_build_ships_the_recipes_and_their_configs(tmp_path):
     assert sorted(str(Path(f).relative_to(shipped)) for f in found["files"]) == expected
 
 
+@pytest.mark.slow
 def test_pip_wheel_holds_the_recipes_configs_and_the_console_script(tmp_path):
     """The real build (``pip wheel``, PEP 517, no build isolation: offline) of a copy of the
     source tree holds every recipe, every shipped YAML and the ``hf-constrained`` entry point."""
@@ -92,13 +93,14 @@ def test_pip_wheel_holds_the_recipes_configs_and_the_console_script(tmp_path):
 
 
 def test_help_lists_the_recipes():
-    # speed: tests/test_safety_layout.py checks that the command line imports no torch
+    # speed: tests/safety/test_safety_layout.py checks that the command line imports no torch
     result = subprocess.run(_console() + ["--help"], capture_output=True, text=True, env=ENV, timeout=60)
     assert result.returncode == 0, result.stderr
     for recipe in RECIPES:
         assert recipe.command in result.stdout
 
 
+@pytest.mark.slow
 def test_recipe_help_through_the_console_entry_point():
     result = subprocess.run(_console() + ["fairness", "--help"], capture_output=True, text=True, env=ENV,
                             timeout=120)

@@ -20,7 +20,7 @@ from scipy.stats import norm
 from hf_constrained import ConstrainedTrainer, Constraint, constraints_per_value
 from hf_constrained.method.margins import SPREAD_DECAY
 
-from test_fused_step import Net64, make_args, make_data, per_row_ce
+from conftest import Net64, args64 as make_args, per_row_ce64 as per_row_ce, rows64 as make_data
 
 
 def recording(outputs: list, holder: dict):

@@ -3,6 +3,7 @@ end on a few steps, and its exact-match accuracy (one teacher-forced pass) agree
 
 import json
 
+import pytest
 import torch
 
 from hf_constrained.cli import main
@@ -25,6 +26,7 @@ def _greedy_exact(model, rows, eos_id):
     return hits / len(rows)
 
 
+@pytest.mark.slow
 def test_example_runs_and_exact_match_is_greedy_decoding(tmp_path):
     out = tmp_path / "result.json"
     # through the command line, with the flag names every recipe shares

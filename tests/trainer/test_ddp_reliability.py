@@ -15,7 +15,9 @@ import pytest
 from launch_once import launch_once
 from scale_tiny import StopAt, make_trainer
 
-HERE = Path(__file__).resolve().parent
+pytestmark = pytest.mark.slow  # every test here starts processes
+
+HERE = Path(__file__).resolve().parents[1]  # tests/
 CONFIGS = HERE.parent / "recipes" / "accelerate_configs"
 
 
@@ -35,6 +37,7 @@ def _launch(out: Path) -> None:
            "--num_processes", "2", "--main_process_port", str(_free_port()),
            str(HERE / "distributed" / "run_ddp_reliability.py"), "--out", str(out),
            "--checkpoint", str(out / "one" / "checkpoint-3")]
+
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, f"accelerate launch failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"

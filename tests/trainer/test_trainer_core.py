@@ -6,7 +6,6 @@ import os
 
 import pytest
 import torch
-from datasets import Dataset
 from torch import nn
 from transformers import Trainer, TrainingArguments
 
@@ -14,39 +13,7 @@ from hf_constrained import (ConstrainedTrainer, ConstrainedTrainingArguments, Co
                             constraints_per_value)
 from hf_constrained.method.sampling import ConstraintBatchStream
 
-
-class TinyNet(nn.Module):
-    def __init__(self, dropout: float = 0.0) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.lin1 = nn.Linear(3, 8)
-        self.drop = nn.Dropout(dropout)
-        self.lin2 = nn.Linear(8, 2)
-
-    def forward(self, x, labels=None, **_):
-        logits = self.lin2(self.drop(torch.tanh(self.lin1(x))))
-        loss = nn.functional.cross_entropy(logits, labels) if labels is not None else None
-        return {"loss": loss, "logits": logits}
-
-
-def make_data(n: int = 64, seed: int = 0) -> Dataset:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 3, generator=g)
-    y = (x[:, 0] + 0.3 * torch.randn(n, generator=g) > 0).long()
-    return Dataset.from_dict({"x": x.tolist(), "labels": y.tolist()})
-
-
-def class_loss(model, batch):
-    """Mean cross-entropy on the batch (a per-sample mean, so exact evaluation is a weighted mean)."""
-    return model(batch["x"], labels=batch["labels"])["loss"]
-
-
-def make_args(tmp_path, **kw) -> ConstrainedTrainingArguments:
-    base = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, learning_rate=0.1, optim="sgd",
-                weight_decay=0.0, max_grad_norm=0.0, lr_scheduler_type="constant", report_to=[],
-                save_strategy="no", disable_tqdm=True, use_cpu=True, seed=0, logging_steps=2)
-    base.update(kw)
-    return ConstrainedTrainingArguments(**base)
+from conftest import TinyNet, class_loss, tiny_args as make_args, tiny_rows as make_data
 
 
 # ---------------------------------------------------------------------------- Algorithm 1, independently

@@ -172,7 +172,7 @@ def test_a_recipe_run_as_a_script_is_named_by_its_installed_module(monkeypatch):
     main = types.ModuleType("__main__")
     monkeypatch.setitem(sys.modules, "__main__", main)
     model_class = type("DigitMLP", (torch.nn.Module,), {"__module__": "__main__"})
-    main.__file__ = str(Path(__file__).resolve().parents[1] / "recipes" / "safe_release_digits.py")
+    main.__file__ = str(Path(__file__).resolve().parents[2] / "recipes" / "safe_release_digits.py")
     source = describe_model(model_class())
     assert source.module == "hf_constrained.recipes.safe_release_digits"
     assert hasattr(importlib.import_module(source.module), "DigitMLP")

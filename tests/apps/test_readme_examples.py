@@ -10,7 +10,7 @@ import torch
 
 from hf_constrained.recipes.quickstart_digits import DigitClassifier, make_splits
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def _python_blocks() -> list[str]:

@@ -20,37 +20,10 @@ from datasets import Dataset
 from torch import nn
 
 import hf_constrained.batches as batches_module
+from hf_constrained import ConstrainedTrainer, Constraint, constraints_per_value
 from hf_constrained.batches import collate_examples
-from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments, Constraint, constraints_per_value
 
-
-class Net64(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.lin1 = nn.Linear(3, 8)
-        self.lin2 = nn.Linear(8, 2)
-        self.double()
-
-    def forward(self, x, labels=None, **_):
-        logits = self.lin2(torch.tanh(self.lin1(x.to(self.lin1.weight.dtype))))
-        loss = nn.functional.cross_entropy(logits, labels) if labels is not None else None
-        return {"loss": loss, "logits": logits}
-
-
-def make_data(n: int, seed: int) -> Dataset:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 3, generator=g, dtype=torch.float64)
-    y = (x[:, 0] + 0.5 * torch.randn(n, generator=g, dtype=torch.float64) > 0).long()
-    grp = torch.arange(n) % 2
-    cls = torch.randint(0, 3, (n,), generator=g)
-    return Dataset.from_dict({"x": x.tolist(), "labels": y.tolist(), "g": grp.tolist(), "cls": cls.tolist()})
-
-
-def per_row_ce(model, batch):
-    """One output per row: the per-sample cross-entropy (the shared row_fn of the group)."""
-    logits = model(batch["x"].double())["logits"]
-    return nn.functional.cross_entropy(logits, batch["labels"], reduction="none")
+from conftest import Net64, args64 as make_args, per_row_ce64 as per_row_ce, rows64 as make_data
 
 
 def rowwise_constraints(data: Dataset, gap_rows: int = 40) -> list[Constraint]:
@@ -72,16 +45,6 @@ def scalar_twin(c: Constraint) -> Constraint:
         return c
     return Constraint(c.name, fn=c._reduced_row_fn, dataset=c.dataset, tolerance=c.tolerance, outer=c.outer,
                       metadata=dict(c.metadata))
-
-
-def make_args(tmp_path, name: str, **kw) -> ConstrainedTrainingArguments:
-    base = dict(output_dir=str(tmp_path / name), per_device_train_batch_size=16, learning_rate=0.2, optim="sgd",
-                weight_decay=0.0, max_grad_norm=0.0, lr_scheduler_type="constant", report_to=[],
-                save_strategy="no", disable_tqdm=True, use_cpu=True, seed=0, logging_steps=3, max_steps=8,
-                penalty_beta=3.0, msvr_gamma=0.5, msvr_gamma_prime=0.3, constraints_per_step=3,
-                constraint_batch_size=8)
-    base.update(kw)
-    return ConstrainedTrainingArguments(**base)
 
 
 def run(tmp_path, name: str, constraints: list[Constraint], holder: dict | None = None, **kw) -> ConstrainedTrainer:

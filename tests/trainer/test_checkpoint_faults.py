@@ -190,6 +190,7 @@ def _run(out: str, limit, *, kill_at: int = 0, count_file: str = "", snap_file: 
 @pytest.mark.skipif(not hasattr(os, "fork"),
                     reason="the kill -9 is delivered to a forked child mid-save; os.fork exists on Linux and "
                            "macOS (where this runs, CI included), not on Windows")
+@pytest.mark.slow
 def test_kill9_during_checkpoint_saves_then_resume(tmp_path):
     """Seeded kill points: 3 runs with ``save_total_limit=1`` killed anywhere in a save, 1 killed
     while the rotation deletes the previous checkpoint, 1 without a limit (the newest folder
