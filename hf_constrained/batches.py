@@ -236,9 +236,12 @@ class BatchMaker:
         """The device batch of ``rows`` of constraint ``c``'s training data."""
         return self.rows(c.dataset, rows, self.collate_of(c))
 
-    def in_order(self, data: Any, collate: Collate, batch_size: int) -> Iterator[tuple[list[int], Any]]:
-        """Every row of ``data`` in order, ``batch_size`` rows per device batch (exact evaluation)."""
-        for start in range(0, len(data), batch_size):
+    def in_order(self, data: Any, collate: Collate, batch_size: int,
+                 progress: Optional[Callable[[range], Any]] = None) -> Iterator[tuple[list[int], Any]]:
+        """Every row of ``data`` in order, ``batch_size`` rows per device batch (exact evaluation);
+        ``progress`` may wrap the batch starts (a progress bar)."""
+        starts = range(0, len(data), batch_size)
+        for start in (starts if progress is None else progress(starts)):
             rows = list(range(start, min(start + batch_size, len(data))))
             yield rows, self.rows(data, rows, collate)
 

@@ -24,6 +24,9 @@ from .statistics import ConstraintStatistic, constraint_statistic
 
 SPLITS = ("eval", "train")
 
+Progress = Callable[[range, str], Any]
+"""``progress(batch_starts, description)``: wraps a pass's batch starts (e.g. in a progress bar)."""
+
 RowValues = dict[str, tuple[np.ndarray, Optional[np.ndarray]]]
 """Constraint name -> (per-row values, per-row group 0/1 or ``None``), float64 on the host."""
 
@@ -39,7 +42,7 @@ def split_data(c: Constraint, split: str) -> Any:
 @torch.no_grad()
 def row_values(model: nn.Module, constraints: Sequence[Constraint], batches: BatchMaker, *, split: str = "eval",
                batch_size: int, context: Callable[[], Any] = contextlib.nullcontext,
-               which: Optional[Sequence[int]] = None) -> RowValues:
+               which: Optional[Sequence[int]] = None, progress: Optional[Progress] = None) -> RowValues:
     """The per-row values (and groups) of the row-wise constraints (without ``exact_fn``) on ``split``.
 
     Args:
@@ -48,6 +51,7 @@ def row_values(model: nn.Module, constraints: Sequence[Constraint], batches: Bat
         batch_size: rows per ``row_fn`` call.
         context: entered around each model call (the trainer's autocast).
         which: the constraint positions to evaluate (default: every row-wise one without ``exact_fn``).
+        progress: ``progress(batch_starts, description)`` may wrap each pass (a progress bar).
     """
     chosen = [k for k, c in enumerate(constraints) if c.rowwise and c.exact_fn is None
               and (which is None or k in which)]
@@ -57,7 +61,8 @@ def row_values(model: nn.Module, constraints: Sequence[Constraint], batches: Bat
         members = [subset[i] for i in group.members]
         values: dict[str, list[torch.Tensor]] = {c.name: [] for c in members}
         groups: dict[str, list[torch.Tensor]] = {c.name: [] for c in members}
-        for _, batch in batches.in_order(split_data(members[0], split), group.collate, batch_size):
+        bar = None if progress is None else (lambda starts, name=members[0].name: progress(starts, f"constraint {name}"))
+        for _, batch in batches.in_order(split_data(members[0], split), group.collate, batch_size, bar):
             with context():
                 outputs = group.row_fn(model, batch)
             for c in members:
@@ -81,7 +86,8 @@ def _float_outer(c: Constraint) -> Any:
 @torch.no_grad()
 def constraint_statistics(model: nn.Module, constraints: Sequence[Constraint], batches: BatchMaker, *,
                           split: str = "eval", confidence: float = 0.95, batch_size: int,
-                          context: Callable[[], Any] = contextlib.nullcontext) -> dict[str, ConstraintStatistic]:
+                          context: Callable[[], Any] = contextlib.nullcontext,
+                          progress: Optional[Progress] = None) -> dict[str, ConstraintStatistic]:
     """Exact value of every constraint on its ``split`` data, with its upper confidence bound
     where the constraint gives per-row values.
 
@@ -93,7 +99,7 @@ def constraint_statistics(model: nn.Module, constraints: Sequence[Constraint], b
     """
     out: dict[str, ConstraintStatistic] = {}
     for name, (values, groups) in row_values(model, constraints, batches, split=split, batch_size=batch_size,
-                                             context=context).items():
+                                             context=context, progress=progress).items():
         c = next(c for c in constraints if c.name == name)
         out[name] = constraint_statistic(values, groups=groups, outer=None if c.outer is None else _float_outer(c),
                                          confidence=confidence)
@@ -108,7 +114,8 @@ def constraint_statistics(model: nn.Module, constraints: Sequence[Constraint], b
                 value = float(c.apply_outer(c.fn(model, None).float()))
         else:
             total, count = 0.0, 0
-            for rows, batch in batches.in_order(data, batches.collate_of(c), batch_size):
+            bar = None if progress is None else (lambda starts, name=c.name: progress(starts, f"constraint {name}"))
+            for rows, batch in batches.in_order(data, batches.collate_of(c), batch_size, bar):
                 with context():
                     total += float(c.fn(model, batch)) * len(rows)
                 count += len(rows)

@@ -21,6 +21,7 @@ from typing import Any, Optional, Union
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 from transformers.trainer_callback import TrainerState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, IntervalStrategy, TrainOutput, rotate_checkpoints
 
@@ -142,6 +143,11 @@ class ConstrainedTrainer(SafetyMixin, TrainerInternals):
             return trainer_prepare_input(self, batch)  # the Trainer's placement (dtype, DeepSpeed)
         return pinned_to(batch, self.args.device)
 
+    def _progress(self, items: Any, description: str) -> Any:
+        """A progress bar over long passes (20 batches or more) on the main process."""
+        return tqdm(items, desc=description, leave=False, disable=self.args.disable_tqdm or len(items) < 20
+                    or not self.is_world_process_zero())
+
     # ------------------------------------------------------------------ the step
     def compute_objective_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                                num_items_in_batch: Optional[Union[torch.Tensor, int]] = None) -> Any:
@@ -254,7 +260,7 @@ class ConstrainedTrainer(SafetyMixin, TrainerInternals):
             return exact.constraint_statistics(
                 model, self.constraints, self.batches, split=split, confidence=confidence,
                 batch_size=self.args.constraint_eval_batch_size or self.args.per_device_eval_batch_size,
-                context=self.compute_loss_context_manager)
+                context=self.compute_loss_context_manager, progress=self._progress)
         finally:
             model.train(was_training)
 
