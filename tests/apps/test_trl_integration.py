@@ -11,7 +11,6 @@ import sys
 import pytest
 import torch
 
-from hf_constrained.batches import collate_examples
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -19,6 +18,7 @@ from hf_constrained import ConstrainedTrainingArguments
 from hf_constrained.non_forgetting import PaddingCollator, causal_lm_per_example_loss, non_forgetting_constraints
 from hf_constrained.text_data import tokenize_sft
 from hf_constrained.recipes.tiny_lm import char_tokenizer, tiny_causal_lm
+from hf_constrained.trainer_internals import trainer_prepare_inputs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORDS = ["abc", "hello", "xyz", "qrs", "mnop", "dog", "cat", "tree", "sun", "moon", "star", "leaf", "sky", "sea"]
@@ -102,11 +102,11 @@ def test_loss_is_the_sft_objective_plus_the_hinge_penalty(setup, tmp_path):
     beta = 7.0
     trainer = ConstrainedSFTTrainer(model=new, args=_config(tmp_path, penalty_beta=beta, msvr_gamma_prime=0.0),
                                     train_dataset=target, processing_class=tokenizer, constraints=[c])
-    batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    batch = trainer_prepare_inputs(trainer, next(iter(trainer.get_train_dataloader())))
     new.eval()  # no dropout: the three forward passes below must see the same function
     sft = trl.SFTTrainer.compute_loss(trainer, new, dict(batch)).detach()
     # the constraint batch is the whole protected set (6 rows), so h(w; B) is its exact value
-    h = c.fn(new, trainer._prepare_input((c.collate_fn or collate_examples)([c.dataset[i] for i in range(len(c.dataset))]))).detach()
+    h = c.fn(new, trainer.batches.constraint_rows(c, list(range(len(c.dataset))))).detach()
     trainer.in_training_step, trainer.current_gradient_accumulation_steps = True, 1  # as inside train()
     try:
         total = trainer.compute_loss(new, dict(batch))

@@ -155,7 +155,7 @@ def _run(out: str, limit, *, kill_at: int = 0, count_file: str = "", snap_file: 
     event of the saves after the first; with ``count_file`` record how many events they had."""
     trainer = make_trainer(out, save_total_limit=limit, **dict(COMMON, max_steps=6))
     events = [0]
-    original = trainer._save_checkpoint
+    original = trainer.save_checkpoint  # the hook Trainer._save_checkpoint calls
 
     rotations: list[list[int]] = []  # [first, last] event of each rotate_checkpoints call
 
@@ -178,7 +178,7 @@ def _run(out: str, limit, *, kill_at: int = 0, count_file: str = "", snap_file: 
         finally:
             sys.setprofile(None)
 
-    trainer._save_checkpoint = counted_save
+    trainer.save_checkpoint = counted_save
     trainer.train(resume_from_checkpoint=True if resume else None)
     if count_file:
         with open(count_file, "w") as f:
