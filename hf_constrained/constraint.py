@@ -77,7 +77,8 @@ class Constraint:
         row_transform: optional per-constraint map from ``row_fn``'s outputs to per-row
             values (default: the outputs themselves).
         group_key: optional batch key holding each row's group (0 or 1); h is then the
-            mean over group 0 minus the mean over group 1.
+            mean over group 0 minus the mean over group 1. A batch (or evaluation set) without
+            rows of one group has no value: :class:`EmptyGroupError`, naming the constraint.
         confidence: calibrated constraint (row-wise only): ask that h hold on unseen data of
             the same population with this one-sided confidence in [0.5, 1); the trainer then
             enforces the margin ``z_c * s / sqrt(|dataset|)`` from the running spread ``s`` of
