@@ -250,17 +250,21 @@ class ConstrainedTrainer(SafetyMixin, TrainerInternals):
                 training data), ``"train"`` its training data.
             confidence: the one-sided confidence of the bounds.
         """
-        if split not in exact.SPLITS:
-            raise ValueError(f"split must be one of {list(exact.SPLITS)}, got {split!r}")
+        return self._exact_pass(exact.constraint_statistics, model, split=split, confidence=confidence)
+
+    def _exact_pass(self, run: Any, model: Optional[nn.Module], **kwargs: Any) -> Any:
+        """``run(model, constraints, batches, ...)`` of :mod:`hf_constrained.exact` with the model in
+        eval mode (restored after), the eval batch size, autocast and progress bars."""
+        if kwargs.get("split", "eval") not in exact.SPLITS:
+            raise ValueError(f"split must be one of {list(exact.SPLITS)}, got {kwargs['split']!r}")
         if model is None:  # FSDP shards the parameters: only the wrapped module's forward gathers them
             model = self.model_wrapped if getattr(self, "is_fsdp_enabled", False) else self.model
         was_training = model.training
         model.eval()
         try:
-            return exact.constraint_statistics(
-                model, self.constraints, self.batches, split=split, confidence=confidence,
-                batch_size=self.args.constraint_eval_batch_size or self.args.per_device_eval_batch_size,
-                context=self.compute_loss_context_manager, progress=self._progress)
+            return run(model, self.constraints, self.batches, context=self.compute_loss_context_manager,
+                       batch_size=self.args.constraint_eval_batch_size or self.args.per_device_eval_batch_size,
+                       progress=self._progress, **kwargs)
         finally:
             model.train(was_training)
 
