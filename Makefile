@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	HF_HUB_OFFLINE=1 $(PY) -m hf_constrained.demo
+	HF_HUB_OFFLINE=1 $(PY) -m hf_constrained.recipes.demo_clip_digits
 
 test: $(STAMP)
 	# one thread per xdist worker: the tests use tiny models, threads would only contend

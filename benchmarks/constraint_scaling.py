@@ -53,7 +53,7 @@ def main() -> None:
                            bf16=a.bf16, cpu=a.device == "cpu", bank_size=a.bank_size, m=m,
                            per_step=a.per_step, constraint_batch=a.constraint_batch, gamma_prime=a.gamma_prime)
             times[m] += timed_train(trainer, a.warmup, clock)
-            est = trainer.estimator
+            est = trainer.engine.estimator
             state_bytes[m] = est.values.numel() * est.values.element_size() + est.visited.numel() * est.visited.element_size()
             print(f"round {r} m={m}: median so far {summary(times[m])['median_s']:.4f} s", file=sys.stderr)
             del trainer

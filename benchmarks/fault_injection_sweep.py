@@ -1,6 +1,6 @@
 """kill -9 at seeded random points of checkpoint saves, then resume: a longer sweep than the test.
 
-Uses the tiny set-up and the fork-and-kill helpers of ``tests/test_checkpoint_faults.py``:
+Uses the tiny set-up and the fork-and-kill helpers of ``tests/trainer/test_checkpoint_faults.py``:
 one uninterrupted reference run (6 steps, a checkpoint every 2 steps), then ``--kills``
 runs each killed by SIGKILL at a seeded random profile event inside the saves of steps 4
 and 6 (half of them inside the rotation that deletes the previous checkpoint, with
@@ -23,6 +23,7 @@ import tempfile
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "tests", "trainer"))
 import test_checkpoint_faults as faults  # noqa: E402
 
 from common import write_json  # noqa: E402

@@ -1,4 +1,4 @@
-"""Peak memory of each ``lookahead_placement`` on a model whose activations dominate its memory.
+"""Peak memory of the MSVR look-ahead (after the step's backward) on a model whose activations dominate its memory.
 
 The MSVR look-ahead h_k(w_t; B_k^{t+1}) (gamma' > 0) is a forward pass over the next step's
 constraint rows at the step's parameters. Its activations are transient (no graph is kept),
@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import machine, train_measuring_memory, write_json  # noqa: E402
 from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments, constraints_per_value  # noqa: E402
 
-PLACEMENTS = ("before_backward", "after_backward", "in_call")
+PLACEMENTS = ("after_backward",)
 
 
 class WideMLP(nn.Module):
@@ -68,14 +68,14 @@ def child(a: argparse.Namespace) -> None:
     rows = max(4 * a.constraint_batch, 64)
     data = Dataset.from_dict({"x": torch.randn(m * rows, a.dim, generator=g).tolist(),
                               "c": [k for k in range(m) for _ in range(rows)]}).with_format("torch")
-    placement, gp = (a.child, 0.1) if a.child in PLACEMENTS else ("after_backward", 0.0)
+    gp = 0.1 if a.child in PLACEMENTS else 0.0
     args = ConstrainedTrainingArguments(
         output_dir=os.path.join(a.workdir, f"lookahead_{a.child}"), per_device_train_batch_size=a.batch,
         max_steps=a.steps, learning_rate=1e-4, optim="sgd", weight_decay=0.0, max_grad_norm=0.0,
         lr_scheduler_type="constant", report_to=[], save_strategy="no", disable_tqdm=True,
         use_cpu=a.device == "cpu", seed=0, logging_steps=1000, dataloader_num_workers=0,
         constraint_penalty="hinge", penalty_beta=10.0, msvr_gamma_prime=gp, constraints_per_step=m,
-        constraint_batch_size=a.constraint_batch, lookahead_placement=placement, remove_unused_columns=False)
+        constraint_batch_size=a.constraint_batch, remove_unused_columns=False)
     model = WideMLP(a.dim, a.width, a.depth)
     constraints = constraints_per_value(data, "c", row_fn=row_scores, tolerance=-1.0)  # always active
     trainer = ConstrainedTrainer(model=model, args=args, train_dataset=train, constraints=constraints)

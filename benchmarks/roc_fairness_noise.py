@@ -43,7 +43,7 @@ def main(argv=None) -> dict:
     from hf_constrained import ConstrainedTrainingArguments
     from hf_constrained.fairness.experiment import ROCFairnessArguments, load_splits, run_roc_fairness
     from hf_constrained.fairness.roc import roc_fairness_constraints, score_rows
-    from hf_constrained.sampling import ConstraintBatchStream
+    from hf_constrained.method.sampling import ConstraintBatchStream
 
     script = ROCFairnessArguments(dataset=args.dataset, method="hinge", save_model=True)
     splits = load_splits(script)

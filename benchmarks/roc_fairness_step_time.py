@@ -62,7 +62,8 @@ def main(argv=None):
     from hf_constrained.fairness import (AUCConstrainedTrainer, MLPConfig, MLPForScoring, collate_pairs,
                                          objective_pairs, pairwise_auc_loss, roc_fairness_constraints)
     from hf_constrained.fairness.model import model_scores
-    from hf_constrained.sampling import ConstraintBatchStream
+    from hf_constrained.batches import collate_examples
+    from hf_constrained.method.sampling import ConstraintBatchStream
     from hf_constrained.fairness.experiment import ROCFairnessArguments, load_splits
     from hf_constrained.fairness.icppac import ICPPACConfig, ICPPACTrainer
 
@@ -97,7 +98,8 @@ def main(argv=None):
                     if i == n_steps:
                         break
                     t = time.perf_counter()
-                    rows = [c.collate([c.dataset[j] for j in streams[k].next_indices(64)]) for k, c in enumerate(cons)]
+                    rows = [(c.collate_fn or collate_examples)([c.dataset[j] for j in streams[k].next_indices(64)])
+                            for k, c in enumerate(cons)]
                     n_obj = 2 * batch["inputs_a"].shape[0]
                     scores = model_scores(model, torch.cat([batch["inputs_a"], batch["inputs_b"]]
                                                            + [r["inputs"] for r in rows]))

@@ -18,8 +18,6 @@ from typing import Any, Optional
 
 import torch
 
-from transformers.models.clip.modeling_clip import image_text_contrastive_loss
-
 from common import CONFIGS, BankedCLIP, base_args, make_train_rows
 from datasets import Dataset
 
@@ -68,32 +66,11 @@ class NonForgettingRows:
         rows = {"pixel_values": self.bank[batch["pixel_index"]], "label": batch["label"]}
         return self.loss.per_sample(model, rows) - batch["reference_loss"].to(self.bank.dtype)
 
-    def objective_with_rows(self, model: torch.nn.Module, inputs: dict[str, torch.Tensor],
-                            batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The objective (CLIP's contrastive loss on the train pairs, as ``BankedCLIP`` computes it)
-        and the per-row values of ``batch`` from ONE model call: the train images and the
-        constraint images through the vision tower together, the captions and the class prompts
-        through the text tower together (``share_objective_call``)."""
-        n = inputs["input_ids"].shape[0]
-        prompts = self.loss.prompt_input_ids.to(inputs["input_ids"].device)
-        images = self.bank[torch.cat([inputs["pixel_index"], batch["pixel_index"]])]
-        out = model(input_ids=torch.cat([inputs["input_ids"], prompts]), pixel_values=images)
-        image, text = out.image_embeds, out.text_embeds  # normalised by CLIPModel
-        scale = model.clip.logit_scale.exp()
-        objective = image_text_contrastive_loss(text[:n] @ image[:n].t() * scale)
-        # the zero-shot logits exactly as ZeroShotLoss.logits (clip_embeddings re-normalises in fp32)
-        zi = torch.nn.functional.normalize(image[n:].float(), dim=-1)
-        zt = torch.nn.functional.normalize(text[n:].float(), dim=-1)
-        ce = torch.nn.functional.cross_entropy(zi @ zt.T / self.loss.temperature, batch["label"].long(),
-                                               reduction="none")
-        return objective, ce - batch["reference_loss"].to(self.bank.dtype)
-
 
 def make_rowwise_constrained(model_name: str, output_dir: str, *, batch: int, steps: int, bf16: bool, cpu: bool,
                              bank_size: int, m: int, per_step: int, constraint_batch: int, gamma_prime: float,
                              form: str = "rowwise", num_classes: int = 10, rows_per_constraint: int = 32,
-                             share: bool = False, share_objective_call: bool = False,
-                             lookahead_placement: str = "before_backward", data: str = "rows") -> ConstrainedTrainer:
+                             share: bool = False, data: str = "rows") -> ConstrainedTrainer:
     """A ConstrainedTrainer with ``m`` non-forgetting constraints over ``num_classes`` prompts
     (constraint k's images carry label k mod ``num_classes``), ``per_step`` sampled per step.
 
@@ -147,8 +124,7 @@ def make_rowwise_constrained(model_name: str, output_dir: str, *, batch: int, st
         **base_args(output_dir, batch=batch, steps=steps, bf16=bf16, cpu=cpu),
         constraint_penalty="hinge", penalty_beta=10.0, msvr_gamma=0.8, msvr_gamma_prime=gamma_prime,
         constraints_per_step=per_step, constraint_batch_size=constraint_batch, check_constraint_finite=True,
-        share_constraint_batches=share, share_objective_call=share_objective_call,
-        lookahead_placement=lookahead_placement,
+        share_constraint_batches=share,
     )
     return ConstrainedTrainer(model=model, args=args,
                               train_dataset=make_train_rows(model_name, max(4 * batch, 512), bank_size),

@@ -11,17 +11,9 @@ for ``--rounds`` rounds; each ratio is of the median step times:
   call with grad for all sampled constraints and ONE without for the look-ahead;
 * ``per_constraint_gp0.1``: the same constraints as scalar ``fn``s (one call per sampled
   constraint and per look-ahead): the path every constraint took before the fused step;
-* ``fused_gp0``: row-wise, gamma' = 0 (no look-ahead call);
-* ``fused_after_gp0.1``: as ``fused_gp0.1`` with the look-ahead after the backward
-  (``lookahead_placement="after_backward"``, the library default);
-* ``shared_gp0.1``: ``share_objective_call``: the objective's pairs and the constraint rows in
-  ONE model call (the row function's ``objective_with_rows``), the look-ahead in its own no-grad
-  call after the backward;
-* ``shared_incall_gp0.1``: as ``shared_gp0.1`` with the look-ahead rows in that same call too
-  (``lookahead_placement="in_call"``, outputs detached): ONE model call per step.
+* ``fused_gp0``: row-wise, gamma' = 0 (no look-ahead call).
 
-The fused variants without ``after`` or ``shared`` keep the look-ahead before the backward
-(``lookahead_placement="before_backward"``), as measured before these options existed.
+The look-ahead runs after the step's backward (the library's one placement).
 
 It also counts the aten operators one step dispatches (``torch.profiler``, CPU), for the
 plain step and both constrained paths.
@@ -75,11 +67,8 @@ def build(key: str, a: argparse.Namespace, steps: int):
         return make_plain(a.model, out, batch=a.batch + a.per_step * a.constraint_batch, **common)
     gp = 0.1 if key.endswith("0.1") else 0.0
     form = "scalar" if key.startswith("per_constraint") else "rowwise"
-    placement = "in_call" if "incall" in key else "after_backward" if ("after" in key or "shared" in key) \
-        else "before_backward"
     return make_rowwise_constrained(a.model, out, batch=a.batch, m=a.m, per_step=a.per_step,
                                     constraint_batch=a.constraint_batch, gamma_prime=gp, form=form,
-                                    share_objective_call=key.startswith("shared"), lookahead_placement=placement,
                                     data=a.constraint_data, **common)
 
 
@@ -102,8 +91,7 @@ def main() -> None:
     a = parser.parse_args()
     setup_threads(a.threads)
     clock = default_clock(a.device, a.threads) if a.clock == "auto" else a.clock
-    keys = ["plain", "fused_gp0.1", "per_constraint_gp0.1", "fused_gp0", "fused_after_gp0.1", "shared_gp0.1",
-            "shared_incall_gp0.1"]
+    keys = ["plain", "fused_gp0.1", "per_constraint_gp0.1", "fused_gp0"]
     times: dict[str, list[float]] = {k: [] for k in keys}
     for r in range(a.rounds):
         for key in keys:
@@ -113,7 +101,7 @@ def main() -> None:
             del trainer
             gc.collect()
     ops: dict[str, float] = {}
-    for key in ["plain", "fused_gp0.1", "per_constraint_gp0.1", "shared_gp0.1", "shared_incall_gp0.1"]:
+    for key in ["plain", "fused_gp0.1", "per_constraint_gp0.1"]:
         trainer = build(key, a, a.warmup + a.op_steps + 1)
         counter = CountOps(a.warmup, a.op_steps)
         trainer.add_callback(counter)

@@ -3,7 +3,7 @@
 ``min_x ||x - a||^2  s.t.  A x <= b`` is solved by scipy (SLSQP) and its KKT multipliers
 by non-negative least squares, so the exact-penalty threshold of Theorem 1 is known:
 the hinge penalty ``(beta/m) sum_k [h_k]_+`` is exact iff ``beta/m > max_k lambda_k``.
-Used by ``benchmarks/stochastic_convex.py`` and by the test suite (``tests/test_convex_kkt.py``
+Used by ``benchmarks/stochastic_convex.py`` and by the test suite (``tests/method/test_convex_kkt.py``
 loads it from this file).
 """
 

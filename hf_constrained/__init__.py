@@ -1,10 +1,14 @@
 """hf_constrained: fine-tune Hugging Face models under constraints.
 
 The single-loop hinge exact penalty with MSVR constraint estimators (Yang et al., TMLR 2026):
-declare :class:`Constraint` s, train with :class:`ConstrainedTrainer` and
-:class:`ConstrainedTrainingArguments`, end with :func:`finish_run` (the
+declare :class:`Constraint` s (one per value of a column with :func:`constraints_per_value`,
+or "do not forget" constraints with :func:`non_forgetting_constraints`), train with
+:class:`ConstrainedTrainer` and :class:`ConstrainedTrainingArguments` (for a contrastive CLIP
+objective, :class:`ContrastiveConstrainedTrainer`), end with :func:`finish_run` (the
 :class:`SafetyReport` on held-out data, the model card and figures); ``push_to_hub``
 refuses a model whose constraints fail (:class:`UnsafeModelError`).
+
+The algorithm itself, usable without the Trainer, is in :mod:`hf_constrained.method`.
 
 Names are imported on first use, so ``import hf_constrained`` (and the ``hf-constrained``
 command line) does not load torch or transformers until a name that needs them is used.
@@ -17,45 +21,34 @@ from typing import TYPE_CHECKING
 from .lazy_import import lazy_attributes
 
 if TYPE_CHECKING:  # pragma: no cover
+    from .clip.contrastive import ContrastiveConstrainedTrainer
     from .config import ConstrainedTrainingArguments
-    from .constraint import CertifyStatistic, Constraint, collate_examples, constraints_per_value
+    from .constraint import CertifyStatistic, Constraint, ConstraintValueError, constraints_per_value
+    from .non_forgetting import non_forgetting_constraints
     from .safety.certify import Certificate, certify
-    from .estimators import MSVREstimator, resolve_gamma_prime, theory_gamma_prime
-    from .penalties import HingePenalty, NoPenalty, Penalty, SquaredHingePenalty, make_penalty
     from .safety.evaluation import build_safety_report
     from .safety.finish import finish_run
     from .safety.report import SafetyReport, UnsafeModelError
-    from .sampling import ConstraintBatchStream, ConstraintSampler
-    from .trainer import CONSTRAINT_STATE_NAME, ConstrainedTrainer, ConstraintValueError
+    from .trainer import ConstrainedTrainer
 
 __version__ = "0.1.0"
 
 # public name -> the module that defines it
 _LAZY = {
+    "ConstrainedTrainer": ".trainer",
     "ConstrainedTrainingArguments": ".config",
     "Constraint": ".constraint",
     "CertifyStatistic": ".constraint",
     "Certificate": ".safety.certify",
     "certify": ".safety.certify",
-    "collate_examples": ".constraint",
     "constraints_per_value": ".constraint",
-    "MSVREstimator": ".estimators",
-    "resolve_gamma_prime": ".estimators",
-    "theory_gamma_prime": ".estimators",
-    "HingePenalty": ".penalties",
-    "NoPenalty": ".penalties",
-    "Penalty": ".penalties",
-    "SquaredHingePenalty": ".penalties",
-    "make_penalty": ".penalties",
-    "build_safety_report": ".safety.evaluation",
+    "non_forgetting_constraints": ".non_forgetting",
+    "ContrastiveConstrainedTrainer": ".clip.contrastive",
     "finish_run": ".safety.finish",
+    "build_safety_report": ".safety.evaluation",
     "SafetyReport": ".safety.report",
     "UnsafeModelError": ".safety.report",
-    "ConstraintBatchStream": ".sampling",
-    "ConstraintSampler": ".sampling",
-    "CONSTRAINT_STATE_NAME": ".trainer",
-    "ConstrainedTrainer": ".trainer",
-    "ConstraintValueError": ".trainer",
+    "ConstraintValueError": ".constraint",
 }
 
 

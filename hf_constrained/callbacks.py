@@ -18,8 +18,6 @@ import torch
 from transformers import TrainerCallback
 
 from .clipping import PENALTY_GRAD_NORM_KEY
-from .constraint import fetch_rows
-from .trainer_internals import trainer_prepare_input
 
 if TYPE_CHECKING:
     from .trainer import ConstrainedTrainer
@@ -59,10 +57,7 @@ def penalty_gradient_norm(trainer: "ConstrainedTrainer") -> float:
     m = len(trainer.constraints)
     if not m or not trainer.penalty.active:
         return 0.0
-    ids = torch.arange(m)
-    h, slope = trainer._outer(ids, trainer.estimator.values.detach().float().cpu())  # h_k - tol_k, outer'
-    visited = trainer.estimator.visited.detach().cpu()
-    weights = trainer.penalty.weight(h) * slope * visited
+    weights = trainer.engine.current_weights()  # line 9's weights at the current estimates, margins included
     model = trainer.model
     params = [p for p in model.parameters() if p.requires_grad]
     loss = None
@@ -71,8 +66,7 @@ def penalty_gradient_norm(trainer: "ConstrainedTrainer") -> float:
         batch = None
         if not c.data_free:
             rows = list(range(min(len(c.dataset), trainer.args.constraint_batch_size)))
-            batch = c.collate(fetch_rows(c.dataset, rows))
-            batch = trainer_prepare_input(trainer, batch)  # the Trainer's placement on its device and dtype
+            batch = trainer.batches.constraint_rows(c, rows)  # the trainer's one batch path
         with trainer.compute_loss_context_manager():
             term = float(weights[k]) * c.fn(model, batch).float() / m
         loss = term if loss is None else loss + term

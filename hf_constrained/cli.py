@@ -102,7 +102,7 @@ def _plot(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     # imported here, not at the top: the demo imports torch and transformers, which would
     # make every other command (and --help) take seconds to start
-    from . import demo
+    from .recipes import demo_clip_digits as demo
 
     parser = argparse.ArgumentParser(prog="hf-constrained demo", description=DEMO_HELP,
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
@@ -168,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metric", default=None,
                    help="held-out objective key to plot (default: eval_loss, else the selection metric)")
     p.set_defaults(func=_plot)
-    # the demo's own options are parsed by _demo (they live with the demo, see hf_constrained.demo)
+    # the demo's own options are parsed by _demo (they live with the demo, see recipes/demo_clip_digits.py)
     p = sub.add_parser("demo", help=DEMO_HELP, add_help=False)
     p.set_defaults(func=_demo, demo_args=[])
     p = sub.add_parser("recipes", help="list the recipes, their modules and the shipped configs")

@@ -6,26 +6,51 @@ import copy
 import math
 import numbers
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 from transformers import TrainingArguments
 
-from .penalties import PENALTIES
+from .method.estimators import parse_gamma_prime
+from .method.penalties import PENALTIES
 from .publishable import is_secret_flag, publishable_path
-
-LOOKAHEAD_PLACEMENTS = ("after_backward", "before_backward", "in_call")
-"""Where the trainer computes the MSVR look-ahead (``lookahead_placement``)."""
 
 
 @dataclass
 class ConstrainedTrainingArguments(TrainingArguments):
     """``TrainingArguments`` plus the settings of the hinge exact-penalty method.
 
-    Defaults follow the paper's experiments: hinge penalty, MSVR gamma = 0.8,
-    gamma' = 0.1, every constraint visited each step. Every field can be set from the
-    command line through ``HfArgumentParser``.
+    The three settings to choose (:data:`USER_SETTINGS`, first in ``--help``):
+
+    * ``penalty_beta``: the penalty parameter beta (section 4: any constant above the
+      exact-penalty threshold; 10-20 in the paper's experiments);
+    * ``constraints_per_step``: |B_c|, the constraints visited per step (Algorithm 1, line 3);
+    * ``constraint_batch_size``: |B_k|, rows per visited constraint and step (line 5).
+
+    The method's other settings keep the paper's values: ``constraint_penalty`` (hinge),
+    ``msvr_gamma`` 0.8 and ``msvr_gamma_prime`` 0.1 (line 6), ``objective_msvr_gamma*`` for
+    Algorithm 2. Calibrated constraints: ``constraint_confidence`` or ``constraint_margin``.
+    Evaluation, logging and checks: ``constraint_eval_batch_size``, ``constraint_seed``,
+    ``log_constraint_estimates_max``, ``check_constraint_finite``; a sampling choice:
+    ``share_constraint_batches``. Every field can be set from the command line through
+    ``HfArgumentParser``.
     """
 
+    USER_SETTINGS = ("penalty_beta", "constraints_per_step", "constraint_batch_size")
+
+    penalty_beta: float = field(
+        default=10.0,
+        metadata={"help": "Penalty parameter beta > 0. The hinge needs only a constant above the exact-penalty "
+                  "threshold (10-20 in the paper); the squared hinge needs a large one (~800)."},
+    )
+    constraints_per_step: Optional[int] = field(
+        default=None,
+        metadata={"help": "|B_c|: constraints sampled each optimizer step, in [1, m]. Default: all m."},
+    )
+    constraint_batch_size: int = field(
+        default=10,
+        metadata={"help": "|B_k|: samples drawn per sampled constraint and step, per device "
+                  "(the global constraint batch is this times the number of processes)."},
+    )
     constraint_penalty: str = field(
         default="hinge",
         metadata={
@@ -33,11 +58,6 @@ class ConstrainedTrainingArguments(TrainingArguments):
             "'squared_hinge' ((beta/2)*[h]_+^2, the baseline of Li et al. 2024) or 'none' (plain Trainer).",
             "choices": sorted(PENALTIES),
         },
-    )
-    penalty_beta: float = field(
-        default=10.0,
-        metadata={"help": "Penalty parameter beta > 0. The hinge needs only a constant above the exact-penalty "
-                  "threshold (10-20 in the paper); the squared hinge needs a large one (~800)."},
     )
     msvr_gamma: float = field(
         default=0.8,
@@ -50,15 +70,6 @@ class ConstrainedTrainingArguments(TrainingArguments):
         default="0.1",
         metadata={"help": "MSVR variance-reduction weight gamma' >= 0, or 'theory' for "
                   "(m-|B_c|)/(|B_c|(1-gamma)) + (1-gamma). 0 gives a plain moving average."},
-    )
-    constraints_per_step: Optional[int] = field(
-        default=None,
-        metadata={"help": "|B_c|: constraints sampled each optimizer step, in [1, m]. Default: all m."},
-    )
-    constraint_batch_size: int = field(
-        default=10,
-        metadata={"help": "|B_k|: samples drawn per sampled constraint and step, per device "
-                  "(the global constraint batch is this times the number of processes)."},
     )
     constraint_eval_batch_size: Optional[int] = field(
         default=None,
@@ -92,23 +103,6 @@ class ConstrainedTrainingArguments(TrainingArguments):
                   "draw ONE batch per step from one stream and are scored once (e.g. every TPR constraint on one "
                   "batch of positives). A different sampling: their batches are no longer independent."},
     )
-    lookahead_placement: str = field(
-        default="after_backward",
-        metadata={"help": "When the MSVR look-ahead h_k(w_t; B_k^(t+1)) (gamma' > 0, Algorithm 1, line 6) is computed, "
-                  "always at the step's parameters w_t: 'after_backward' (a no-grad call after the step's backward, "
-                  "when the step's activations are freed: lower peak memory), 'before_backward' (right after the "
-                  "constraint call, inside the loss) or 'in_call' (the look-ahead rows ride in the step's row_fn "
-                  "call with grad, their outputs detached: one model call fewer per group, but the backward runs "
-                  "over those rows too).",
-                  "choices": list(LOOKAHEAD_PLACEMENTS)},
-    )
-    share_objective_call: bool = field(
-        default=False,
-        metadata={"help": "Compute the objective and the row-wise constraint group whose row_fn supports it "
-                  "(an objective_with_rows method, or a trainer that overrides objective_with_rows) in ONE model "
-                  "call on the concatenated inputs. Refused for models with BatchNorm (concatenating batches "
-                  "changes its batch statistics)."},
-    )
     constraint_confidence: Optional[float] = field(
         default=None,
         metadata={"help": "Calibrated constraints: enforce h_k <= tol_k with the margin z_c * s_k / sqrt(|D_k|) "
@@ -137,10 +131,18 @@ class ConstrainedTrainingArguments(TrainingArguments):
             if not 0.0 < value <= 1.0:
                 raise ValueError(f"{name} must be in (0, 1], got {value}")
         for name in ("msvr_gamma_prime", "objective_msvr_gamma_prime"):
-            setattr(self, name, _parse_gamma_prime(name, getattr(self, name)))
-        if self.lookahead_placement not in LOOKAHEAD_PLACEMENTS:
-            raise ValueError(f"lookahead_placement must be one of {list(LOOKAHEAD_PLACEMENTS)}, "
-                             f"got {self.lookahead_placement!r}")
+            setattr(self, name, parse_gamma_prime(getattr(self, name), name))
+        if self.constraint_confidence is not None and self.constraint_margin is not None:
+            raise ValueError("give constraint_confidence or constraint_margin, not both")
+        if self.constraint_confidence is not None and not 0.5 <= float(self.constraint_confidence) < 1.0:
+            raise ValueError(f"constraint_confidence must be in [0.5, 1), got {self.constraint_confidence}")
+        if self.constraint_margin is not None and not (math.isfinite(float(self.constraint_margin))
+                                                       and float(self.constraint_margin) >= 0):
+            raise ValueError(f"constraint_margin must be a finite number >= 0, got {self.constraint_margin}")
+        if self.max_steps == 0:
+            # the Trainer checks its bound after a step: max_steps=0 would train one step
+            raise ValueError("max_steps=0 trains nothing; give max_steps >= 1, or -1 (the default) to train "
+                             "num_train_epochs epochs")
         if self.constraints_per_step is not None and self.constraints_per_step < 1:
             raise ValueError(f"constraints_per_step must be >= 1, got {self.constraints_per_step}")
         if self.constraint_batch_size < 1:
@@ -188,22 +190,6 @@ class ConstrainedTrainingArguments(TrainingArguments):
         return new
 
 
-def _parse_gamma_prime(name: str, value: Union[str, float]) -> Union[str, float]:
-    """A finite number >= 0 or ``"theory"`` (the gamma' of Algorithm 1, line 6)."""
-    if isinstance(value, str):
-        if value.strip().lower() == "theory":
-            return "theory"
-        try:
-            value = float(value)
-        except ValueError:
-            raise ValueError(f"{name} must be a number >= 0 or 'theory', got {value!r}") from None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a number >= 0 or 'theory', got {type(value).__name__} {value!r}")
-    if not (math.isfinite(float(value)) and float(value) >= 0):
-        raise ValueError(f"{name} must be >= 0 and finite, or 'theory', got {value}")
-    return float(value)
-
-
 # fields that must hold Python numbers when set from Python (the command line converts them already)
 _REAL_FIELDS = ("penalty_beta", "msvr_gamma", "objective_msvr_gamma")
 _INT_FIELDS = ("constraint_batch_size", "log_constraint_estimates_max")
@@ -223,6 +209,6 @@ def _check_types(args: ConstrainedTrainingArguments) -> None:
             continue
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
-    for name in ("check_constraint_finite", "share_objective_call"):
+    for name in ("check_constraint_finite", "share_constraint_batches"):
         if not isinstance(getattr(args, name), bool):
             raise TypeError(f"{name} must be True or False, got {getattr(args, name)!r}")

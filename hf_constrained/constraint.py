@@ -2,7 +2,7 @@
 
 A :class:`Constraint` is a name, its own data, and a function that returns the
 mini-batch estimate h_k(w; B_k) as a scalar tensor with grad. The trainer draws B_k
-from the constraint's data (see :mod:`hf_constrained.sampling`), so a constraint knows
+from the constraint's data (see :mod:`hf_constrained.method.sampling`), so a constraint knows
 nothing about estimators or penalties.
 
 Compositional constraints (ROC fairness, the paper's application "AUC maximization with ROC
@@ -23,6 +23,9 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
+
+from .batches import ROW_SOURCE_ATTR, collate_examples, fetch_rows  # noqa: F401  (re-exported)
+from .method.rows import reduce_rows
 
 ConstraintFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 """``fn(model, batch) -> scalar tensor``; ``batch`` is ``None`` for a data-free constraint."""
@@ -60,52 +63,12 @@ class CertifyStatistic:
     description: str = ""
 
 
-def collate_examples(examples: Sequence[Any]) -> Any:
-    """Stack a list of examples into a batch.
-
-    Dict examples become a dict of stacked tensors; numbers, numpy arrays and tensors are
-    stacked; anything else (strings, images) stays a list for the constraint function
-    to process. Rows that cannot be stacked (a key missing from some rows, or values of
-    different shapes, e.g. unpadded token ids) give an error naming the key and the shapes.
-    """
-    first = examples[0]
-    if isinstance(first, Mapping):
-        batch = {}
-        for key in first:
-            lacking = [i for i, ex in enumerate(examples) if key not in ex]
-            if lacking:
-                raise KeyError(f"collate_examples: {len(lacking)} of {len(examples)} rows have no key {key!r} "
-                               f"(the first row has {sorted(first)})")
-            try:
-                batch[key] = collate_examples([ex[key] for ex in examples])
-            except (ValueError, KeyError) as e:
-                msg = e.args[0] if e.args else str(e)
-                raise type(e)(f"key {key!r}: {msg}") from None
-        return batch
-    if isinstance(first, (torch.Tensor, np.ndarray)) or (
-            isinstance(first, (list, tuple)) and first and isinstance(first[0], (int, float, np.number))):
-        shapes = sorted({tuple(np.shape(ex)) for ex in examples})
-        if len(shapes) > 1:
-            raise ValueError(f"collate_examples: rows of different shapes {shapes[:5]} cannot be stacked; pad them "
-                             "to one length (e.g. a tokenizer with padding) or give the constraint a collate_fn")
-    if isinstance(first, torch.Tensor):
-        return torch.stack(list(examples))
-    if isinstance(first, np.ndarray):
-        return torch.as_tensor(np.stack(examples))
-    if isinstance(first, (bool, int, float, np.number)):
-        return torch.as_tensor(examples)
-    if isinstance(first, (list, tuple)) and first and isinstance(first[0], (int, float, np.number)):
-        return torch.as_tensor(examples)
-    return list(examples)
+class ConstraintValueError(RuntimeError):
+    """A constraint function returned something the method cannot use."""
 
 
-def fetch_rows(dataset: Any, rows: Sequence[int]) -> list:
-    """The examples at ``rows``, fetched in one call where the dataset supports it
-    (``datasets.Dataset.__getitems__`` reads a whole batch at once)."""
-    getitems = getattr(dataset, "__getitems__", None)
-    if getitems is not None:
-        return list(getitems(list(rows)))
-    return [dataset[i] for i in rows]
+class EmptyGroupError(ConstraintValueError, ValueError):
+    """A ``group_key`` constraint (a difference of two group means) got rows of one group only."""
 
 
 @dataclass
@@ -137,7 +100,8 @@ class Constraint:
         row_transform: optional per-constraint map from ``row_fn``'s outputs to per-row
             values (default: the outputs themselves).
         group_key: optional batch key holding each row's group (0 or 1); h is then the
-            mean over group 0 minus the mean over group 1.
+            mean over group 0 minus the mean over group 1. A batch (or evaluation set) without
+            rows of one group has no value: :class:`EmptyGroupError`, naming the constraint.
         confidence: calibrated constraint (row-wise only): ask that h hold on unseen data of
             the same population with this one-sided confidence in [0.5, 1); the trainer then
             enforces the margin ``z_c * s / sqrt(|dataset|)`` from the running spread ``s`` of
@@ -296,9 +260,6 @@ class Constraint:
         stat = self.certify_statistic
         return stat.bound if stat is not None else "betting"
 
-    def collate(self, examples: Sequence[Any]) -> Any:
-        return (self.collate_fn or collate_examples)(examples)
-
     def apply_outer(self, inner: torch.Tensor) -> torch.Tensor:
         return inner if self.outer is None else self.outer(inner)
 
@@ -329,16 +290,22 @@ class Constraint:
                              f"{num_rows} rows")
         return groups
 
+    def check_group_counts(self, rows_0: int, rows_1: int) -> None:
+        """A difference of group means needs rows of both groups: the same :class:`EmptyGroupError`
+        in the fused step, the scalar form and the exact evaluation."""
+        if self.group_key is not None and (rows_0 == 0 or rows_1 == 0):
+            raise EmptyGroupError(
+                f"constraint {self.name!r}: a difference of group means needs rows of both groups of "
+                f"{self.group_key!r}, got {rows_0} of group 0 and {rows_1} of group 1 (raise constraint_batch_size "
+                "or balance the constraint's dataset between the groups)")
+
     def reduce_rows(self, values: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
         """The mini-batch value h(w; B) from per-row values: their mean, or with ``group_key``
         the mean over group 0 minus the mean over group 1 (e.g. a TPR gap between two groups)."""
         if self.group_key is None:
-            return values.mean()
-        first, second = values[groups == 0], values[groups == 1]
-        if first.numel() == 0 or second.numel() == 0:
-            raise ValueError(f"constraint {self.name!r}: a batch needs rows of both groups of {self.group_key!r}, got "
-                             f"{first.numel()} and {second.numel()}")
-        return first.mean() - second.mean()
+            return reduce_rows(values)
+        self.check_group_counts(int((groups == 0).sum()), int((groups == 1).sum()))
+        return reduce_rows(values, groups)
 
     def _reduced_row_fn(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
         """The scalar form of a row-wise constraint (one model call per constraint)."""
@@ -378,8 +345,8 @@ def _subset(dataset: Any, indices: list[int], tag: str = "") -> Any:
             subset = dataset.select(indices, new_fingerprint=new)
         else:
             subset = dataset.select(indices)
-        try:  # lets the fused step read the rows of many such subsets in one call of the parent
-            setattr(subset, "hfc_row_source", (dataset, np.asarray(indices, dtype=np.int64)))
+        try:  # lets the step read the rows of many such subsets in one call of the parent
+            setattr(subset, ROW_SOURCE_ATTR, (dataset, np.asarray(indices, dtype=np.int64)))
         except AttributeError:
             pass
         return subset

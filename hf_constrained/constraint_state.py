@@ -64,26 +64,6 @@ def load_constraint_state(path: str) -> dict[str, Any]:
     return state
 
 
-SPREAD_ATTRIBUTES = ("_spread_var", "_spread_rows", "_spread_visits")
-"""The trainer's running per-row spread of the row-wise constraints (noise and calibrated margins)."""
-
-
-def _spread_state(trainer: "ConstrainedTrainer") -> dict[str, torch.Tensor]:
-    return {name: getattr(trainer, name).detach().cpu().clone() for name in SPREAD_ATTRIBUTES}
-
-
-def _load_spread_state(trainer: "ConstrainedTrainer", saved: Optional[dict[str, torch.Tensor]]) -> None:
-    """Restore the running spread (a checkpoint written before it was saved keeps the fresh one)."""
-    for name in SPREAD_ATTRIBUTES:
-        if saved is None or name not in saved:
-            continue
-        current = getattr(trainer, name)
-        if saved[name].shape != current.shape:
-            raise CheckpointError(f"the checkpoint's {name} has shape {tuple(saved[name].shape)}, this trainer's "
-                                  f"{tuple(current.shape)}: written for other constraints")
-        current.copy_(saved[name].to(current))
-
-
 class ConstraintStateMissingError(CheckpointError, FileNotFoundError):
     """A checkpoint without the constraint state a trained penalty needs to resume: a
     :class:`~hf_constrained.checkpointing.CheckpointError` (the Trainer's ``ValueError`` for a
@@ -97,9 +77,7 @@ def library_state(trainer: "ConstrainedTrainer") -> Optional[dict[str, Any]]:
     With constraints it holds, besides ``constraint_state_dict()``, the running spread of the
     row-wise constraints' per-row values (``"spread"``), which sets the calibrated margins."""
     state = trainer.constraint_state_dict()
-    if trainer.constraints:
-        # the running spread of the per-row values: the calibrated margins continue exactly
-        state["spread"] = _spread_state(trainer)
+    if trainer.constraints:  # the engine's state holds the running spread behind calibrated margins too
         return state
     if set(state) - set(BASE_STATE_KEYS):
         return state
@@ -133,8 +111,6 @@ def prepare_resume(trainer: "ConstrainedTrainer", resume_from_checkpoint: Option
     if os.path.exists(path):
         state = load_constraint_state(path)
         trainer.load_constraint_state_dict(state)
-        if trainer.constraints:
-            _load_spread_state(trainer, state.get("spread"))
     return resume_from_checkpoint
 
 

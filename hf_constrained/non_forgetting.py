@@ -36,7 +36,8 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .constraint import CertifyStatistic, Constraint, collate_examples, fetch_rows
+from .batches import collate_examples, fetch_rows
+from .constraint import CertifyStatistic, Constraint
 from .per_sample_loss import (
     PaddingCollator,
     causal_lm_per_example_loss,

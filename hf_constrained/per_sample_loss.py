@@ -23,7 +23,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from .constraint import collate_examples
+from .batches import collate_examples
 
 IGNORE_INDEX = -100
 """Label of positions that carry no loss (prompt tokens, padding), as in transformers."""

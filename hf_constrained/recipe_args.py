@@ -18,6 +18,23 @@ import yaml
 from transformers import HfArgumentParser
 
 
+def _user_settings_first(parser: argparse.ArgumentParser, dataclass_types: Sequence[type]) -> None:
+    """``--help`` lists the settings a user sets first (a dataclass's ``USER_SETTINGS``, e.g. the
+    three of :class:`~hf_constrained.ConstrainedTrainingArguments`) in a group of their own,
+    before the hundred fields inherited from ``TrainingArguments``."""
+    names = [n for t in dataclass_types for n in getattr(t, "USER_SETTINGS", ())]
+    if not names:
+        return
+    group = parser.add_argument_group("the settings to choose first")
+    for action in [a for a in parser._actions if a.dest in names]:
+        for other in parser._action_groups:
+            if action in other._group_actions:
+                other._group_actions.remove(action)
+        group._group_actions.append(action)
+    parser._action_groups.remove(group)
+    parser._action_groups.insert(1, group)  # after the positionals
+
+
 class RecipeConfigError(ValueError):
     """A ``--config`` file that cannot be used."""
 
@@ -53,6 +70,7 @@ def parse_recipe_args(dataclass_types: Sequence[type], argv: Optional[Sequence[s
     # no abbreviations: a mistyped or old flag name (--seed for --seeds) is an error, not another flag
     parser = HfArgumentParser(list(dataclass_types), description=description, allow_abbrev=False)
     parser.add_argument("--config", default=None, help="YAML file of flag values; command-line flags override it.")
+    _user_settings_first(parser, dataclass_types)
     if defaults:
         parser.set_defaults(**defaults)
     if known.config is not None:

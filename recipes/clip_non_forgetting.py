@@ -159,10 +159,7 @@ def build_data(script: ScriptArguments) -> dict:
 
 def main(argv: Optional[list[str]] = None) -> dict:
     script, args = parse_recipe_args([ScriptArguments, ConstrainedTrainingArguments], argv, description=__doc__,
-                                     defaults={"remove_unused_columns": False,
-                                               # the objective and the non-forgetting rows in one model
-                                               # call (docs/method.md); same update as separate calls
-                                               "share_objective_call": True})
+                                     defaults={"remove_unused_columns": False})
     if args.remove_unused_columns:  # a flag this recipe cannot honour: an error, not silently replaced
         raise ValueError("--remove_unused_columns true is not supported by this recipe: its collator reads the "
                          "raw columns (image, caption) that the Trainer would remove")

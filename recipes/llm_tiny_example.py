@@ -63,7 +63,7 @@ from hf_constrained.per_sample_loss import IGNORE_INDEX
 from hf_constrained.publishable import publishable_command
 from hf_constrained.recipe_args import parse_recipe_args
 from hf_constrained.text_data import tokenize_sft
-from hf_constrained.tiny_lm import char_tokenizer, tiny_causal_lm
+from hf_constrained.recipes.tiny_lm import char_tokenizer, tiny_causal_lm
 
 logger = logging.getLogger("llm_tiny_example")
 

@@ -120,9 +120,9 @@ def snapshot(trainer: ConstrainedTrainer) -> dict[str, Any]:
     model = trainer.accelerator.unwrap_model(trainer.model)
     return {
         "params": {n: p.detach().cpu().clone() for n, p in model.named_parameters()},
-        "estimator_values": trainer.estimator.values.detach().cpu().clone(),
-        "estimator_visited": trainer.estimator.visited.detach().cpu().clone(),
-        "streams": [None if s is None else s.state_dict() for s in trainer.streams],
+        "estimator_values": trainer.engine.estimator.values.detach().cpu().clone(),
+        "estimator_visited": trainer.engine.estimator.visited.detach().cpu().clone(),
+        "streams": [None if s is None else s.state_dict() for s in trainer.engine.streams],
         "global_step": trainer.state.global_step,
     }
 
@@ -134,7 +134,7 @@ def record_constraint_calls(trainer: ConstrainedTrainer) -> list[tuple[str, list
 
     def wrap(name: str, fn):
         def recorded(model, batch):
-            if trainer._in_training_step:  # not the preflight check before training
+            if trainer.in_training_step:  # not the preflight check before training
                 calls.append((name, batch["sample_index"].tolist(), torch.is_grad_enabled()))
             return fn(model, batch)
         return recorded
@@ -187,21 +187,6 @@ class StopAt(TrainerCallback):
 def per_row_ce(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """The shared row_fn: per-sample cross-entropy, one value per row."""
     return F.cross_entropy(model(x=batch["x"])["logits"], batch["labels"], reduction="none")
-
-
-class SharedRowCE:
-    """:func:`per_row_ce` that can also share the objective's model call
-    (``share_objective_call``): the objective's rows and the constraint rows in one forward."""
-
-    def __call__(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return per_row_ce(model, batch)
-
-    def objective_with_rows(self, model: nn.Module, inputs: dict[str, torch.Tensor],
-                            batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        n = inputs["x"].shape[0]
-        logits = model(x=torch.cat([inputs["x"], batch["x"]]))["logits"]
-        return (F.cross_entropy(logits[:n], inputs["labels"]),
-                F.cross_entropy(logits[n:], batch["labels"], reduction="none"))
 
 
 def make_rowwise_trainer(output_dir: str, row_fn: Any = per_row_ce, **overrides: Any) -> ConstrainedTrainer:

@@ -43,12 +43,10 @@ import torch
 from torch import nn
 
 from ..config import ConstrainedTrainingArguments
-from ..estimators import MSVREstimator, resolve_gamma_prime
-from ..non_forgetting import REFERENCE_KEY, ReferenceGap
+from ..method.estimators import MSVREstimator, resolve_gamma_prime, run_precision
 from ..trainer import ConstrainedTrainer
 from ..trainer_internals import trainer_num_items_in_batch, trainer_prepare_inputs
 from .encode import clip_embeddings
-from .non_forgetting import ZeroShotLoss
 
 if torch.distributed.is_available():
     from torch.distributed.nn.functional import all_gather as _differentiable_all_gather
@@ -136,7 +134,9 @@ def contrastive_terms(image_embeds: torch.Tensor, text_embeds: torch.Tensor, is_
         is_positive: (N,) bool; positives are the anchors, the others the negatives.
         temperature: t (0.05 in the paper).
     """
-    image_embeds, text_embeds = image_embeds.float(), text_embeds.float()
+    # at least fp32 (float64 in a float64 run): the exponentials reach exp(40) at t = 0.05
+    dtype = torch.promote_types(image_embeds.dtype, torch.float32)
+    image_embeds, text_embeds = image_embeds.to(dtype), text_embeds.to(dtype)
     pos = is_positive.bool().to(image_embeds.device)
     neg = ~pos
     sim = image_embeds @ text_embeds.T  # sim[a, b] = <E_1(x_a), E_2(t_b)>
@@ -172,29 +172,6 @@ def _first_occurrence(index: torch.Tensor) -> torch.Tensor:
     mask = torch.zeros_like(first_sorted)
     mask[order] = first_sorted
     return mask
-
-
-def _zero_shot_of(row_fn: Any) -> Optional[ZeroShotLoss]:
-    """The :class:`ZeroShotLoss` behind a non-forgetting row function, else ``None``."""
-    loss = getattr(row_fn, "loss", None) if isinstance(row_fn, ReferenceGap) else None
-    return loss if isinstance(loss, ZeroShotLoss) else None
-
-
-def _stack_texts(ids_a: torch.Tensor, mask_a: Optional[torch.Tensor], ids_b: torch.Tensor,
-                 mask_b: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Two token batches as one, right-padded to the longer length (pad id 0, attention mask 0)."""
-    length = max(ids_a.shape[1], ids_b.shape[1])
-    if mask_a is None and mask_b is None and ids_a.shape[1] == ids_b.shape[1]:
-        return torch.cat([ids_a, ids_b.to(ids_a)]), None
-
-    def pad(ids: torch.Tensor, mask: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        mask = torch.ones_like(ids) if mask is None else mask.to(ids)
-        extra = length - ids.shape[1]
-        return nn.functional.pad(ids, (0, extra), value=0), nn.functional.pad(mask, (0, extra), value=0)
-
-    a, ma = pad(ids_a, mask_a)
-    b, mb = pad(ids_b.to(ids_a), mask_b)
-    return torch.cat([a, b]), torch.cat([ma, mb])
 
 
 class PreviousIterate(NamedTuple):
@@ -282,7 +259,8 @@ class ContrastiveConstrainedTrainer(ConstrainedTrainer):
                                               self.args.objective_msvr_gamma)
             for side in ("image", "text"):
                 self.objective_estimators[side] = MSVREstimator(n, self.args.objective_msvr_gamma, gamma_prime,
-                                                                device=self.args.device)
+                                                                device=self.args.device,
+                                                                dtype=run_precision(self.model))
 
     # ------------------------------------------------------------------ data plumbing
     def train_sampler(self, train_dataset: Any = None) -> Any:
@@ -386,59 +364,9 @@ class ContrastiveConstrainedTrainer(ConstrainedTrainer):
         terms, index = self._global_terms(model, inputs)
         return self._objective_from_terms(terms, index, return_outputs)
 
-    # ------------------------------------------------------------------ one call with the constraints
-    def can_share_objective_call(self, row_fn: Any) -> bool:
-        """The non-forgetting constraints' row function (``ReferenceGap`` of a
-        :class:`~hf_constrained.clip.non_forgetting.ZeroShotLoss`) shares the objective's call;
-        other row functions as for :class:`~hf_constrained.ConstrainedTrainer`."""
-        return _zero_shot_of(row_fn) is not None or super().can_share_objective_call(row_fn)
-
-    def objective_with_rows(self, model: nn.Module, inputs: dict[str, Any], row_fn: Any, batch: Any,
-                            return_outputs: bool = False, num_items_in_batch: Any = None) -> tuple[Any, torch.Tensor]:
-        """The contrastive objective and the non-forgetting rows from ONE ``model(...)`` call
-        (``share_objective_call``).
-
-        The call takes the train images followed by the constraint images, and the train
-        captions followed by the class prompts (right-padded to one length with pad id 0 and
-        attention mask 0: CLIP's causal text tower pools at the EOS token, before the padding, so
-        the embeddings are those of separate calls up to float round-off). The train part feeds
-        Algorithm 2 exactly as :meth:`compute_objective_loss`; the constraint part gives the
-        per-row ``CE_zero-shot(w) - reference_loss`` of ``row_fn``.
-        """
-        zero_shot = _zero_shot_of(row_fn)
-        if zero_shot is None:
-            return super().objective_with_rows(model, inputs, row_fn, batch, return_outputs, num_items_in_batch)
-        self._check_batch(inputs)
-        if REFERENCE_KEY not in batch:
-            raise KeyError(f"constraint batch has no {REFERENCE_KEY!r}: wrap the data in ReferenceLossDataset "
-                           "(non_forgetting_constraints does)")
-        pixels = inputs["pixel_values"]
-        n_image, n_text = pixels.shape[0], inputs["input_ids"].shape[0]
-        device = pixels.device
-        prompts = zero_shot.prompt_input_ids.to(device)
-        prompt_mask = None if zero_shot.prompt_attention_mask is None else zero_shot.prompt_attention_mask.to(device)
-        ids, mask = _stack_texts(inputs["input_ids"], inputs.get("attention_mask"), prompts, prompt_mask)
-        class_ids = None
-        if inputs.get("text_class_ids") is not None or zero_shot.class_heads:
-            own = inputs.get("text_class_ids")
-            own = torch.full((n_text,), -1, dtype=torch.long, device=device) if own is None else own.to(device).long()
-            heads = torch.arange(zero_shot.num_classes, device=device) if zero_shot.class_heads else \
-                torch.full((zero_shot.num_classes,), -1, dtype=torch.long, device=device)
-            class_ids = torch.cat([own, heads])
-        image, text = clip_embeddings(model, torch.cat([pixels, batch["pixel_values"].to(pixels)]), ids, mask,
-                                      class_ids)
-        result = self._objective_from_terms(*self._terms_from_embeddings(image[:n_image], text[:n_text], inputs),
-                                            return_outputs)
-        labels = torch.as_tensor(batch["label"]).to(device).long()
-        if int(labels.max()) >= zero_shot.num_classes or int(labels.min()) < 0:
-            raise ValueError(f"label {int(labels.max())} outside the {zero_shot.num_classes} class prompts")
-        logits = image[n_image:] @ text[n_text:].T / zero_shot.temperature  # ZeroShotLoss.logits
-        current = nn.functional.cross_entropy(logits, labels, reduction="none")
-        return result, current - torch.as_tensor(batch[REFERENCE_KEY]).to(current)
-
     def _objective_from_terms(self, terms: ContrastiveTerms, index: torch.Tensor, return_outputs: bool) -> Any:
         """Algorithm 2, lines 3-9, on the global batch's terms (see :meth:`compute_objective_loss`)."""
-        training = self._in_training_step and bool(self.objective_estimators)
+        training = self.in_training_step and bool(self.objective_estimators)
         previous: dict[str, Optional[torch.Tensor]] = {"image": None, "text": None}
         if training and self._uses_previous_iterate:
             # consumed for every batch of the window (also one without anchors) to stay aligned
@@ -467,7 +395,7 @@ class ContrastiveConstrainedTrainer(ConstrainedTrainer):
             u_image, u_text = g_image, g_text
         surrogate = contrastive_surrogate(terms, u_image, u_text)
         value = contrastive_value(terms, self.contrastive_temperature)
-        if self._in_training_step and not torch.isfinite(surrogate.detach()).item():
+        if self.in_training_step and not torch.isfinite(surrogate.detach()).item():
             raise FloatingPointError(
                 f"the contrastive objective is {surrogate.item()} at step {self.state.global_step} "
                 f"(exp(d/t) with t = {self.contrastive_temperature} over-/underflowed or the embeddings are NaN): "

@@ -16,7 +16,7 @@ from torch import nn
 def clip_embeddings(model: nn.Module, pixel_values: torch.Tensor, input_ids: torch.Tensor,
                     attention_mask: Optional[torch.Tensor] = None,
                     text_class_ids: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """L2-normalised ``(image_embeds, text_embeds)`` in fp32 from one ``model(...)`` call.
+    """L2-normalised ``(image_embeds, text_embeds)`` in at least fp32 from one ``model(...)`` call.
 
     Works for ``transformers.CLIPModel`` (and a PEFT model around it), whose output
     carries normalised ``image_embeds`` / ``text_embeds``, and for
@@ -30,7 +30,7 @@ def clip_embeddings(model: nn.Module, pixel_values: torch.Tensor, input_ids: tor
         kwargs["text_class_ids"] = text_class_ids
     out = model(**kwargs)
     image, text = out.image_embeds, out.text_embeds
-    # fp32 and re-normalised: the loss exponentiates (s_ij - s_ii)/t with t = 0.05
-    image = nn.functional.normalize(image.float(), dim=-1)
-    text = nn.functional.normalize(text.float(), dim=-1)
+    # at least fp32 and re-normalised: the loss exponentiates (s_ij - s_ii)/t with t = 0.05
+    image = nn.functional.normalize(image.to(torch.promote_types(image.dtype, torch.float32)), dim=-1)
+    text = nn.functional.normalize(text.to(torch.promote_types(text.dtype, torch.float32)), dim=-1)
     return image, text

@@ -22,12 +22,13 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..batches import BatchMaker
 from ..constraint import Constraint
 
 
 def _full_batch(c: Constraint, data: Any) -> Any:
     """The whole of ``data`` as one batch (the exact h_k, not a mini-batch estimate)."""
-    return c.collate([data[i] for i in range(len(data))])
+    return BatchMaker(None, lambda batch: batch).collate_of(c)([data[i] for i in range(len(data))])
 
 
 def constraint_jacobian(model: nn.Module, constraints: Sequence[Constraint], *, split: str = "train",

@@ -51,8 +51,9 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..batches import BatchMaker
 from ..constraint import Constraint
-from ..sampling import ConstraintBatchStream
+from ..method.sampling import ConstraintBatchStream
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +112,7 @@ class ICPPACTrainer:
         self.config = config
         self.batch_size = int(constraint_batch_size)
         self.streams = [ConstraintBatchStream(len(c.dataset), seed, k) for k, c in enumerate(self.constraints)]
+        self.batches = BatchMaker(None, self._to_device)
         self.lr_factor = lr_factor or (lambda step: 1.0)
         self.callbacks = list(callbacks)
         self.device = device or next(model.parameters()).device
@@ -125,11 +127,13 @@ class ICPPACTrainer:
         self._inner_sum: Optional[torch.Tensor] = None
         self._inner_count = 0
 
+    def _to_device(self, batch: Any) -> Any:
+        return {key: v.to(self.device) for key, v in batch.items()} if isinstance(batch, dict) else batch
+
     def _batch(self, k: int) -> Any:
         c = self.constraints[k]
         rows = self.streams[k].next_indices(self.batch_size)
-        batch = c.collate([c.dataset[i] for i in rows])
-        return {key: v.to(self.device) for key, v in batch.items()} if isinstance(batch, dict) else batch
+        return self.batches.constraint_rows(c, rows)
 
     def _constraint_values_and_grads(self, anchor: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """g_j(w_t) = h_j(w_t; B_j) + mu ||w_t - w_k||^2 and its gradient, one backward per constraint."""

@@ -41,7 +41,7 @@ from torch import nn
 from transformers import TrainerCallback
 
 from ..constraint import Constraint
-from ..sampling import ConstraintBatchStream
+from ..method.sampling import ConstraintBatchStream
 from ..trainer import ConstrainedTrainer
 from .model import model_scores
 
@@ -73,7 +73,7 @@ class PairedRows(torch.utils.data.Dataset):
 
     Item j holds row j of the longer side (a shuffled pass over the items visits each of
     its rows once) and the next row of the shorter side's own stream: shuffled passes,
-    each with a fresh permutation (:class:`~hf_constrained.sampling.ConstraintBatchStream`
+    each with a fresh permutation (:class:`~hf_constrained.method.sampling.ConstraintBatchStream`
     seeded by ``seed``, the name, the process rank and the data-loader worker), so every
     row of the shorter side is drawn once per pass of that side and the per-row visit
     counts never differ by more than one. A batch of b items therefore holds b rows of

@@ -44,6 +44,12 @@ RECIPES: tuple[Recipe, ...] = (
     Recipe("safe-release", "safe_release_digits", "the safety loop: feasible checkpoint, report, card, gated push"),
 )
 
+DEMO_MODULE = "demo_clip_digits"
+"""The digits demo's module (``hf-constrained demo``, ``make demo``), shipped with the recipes."""
+
+HELPER_MODULES = ("tiny_lm",)
+"""Modules shipped with the recipes that are no recipe of their own (the tiny LM of the offline examples)."""
+
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _CHECKOUT_RECIPES = os.path.join(os.path.dirname(os.path.dirname(_HERE)), "recipes")
 

@@ -96,14 +96,15 @@ def split_fingerprint(hashes: Iterable[bytes]) -> str:
     return "sha256:" + digest.hexdigest()
 
 
-def check_certification_splits(constraints: Sequence[Any], others: Optional[Mapping[str, Any]] = None
-                               ) -> dict[str, str]:
+def check_certification_splits(constraints: Sequence[Any], others: Optional[Mapping[str, Any]] = None, *,
+                               train_dataset: Any = None, eval_dataset: Any = None) -> dict[str, str]:
     """Refuse certification rows that also appear in training or selection rows.
 
     Args:
         constraints: the run's constraints; those with a ``certify_dataset`` are checked
             against every constraint's ``dataset`` and ``eval_dataset`` and against ``others``.
-        others: further datasets by name (the trainer's ``train_dataset``, ``eval_dataset``).
+        others: further datasets by name.
+        train_dataset, eval_dataset: the objective's data (``eval_dataset`` may be a dict of them).
 
     Returns:
         constraint name -> fingerprint of its certification split.
@@ -114,11 +115,15 @@ def check_certification_splits(constraints: Sequence[Any], others: Optional[Mapp
     certifying = [c for c in constraints if getattr(c, "certify_dataset", None) is not None]
     if not certifying:
         return {}
+    others = dict(others or {})
+    others["the objective's train_dataset"] = train_dataset
+    evals = eval_dataset if isinstance(eval_dataset, Mapping) else {"": eval_dataset}
+    others.update({f"the objective's eval_dataset {k}".rstrip(): v for k, v in evals.items()})
     used: list[tuple[str, Any]] = []
     for c in constraints:
         used.append((f"the training rows of constraint {c.name!r}", c.dataset))
         used.append((f"the held-out (selection) rows of constraint {c.name!r}", c.eval_dataset))
-    for name, data in (others or {}).items():
+    for name, data in others.items():
         used.append((name, data))
     sources = [(what, data) for what, data in used if data is not None and hasattr(data, "__len__") and len(data)]
     # rows of dicts are compared on the fields both datasets have, so that a dataset with other columns (the

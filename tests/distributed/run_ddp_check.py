@@ -1,4 +1,4 @@
-"""One rank of the multi-process consistency check (tests/test_distributed.py).
+"""One rank of the multi-process consistency check (tests/trainer/test_distributed.py).
 
 Launched with ``accelerate launch --config_file recipes/accelerate_configs/multi_gpu.yaml
 --num_processes N`` on CPU (gloo backend, ``use_cpu=True`` in the training arguments). Trains
@@ -20,7 +20,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
-from scale_tiny import (StopAt, contrastive_snapshot, make_contrastive_trainer, SharedRowCE, make_rowwise_trainer,  # noqa: E402
+from scale_tiny import (StopAt, contrastive_snapshot, make_contrastive_trainer, make_rowwise_trainer,  # noqa: E402
                         make_trainer, record_constraint_calls, snapshot)
 
 
@@ -76,13 +76,6 @@ def main() -> None:
                                      constraint_batch_size=a.constraint_batch)
         fused.train()
         _save(a.out, f"rank{rank}_fused.pt", snapshot(fused))
-        # the same with the objective, the constraint rows and the look-ahead rows in ONE model call
-        shared = make_rowwise_trainer(os.path.join(a.out, "fused_shared"), row_fn=SharedRowCE(),
-                                      per_device_train_batch_size=a.per_device_batch,
-                                      constraint_batch_size=a.constraint_batch, share_objective_call=True,
-                                      lookahead_placement="in_call")
-        shared.train()
-        _save(a.out, f"rank{rank}_fused_shared.pt", snapshot(shared))
 
     if a.contrastive:  # Setting II: 4 rows per process, the 1-process reference uses 8
         clip_trainer = make_contrastive_trainer(os.path.join(a.out, "clip"), per_device_train_batch_size=4)

@@ -1,4 +1,4 @@
-"""One rank of the DDP reliability checks (tests/test_ddp_reliability.py).
+"""One rank of the DDP reliability checks (tests/trainer/test_ddp_reliability.py).
 
 Launched like ``run_ddp_check.py`` (``accelerate launch --config_file
 recipes/accelerate_configs/multi_gpu.yaml --num_processes 2``, CPU/gloo). Runs each case,

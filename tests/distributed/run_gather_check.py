@@ -1,4 +1,4 @@
-"""One rank of the differentiable all-gather check (tests/test_gather_with_grad.py).
+"""One rank of the differentiable all-gather check (tests/apps/test_gather_with_grad.py).
 
 Launched with ``python -m torch.distributed.run --nproc_per_node 2`` on CPU (gloo). Each rank
 holds its own rows ``x_r``, gathers them with :func:`hf_constrained.clip.gather_with_grad`,

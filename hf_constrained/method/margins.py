@@ -1,0 +1,197 @@
+"""The running spread of per-row values: the noise of an estimate and calibrated margins.
+
+For row-wise constraints every step yields the per-row values of B_k^t, hence their sample
+variance. :class:`RowSpread` keeps a running variance s_k^2 (per group of a ``group_key``
+constraint) and the rows per batch, and from them
+
+* the standard error of the mini-batch value h_k(w; B_k) (``constraint_std/<name>``), noise
+  to compare with the tolerance, with ONE warning per run when the estimate keeps more noise
+  than the constraint's scale;
+* the margin of a calibrated constraint, ``z_c * s_k / sqrt(n_k)`` with n_k = |D_k| (or
+  ``Constraint.independent_rows``), or an explicit margin: the hinge then acts on
+  ``u_k + margin > tol_k``, so the constraint also holds on unseen data of the same population
+  with confidence c (the one-sided CLT bound of :mod:`hf_constrained.statistics`).
+
+Its state (:meth:`RowSpread.state_dict`) goes into every checkpoint: a resumed run has the
+same margins as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+from ..statistics import z_value
+from .rows import batch_variances
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..constraint import Constraint
+
+logger = logging.getLogger(__name__)
+
+SPREAD_DECAY = 0.1
+"""Weight of the newest batch in the running per-row variance of a row-wise constraint
+(a running mean over the first 10 visits, then an exponential average over about 10)."""
+
+
+class RowSpread:
+    """Running per-row spread of the row-wise constraints, and the margins it gives.
+
+    Args:
+        constraints: all m constraints.
+        confidence: the run's ``constraint_confidence`` (``Constraint.confidence`` overrides it).
+        margin: the run's ``constraint_margin`` (``Constraint.margin`` overrides it).
+        device, dtype: where and in which precision the running sums live.
+    """
+
+    def __init__(self, constraints: Sequence["Constraint"], *, confidence: Optional[float] = None,
+                 margin: Optional[float] = None, device: Any = None, dtype: torch.dtype = torch.float64) -> None:
+        self.constraints = list(constraints)
+        m = len(self.constraints)
+        z, fixed = torch.zeros(m, dtype=torch.float64), torch.zeros(m, dtype=torch.float64)
+        rows = torch.ones(m, dtype=torch.float64)
+        no_rows = []
+        for k, c in enumerate(self.constraints):
+            if c.rowwise:  # the n of the margin's s / sqrt(n): independent rows, not correlated copies
+                rows[k] = c.independent_rows if c.independent_rows is not None else len(c.dataset)
+            if c.margin is not None:
+                fixed[k] = c.margin
+            elif c.confidence is not None:
+                z[k] = z_value(c.confidence)
+            elif margin is not None:
+                fixed[k] = float(margin)
+            elif confidence is not None:
+                if c.rowwise:
+                    z[k] = z_value(float(confidence))
+                else:
+                    no_rows.append(c.name)
+        if no_rows:
+            logger.warning("constraint_confidence=%s gives no margin to %d constraint(s) without per-row values "
+                           "(scalar fn): %s. Declare them with row_fn or give them Constraint(margin=...).",
+                           confidence, len(no_rows), no_rows[:10])
+        self.z, self.fixed, self.data_rows = z.to(device, dtype), fixed.to(device, dtype), rows.to(device, dtype)
+        self.configured = (z > 0) | (fixed > 0)
+        self.has_margins = bool(self.configured.any())
+        self.var = torch.zeros(2 * m, dtype=dtype, device=device)
+        self.rows = torch.zeros(2 * m, dtype=dtype, device=device)
+        self.visits = torch.zeros(m, dtype=dtype, device=device)
+        self.noise_warned = False
+
+    @torch.no_grad()
+    def observe(self, ids: torch.Tensor, stats: torch.Tensor) -> None:
+        """Fold this step's global row statistics (at w_t) into the running spread:
+        ``V <- (1 - rho) V + rho s^2_batch`` with ``rho = max(1 / visits, SPREAD_DECAY)``, so the
+        first visits average equally and later ones forget old parameters."""
+        n = ids.numel()
+        var, rows = batch_variances(stats), stats[2]
+        has_rows = rows.view(n, 2).sum(dim=1) > 0  # the row-wise positions of B_c
+        visits = self.visits[ids] + has_rows.to(self.visits.dtype)
+        rho = torch.where(has_rows, (1.0 / visits.clamp(min=1)).clamp(min=SPREAD_DECAY), torch.zeros_like(visits))
+        rho2 = rho.repeat_interleave(2)
+        owner = torch.stack([2 * ids, 2 * ids + 1], dim=1).reshape(-1)
+        self.var[owner] = (1 - rho2) * self.var[owner] + rho2 * var.to(self.var)
+        self.rows[owner] = (1 - rho2) * self.rows[owner] + rho2 * rows.to(self.rows)
+        self.visits[ids] = visits
+
+    def _at(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        owner = torch.stack([2 * ids, 2 * ids + 1], dim=1).reshape(-1)
+        return self.var[owner].view(-1, 2), self.rows[owner].view(-1, 2)
+
+    def batch_std_error(self, ids: torch.Tensor) -> torch.Tensor:
+        """Standard error of h_k(w; B_k): ``s_k / sqrt(|B_k|)``, or ``sqrt(s_0^2 / n_0 + s_1^2 / n_1)``
+        for a group difference."""
+        var, rows = self._at(ids)
+        return torch.where(rows > 0, var / rows.clamp(min=1e-12), torch.zeros_like(var)).sum(dim=1).sqrt()
+
+    def margin_values(self, ids: torch.Tensor) -> torch.Tensor:
+        """The margin in force per constraint: the explicit one, or ``z_c * s_k / sqrt(n_k)`` (for a
+        group difference ``z_c * sqrt(s_0^2 / n_0 + s_1^2 / n_1)`` with n_g = n_k times group g's
+        running share of the batch rows)."""
+        var, rows = self._at(ids)
+        share = rows / rows.sum(dim=1, keepdim=True).clamp(min=1e-12)
+        n_data = (self.data_rows[ids].unsqueeze(1) * share).clamp(min=1.0)
+        se = torch.where(rows > 0, var / n_data, torch.zeros_like(var)).sum(dim=1).sqrt()
+        return self.fixed[ids] + self.z[ids] * se
+
+    def margins(self) -> dict[str, float]:
+        """The margin of each constraint that has one (empty when none is configured)."""
+        if not self.has_margins:
+            return {}
+        values = self.margin_values(torch.arange(len(self.constraints), device=self.var.device)).cpu().tolist()
+        return {c.name: float(v) for c, v, on in zip(self.constraints, values, self.configured.tolist()) if on}
+
+    def noise(self) -> dict[str, float]:
+        """Standard error of each visited row-wise constraint's mini-batch value."""
+        if not self.constraints:
+            return {}
+        se = self.batch_std_error(torch.arange(len(self.constraints), device=self.var.device)).cpu().tolist()
+        visited = (self.visits > 0).cpu().tolist()
+        return {c.name: float(v) for c, v, seen in zip(self.constraints, se, visited) if seen}
+
+    def log_metrics(self, per_constraint: bool, msvr_gamma: float) -> dict[str, float]:
+        """``constraint_std/<name>`` and ``constraint_margin/<name>`` (with ``per_constraint``) and
+        their maxima; warns once when the noise an estimate keeps dwarfs a constraint's scale."""
+        logs: dict[str, float] = {}
+        noise = self.noise()
+        if noise:
+            if per_constraint:
+                logs.update({f"constraint_std/{n}": v for n, v in noise.items()})
+            logs["constraint_std/max"] = max(noise.values())
+            self._maybe_warn_noise(noise, msvr_gamma)
+        margins = self.margins()
+        if margins:
+            if per_constraint:
+                logs.update({f"constraint_margin/{n}": v for n, v in margins.items()})
+            logs["constraint_margin/max"] = max(margins.values())
+        return logs
+
+    @staticmethod
+    def _noise_scale(c: "Constraint") -> Optional[float]:
+        """``metadata["noise_scale"]`` (e.g. the ROC constraints' kappa), else ``|tolerance|`` when
+        nonzero, else none (no warning)."""
+        scale = c.metadata.get("noise_scale") if isinstance(c.metadata, Mapping) else None
+        if scale is None and c.tolerance != 0:
+            scale = abs(float(c.tolerance))
+        return None if scale is None or not scale > 0 else float(scale)
+
+    def _maybe_warn_noise(self, noise: dict[str, float], gamma: float) -> None:
+        """With independent batch noise of standard error se, an exponential average with weight
+        gamma keeps a standard deviation of ``se * sqrt(gamma / (2 - gamma))``; when that exceeds
+        the scale the hinge's indicator 1[u_k > 0] is close to a coin flip."""
+        if self.noise_warned:
+            return
+        keep = math.sqrt(gamma / (2.0 - gamma))
+        bad = []
+        for c in self.constraints:
+            scale = self._noise_scale(c)
+            if scale is not None and c.name in noise and noise[c.name] * keep > scale:
+                bad.append((noise[c.name] * keep / scale, c.name, noise[c.name], scale))
+        if not bad:
+            return
+        self.noise_warned = True
+        bad.sort(reverse=True)
+        ratio, name, se, scale = bad[0]
+        logger.warning(
+            "constraint noise: the mini-batch value of %r has standard error %.3g; with msvr_gamma=%g its estimate "
+            "keeps about %.3g of it, %.1fx the constraint's scale %.3g (metadata['noise_scale'] or |tolerance|), so the "
+            "hinge acts on noise. %d of %d constraints are in this state (worst: %s). Lower msvr_gamma (e.g. 0.1; the "
+            "estimate then averages about 2/gamma batches) or raise constraint_batch_size (the noise falls as "
+            "1/sqrt(|B_k|)).", name, se, gamma, se * keep, ratio, scale, len(bad), len(self.constraints),
+            [b[1] for b in bad[:5]])
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"var": self.var.cpu(), "rows": self.rows.cpu(), "visits": self.visits.cpu(),
+                "noise_warned": self.noise_warned}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.var.copy_(state["var"].to(self.var))
+        self.rows.copy_(state["rows"].to(self.rows))
+        self.visits.copy_(state["visits"].to(self.visits))
+        self.noise_warned = bool(state["noise_warned"])
+
+
+__all__ = ["RowSpread", "SPREAD_DECAY"]

@@ -1,0 +1,699 @@
+"""The embedded demo (``make demo``): CLIP fine-tuning under non-forgetting constraints, offline.
+
+The second application of Yang et al. (TMLR 2026, section 5) in miniature, on
+scikit-learn's digits:
+
+1. **Old model** (stage 1, cached under ``.cache/``): a small CLIP built from a config is
+   pre-trained as a zero-shot classifier over the prompts "a photo of the digit {name}"
+   on part of the digits, with the target digit held out almost entirely, so it is weak
+   on the target.
+2. **Target data**: image-caption pairs of the target digit (positives) and of other
+   digits (negatives). Like web retrievals it is noisy: part of the "positives" are images
+   of a similar protected digit captioned as the target, and that digit is absent from the
+   negatives. Unconstrained contrastive fine-tuning therefore learns to call that digit
+   the target: it forgets.
+3. **Constrained fine-tuning** with :class:`~hf_constrained.clip.ContrastiveConstrainedTrainer`
+   (the global contrastive objective of Algorithm 2) and one non-forgetting constraint per
+   protected digit k over its constraint images D_k, in the row-wise form (one shared
+   ``row_fn`` giving d_i = CE_i(w) - CE_i(w_old) per image): by default the per-image
+   increase h_k(w) = mean_i [d_i]_+ <= tol, so improvements on some images cannot pay for
+   damage on others (``forgetting="mean"``: the paper's L_k(w) - L_k(w_old) <= tol); with
+   the hinge penalty, the squared hinge at the same beta, and no penalty.
+
+Making the promise hold on images training never saw takes four things besides the penalty:
+
+* **More constraint data.** Each protected image of D_k enters as several shifted and
+  noised copies, each with the old model's loss on THAT copy as its reference, so
+  h_k stays "the new model's loss minus the old model's loss on the same inputs" (a
+  per-sample mean, exactly what Algorithm 2, line 12 estimates). Comparing an augmented
+  image's loss with the un-augmented image's reference would instead add the
+  augmentation's own loss change to every term: a bias, not a margin.
+* **Calibrated constraints** (``confidence``, default 0.9): the hinge acts when the
+  estimate plus the margin z_c * s_k / sqrt(n_k) exceeds the tolerance (s_k the running
+  spread of the per-image values), with n_k the number of original images of D_k
+  (``Constraint.independent_rows``), not of their correlated copies.
+* **A selection split.** Each protected class has images that neither stage 1 nor the
+  constraint gradient touches. Every ``select_every`` steps the trainer evaluates every
+  constraint exactly on them (``evaluate_constraints``), and the kept checkpoint is the
+  one with the best target loss among those feasible there (lexicographic rule of
+  :mod:`hf_constrained.safety.selection`; the least violating one when none is feasible).
+* **A separate test split**, never used for anything but the numbers reported.
+
+The selection, test and constraint pools all hold augmented copies of their own images
+(copies never cross splits), so one held-out image is worth ``1 / eval_copies`` of an
+image in the accuracies and 2 points are not a single image.
+
+``python -m hf_constrained.recipes.demo_clip_digits --seeds 0,1,2,3,4`` repeats everything for several seeds,
+each with its own split and stage-1 old model, and states each goal as met or not over
+the seeds. ``--help`` lists the knobs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import hashlib
+import json
+import logging
+import math
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+from transformers import AutoTokenizer, CLIPModel, TrainerCallback
+
+from hf_constrained.clip import ContrastiveConstrainedTrainer, ReferenceLossDataset, ZeroShotLoss, reference_losses, zero_shot_accuracy
+from hf_constrained.clip.data import CLIPCollator, RowDataset
+from hf_constrained.clip.tiny import tiny_clip, word_tokenizer
+from hf_constrained.config import ConstrainedTrainingArguments
+from hf_constrained.constraint import Constraint
+from hf_constrained.safety.selection import EvaluationRecord, select_best
+from hf_constrained.statistics import constraint_statistic
+
+logger = logging.getLogger(__name__)
+
+DIGIT_NAMES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+TEMPLATE = "a photo of the digit {}"
+SPLITS = ("pretrain", "constraint", "selection", "test")
+PENALTIES = ("hinge", "squared_hinge", "none")
+# the per-row value of a non-forgetting constraint from d_i = CE_i(w) - CE_i(w_old)
+FORGETTING: dict[str, Optional[Callable[[torch.Tensor], torch.Tensor]]] = {"mean": None, "increase": torch.relu}
+STAGE1_COPIES = 4  # stage 1 sees each image or one of 3 shifted / noised copies of it
+
+
+@dataclass
+class DemoConfig:
+    target: int = 9
+    pulled: int = 5  # the protected digit whose images pollute the target data
+    seed: int = 0
+    test_fraction: float = 0.25  # per class: reported numbers only
+    selection_fraction: float = 0.15  # per class: which checkpoint is kept
+    constraint_fraction: float = 0.25  # per class: D_k, unseen in stage 1 (like BDD100K for CLIP)
+    stage1_target_keep: int = 3
+    stage1_epochs: int = 40
+    stage1_lr: float = 2e-3
+    noisy_fraction: float = 0.5  # polluting images per clean target image
+    negatives_per_class: int = 20
+    steps: int = 150
+    batch_size: int = 64
+    lr: float = 1e-4
+    schedule: str = "cosine"
+    warmup_steps: int = 0
+    beta: float = 10.0
+    constraint_batch_size: int = 10
+    forgetting: str = "increase"  # per-row value: CE(new) - CE(old) ("mean") or its positive part ("increase")
+    tolerance: float = 0.05  # the requirement h_k <= tolerance, checked on the selection and test splits
+    margin: float = 0.0  # training enforces h_k <= tolerance - margin on D_k
+    confidence: float = 0.9  # > 0: calibrated constraints, margin z_c * s_k / sqrt(originals of D_k); 0: off
+    msvr_gamma: float = 0.8  # the MSVR constraint estimator's weight (Algorithm 2, line 12)
+    max_grad_norm: float = 1.0  # gradient clipping of the fine-tuning runs (0: none)
+    temperature: float = 0.05
+    constraint_copies: int = 8  # copies of each constraint image (the first is the image itself)
+    eval_copies: int = 5  # copies of each selection / test image
+    shift: float = 0.5  # largest translation (pixels) of a copy
+    rotate: float = 10.0  # largest rotation (degrees) of a copy
+    noise: float = 0.1  # std of the Gaussian noise of a copy (images are in [-1, 1])
+    select_every: int = 10  # steps between selection evaluations; 0 keeps the last iterate
+
+
+# ---------------------------------------------------------------------------------- data
+
+
+def digits_split(cfg: DemoConfig) -> dict[str, Any]:
+    """Digits as 1x8x8 images in [-1, 1], split per class into four disjoint parts.
+
+    ``pretrain``: stage 1 and the target data; ``constraint``: the protected classes'
+    constraint data D_k, never seen by the old model (as BDD100K was not CLIP's training
+    data); ``selection``: held out, decides which checkpoint is kept; ``test``: held out,
+    for the reported numbers only.
+    """
+    from sklearn.datasets import load_digits
+
+    if cfg.test_fraction + cfg.selection_fraction + cfg.constraint_fraction >= 1:
+        raise ValueError("test_fraction + selection_fraction + constraint_fraction must leave images for stage 1")
+    digits = load_digits()
+    images = (digits.images.astype(np.float32) / 16.0 - 0.5) / 0.5
+    labels = digits.target.astype(int)
+    rng = np.random.default_rng(cfg.seed)
+    parts: dict[str, list[int]] = {k: [] for k in SPLITS}
+    for c in range(10):
+        idx = rng.permutation(np.flatnonzero(labels == c))
+        bounds = np.cumsum([int(round(len(idx) * f))
+                            for f in (cfg.test_fraction, cfg.selection_fraction, cfg.constraint_fraction)])
+        parts["test"] += idx[: bounds[0]].tolist()
+        parts["selection"] += idx[bounds[0] : bounds[1]].tolist()
+        parts["constraint"] += idx[bounds[1] : bounds[2]].tolist()
+        parts["pretrain"] += idx[bounds[2] :].tolist()
+    return {"images": images[:, None], "labels": labels, **{k: sorted(v) for k, v in parts.items()}}
+
+
+def augmented_copies(images: np.ndarray, copies: int, seed: int, shift: float = 0.5, rotate: float = 10.0,
+                     noise: float = 0.1) -> np.ndarray:
+    """``copies`` versions of each image (N, 1, H, W), grouped per image: the image itself,
+    then copies under a random affine map (rotation up to ``rotate`` degrees, scale within
+    10%, translation up to ``shift`` pixels; bilinear, background fill) plus Gaussian noise."""
+    from scipy.ndimage import affine_transform
+
+    if copies < 1:
+        raise ValueError(f"copies must be >= 1, got {copies}")
+    rng = np.random.default_rng(seed)
+    out = np.repeat(images, copies, axis=0).copy()
+    background = float(images.min()) if images.size else -1.0
+    h, w = images.shape[-2:]
+    center = np.array([(h - 1) / 2, (w - 1) / 2])
+    for n in range(len(images)):
+        for j in range(1, copies):
+            angle = np.deg2rad(rng.uniform(-rotate, rotate))
+            scale = rng.uniform(0.9, 1.1)
+            rot = np.array([[np.cos(angle), -np.sin(angle)], [np.sin(angle), np.cos(angle)]]) / scale
+            offset = center - rot @ center + rng.uniform(-shift, shift, size=2)
+            img = np.stack([affine_transform(ch, rot, offset=offset, order=1, mode="constant", cval=background)
+                            for ch in images[n]])
+            img = img + rng.normal(0.0, noise, size=img.shape)
+            out[n * copies + j] = np.clip(img, -1.0, 1.0).astype(images.dtype)
+    return out
+
+
+def _row(data: dict[str, Any], i: int) -> dict[str, Any]:
+    return {"pixel_values": data["images"][i], "label": int(data["labels"][i])}
+
+
+def class_rows(data: dict[str, Any], split: str, c: int, copies: int = 1, cfg: Optional[DemoConfig] = None
+               ) -> list[dict[str, Any]]:
+    """Rows of class ``c`` in ``split``; with ``copies > 1`` each image as :func:`augmented_copies`."""
+    idx = [i for i in data[split] if data["labels"][i] == c]
+    if copies == 1:
+        return [_row(data, i) for i in idx]
+    cfg = cfg or DemoConfig()
+    seed = cfg.seed * 1000 + SPLITS.index(split) * 10 + c  # one stream per (seed, split, class)
+    images = augmented_copies(data["images"][idx], copies, seed, cfg.shift, cfg.rotate, cfg.noise)
+    return [{"pixel_values": x, "label": c} for x in images]
+
+
+def target_rows(data: dict[str, Any], cfg: DemoConfig) -> list[dict[str, Any]]:
+    """Noisy target pairs: target images + polluting images of ``pulled`` captioned as the target
+    (positives), and other digits with their own captions (negatives, ``pulled`` excluded)."""
+    rng = np.random.default_rng(cfg.seed + 1)
+    target_name = DIGIT_NAMES[cfg.target]
+    rows = []
+    # every target image outside the selection and test splits (the target has no constraint data)
+    clean = [i for i in data["pretrain"] + data["constraint"] if data["labels"][i] == cfg.target]
+    for i in clean:
+        rows.append({**_row(data, i), "caption": TEMPLATE.format(target_name), "is_positive": True})
+    pulled = [i for i in data["pretrain"] if data["labels"][i] == cfg.pulled]
+    n_noisy = min(len(pulled), int(round(cfg.noisy_fraction * len(clean))))
+    for i in rng.choice(pulled, size=n_noisy, replace=False):
+        rows.append({**_row(data, int(i)), "caption": TEMPLATE.format(target_name), "is_positive": True})
+    for c in range(10):
+        if c in (cfg.target, cfg.pulled):
+            continue
+        pool = [i for i in data["pretrain"] if data["labels"][i] == c]
+        for i in rng.choice(pool, size=min(len(pool), cfg.negatives_per_class), replace=False):
+            rows.append({**_row(data, int(i)), "caption": TEMPLATE.format(DIGIT_NAMES[c]), "is_positive": False})
+    return rows
+
+
+# ---------------------------------------------------------------------------------- stage 1
+
+
+def _stage1_key(cfg: DemoConfig) -> str:
+    keys = ("target", "seed", "test_fraction", "selection_fraction", "constraint_fraction", "stage1_target_keep",
+            "stage1_epochs", "stage1_lr", "temperature", "shift", "rotate", "noise")
+    blob = json.dumps({k: getattr(cfg, k) for k in keys}, sort_keys=True) + "v3"
+    return hashlib.sha1(blob.encode()).hexdigest()[:12]
+
+
+def prompts(tokenizer: Any) -> dict[str, torch.Tensor]:
+    return tokenizer([TEMPLATE.format(n) for n in DIGIT_NAMES], padding=True, return_tensors="pt")
+
+
+def pretrain_old_model(cfg: DemoConfig, cache_dir: str, log: Callable[[str], None] = logger.info) -> str:
+    """Stage 1 (cached): a small CLIP trained as a zero-shot digit classifier, weak on the target."""
+    path = os.path.join(cache_dir, f"digits-clip-{_stage1_key(cfg)}")
+    if os.path.exists(os.path.join(path, "config.json")):
+        log(f"stage 1: cached old model at {path}")
+        return path
+    t0 = time.time()
+    data = digits_split(cfg)
+    tokenizer = word_tokenizer([TEMPLATE.format(n) for n in DIGIT_NAMES])
+    model = tiny_clip(len(tokenizer), image_size=8, patch_size=2, num_channels=1, seed=cfg.seed)
+    rng = np.random.default_rng(cfg.seed + 2)
+    train = [i for i in data["pretrain"] if data["labels"][i] != cfg.target]
+    keep = [i for i in data["pretrain"] if data["labels"][i] == cfg.target][: cfg.stage1_target_keep]
+    idx = np.array(train + keep)
+    # a bank of STAGE1_COPIES copies per image (the image itself first); every epoch draws one
+    # copy per image, so the old model knows the shifted and noised digits of the pools
+    bank = torch.as_tensor(augmented_copies(data["images"][idx], STAGE1_COPIES, cfg.seed + 3, cfg.shift, cfg.rotate,
+                                             cfg.noise))
+    y = torch.as_tensor(data["labels"][idx])
+    p = prompts(tokenizer)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.stage1_lr, weight_decay=0.01)
+    torch.manual_seed(cfg.seed)
+    model.train()
+    for _ in range(cfg.stage1_epochs):
+        x = bank[torch.arange(len(idx)) * STAGE1_COPIES + torch.as_tensor(rng.integers(0, STAGE1_COPIES, len(idx)))]
+        perm = torch.as_tensor(rng.permutation(len(idx)))
+        for start in range(0, len(idx), 128):
+            b = perm[start : start + 128]
+            out = model(pixel_values=x[b], input_ids=p["input_ids"], attention_mask=p["attention_mask"])
+            logits = out.image_embeds @ out.text_embeds.T / cfg.temperature
+            loss = torch.nn.functional.cross_entropy(logits, y[b])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    tmp = tempfile.mkdtemp(dir=cache_dir, prefix=".stage1-")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    if os.path.exists(path):  # another run finished first: keep its copy
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        os.replace(tmp, path)
+    log(f"stage 1: pre-trained the old model in {time.time() - t0:.0f}s -> {path}")
+    return path
+
+
+# ---------------------------------------------------------------------------------- stage 2
+
+
+class ForgettingRows:
+    """The shared ``row_fn`` of the non-forgetting constraints: per row, the zero-shot
+    cross-entropy now minus the old model's on the same input (``reference_loss``).
+
+    Its mean over D_k is h_k(w; B_k) = L_k(w; B_k) - L_k(w_old; B_k).
+    """
+
+    def __init__(self, loss: ZeroShotLoss) -> None:
+        self.loss = loss
+
+    def __call__(self, model: torch.nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+        if "reference_loss" not in batch:
+            raise KeyError("non-forgetting batch has no 'reference_loss': wrap the rows in ReferenceLossDataset")
+        current = self.loss.per_sample(model, batch)
+        return current - torch.as_tensor(batch["reference_loss"]).to(current)
+
+
+@dataclass
+class Pools:
+    """Every protected class's rows per split, the old model's reference losses included."""
+
+    constraint: dict[str, ReferenceLossDataset]
+    selection: dict[str, ReferenceLossDataset]
+    test: dict[str, ReferenceLossDataset]
+    target_selection: RowDataset
+    test_all: RowDataset  # every class's test pool, for the accuracies
+
+
+def build_pools(cfg: DemoConfig, data: dict[str, Any], old_model: torch.nn.Module, zs: ZeroShotLoss,
+                collate: CLIPCollator) -> Pools:
+    """The enlarged constraint / selection / test pools with the old model's per-row losses,
+    computed on the very rows (augmented copies included) they will be compared with."""
+    protected = [c for c in range(10) if c != cfg.target]
+    out: dict[str, dict[str, ReferenceLossDataset]] = {}
+    for split, copies in (("constraint", cfg.constraint_copies), ("selection", cfg.eval_copies),
+                          ("test", cfg.eval_copies)):
+        out[split] = {}
+        for c in protected:
+            rows = RowDataset(class_rows(data, split, c, copies, cfg))
+            out[split][DIGIT_NAMES[c]] = ReferenceLossDataset(rows, reference_losses(old_model, rows, zs, collate))
+    test_all = RowDataset([r for c in range(10) for r in class_rows(data, "test", c, cfg.eval_copies, cfg)])
+    target_selection = RowDataset(class_rows(data, "selection", cfg.target, cfg.eval_copies, cfg))
+    return Pools(out["constraint"], out["selection"], out["test"], target_selection, test_all)
+
+
+@torch.no_grad()
+def mean_loss(model: torch.nn.Module, dataset: Any, zs: ZeroShotLoss, collate: CLIPCollator) -> float:
+    """Mean zero-shot cross-entropy on ``dataset`` (the target selection metric)."""
+    return float(reference_losses(model, dataset, zs, collate).mean())
+
+
+class FeasibleCheckpointSelection(TrainerCallback):
+    """Every ``every`` steps: exact constraint values on each constraint's ``eval_dataset``
+    (the selection split) and the target loss on the target's selection images; keeps the
+    parameters of the best evaluation by :func:`hf_constrained.safety.selection.select_best`
+    (feasible first, then the lower target loss; else the smallest largest violation).
+
+    Feasible means h_k <= ``requirement`` for every k: the requirement itself, not a
+    training tolerance tightened by a margin (the margin is how training aims to meet the
+    requirement on unseen data; the selection split checks whether it did).
+    ``use_constraints=False`` (unconstrained fine-tuning) ranks by the target loss alone.
+    """
+
+    def __init__(self, every: int, target_rows: Any, zs: ZeroShotLoss, collate: CLIPCollator,
+                 use_constraints: bool = True, requirement: float = 0.0) -> None:
+        self.every, self.target_rows, self.zs, self.collate = every, target_rows, zs, collate
+        self.use_constraints, self.requirement = use_constraints, requirement
+        self.trainer: Optional[ContrastiveConstrainedTrainer] = None
+        self.records: list[EvaluationRecord] = []
+        self.best: Optional[EvaluationRecord] = None
+        self.best_state: Optional[dict[str, torch.Tensor]] = None
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step % self.every and state.global_step != state.max_steps:
+            return
+        trainer = self.trainer
+        violation = 0.0
+        if self.use_constraints:
+            violation = max(trainer.evaluate_constraints(split="eval").values()) - self.requirement
+        record = EvaluationRecord(state.global_step, mean_loss(trainer.model, self.target_rows, self.zs, self.collate),
+                                  violation <= 0, violation)
+        self.records.append(record)
+        if select_best([r for r in (self.best, record) if r is not None], greater_is_better=False) is record:
+            self.best = record
+            self.best_state = copy.deepcopy(trainer.model.state_dict())
+
+
+def demo_constraints(cfg: DemoConfig, pools: Pools, rows_fn: ForgettingRows, collate: CLIPCollator
+                     ) -> list[Constraint]:
+    """One non-forgetting constraint per protected class: D_k = the class's constraint pool,
+    checked on its selection pool; with ``cfg.confidence > 0`` a calibrated constraint whose
+    margin z_c * s_k / sqrt(n_k) counts the n_k original images of D_k, not their
+    ``constraint_copies`` correlated copies (``Constraint.independent_rows``)."""
+    if cfg.forgetting not in FORGETTING:
+        raise ValueError(f"--forgetting must be one of {list(FORGETTING)}, got {cfg.forgetting!r}")
+    if not (cfg.confidence == 0 or 0.5 <= cfg.confidence < 1):
+        raise ValueError(f"--confidence must be in [0.5, 1) (or 0: no calibrated margin), got {cfg.confidence}")
+    calibrated = cfg.confidence > 0
+    return [Constraint(name=f"non_forgetting/{name}", row_fn=rows_fn, dataset=pools.constraint[name],
+                       eval_dataset=pools.selection[name], tolerance=cfg.tolerance - cfg.margin,
+                       row_transform=FORGETTING[cfg.forgetting], collate_fn=collate,
+                       confidence=cfg.confidence if calibrated else None,
+                       independent_rows=len(pools.constraint[name]) // cfg.constraint_copies if calibrated else None,
+                       metadata={"class": name, "requirement": cfg.tolerance}) for name in pools.constraint]
+
+
+def finetune(cfg: DemoConfig, old_path: str, penalty: str, pools: Optional[Pools] = None,
+             log: Callable[[str], None] = logger.info) -> dict[str, Any]:
+    """Contrastive fine-tuning toward the target digit with one non-forgetting constraint per other digit.
+
+    Returns the kept model's per-class test accuracy, the exact constraint values on D_k
+    (``h_train``), on the selection split (``h_selection``) and on the test split
+    (``h_test``, with CLT upper bounds in ``h_test_bound``), and the selection's record.
+    """
+    from transformers.trainer_callback import PrinterCallback
+
+    t0 = time.time()
+    data = digits_split(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(old_path)
+    model = CLIPModel.from_pretrained(old_path)
+    model.logit_scale.requires_grad_(False)  # fixed temperature
+    collate = CLIPCollator(tokenizer=tokenizer)
+    p = prompts(tokenizer)
+    zs = ZeroShotLoss(p["input_ids"], p["attention_mask"], temperature=cfg.temperature)
+    if pools is None:
+        pools = build_pools(cfg, data, model, zs, collate)
+    rows_fn = ForgettingRows(zs)  # one object: the constraints form one row-wise group
+    constraints = demo_constraints(cfg, pools, rows_fn, collate)
+    selection = None
+    if cfg.select_every > 0:
+        selection = FeasibleCheckpointSelection(cfg.select_every, pools.target_selection, zs, collate,
+                                                use_constraints=penalty != "none", requirement=cfg.tolerance)
+    with tempfile.TemporaryDirectory() as out_dir:
+        args = ConstrainedTrainingArguments(
+            output_dir=out_dir, max_steps=cfg.steps, per_device_train_batch_size=cfg.batch_size,
+            learning_rate=cfg.lr, lr_scheduler_type=cfg.schedule, warmup_steps=cfg.warmup_steps, weight_decay=0.0,
+            max_grad_norm=cfg.max_grad_norm, constraint_penalty=penalty, penalty_beta=cfg.beta, msvr_gamma=cfg.msvr_gamma,
+            constraint_batch_size=cfg.constraint_batch_size, constraint_eval_batch_size=512,
+            logging_steps=max(cfg.steps // 5, 1), save_strategy="no", report_to=[], seed=cfg.seed, use_cpu=True,
+            dataloader_drop_last=True, disable_tqdm=True, remove_unused_columns=False,
+        )
+        trainer = ContrastiveConstrainedTrainer(
+            model=model, args=args, train_dataset=RowDataset(target_rows(data, cfg)), data_collator=collate,
+            constraints=constraints, contrastive_temperature=cfg.temperature,
+            callbacks=[selection] if selection else None,
+        )
+        trainer.remove_callback(PrinterCallback)  # the report below says what matters
+        if selection is not None:
+            selection.trainer = trainer
+        trainer.train()
+        if selection is not None and selection.best_state is not None:
+            model.load_state_dict(selection.best_state)
+        margins = trainer.constraint_margins()  # the calibrated margins in force at the end of training
+        h_train = trainer.evaluate_constraints(split="train")
+        h_selection = trainer.evaluate_constraints(split="eval")
+    h_test, h_bound = {}, {}
+    for name, rows in pools.test.items():
+        per_row = reference_losses(model, rows, zs, collate) - rows.losses
+        if FORGETTING[cfg.forgetting] is not None:
+            per_row = FORGETTING[cfg.forgetting](per_row)
+        stat = constraint_statistic(per_row.double().numpy())
+        h_test[f"non_forgetting/{name}"], h_bound[f"non_forgetting/{name}"] = stat.value, stat.upper_bound
+    acc = zero_shot_accuracy(model, pools.test_all, zs, collate, DIGIT_NAMES, batch_size=512)
+    kept = selection.best.step if selection is not None and selection.best is not None else cfg.steps
+    log(f"  {penalty:>13}: kept step {kept}, {time.time() - t0:.0f}s")
+    return {"penalty": penalty, "accuracy": acc, "h_train": h_train, "h_selection": h_selection, "h_test": h_test,
+            "h_test_bound": h_bound, "kept_step": kept, "margins": margins,
+            "selection": [asdict(r) for r in selection.records] if selection is not None else []}
+
+
+def old_accuracy(cfg: DemoConfig, old_path: str, pools: Pools) -> dict[str, float]:
+    tokenizer = AutoTokenizer.from_pretrained(old_path)
+    model = CLIPModel.from_pretrained(old_path)
+    p = prompts(tokenizer)
+    zs = ZeroShotLoss(p["input_ids"], p["attention_mask"], temperature=cfg.temperature)
+    return zero_shot_accuracy(model, pools.test_all, zs, CLIPCollator(tokenizer=tokenizer), DIGIT_NAMES, batch_size=512)
+
+
+def old_pools(cfg: DemoConfig, old_path: str) -> Pools:
+    """The pools with the old model's reference losses (computed once per seed)."""
+    tokenizer = AutoTokenizer.from_pretrained(old_path)
+    model = CLIPModel.from_pretrained(old_path)
+    p = prompts(tokenizer)
+    zs = ZeroShotLoss(p["input_ids"], p["attention_mask"], temperature=cfg.temperature)
+    return build_pools(cfg, digits_split(cfg), model, zs, CLIPCollator(tokenizer=tokenizer))
+
+
+# ---------------------------------------------------------------------------------- report
+
+
+def seed_summary(cfg: DemoConfig, old: dict[str, float], run: dict[str, Any]) -> dict[str, Any]:
+    """One run's headline numbers (accuracies in points, on the test split)."""
+    target = DIGIT_NAMES[cfg.target]
+    protected = [n for n in DIGIT_NAMES if n != target]
+    drops = {n: 100 * (old[n] - run["accuracy"][n]) for n in protected}
+    worst = max(drops, key=drops.get)
+    return {
+        "target_gain": 100 * (run["accuracy"][target] - old[target]),
+        "worst_protected_drop": drops[worst],
+        "worst_protected_class": worst,
+        "violated_train": sum(v > cfg.tolerance - cfg.margin for v in run["h_train"].values()),
+        "violated_test": sum(v > cfg.tolerance for v in run["h_test"].values()),
+        "max_h_train": max(run["h_train"].values()),
+        "max_h_test": max(run["h_test"].values()),
+        "kept_step": run["kept_step"],
+        "max_margin": max(run.get("margins", {}).values(), default=0.0),
+    }
+
+
+def seed_table(cfg: DemoConfig, old: dict[str, float], runs: list[dict[str, Any]]) -> str:
+    """Per class: old vs new test accuracy and h_k on the test split, per method; then the headline rows."""
+    target = DIGIT_NAMES[cfg.target]
+    names = [r["penalty"] for r in runs]
+    value = "mean CE(new) - CE(old)" if cfg.forgetting == "mean" else "mean [CE(new) - CE(old)]_+"
+    lines = [f"seed {cfg.seed}: test accuracy % (old, new) and h_k = {value} on the test split",
+             "| class | old | " + " | ".join(f"{n} acc | {n} h_k" for n in names) + " |",
+             "|---|---|" + "---|---|" * len(names)]
+    for name in DIGIT_NAMES:
+        tag = " (target)" if name == target else (" (pulled)" if name == DIGIT_NAMES[cfg.pulled] else "")
+        cells = []
+        for r in runs:
+            h = r["h_test"].get(f"non_forgetting/{name}")
+            cells.append(f"{100 * r['accuracy'][name]:.1f} | " + ("" if h is None else f"{h:+.3f}"))
+        lines.append(f"| {name}{tag} | {100 * old[name]:.1f} | " + " | ".join(cells) + " |")
+    s = [seed_summary(cfg, old, r) for r in runs]
+    m = len(DIGIT_NAMES) - 1
+    lines += ["", "| | " + " | ".join(names) + " |", "|---|" + "---|" * len(names),
+              "| target gain (points) | " + " | ".join(f"{x['target_gain']:+.1f}" for x in s) + " |",
+              "| worst protected drop (points) | " + " | ".join(
+                  f"{x['worst_protected_drop']:.1f} ({x['worst_protected_class']})" for x in s) + " |",
+              f"| constraints violated on D_k (h_k > {cfg.tolerance - cfg.margin:g}) | " + " | ".join(
+                  f"{x['violated_train']}/{m}" for x in s) + " |",
+              f"| constraints violated, test (h_k > {cfg.tolerance:g}) | " + " | ".join(
+                  f"{x['violated_test']}/{m}" for x in s) + " |",
+              "| largest calibrated margin on D_k | " + " | ".join(f"{x['max_margin']:.3f}" for x in s) + " |",
+              "| kept step | " + " | ".join(str(x["kept_step"]) for x in s) + " |"]
+    return "\n".join(lines)
+
+
+def goals(per_method: dict[str, list[dict[str, Any]]]) -> list[tuple[str, bool, str]]:
+    """The demo's three claims over the seeds, each (claim, met, evidence).
+
+    With n seeds: the hinge keeps every protected class within 2 points in at least
+    ceil(0.8 n) seeds, never loses more than 5, and gains at least 10 on the target in
+    every seed; the squared hinge violates some test constraint in at least ceil(0.6 n);
+    unconstrained fine-tuning loses at least 5 points on some protected class in all n.
+    """
+    out = []
+    if "hinge" in per_method:
+        s = per_method["hinge"]
+        n, within = len(s), sum(x["worst_protected_drop"] <= 2.0 for x in s)
+        worst, gain = max(x["worst_protected_drop"] for x in s), min(x["target_gain"] for x in s)
+        need = math.ceil(0.8 * n)
+        out.append((f"hinge: every protected class within 2 points in >= {need} of {n} seeds, never more than "
+                    "5 points down, target +10 points or more in every seed",
+                    within >= need and worst <= 5.0 and gain >= 10.0,
+                    f"within 2 points in {within}/{n}; worst drop {worst:.1f}; smallest target gain {gain:+.1f}"))
+    if "squared_hinge" in per_method:
+        s = per_method["squared_hinge"]
+        n, bad = len(s), sum(x["violated_test"] > 0 for x in s)
+        need = math.ceil(0.6 * n)
+        out.append((f"squared hinge at the same beta violates some test constraint in >= {need} of {n} seeds",
+                    bad >= need, f"violates in {bad}/{n}"))
+    if "none" in per_method:
+        s = per_method["none"]
+        n, forgot = len(s), sum(x["worst_protected_drop"] >= 5.0 for x in s)
+        out.append((f"unconstrained fine-tuning loses >= 5 points on some protected class in {n} of {n} seeds",
+                    forgot == n, f"loses >= 5 points in {forgot}/{n}"))
+    return out
+
+
+def seeds_table(per_method: dict[str, list[dict[str, Any]]]) -> str:
+    """Median and worst over the seeds, per method."""
+    names = list(per_method)
+    lines = ["| over seeds (median / worst) | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    rows = (("target gain (points)", "target_gain", min, "{:+.1f}"),
+            ("worst protected drop (points)", "worst_protected_drop", max, "{:.1f}"),
+            ("constraints violated on D_k", "violated_train", max, "{:.0f}"),
+            ("constraints violated, test", "violated_test", max, "{:.0f}"),
+            ("max h_k on the test split", "max_h_test", max, "{:+.3f}"))
+    for label, key, worst, fmt in rows:
+        cells = []
+        for n in names:
+            v = [x[key] for x in per_method[n]]
+            cells.append(f"{fmt.format(statistics.median(v))} / {fmt.format(worst(v))}")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    within = [f"{sum(x['worst_protected_drop'] <= 2.0 for x in per_method[n])}/{len(per_method[n])}" for n in names]
+    lines.append("| seeds with every protected class within 2 points | " + " | ".join(within) + " |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------- entry points
+
+
+# flags named as in the recipes and the Trainer; the DemoConfig field names stay the keys of the results
+FLAG_NAMES = {"beta": "penalty_beta", "lr": "learning_rate", "steps": "max_steps", "schedule": "lr_scheduler_type"}
+
+
+def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
+    """The demo's options (every :class:`DemoConfig` field, seeds, penalties, cache and output),
+    spelt as the recipes spell them (``--penalty_beta``, ``--learning_rate``, ``--msvr_gamma``);
+    the earlier hyphenated spellings (``--beta``, ``--msvr-gamma``) are accepted too."""
+    for f in fields(DemoConfig):
+        value = getattr(DemoConfig(), f.name)
+        choices = list(FORGETTING) if f.name == "forgetting" else None
+        flags = [f"--{FLAG_NAMES.get(f.name, f.name)}"]
+        legacy = f"--{f.name.replace('_', '-')}"
+        if legacy not in flags:
+            flags.append(legacy)
+        parser.add_argument(*flags, dest=f.name, type=type(value), default=value, choices=choices)
+    parser.add_argument("--seeds", default=None,
+                        help="comma-separated seeds to run one after the other (e.g. 0,1,2,3,4); overrides --seed")
+    parser.add_argument("--penalties", "--constraint_penalty", dest="penalties", default=",".join(PENALTIES),
+                        help="the penalties to run and compare, comma-separated")
+    parser.add_argument("--cache_dir", "--cache-dir", dest="cache_dir",
+                        default=os.path.join(os.getcwd(), ".cache", "hf_constrained_demo"))
+    parser.add_argument("--output", default=None, help="write the results JSON here")
+
+
+def _seeds(ns: argparse.Namespace) -> list[int]:
+    if ns.seeds is None:
+        return [ns.seed]
+    try:
+        seeds = [int(s) for s in str(ns.seeds).split(",") if s.strip()]
+    except ValueError:
+        raise ValueError(f"--seeds must be comma-separated integers, got {ns.seeds!r}") from None
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise ValueError(f"--seeds must list distinct integers, got {ns.seeds!r}")
+    return seeds
+
+
+def run_demo(ns: argparse.Namespace, echo: Optional[Callable[[str], None]] = None) -> dict[str, Any]:
+    """Run both stages for every seed with the options in ``ns``; ``echo`` (default: the
+    module logger) receives the progress lines, the per-seed tables and the summary.
+
+    Writes the results JSON (tmp + rename) and returns it.
+    """
+    from transformers.utils import logging as hf_logging
+
+    echo = echo or logger.info
+    seeds = _seeds(ns)
+    penalties = [p.strip() for p in ns.penalties.split(",") if p.strip()]
+    unknown = [p for p in penalties if p not in PENALTIES]
+    if unknown:
+        raise ValueError(f"--penalties: unknown {unknown}; choose from {list(PENALTIES)}")
+    base = {f.name: getattr(ns, f.name) for f in fields(DemoConfig)}
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    torch.set_num_threads(1)  # tiny models: one thread is fastest and immune to a busy machine
+    os.makedirs(ns.cache_dir, exist_ok=True)
+    t0 = time.time()
+    out = ns.output or os.path.join(ns.cache_dir, "demo_results.json")
+    cfg0 = DemoConfig(**base)
+    echo(f"hf_constrained demo: CLIP non-forgetting fine-tuning on digits (target: {DIGIT_NAMES[cfg0.target]}, "
+         f"seeds {seeds})")
+    results: dict[str, Any] = {"config": asdict(cfg0), "seeds": seeds, "per_seed": []}
+    per_method: dict[str, list[dict[str, Any]]] = {p: [] for p in penalties}
+    for seed in seeds:
+        cfg = DemoConfig(**{**base, "seed": seed})
+        old_path = pretrain_old_model(cfg, ns.cache_dir, log=echo)
+        pools = old_pools(cfg, old_path)
+        old = old_accuracy(cfg, old_path, pools)
+        echo(f"seed {seed}: stage 2, fine-tuning ({', '.join(penalties)})")
+        runs = [finetune(cfg, old_path, p, pools=pools, log=echo) for p in penalties]
+        for r in runs:
+            per_method[r["penalty"]].append(seed_summary(cfg, old, r))
+        echo("")
+        echo(seed_table(cfg, old, runs))
+        echo("")
+        results["per_seed"].append({"seed": seed, "old_accuracy": old, "runs": runs})
+        _write_json(out, results)  # after every seed: a long run can be read while it goes on
+    results["summary"] = per_method
+    results["goals"] = [{"goal": g, "met": met, "evidence": ev} for g, met, ev in goals(per_method)]
+    echo(f"over {len(seeds)} seed(s), target {DIGIT_NAMES[cfg0.target]}:")
+    echo(seeds_table(per_method))
+    echo("")
+    for g in results["goals"]:
+        echo(f"- {g['goal']}: {'MET' if g['met'] else 'NOT MET'} ({g['evidence']})")
+    results["seconds"] = time.time() - t0
+    results["cpu_seconds"] = time.process_time()
+    echo(f"\ntotal {results['seconds']:.0f}s ({results['cpu_seconds']:.0f}s of CPU) on {os.cpu_count()} CPU core(s), "
+         f"torch {torch.__version__}")
+    _write_json(out, results)
+    echo(f"results: {out}")
+    return results
+
+
+def _write_json(path: str, results: dict[str, Any]) -> None:
+    tmp = path + ".tmp"  # tmp + rename: never a half-written file
+    with open(tmp, "w") as f:
+        json.dump(results, f, indent=2)
+    os.replace(tmp, path)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """``python -m hf_constrained.recipes.demo_clip_digits``: the same options as ``hf-constrained demo``."""
+    parser = argparse.ArgumentParser(prog="python -m hf_constrained.recipes.demo_clip_digits", description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+    add_demo_arguments(parser)
+    ns = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+
+    def echo(line: str) -> None:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+
+    try:
+        run_demo(ns, echo=echo)
+    except ValueError as exc:
+        parser.error(str(exc))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

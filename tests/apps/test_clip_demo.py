@@ -1,0 +1,188 @@
+"""The digits demo: its data design, enlarged pools, row-wise constraints, selection and verdicts."""
+
+import ast
+
+import numpy as np
+import pytest
+import torch
+
+from hf_constrained.recipes import demo_clip_digits as demo
+
+
+def test_digits_demo_data_design():
+    cfg = demo.DemoConfig()
+    data = demo.digits_split(cfg)
+    parts = [set(data[k]) for k in demo.SPLITS]
+    for a in range(len(parts)):
+        for b in range(a + 1, len(parts)):
+            assert not (parts[a] & parts[b]), (demo.SPLITS[a], demo.SPLITS[b])
+    assert sum(map(len, parts)) == len(data["labels"])
+    rows = demo.target_rows(data, cfg)
+    pos_labels = {r["label"] for r in rows if r["is_positive"]}
+    neg_labels = {r["label"] for r in rows if not r["is_positive"]}
+    assert pos_labels == {cfg.target, cfg.pulled}  # noisy positives: the pulled digit captioned as the target
+    assert cfg.pulled not in neg_labels and cfg.target not in neg_labels and len(neg_labels) == 8
+    target_name = demo.DIGIT_NAMES[cfg.target]
+    assert all(r["caption"].endswith(target_name) for r in rows if r["is_positive"])
+    # every target image outside the selection and test splits is a positive; those two stay out
+    n_clean = sum(1 for r in rows if r["is_positive"] and r["label"] == cfg.target)
+    assert n_clean == sum(1 for i in data["pretrain"] + data["constraint"] if data["labels"][i] == cfg.target)
+    with pytest.raises(ValueError, match="stage 1"):
+        demo.digits_split(demo.DemoConfig(test_fraction=0.5, selection_fraction=0.3, constraint_fraction=0.2))
+
+
+def test_augmented_copies_are_distorted_versions_of_their_own_image():
+    data = demo.digits_split(demo.DemoConfig())
+    images = data["images"][:30]
+    out = demo.augmented_copies(images, 4, seed=1, shift=0.5, rotate=10.0, noise=0.1)
+    assert out.shape == (120, 1, 8, 8) and out.dtype == images.dtype
+    assert out.min() >= -1 and out.max() <= 1
+    flat_in, flat_out = images.reshape(30, -1), out.reshape(120, -1)
+    for n in range(30):
+        np.testing.assert_array_equal(out[4 * n], images[n])  # the first copy is the image itself
+        for j in range(1, 4):
+            dist = np.linalg.norm(flat_in - flat_out[4 * n + j], axis=1)
+            assert 0 < dist[n] < np.median(np.delete(dist, n))  # changed, yet closer to its own image than most
+    np.testing.assert_array_equal(out, demo.augmented_copies(images, 4, seed=1, shift=0.5, rotate=10.0, noise=0.1))
+    assert not np.array_equal(out, demo.augmented_copies(images, 4, seed=2, shift=0.5, rotate=10.0, noise=0.1))
+    with pytest.raises(ValueError, match="copies"):
+        demo.augmented_copies(images, 0, seed=1)
+
+
+def test_pools_stay_in_their_split_and_carry_references_of_the_same_copies(tmp_path):
+    """Copies of a constraint image never reach the selection or test pools, and each
+    copy's reference is the old model's loss on that copy (not on the un-augmented image)."""
+    from transformers import AutoTokenizer, CLIPModel
+
+    from hf_constrained.clip import ZeroShotLoss
+    from hf_constrained.clip.data import CLIPCollator
+
+    cfg = demo.DemoConfig(stage1_epochs=1, constraint_copies=3, eval_copies=2)
+    path = demo.pretrain_old_model(cfg, str(tmp_path), log=lambda *a: None)
+    pools = demo.old_pools(cfg, path)
+    data = demo.digits_split(cfg)
+    name = demo.DIGIT_NAMES[0]
+    n_con = sum(1 for i in data["constraint"] if data["labels"][i] == 0)
+    n_test = sum(1 for i in data["test"] if data["labels"][i] == 0)
+    assert len(pools.constraint[name]) == 3 * n_con and len(pools.test[name]) == 2 * n_test
+    assert demo.DIGIT_NAMES[cfg.target] not in pools.constraint
+    originals = {data["images"][i].tobytes() for i in data["constraint"]}
+    test_originals = [pools.test[name][2 * k]["pixel_values"].tobytes() for k in range(n_test)]
+    assert not originals & set(test_originals)
+    tok = AutoTokenizer.from_pretrained(path)
+    model = CLIPModel.from_pretrained(path).eval()
+    p = demo.prompts(tok)
+    zs = ZeroShotLoss(p["input_ids"], p["attention_mask"], temperature=cfg.temperature)
+    rows = [pools.constraint[name][i] for i in range(6)]
+    batch = CLIPCollator(tokenizer=tok)(rows)
+    with torch.no_grad():
+        direct = zs.per_sample(model, batch)
+    torch.testing.assert_close(batch["reference_loss"], direct, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(direct[0], direct[1])  # the copies differ, so do their references
+    with torch.no_grad():  # the shared row_fn is zero at the old model and its mean is h_k
+        assert torch.allclose(demo.ForgettingRows(zs)(model, batch), torch.zeros(6), atol=1e-5)
+
+
+def _summaries(drops, gains, violated):
+    return [{"worst_protected_drop": d, "target_gain": g, "violated_test": v} for d, g, v in zip(drops, gains, violated)]
+
+
+def test_goals_follow_the_stated_thresholds():
+    ok = demo.goals({"hinge": _summaries([0.5, 1.9, 2.0, 3.0, 1.0], [12, 30, 10, 15, 11], [0] * 5),
+                     "squared_hinge": _summaries([0] * 5, [20] * 5, [1, 2, 0, 1, 0]),
+                     "none": _summaries([5.0, 9, 30, 7, 12], [40] * 5, [3] * 5)})
+    assert [met for _, met, _ in ok] == [True, True, True]
+    bad = demo.goals({"hinge": _summaries([0.5, 2.1, 2.0, 3.0, 1.0], [12, 30, 10, 15, 11], [0] * 5),
+                      "squared_hinge": _summaries([0] * 5, [20] * 5, [1, 0, 0, 1, 0]),
+                      "none": _summaries([4.9, 9, 30, 7, 12], [40] * 5, [3] * 5)})
+    assert [met for _, met, _ in bad] == [False, False, False]  # 3/5 within 2 points; 2/5 violate; 4/5 forget
+    assert not demo.goals({"hinge": _summaries([0, 0, 0, 0, 5.1], [20] * 5, [0] * 5)})[0][1]  # one seed 5.1 down
+    assert not demo.goals({"hinge": _summaries([0] * 5, [20, 20, 9.9, 20, 20], [0] * 5)})[0][1]  # one gain < 10
+
+
+def test_demo_module_does_not_import_the_cli():
+    """The CLI imports the demo (``hf-constrained demo``), so the demo must not import the CLI."""
+    tree = ast.parse(open(demo.__file__).read())
+    imported = [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    imported += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    assert imported and not [m for m in imported if m.split(".")[-1] == "cli"]
+
+
+def test_seeds_option_is_checked():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    demo.add_demo_arguments(parser)
+    assert demo._seeds(parser.parse_args(["--seeds", "0,1,2"])) == [0, 1, 2]
+    assert demo._seeds(parser.parse_args(["--seed", "4"])) == [4]
+    for bad in ("0,x", "1,1"):
+        with pytest.raises(ValueError, match="--seeds"):
+            demo._seeds(parser.parse_args(["--seeds", bad]))
+
+
+def test_demo_flags_are_spelt_as_in_the_recipes_and_the_old_spellings_still_work():
+    import argparse
+
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    demo.add_demo_arguments(parser)
+    new = parser.parse_args(["--penalty_beta", "3", "--learning_rate", "2e-4", "--msvr_gamma", "0.5",
+                             "--max_steps", "7", "--constraint_penalty", "hinge", "--max_grad_norm", "0"])
+    old = parser.parse_args(["--beta", "3", "--lr", "2e-4", "--msvr-gamma", "0.5", "--steps", "7",
+                             "--penalties", "hinge", "--max-grad-norm", "0"])
+    assert vars(new) == vars(old)
+    assert (new.beta, new.lr, new.msvr_gamma, new.steps, new.penalties) == (3.0, 2e-4, 0.5, 7, "hinge")
+    with pytest.raises(SystemExit) as exit_:  # no abbreviations: --penalty_b would silently mean --penalty_beta
+        demo.main(["--penalty_b", "3"])
+    assert exit_.value.code == 2
+
+
+def test_selection_keeps_the_best_feasible_checkpoint_on_the_selection_split(monkeypatch):
+    """Feasible (every h_k <= requirement on the selection split) beats infeasible, then the
+    lower target loss wins; with none feasible the smallest largest violation is kept."""
+    from types import SimpleNamespace
+
+    script = {10: ({"a": 0.01, "b": 0.02}, 3.0), 20: ({"a": 0.01, "b": 0.05}, 1.0),  # infeasible, better target
+              30: ({"a": 0.00, "b": 0.03}, 2.0), 40: ({"a": 0.02, "b": 0.01}, 2.5)}
+    model = torch.nn.Linear(1, 1)
+    trainer = SimpleNamespace(model=model, evaluate_constraints=lambda split: script[state.global_step][0])
+    monkeypatch.setattr(demo, "mean_loss", lambda *a: script[state.global_step][1])
+    sel = demo.FeasibleCheckpointSelection(10, None, None, None, requirement=0.03)
+    sel.trainer = trainer
+    for step in (5, 10, 20, 30, 40):
+        state = SimpleNamespace(global_step=step, max_steps=40)
+        with torch.no_grad():
+            model.weight.fill_(step)
+        sel.on_step_end(None, state, None)
+    assert [r.step for r in sel.records] == [10, 20, 30, 40]  # every `every` steps only
+    assert [r.feasible for r in sel.records] == [True, False, True, True]
+    assert sel.best.step == 30 and float(sel.best_state["weight"]) == 30.0  # its parameters, not the last ones
+    script.update({10: ({"a": 0.2}, 1.0), 20: ({"a": 0.1}, 3.0), 30: ({"a": 0.15}, 0.5), 40: ({"a": 0.12}, 0.1)})
+    sel = demo.FeasibleCheckpointSelection(10, None, None, None, requirement=0.03)
+    sel.trainer = trainer
+    for step in (10, 20, 30, 40):
+        state = SimpleNamespace(global_step=step, max_steps=40)
+        sel.on_step_end(None, state, None)
+    assert sel.best.step == 20 and not sel.best.feasible  # none feasible: least violating
+    sel = demo.FeasibleCheckpointSelection(10, None, None, None, use_constraints=False)
+    sel.trainer = trainer
+    for step in (10, 20, 30, 40):
+        state = SimpleNamespace(global_step=step, max_steps=40)
+        sel.on_step_end(None, state, None)
+    assert sel.best.step == 40  # unconstrained: the target loss alone
+
+
+def test_calibrated_constraints_count_original_images_not_copies():
+    """With ``confidence`` the demo's constraints are calibrated, and the margin's n is the
+    number of original images of D_k (each enters as ``constraint_copies`` correlated copies)."""
+    rows = {"zero": [{"x": i} for i in range(8 * 45)], "one": [{"x": i} for i in range(8 * 40)]}
+    pools = demo.Pools(constraint=rows, selection={k: v[:10] for k, v in rows.items()}, test={}, target_selection=[],
+                       test_all=[])
+    rows_fn = demo.ForgettingRows(None)
+    cfg = demo.DemoConfig(confidence=0.9, constraint_copies=8, tolerance=0.05)
+    cons = demo.demo_constraints(cfg, pools, rows_fn, collate=None)
+    assert [(c.confidence, c.independent_rows, c.tolerance) for c in cons] == [(0.9, 45, 0.05), (0.9, 40, 0.05)]
+    assert all(c.row_fn is rows_fn for c in cons)  # one shared row_fn: one row-wise group
+    plain = demo.demo_constraints(demo.DemoConfig(confidence=0.0), pools, rows_fn, collate=None)
+    assert all(c.confidence is None and c.independent_rows is None for c in plain)
+    with pytest.raises(ValueError, match="--confidence"):
+        demo.demo_constraints(demo.DemoConfig(confidence=1.0), pools, rows_fn, collate=None)

@@ -1,0 +1,107 @@
+"""The recipe end to end on a saved-then-reloaded tiny CLIP (the hub-model path), and a short
+constrained run of the demo's code path that must beat unconstrained fine-tuning on forgetting."""
+
+import importlib.util
+import json
+import os
+import sys
+
+import pytest
+from transformers import CLIPModel
+
+from clip_synthetic import make_bdd100k, make_csv, save_tiny_clip
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _recipe():
+    spec = importlib.util.spec_from_file_location("clip_non_forgetting",
+                                                  os.path.join(ROOT, "recipes", "clip_non_forgetting.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(mod)
+    return mod
+
+
+COMMON = ["--max_steps", "3", "--per_device_train_batch_size", "8", "--constraint_batch_size", "2",
+          "--learning_rate", "1e-4", "--report_to", "none", "--use_cpu", "--save_strategy", "no",
+          "--disable_tqdm", "true", "--dataloader_drop_last", "true", "--per_device_eval_batch_size", "8",
+          "--accuracy_every_steps", "2"]
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    base = tmp_path_factory.mktemp("recipe")
+    bdd = make_bdd100k(str(base / "bdd100k"), per_class=3)
+    texts = [f"the weather is {c}." for c in ("clear", "overcast", "snowy", "rainy", "partly cloudy", "foggy")]
+    clip = save_tiny_clip(str(base / "tiny-clip"), texts + ["a foggy road at dawn"])
+    return base, bdd, clip
+
+
+def test_recipe_bdd100k_hinge_saves_model_and_results(assets, tmp_path):
+    base, bdd, clip = assets
+    extra = make_csv(str(base / "laion"), [("l0.jpg", "a foggy road at dawn", "foggy"),
+                                           ("l1.jpg", "a foggy road", "foggy")])
+    out = str(tmp_path / "out")
+    results = _recipe().main(["--model_name_or_path", clip, "--bdd100k_root", bdd, "--task", "foggy",
+                              "--target_csv", extra, "--output_dir", out, "--constraint_penalty", "hinge",
+                              "--penalty_beta", "10", *COMMON])
+    assert set(results["protected_classes"]) == {"clear", "overcast", "snowy", "rainy", "partly cloudy"}
+    assert "eval_constraints_satisfied" in results["eval_metrics"]
+    assert set(results["accuracy_new"]) == set(results["accuracy_old"]) and "foggy" in results["accuracy_new"]
+    with open(os.path.join(out, "non_forgetting_results.json")) as f:
+        saved = json.load(f)
+    assert saved["penalty"] == "hinge" and len(saved["constraints_train"]) == 5
+    curve = [h for h in saved["log_history"] if "eval_accuracy/foggy" in h]
+    assert [h["step"] for h in curve] == [2]  # --accuracy_every_steps 2 over 3 steps
+    reloaded = CLIPModel.from_pretrained(out)  # the fine-tuned model loads like any checkpoint
+    assert reloaded.config.projection_dim == 16
+    # the run ends with a safety report and a model card whose verdict matches the exact evaluation
+    with open(os.path.join(out, "safety_report.json")) as f:
+        report = json.load(f)
+    # the point values agree with the evaluation; the verdict (certified by default) is the recipe's "safe"
+    assert all(c["satisfied"] for c in report["constraints"]) == bool(results["eval_metrics"]["eval_constraints_satisfied"])
+    assert report["all_satisfied"] == results["safe"]
+    assert sorted(c["name"] for c in report["constraints"]) == sorted(saved["constraints_train"])
+    with open(os.path.join(out, "README.md")) as f:
+        card = f.read()
+    head = card.split("\n---", 2)[-1][:400]
+    assert ("UNSAFE" in head or "NOT CERTIFIED" in head) != report["all_satisfied"]
+
+
+def test_recipe_csv_lora_squared_hinge(assets, tmp_path):
+    base, bdd, clip = assets
+    folder = base / "csvdata"
+    target = make_csv(str(folder), [(f"t{i}.jpg", f"the weather is {c}.", c)
+                                    for i, c in enumerate(["foggy", "foggy", "foggy", "clear", "rainy", "clear",
+                                                           "rainy", "foggy", "clear", "rainy"])], name="target.csv")
+    protected = make_csv(str(folder), [(f"p{i}.jpg", "", c) for i, c in enumerate(["clear", "rainy"] * 3)],
+                         name="protected.csv")
+    out = str(tmp_path / "out")
+    results = _recipe().main(["--model_name_or_path", clip, "--data", "csv", "--target_class", "foggy",
+                              "--protected_classes", "clear,rainy", "--prompt_template", "the weather is {}.",
+                              "--target_csv", target, "--protected_csv", protected, "--lora_r", "2",
+                              "--output_dir", out, "--constraint_penalty", "squared_hinge", "--penalty_beta", "100",
+                              *COMMON])
+    assert results["accuracy_split"] == "constraint data"
+    assert os.path.exists(os.path.join(out, "adapter_config.json"))  # a LoRA adapter was saved
+    assert os.path.exists(os.path.join(out, "safety_report.json")) and os.path.exists(os.path.join(out, "README.md"))
+    with pytest.raises(ValueError, match="prompt_template"):
+        _recipe().main(["--model_name_or_path", clip, "--data", "csv", "--target_class", "foggy",
+                        "--protected_classes", "clear", "--output_dir", out, *COMMON])
+
+
+@pytest.mark.slow
+def test_short_constrained_run_forgets_less_than_unconstrained(tmp_path):
+    """Scaled-down demo: on the pulled digit the hinge keeps the constraint far lower than no penalty."""
+    from hf_constrained.recipes import demo_clip_digits as demo
+
+    cfg = demo.DemoConfig(stage1_epochs=8, steps=30, lr=1e-4, beta=10.0, constraint_copies=2, eval_copies=1,
+                          select_every=0)
+    path = demo.pretrain_old_model(cfg, str(tmp_path), log=lambda *a: None)
+    pulled = f"non_forgetting/{demo.DIGIT_NAMES[cfg.pulled]}"
+    hinge = demo.finetune(cfg, path, "hinge", log=lambda *a: None)
+    none = demo.finetune(cfg, path, "none", log=lambda *a: None)
+    assert none["h_train"][pulled] > 0.5  # the polluted target data makes plain fine-tuning forget
+    assert hinge["h_train"][pulled] < none["h_train"][pulled] / 5
+    assert max(hinge["h_train"].values()) < 0.1  # and no other protected class pays for it

@@ -1,0 +1,175 @@
+"""The language-model recipe (recipes/llm_non_forgetting.py) on tiny GPT-2 / Llama checkpoints:
+local JSONL data in the three SFT formats, LoRA, a YAML config with command-line overrides,
+clear errors, and a 2-process run through ``accelerate launch``."""
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hf_constrained.recipes.tiny_lm import char_tokenizer, tiny_causal_lm
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPE = ROOT / "recipes" / "llm_non_forgetting.py"
+
+
+def _recipe():
+    spec = importlib.util.spec_from_file_location("llm_non_forgetting", RECIPE)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve the module's annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+def _write_jsonl(path, rows):
+    with open(path, "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    base = tmp_path_factory.mktemp("llm")
+    tok = char_tokenizer()
+    paths = {}
+    for kind in ("gpt2", "llama"):
+        path = base / kind
+        tiny_causal_lm(len(tok), kind, hidden_size=32, layers=1, heads=2).save_pretrained(path)
+        tok.save_pretrained(path)
+        paths[kind] = str(path)
+    words = ["abc", "hello", "xyz", "qrs", "mnop", "dog", "cat", "tree", "sun", "moon", "star", "leaf"]
+    paths["target"] = _write_jsonl(base / "sort.jsonl",
+                                   [{"prompt": f"sort:{w}=", "completion": "".join(sorted(w))} for w in words])
+    paths["reverse"] = _write_jsonl(base / "reverse.jsonl",
+                                    [{"prompt": f"rev:{w}=", "completion": w[::-1]} for w in words])
+    paths["copy"] = _write_jsonl(base / "copy.jsonl", [{"text": f"cp:{w}={w}"} for w in words])
+    paths["safety"] = _write_jsonl(base / "refusals.jsonl", [
+        {"messages": [{"role": "user", "content": f"harm {w}?"}, {"role": "assistant", "content": "no."}]}
+        for w in words])
+    return paths
+
+
+def _flags(setup, out, model="gpt2", **extra):
+    flags = {
+        "model_name_or_path": setup[model], "target_dataset": setup["target"],
+        "safety_dataset": setup["safety"], "output_dir": str(out), "max_steps": 3,
+        "per_device_train_batch_size": 4, "learning_rate": 1e-2, "constraint_batch_size": 3,
+        "eval_fraction": 0.25, "use_cpu": True, "report_to": "none", "save_strategy": "no",
+        "logging_steps": 1, "disable_tqdm": True, "seed": 0, "reference_batch_size": 4,
+    }
+    flags.update(extra)
+    argv = ["--protected_datasets", f"reverse={setup['reverse']}", setup["copy"]]
+    for k, v in flags.items():
+        argv += [f"--{k}", str(v)]
+    return argv
+
+
+def test_recipe_trains_under_one_constraint_per_protected_set_and_reports(setup, tmp_path):
+    out = tmp_path / "run"
+    results = _recipe().main(_flags(setup, out, constraint_tolerance=0.05))
+    assert sorted(results["constraints"]) == ["non_forgetting/copy", "non_forgetting/reverse", "safety/refusals"]
+    assert results["train_metrics"]["train_loss"] > 0
+    assert "eval_loss" in results["eval_metrics"]
+    report = results["safety_report"]
+    assert {c["name"] for c in report["constraints"]} == set(results["constraints"])
+    assert all(c["data"] == "held-out" for c in report["constraints"])
+    for name in ("llm_results.json", "safety_report.json", "README.md", "model.safetensors", "tokenizer.json"):
+        assert (out / name).exists(), name
+    log = json.loads((out / "trainer_state.json").read_text())["log_history"]
+    assert any("constraint/penalty_loss" in e for e in log)  # the constraints were trained on
+    # 12 rows per file, 25% held out: 9 constraint rows and 3 held-out rows each
+    assert all(c["old_loss"] > 0 for c in results["constraints"].values())
+    card = (out / "README.md").read_text()
+    assert "non_forgetting/reverse" in card and "safety/refusals" in card
+
+
+def test_lora_llama_saves_the_adapter(setup, tmp_path):
+    out = tmp_path / "lora"
+    results = _recipe().main(_flags(setup, out, model="llama", lora_r=2, lora_target_modules="q_proj,v_proj",
+                                    max_steps=2))
+    assert (out / "adapter_config.json").exists() and not (out / "model.safetensors").exists()
+    assert results["train_metrics"]["train_loss"] > 0
+    # the adapter moved: the saved weights differ from the base (LoRA B starts at zero)
+    from safetensors.torch import load_file
+
+    weights = load_file(out / "adapter_model.safetensors")
+    assert any("lora_B" in k and v.abs().max() > 0 for k, v in weights.items())
+
+
+def test_yaml_config_with_command_line_override(setup, tmp_path):
+    recipe = _recipe()
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({"model_name_or_path": setup["gpt2"], "target_dataset": setup["target"],
+                                      "protected_datasets": [setup["reverse"]], "output_dir": str(tmp_path / "o"),
+                                      "penalty_beta": 3.0, "constraint_penalty": "squared_hinge",
+                                      "max_steps": 7, "msvr_gamma_prime": 0.2}))
+    script, args = recipe.parse_arguments(["--config", str(config), "--max_steps", "2"])
+    assert script.model_name_or_path == setup["gpt2"] and script.protected_datasets == [setup["reverse"]]
+    assert args.penalty_beta == 3.0 and args.constraint_penalty == "squared_hinge"
+    assert args.msvr_gamma_prime == 0.2
+    assert args.max_steps == 2  # the command line overrides the file
+    config.write_text(yaml.safe_dump({"model_name_or_path": "x", "target_dataset": "y", "penalty": 3}))
+    with pytest.raises(ValueError, match=r"unknown keys \['penalty'\]"):
+        recipe.parse_arguments(["--config", str(config), "--output_dir", str(tmp_path)])
+
+
+def test_bad_input_is_a_clear_error_before_training(setup, tmp_path):
+    recipe = _recipe()
+    argv = ["--model_name_or_path", setup["gpt2"], "--target_dataset", setup["target"],
+            "--output_dir", str(tmp_path), "--use_cpu", "True", "--report_to", "none"]
+    with pytest.raises(ValueError, match="no constraint"):
+        recipe.main(argv)
+    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+        recipe.main(argv + ["--protected_datasets", "./missing.jsonl"])
+    bad = _write_jsonl(tmp_path / "bad.jsonl", [{"question": "a", "answer": "b"}] * 4)
+    with pytest.raises(ValueError, match="cannot tell the text format"):
+        recipe.main(argv + ["--protected_datasets", bad])
+    with pytest.raises(ValueError, match="two datasets named 'reverse'"):
+        recipe.main(argv + ["--protected_datasets", f"reverse={setup['reverse']}", f"reverse={setup['copy']}"])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_process_run(setup, tmp_path):
+    out = tmp_path / "ddp"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch",
+           "--config_file", str(ROOT / "recipes" / "accelerate_configs" / "multi_gpu.yaml"), "--num_processes", "2",
+           "--main_process_port", str(_free_port()), str(RECIPE)] + _flags(setup, out, max_steps=2)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, f"accelerate launch failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    results = json.loads((out / "llm_results.json").read_text())
+    state = json.loads((out / "trainer_state.json").read_text())
+    assert state["global_step"] == 2
+    assert results["safety_report"] is not None and len(results["safety_report"]["constraints"]) == 3
+    assert results["num_processes"] == 2
+
+
+def test_shipped_yaml_config_uses_only_recipe_flags():
+    from transformers import HfArgumentParser
+
+    from hf_constrained import ConstrainedTrainingArguments
+
+    recipe = _recipe()
+    parser = HfArgumentParser((recipe.ScriptArguments, ConstrainedTrainingArguments))
+    flags = {a.dest for a in parser._actions}
+    config = yaml.safe_load((ROOT / "recipes" / "configs" / "llm_non_forgetting_lora.yaml").read_text())
+    assert config and sorted(set(config) - flags) == []
+    # the values parse with the flags' types (bf16 needs a GPU, so it is left to the run)
+    argv = [f"--{k}={v}" for k, v in config.items() if not isinstance(v, list) and k != "bf16"]
+    namespace = parser.parse_args(argv + ["--protected_datasets", *config["protected_datasets"]])
+    assert namespace.lora_r == 16 and namespace.relative_tolerance == 0.02 and namespace.max_grad_norm == 0.0
+    assert namespace.protected_datasets == ["math=data/math.jsonl", "code=data/code.jsonl"]

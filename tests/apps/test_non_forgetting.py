@@ -1,0 +1,239 @@
+"""Generic non-forgetting constraints: the old model's reference pass for causal LMs and
+sequence classifiers, the shared row function, tolerances, LoRA's base as the old model."""
+
+import copy
+
+import pytest
+import torch
+
+from hf_constrained.batches import collate_examples
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, BertConfig
+
+from hf_constrained.non_forgetting import (
+    NonForgettingConstraint,
+    PaddingCollator,
+    ReferenceGap,
+    ReferenceLossDataset,
+    causal_lm_per_example_loss,
+    non_forgetting_constraints,
+    reference_losses,
+    sequence_classification_per_example_loss,
+)
+from hf_constrained.text_data import tokenize_sft
+from hf_constrained.recipes.tiny_lm import char_tokenizer, tiny_causal_lm
+
+PROMPTS = ["rev:abc=", "rev:hello=", "add:2+3=", "cp:xy=", "add:11+4=", "rev:a=", "cp:abcdefg=", "rev:qrs="]
+ANSWERS = ["cba", "olleh", "5", "xy", "15", "a", "abcdefg", "srq"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tok")
+    char_tokenizer().save_pretrained(path)
+    return AutoTokenizer.from_pretrained(path)
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama"])
+def causal_lm(request, tokenizer, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    tiny_causal_lm(len(tokenizer), request.param, hidden_size=32, layers=2, heads=2).save_pretrained(path)
+    return AutoModelForCausalLM.from_pretrained(path).eval()
+
+
+@pytest.fixture(scope="module")
+def lm_rows(tokenizer):
+    raw = Dataset.from_dict({"prompt": PROMPTS, "completion": ANSWERS})
+    return tokenize_sft(raw, tokenizer, name="toy")
+
+
+def _perturbed(model, scale=0.1, seed=3):
+    new = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=g))
+    return new
+
+
+def _direct_lm_losses(model, rows):
+    """Each example alone (no padding), through the model's own loss (mean token CE of its labels)."""
+    out = []
+    with torch.no_grad():
+        for r in rows:
+            out.append(model(input_ids=torch.tensor([r["input_ids"]]), labels=torch.tensor([r["labels"]])).loss)
+    return torch.stack(out)
+
+
+def test_prompt_tokens_carry_no_loss(tokenizer, lm_rows):
+    row = lm_rows[0]
+    n_prompt = len(PROMPTS[0])
+    assert row["labels"][:n_prompt] == [-100] * n_prompt
+    assert row["labels"][n_prompt:] == row["input_ids"][n_prompt:]
+    assert row["input_ids"][-1] == tokenizer.eos_token_id
+
+
+def test_causal_lm_reference_pass_matches_each_example_alone(causal_lm, lm_rows, tokenizer):
+    collate = PaddingCollator(tokenizer)
+    # batches of 3 rows of different lengths: every row but the longest is padded
+    ref = reference_losses(causal_lm, lm_rows, causal_lm_per_example_loss, collate, batch_size=3)
+    torch.testing.assert_close(ref, _direct_lm_losses(causal_lm, lm_rows), rtol=1e-5, atol=1e-5)
+    # the reference pass computes what the model says, not a constant: another model differs
+    assert (reference_losses(_perturbed(causal_lm), lm_rows, causal_lm_per_example_loss, collate) - ref).abs().max() > 1e-3
+
+
+def test_causal_lm_loss_without_labels_masks_padding(causal_lm, lm_rows, tokenizer):
+    text_rows = [{"input_ids": r["input_ids"]} for r in lm_rows]
+    batch = PaddingCollator(tokenizer)(text_rows)
+    assert "labels" not in batch and batch["attention_mask"].sum() == sum(len(r["input_ids"]) for r in text_rows)
+    with torch.no_grad():
+        values = causal_lm_per_example_loss(causal_lm, batch)
+        alone = torch.stack([causal_lm(input_ids=torch.tensor([r["input_ids"]]),
+                                       labels=torch.tensor([r["input_ids"]])).loss for r in text_rows])
+    torch.testing.assert_close(values, alone, rtol=1e-5, atol=1e-5)
+
+
+def test_sequence_classifier_reference_pass_matches_each_example_alone(tokenizer, tmp_path):
+    config = BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=64, num_labels=3, pad_token_id=0)
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(tmp_path)
+    model = AutoModelForSequenceClassification.from_pretrained(tmp_path).eval()
+    texts = ["good", "bad movie", "so so so", "fine", "terrible plot twist", "ok"]
+    rows = [{"input_ids": tokenizer(t)["input_ids"], "label": i % 3} for i, t in enumerate(texts)]
+    ref = reference_losses(model, rows, sequence_classification_per_example_loss, PaddingCollator(tokenizer),
+                           batch_size=4)
+    with torch.no_grad():
+        alone = torch.stack([model(input_ids=torch.tensor([r["input_ids"]]), labels=torch.tensor([r["label"]])).loss
+                             for r in rows])
+    torch.testing.assert_close(ref, alone, rtol=1e-5, atol=1e-5)
+
+
+def test_constraints_share_one_row_function_and_measure_new_minus_old(causal_lm, lm_rows, tokenizer):
+    collate = PaddingCollator(tokenizer)
+    data = {"reverse": lm_rows.select(range(4)), "other": lm_rows.select(range(4, 8))}
+    constraints = non_forgetting_constraints(causal_lm, causal_lm_per_example_loss, data, collate, batch_size=2,
+                                             tolerance={"reverse": 0.1, "other": 0.0}, relative_tolerance=0.5)
+    assert [c.name for c in constraints] == ["non_forgetting/reverse", "non_forgetting/other"]
+    assert all(isinstance(c, NonForgettingConstraint) and c.rowwise for c in constraints)
+    assert constraints[0].row_fn is constraints[1].row_fn  # one group: one fused model call
+    assert constraints[0].collate_fn is constraints[1].collate_fn
+    old = _direct_lm_losses(causal_lm, lm_rows)
+    assert constraints[0].tolerance == pytest.approx(0.1 + 0.5 * float(old[:4].mean()), rel=1e-5)
+    assert constraints[1].tolerance == pytest.approx(0.5 * float(old[4:].mean()), rel=1e-5)
+
+    c = constraints[1]
+    batch = (c.collate_fn or collate_examples)([c.dataset[i] for i in [0, 2, 3]])
+    torch.testing.assert_close(batch["reference_loss"], old[[4, 6, 7]], rtol=1e-5, atol=1e-5)
+    new = _perturbed(causal_lm)
+    with torch.no_grad():
+        assert abs(float(c.fn(causal_lm, batch))) < 1e-5  # the old model itself: h = 0
+        expected = (_direct_lm_losses(new, [lm_rows[i] for i in [4, 6, 7]]) - old[[4, 6, 7]]).mean()
+        torch.testing.assert_close(c.fn(new, batch), expected, rtol=1e-4, atol=1e-5)
+        # the fused form: one call over the rows of both constraints gives each row's gap
+        both = collate([constraints[0].dataset[0], c.dataset[0]])
+        gaps = c.row_fn(new, both)
+    assert gaps.shape == (2,)
+    torch.testing.assert_close(gaps, _direct_lm_losses(new, [lm_rows[0], lm_rows[4]]) - old[[0, 4]],
+                               rtol=1e-4, atol=1e-5)
+
+
+def test_lora_base_serves_as_old_model(causal_lm, lm_rows, tokenizer):
+    from peft import LoraConfig, get_peft_model
+
+    collate = PaddingCollator(tokenizer)
+    base = reference_losses(causal_lm, lm_rows, causal_lm_per_example_loss, collate)
+    targets = ["c_attn"] if causal_lm.config.model_type == "gpt2" else ["q_proj", "v_proj"]
+    peft_model = get_peft_model(copy.deepcopy(causal_lm), LoraConfig(r=2, target_modules=targets))
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)  # a trained adapter
+    adapted = reference_losses(peft_model, lm_rows, causal_lm_per_example_loss, collate)
+    assert (adapted - base).abs().max() > 1e-3
+    (c,) = non_forgetting_constraints(peft_model, causal_lm_per_example_loss, {"all": lm_rows}, collate)
+    torch.testing.assert_close(c.dataset.losses, base, rtol=1e-5, atol=1e-5)  # adapter disabled: the base
+    (d,) = non_forgetting_constraints(peft_model, causal_lm_per_example_loss, {"all": lm_rows}, collate,
+                                      use_base_of_adapter=False)
+    torch.testing.assert_close(d.dataset.losses, adapted, rtol=1e-5, atol=1e-5)
+    # the adapters are active again after the reference pass
+    torch.testing.assert_close(reference_losses(peft_model, lm_rows, causal_lm_per_example_loss, collate), adapted)
+
+
+def test_held_out_rows_get_their_own_reference_losses(causal_lm, lm_rows, tokenizer):
+    collate = PaddingCollator(tokenizer)
+    (c,) = non_forgetting_constraints(causal_lm, causal_lm_per_example_loss, {"t": lm_rows.select(range(5))}, collate,
+                                      eval_datasets={"t": lm_rows.select(range(5, 8))})
+    assert isinstance(c.eval_dataset, ReferenceLossDataset) and len(c.eval_dataset) == 3
+    torch.testing.assert_close(c.eval_dataset.losses, _direct_lm_losses(causal_lm, lm_rows)[5:], rtol=1e-5, atol=1e-5)
+    assert c.metadata["old_eval_loss"] == pytest.approx(float(c.eval_dataset.losses.mean()))
+
+
+def test_clear_errors(causal_lm, lm_rows, tokenizer):
+    collate = PaddingCollator(tokenizer)
+    gap = ReferenceGap(causal_lm_per_example_loss)
+    with pytest.raises(KeyError, match="reference_loss"):
+        gap(causal_lm, collate([lm_rows[0]]))
+    no_target = {"input_ids": [5, 6, 7], "attention_mask": [1, 1, 1], "labels": [-100, -100, -100]}
+    with pytest.raises(KeyError, match="no 'attention_mask' field"):
+        collate([lm_rows[0], {"input_ids": [5, 6]}])
+    with pytest.raises(ValueError, match="no label token"):
+        causal_lm_per_example_loss(causal_lm, collate([lm_rows[0], no_target]))
+    with pytest.raises(KeyError, match="not in datasets"):
+        non_forgetting_constraints(causal_lm, causal_lm_per_example_loss, {"a": lm_rows}, collate,
+                                   eval_datasets={"b": lm_rows})
+    with pytest.raises(KeyError, match="no entry for protected task 'a'"):
+        non_forgetting_constraints(causal_lm, causal_lm_per_example_loss, {"a": lm_rows}, collate,
+                                   tolerance={"b": 0.1})
+    with pytest.raises(ValueError, match="one value per row"):
+        reference_losses(causal_lm, lm_rows, lambda m, b: causal_lm_per_example_loss(m, b).mean(), collate)
+
+
+def _direct_exact_match(model, rows):
+    """Each example alone: 1 when every answer token is the argmax next-token prediction."""
+    out = []
+    with torch.no_grad():
+        for r in rows:
+            logits = model(input_ids=torch.tensor([r["input_ids"]])).logits[0, :-1]
+            labels = torch.tensor(r["labels"][1:])
+            keep = labels != -100
+            out.append(float(bool((logits.argmax(-1)[keep] == labels[keep]).all())))
+    return torch.tensor(out, dtype=torch.float64)
+
+
+def test_certification_rows_measure_the_share_of_examples_forgotten(causal_lm, lm_rows, tokenizer):
+    from hf_constrained.non_forgetting import CORRECT_KEY, ForgottenRows
+    from hf_constrained.per_sample_loss import causal_lm_per_example_correct
+
+    collate = PaddingCollator(tokenizer)
+    new = _perturbed(causal_lm, scale=0.5)
+    # answers the old model gets right by construction (its own greedy continuation), so forgetting can show
+    greedy = []
+    with torch.no_grad():
+        for r in lm_rows:
+            prompt = [t for t, lab in zip(r["input_ids"], r["labels"]) if lab == -100]
+            ids = list(prompt)
+            for _ in range(2):
+                ids.append(int(causal_lm(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+            greedy.append({"input_ids": ids, "attention_mask": [1] * len(ids),
+                           "labels": [-100] * len(prompt) + ids[len(prompt):]})
+    lm_rows = Dataset.from_list(greedy)
+    data = {"reverse": lm_rows.select(range(4))}
+    certify = {"reverse": lm_rows.select(range(4, 8))}
+    constraints = non_forgetting_constraints(causal_lm, causal_lm_per_example_loss, data, collate, batch_size=3,
+                                             certify_datasets=certify, correct=causal_lm_per_example_correct,
+                                             forget_tolerance=0.25)
+    c = constraints[0]
+    assert c.certify_statistic.tolerance == 0.25 and c.certify_statistic.bound == "clopper_pearson"
+    assert c.certification_range() == (0.0, 1.0)
+    rows = [lm_rows[i] for i in range(4, 8)]
+    old_right = _direct_exact_match(causal_lm, rows)
+    assert old_right.tolist() == [1.0] * 4
+    batch = collate([c.certify_dataset[i] for i in range(4)])
+    torch.testing.assert_close(batch[CORRECT_KEY].double(), old_right)
+    torch.testing.assert_close(causal_lm_per_example_correct(new, batch), _direct_exact_match(new, rows))
+    forgotten = ForgottenRows(causal_lm_per_example_correct)(new, batch)
+    torch.testing.assert_close(forgotten, old_right * (1 - _direct_exact_match(new, rows)))
+    assert 0 < float(forgotten.sum()) <= 4  # the perturbed model forgets some of them
+    assert float(ForgottenRows(causal_lm_per_example_correct)(causal_lm, batch).sum()) == 0.0  # the old model forgets nothing
+    with pytest.raises(ValueError, match="certify_dataset needs correct="):
+        non_forgetting_constraints(causal_lm, causal_lm_per_example_loss, data, collate, certify_datasets=certify)

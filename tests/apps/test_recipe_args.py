@@ -1,0 +1,57 @@
+"""``--config x.yaml`` for every recipe (the convention of TRL's scripts): the file sets flags,
+the command line overrides it, unknown keys and missing files are errors naming the file."""
+
+import pytest
+import yaml
+
+from hf_constrained import ConstrainedTrainingArguments
+from hf_constrained.fairness.experiment import ROCFairnessArguments
+from hf_constrained.recipe_args import RecipeConfigError, parse_recipe_args
+
+TYPES = [ROCFairnessArguments, ConstrainedTrainingArguments]
+
+
+def test_file_sets_flags_and_the_command_line_wins(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({"dataset": "compas", "penalty_beta": 3.0, "msvr_gamma_prime": "theory",
+                                      "output_dir": str(tmp_path / "o"), "num_train_epochs": 7}))
+    script, args = parse_recipe_args(TYPES, ["--config", str(config), "--num_train_epochs", "2"],
+                                     defaults={"learning_rate": 1e-3, "penalty_beta": 9.0})
+    assert script.dataset == "compas"
+    assert args.penalty_beta == 3.0          # the file beats the recipe's default
+    assert args.learning_rate == 1e-3        # the recipe's default where the file is silent
+    assert args.num_train_epochs == 2        # the command line beats the file
+    assert args.msvr_gamma_prime == "theory"
+
+
+def test_without_a_file_flags_and_defaults_apply(tmp_path):
+    _, args = parse_recipe_args(TYPES, ["--output_dir", str(tmp_path), "--msvr_gamma_prime", "theory"],
+                                defaults={"penalty_beta": 9.0})
+    assert args.penalty_beta == 9.0 and args.msvr_gamma_prime == "theory"
+
+
+def test_unknown_keys_and_missing_files_are_errors_naming_the_file(tmp_path):
+    config = tmp_path / "bad.yaml"
+    config.write_text(yaml.safe_dump({"penalti_beta": 2.0}))
+    with pytest.raises(RecipeConfigError, match=r"bad.yaml: unknown keys \['penalti_beta'\]"):
+        parse_recipe_args(TYPES, ["--config", str(config), "--output_dir", str(tmp_path)])
+    with pytest.raises(RecipeConfigError, match="nope.yaml: no such file"):
+        parse_recipe_args(TYPES, ["--config", str(tmp_path / "nope.yaml")])
+    config.write_text("- a\n- b\n")
+    with pytest.raises(RecipeConfigError, match="expected a mapping"):
+        parse_recipe_args(TYPES, ["--config", str(config)])
+
+
+def test_roc_recipe_refuses_flags_it_cannot_honour(tmp_path):
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "recipes", "roc_fairness.py")
+    spec = importlib.util.spec_from_file_location("roc_fairness_recipe", path)
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    for flags, what in ((["--method", "hinge", "--constraint_penalty", "squared_hinge"], "contradicts --method"),
+                        (["--lr_scheduler_type", "cosine"], "--lr_scheduler_type cosine is not used"),
+                        (["--optim", "sgd"], "--optim sgd is not used")):
+        with pytest.raises(ValueError, match=what):
+            recipe.main(flags + ["--output_dir", str(tmp_path), "--num_train_epochs", "1"])
