@@ -116,6 +116,14 @@ class ConstrainedTrainingArguments(TrainingArguments):
                   "tol_k - margin (on the inner value of a compositional constraint). Constraint.margin overrides "
                   "it; exclusive with constraint_confidence."},
     )
+    constraint_indicator_fraction: Optional[float] = field(
+        default=None,
+        metadata={"help": "Two-split estimation (a deviation from the paper, off by default): this share of each "
+                  "constraint's rows, split off once by a seeded permutation, drives the MSVR estimate u_k and so "
+                  "the hinge's indicator 1[u_k > 0]; the rest drives the constraint's gradient. No indicator row "
+                  "ever reaches a gradient, so the penalty acts on an estimate of rows the model is not fitted to. "
+                  "In (0, 1); one extra forward without grad per step."},
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -139,6 +147,8 @@ class ConstrainedTrainingArguments(TrainingArguments):
         if self.constraint_margin is not None and not (math.isfinite(float(self.constraint_margin))
                                                        and float(self.constraint_margin) >= 0):
             raise ValueError(f"constraint_margin must be a finite number >= 0, got {self.constraint_margin}")
+        if self.constraint_indicator_fraction is not None and not 0.0 < float(self.constraint_indicator_fraction) < 1:
+            raise ValueError(f"constraint_indicator_fraction must be in (0, 1), got {self.constraint_indicator_fraction}")
         if self.max_steps == 0:
             # the Trainer checks its bound after a step: max_steps=0 would train one step
             raise ValueError("max_steps=0 trains nothing; give max_steps >= 1, or -1 (the default) to train "

@@ -127,7 +127,7 @@ class ConstrainedTrainer(SafetyMixin, TrainerInternals):
             rank=self.accelerator.process_index, reduce_sum=lambda x: self.accelerator.reduce(x, reduction="sum"),
             share_constraint_batches=self.args.share_constraint_batches,
             check_finite=self.args.check_constraint_finite, confidence=self.args.constraint_confidence,
-            margin=self.args.constraint_margin)
+            margin=self.args.constraint_margin, indicator_fraction=self.args.constraint_indicator_fraction)
         self.in_training_step = False  # True inside training_step (subclasses' objectives read it)
         self._constraint_step = -1  # global step whose constraint part has run (once per accumulation window)
         self._eval_constraint_metrics: dict[str, float] = {}

@@ -11,12 +11,21 @@
 * line 9: the loss ``(1/|B_c|) sum_k weight(u_k^t) h_k(w_t; B_k^t)``, the weight detached,
   whose gradient is G_2. The trainer's optimizer then steps along G_1 + G_2 (line 10).
 
+Two-split estimation (``indicator_fraction``, a deviation from the paper, off by default): each
+constraint's rows are split once, by a seeded permutation, into an *indicator* part and a
+*gradient* part. Line 6's estimate u_k (so line 9's indicator 1[u_k > 0]) follows batches of the
+indicator part, evaluated without grad; line 9's gradient follows batches of the gradient part.
+No indicator row ever reaches a gradient, so u_k estimates the constraint on rows the model is
+not fitted to (Cotter et al., ICML 2019: the constraint side on an independent split). Each step
+then evaluates both parts' batches: one extra forward without grad.
+
 The engine's state (:meth:`ConstraintEngine.state_dict`) is assembled from its parts' states:
 the estimators, the data streams, the running row spread behind margins, the drawn next step.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections import defaultdict
@@ -24,6 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -48,17 +58,64 @@ class ConstraintDraw:
     constraint_ids: torch.Tensor
     sample_indices: list[Optional[list[int]]]
     previous: Optional[torch.Tensor] = None
+    # two-split estimation: the same constraints' batches of their indicator parts (they carry the
+    # previous-iterate values then)
+    indicator: Optional["ConstraintDraw"] = None
     # the look-ahead's collated device batches, reused by the step (same rows, new parameters);
     # not state: a resumed run collates them again
     kept_batches: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def state_dict(self) -> dict[str, Any]:
         return {"step": self.step, "constraint_ids": self.constraint_ids.cpu(), "sample_indices": self.sample_indices,
-                "previous": None if self.previous is None else self.previous.cpu()}
+                "previous": None if self.previous is None else self.previous.cpu(),
+                "indicator": None if self.indicator is None else self.indicator.state_dict()}
 
     @classmethod
     def from_state_dict(cls, state: dict[str, Any]) -> "ConstraintDraw":
-        return cls(state["step"], state["constraint_ids"], state["sample_indices"], state["previous"])
+        indicator = state.get("indicator")
+        return cls(state["step"], state["constraint_ids"], state["sample_indices"], state["previous"],
+                   None if indicator is None else cls.from_state_dict(indicator))
+
+    @property
+    def estimate_draw(self) -> "ConstraintDraw":
+        """The draw whose values update the estimators: the indicator part's under two-split estimation."""
+        return self.indicator if self.indicator is not None else self
+
+
+def split_for_indicator(constraints: Sequence[Constraint], fraction: float, seed: int
+                        ) -> tuple[list[Constraint], list[Constraint]]:
+    """Each dataset's rows split once into (gradient part, indicator part) by a permutation seeded by
+    (``seed``, the position of the first constraint on it): views of the constraints over each part,
+    for two-split estimation. Constraints on the same dataset object share its split (e.g. the TPR
+    constraints of every threshold on one set of positives), so no row is an indicator row of one
+    and a gradient row of another; datasets that merely hold copies of the same rows are split
+    independently. The indicator part holds ``round(fraction * n)`` rows; both parts need one."""
+    if not 0.0 < fraction < 1.0:
+        raise ValueError(f"constraint_indicator_fraction must be in (0, 1), got {fraction}")
+    grad_views, ind_views = [], []
+    parts_of: dict[int, tuple[Any, Any]] = {}  # id(dataset) -> (gradient part, indicator part)
+    for k, c in enumerate(constraints):
+        if c.data_free:
+            grad_views.append(c)
+            ind_views.append(c)
+            continue
+        if id(c.dataset) not in parts_of:
+            n = len(c.dataset)
+            n_ind = int(round(fraction * n))
+            if not 1 <= n_ind <= n - 1:
+                raise ValueError(f"constraint {c.name!r}: {n} rows cannot be split into an indicator part of "
+                                 f"{fraction:g} and a gradient part, both non-empty (constraint_indicator_fraction)")
+            order = np.random.default_rng([int(seed), k, 0x5B17]).permutation(n)
+            parts_of[id(c.dataset)] = tuple(
+                c.dataset.select(rows.tolist()) if hasattr(c.dataset, "select")
+                else torch.utils.data.Subset(c.dataset, rows.tolist())
+                for rows in (np.sort(order[n_ind:]), np.sort(order[:n_ind])))
+        for views, data in zip((grad_views, ind_views), parts_of[id(c.dataset)]):
+            # a view for drawing batches only (no held-out, certification or calibration data of its own)
+            views.append(dataclasses.replace(c, dataset=data, fn=None if c.rowwise else c.fn, eval_dataset=None,
+                                             certify_dataset=None, independent_rows=None, confidence=None,
+                                             margin=None))
+    return grad_views, ind_views
 
 
 class ConstraintEngine:
@@ -88,7 +145,8 @@ class ConstraintEngine:
                  dtype: torch.dtype = torch.float32, world: int = 1, rank: int = 0,
                  reduce_sum: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
                  share_constraint_batches: bool = False, check_finite: bool = True,
-                 confidence: Optional[float] = None, margin: Optional[float] = None) -> None:
+                 confidence: Optional[float] = None, margin: Optional[float] = None,
+                 indicator_fraction: Optional[float] = None) -> None:
         self.constraints = list(constraints)
         m = len(self.constraints)
         self.penalty, self.batches, self.check_finite = penalty, batches, check_finite
@@ -96,10 +154,20 @@ class ConstraintEngine:
         self.sampler = ConstraintSampler(m, num_sampled, seed)
         self.estimator = MSVREstimator(m, gamma, resolve_gamma_prime(gamma_prime, m, num_sampled, gamma),
                                        device=device, dtype=dtype)
+        grad_views, ind_views = (self.constraints, None) if not indicator_fraction else \
+            split_for_indicator(self.constraints, indicator_fraction, seed)
         self.streams: list[Optional[ConstraintBatchStream]] = [
-            None if c.data_free else ConstraintBatchStream(len(c.dataset), seed, k) for k, c in enumerate(self.constraints)]
-        self.values = DrawValues(self.constraints, batches, batch_size=batch_size, device=device, world=world,
+            None if c.data_free else ConstraintBatchStream(len(c.dataset), seed, k) for k, c in enumerate(grad_views)]
+        self.values = DrawValues(grad_views, batches, batch_size=batch_size, device=device, world=world,
                                  rank=rank, reduce_sum=reduce_sum)
+        # two-split estimation: the indicator parts' own streams (other stream ids) and values
+        self.indicator_streams: Optional[list[Optional[ConstraintBatchStream]]] = None
+        self.indicator_values: Optional[DrawValues] = None
+        if ind_views is not None:
+            self.indicator_streams = [None if c.data_free else ConstraintBatchStream(len(c.dataset), seed, m + k)
+                                      for k, c in enumerate(ind_views)]
+            self.indicator_values = DrawValues(ind_views, batches, batch_size=batch_size, device=device, world=world,
+                                               rank=rank, reduce_sum=reduce_sum)
         if share_constraint_batches:
             self.values.stream_owner = self._shared_stream_owners()
         self.spread = RowSpread(self.constraints, confidence=confidence, margin=margin, device=device,
@@ -121,20 +189,28 @@ class ConstraintEngine:
 
     # ------------------------------------------------------------------ Algorithm 1
     def draw(self, step: int) -> ConstraintDraw:
-        """B_c^t (line 3) and the global rows of each B_k^t (line 5)."""
+        """B_c^t (line 3) and the global rows of each B_k^t (line 5); under two-split estimation
+        also a batch of each sampled constraint's indicator part."""
         ids = self.sampler.sample(step)
+        draw = ConstraintDraw(step, ids, self._rows(ids, self.streams, self.values))
+        if self.indicator_streams is not None:
+            draw.indicator = ConstraintDraw(step, ids, self._rows(ids, self.indicator_streams, self.indicator_values))
+        return draw
+
+    def _rows(self, ids: torch.Tensor, streams: list[Optional[ConstraintBatchStream]], values: DrawValues
+              ) -> list[Optional[list[int]]]:
         global_b = self.batch_size * self.world
         drawn: dict[int, list[int]] = {}
         rows: list[Optional[list[int]]] = []
         for k in ids.tolist():
-            if self.streams[k] is None:
+            if streams[k] is None:
                 rows.append(None)
                 continue
-            owner = self.values.stream_owner[k]
+            owner = values.stream_owner[k]
             if owner not in drawn:
-                drawn[owner] = self.streams[owner].next_indices(global_b)
+                drawn[owner] = streams[owner].next_indices(global_b)
             rows.append(drawn[owner])
-        return ConstraintDraw(step, ids, rows)
+        return rows
 
     def penalty_loss(self, model: nn.Module, step: int) -> torch.Tensor:
         """Lines 3-9 of step ``step``: the loss whose gradient is G_2.
@@ -147,10 +223,14 @@ class ConstraintEngine:
         ids_cpu = draw.constraint_ids.cpu()                                          # line 3 (and 5: draw)
         ids = ids_cpu.to(self.device, non_blocking=True)
         values, current, stats = self.values.evaluate(model, draw, need_grad=True)  # h_k(w_t; B_k^t)
+        estimate = draw.estimate_draw
+        if self.indicator_values is not None:  # two-split: the estimate follows rows no gradient uses
+            with torch.no_grad():
+                _, current, stats = self.indicator_values.evaluate(model, estimate, need_grad=False)
         if self.check_finite:
-            self._check_finite(ids_cpu, current, draw.previous, step)
+            self._check_finite(ids_cpu, current, estimate.previous, step)
         u_t = self.estimator.get(ids, fallback=current)                            # u_k^t, before the update
-        self.estimator.update(ids, current, draw.previous, check_unique=False)     # line 6 (B_c has no repeats)
+        self.estimator.update(ids, current, estimate.previous, check_unique=False)  # line 6 (B_c has no repeats)
         if stats is not None:
             self.spread.observe(ids, stats)
         margin = self.spread.margin_values(ids) if self.spread.has_margins else None
@@ -169,8 +249,9 @@ class ConstraintEngine:
         if self.estimator.gamma_prime <= 0:
             return
         draw = self.draw(step)
-        _, previous, _ = self.values.evaluate(model, draw, need_grad=False)
-        draw.previous = previous.to(self.estimator.values)
+        values = self.indicator_values if self.indicator_values is not None else self.values
+        _, previous, _ = values.evaluate(model, draw.estimate_draw, need_grad=False)
+        draw.estimate_draw.previous = previous.to(self.estimator.values)
         self.next_draw = draw
 
     def violations(self, ids: torch.Tensor, inner: torch.Tensor, margin: Optional[torch.Tensor] = None
@@ -263,6 +344,8 @@ class ConstraintEngine:
             "names": [c.name for c in self.constraints],
             "estimator": self.estimator.state_dict() if self.constraints else None,
             "streams": [None if s is None else s.state_dict() for s in self.streams],
+            "indicator_streams": None if self.indicator_streams is None else
+            [None if s is None else s.state_dict() for s in self.indicator_streams],
             "spread": self.spread.state_dict(),
             "next_draw": None if self.next_draw is None else self.next_draw.state_dict(),
             # B_c^t and the streams' permutations are functions of (seed, step): the seed is their RNG state
@@ -276,9 +359,16 @@ class ConstraintEngine:
         names = [c.name for c in self.constraints]
         if state["names"] != names:
             raise ValueError(f"checkpoint constraints {state['names']} do not match this trainer's {names}")
+        if (state.get("indicator_streams") is None) != (self.indicator_streams is None):
+            raise ValueError("the checkpoint was written with" + (" " if state.get("indicator_streams") else "out ")
+                             + "two-split estimation (constraint_indicator_fraction) and this run is "
+                             + ("not" if state.get("indicator_streams") else "") + ": resume with the same setting")
         if self.constraints:
             self.estimator.load_state_dict(state["estimator"])
         for stream, s in zip(self.streams, state["streams"]):
+            if stream is not None:
+                stream.load_state_dict(s)
+        for stream, s in zip(self.indicator_streams or [], state.get("indicator_streams") or []):
             if stream is not None:
                 stream.load_state_dict(s)
         if state.get("spread") is not None:
@@ -286,8 +376,9 @@ class ConstraintEngine:
         nd = state["next_draw"]
         self.next_draw = None if nd is None else ConstraintDraw.from_state_dict(nd)
         self._drop_draw_of_other_batch_size(state)
-        if self.next_draw is not None and self.next_draw.previous is not None:
-            self.next_draw.previous = self.next_draw.previous.to(self.estimator.values)
+        if self.next_draw is not None and self.next_draw.estimate_draw.previous is not None:
+            estimate = self.next_draw.estimate_draw
+            estimate.previous = estimate.previous.to(self.estimator.values)
         self._continue_sampling_seed(state.get("sampling_seed"))
 
     def _drop_draw_of_other_batch_size(self, state: dict[str, Any]) -> None:
@@ -321,7 +412,7 @@ class ConstraintEngine:
         logger.warning("resuming with the checkpoint's constraint sampling seed %s (this run's arguments say %s)",
                        seed, self.sampler.seed)
         self.sampler.seed = int(seed)
-        for stream in self.streams:
+        for stream in [*self.streams, *(self.indicator_streams or [])]:
             if stream is not None:
                 stream.reseed(int(seed))
 

@@ -1,0 +1,115 @@
+"""Two-split constraint estimation (``constraint_indicator_fraction``): the MSVR estimate, and so the
+hinge's indicator, follows rows that no constraint gradient ever uses; resume stays exact."""
+
+import pytest
+import torch
+from scale_tiny import (NUM_GROUPS, ListDataset, StopAt, TinyClassifier, make_rows, make_rowwise_trainer, per_row_ce,
+                        snapshot, tiny_args)
+
+from hf_constrained import ConstrainedTrainer, Constraint
+from hf_constrained.method.engine import split_for_indicator
+
+
+def _key(x: torch.Tensor) -> bytes:
+    return x.detach().cpu().numpy().tobytes()
+
+
+class Recorder:
+    """The shared row_fn, recording which rows it scores with grad enabled and without."""
+
+    def __init__(self) -> None:
+        self.with_grad: set[bytes] = set()
+        self.without_grad: set[bytes] = set()
+        self.no_grad_means: list[float] = []
+        self.grad_means: list[float] = []
+
+    def __call__(self, model, batch):
+        values = per_row_ce(model, batch)
+        rows = {_key(x) for x in batch["x"]}
+        (self.with_grad if torch.is_grad_enabled() else self.without_grad).update(rows)
+        (self.grad_means if torch.is_grad_enabled() else self.no_grad_means).append(float(values.mean()))
+        return values
+
+
+def _indicator_rows(trainer, fraction):
+    _, views = split_for_indicator(trainer.constraints, fraction, trainer.args.constraint_sampling_seed)
+    return {c.name: {_key(views[k].dataset[i]["x"]) for i in range(len(views[k].dataset))}
+            for k, c in enumerate(trainer.constraints)}
+
+
+def disjoint_trainer(output_dir, row_fn, **overrides):
+    """One constraint per group on that group's rows, plus two constraints on ONE dataset object of
+    other rows: they share its split."""
+    torch.manual_seed(1234)
+    train_rows, _ = make_rows(128, 0)
+    c_rows, c_groups = make_rows(96, 1)
+    shared = ListDataset(make_rows(60, 2)[0])  # rows of their own
+    constraints = [Constraint(name=f"group{k}", row_fn=row_fn, tolerance=0.25,
+                              dataset=ListDataset([r for r, gk in zip(c_rows, c_groups) if gk == k]))
+                   for k in range(NUM_GROUPS - 1)]
+    constraints += [Constraint(name=f"all{j}", row_fn=row_fn, tolerance=0.3 + 0.1 * j, dataset=shared)
+                    for j in range(2)]
+    kw = dict(constraints_per_step=3, max_steps=8)
+    kw.update(overrides)
+    return ConstrainedTrainer(model=TinyClassifier(), args=tiny_args(output_dir, **kw),
+                              train_dataset=ListDataset(train_rows), constraints=constraints)
+
+
+@pytest.mark.parametrize("gamma_prime", [0.0, 0.1])
+def test_no_indicator_row_ever_reaches_a_gradient(tmp_path, gamma_prime):
+    record = Recorder()
+    trainer = disjoint_trainer(str(tmp_path / "run"), record, constraint_indicator_fraction=0.5,
+                               msvr_gamma_prime=gamma_prime)
+    indicator = _indicator_rows(trainer, 0.5)
+    all_indicator = set().union(*indicator.values())
+    everything = set().union(*({_key(r["x"]) for r in c.dataset} for c in trainer.constraints))
+    trainer.train()
+    assert record.with_grad and not (record.with_grad & all_indicator)
+    # the estimate read indicator rows (the step's and, with gamma' > 0, the look-ahead's)
+    assert record.without_grad & all_indicator
+    # and every row the gradient saw is a constraint row of the gradient part
+    assert record.with_grad <= everything - all_indicator
+    # the split is a partition of each constraint's rows, about half each; one split per dataset object
+    for c in trainer.constraints:
+        assert len(indicator[c.name]) == round(0.5 * len(c.dataset))
+    assert indicator["all0"] == indicator["all1"]
+
+
+def test_the_estimate_is_the_value_on_the_indicator_batch(tmp_path):
+    """With gamma = 1 and gamma' = 0, u_k after a step is h_k(w_t; B_k^ind): the value the no-grad
+    call of that step computed on indicator rows, not the gradient batch's value."""
+    record = Recorder()
+    trainer = disjoint_trainer(str(tmp_path / "run"), record, constraint_indicator_fraction=0.5, msvr_gamma=1.0,
+                               msvr_gamma_prime=0.0, constraints_per_step=1, max_steps=1)
+    trainer.train()
+    (k,) = trainer.engine.estimator.visited.nonzero().flatten().tolist()
+    u = float(trainer.engine.estimator.values[k])
+    assert u == pytest.approx(record.no_grad_means[-1], rel=1e-6)
+    assert u != pytest.approx(record.grad_means[-1], rel=1e-3)  # not the gradient batch's value
+
+
+def test_resume_with_two_split_estimation_is_bitwise_exact(tmp_path):
+    common = dict(max_steps=8, constraint_indicator_fraction=0.4, save_strategy="steps", save_steps=4)
+    straight = make_rowwise_trainer(str(tmp_path / "straight"), **common)
+    straight.train()
+    stopped = make_rowwise_trainer(str(tmp_path / "stopped"), **common)
+    stopped.add_callback(StopAt(4))
+    stopped.train()
+    resumed = make_rowwise_trainer(str(tmp_path / "resumed"), **common)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "stopped" / "checkpoint-4"))
+    a, b = snapshot(straight), snapshot(resumed)
+    for name in a["params"]:
+        assert torch.equal(a["params"][name], b["params"][name])
+    assert torch.equal(a["estimator_values"], b["estimator_values"])
+    # a run without two-split estimation refuses the checkpoint instead of continuing on other streams
+    other = make_rowwise_trainer(str(tmp_path / "other"), max_steps=8)
+    with pytest.raises(ValueError, match="two-split estimation"):
+        other.train(resume_from_checkpoint=str(tmp_path / "stopped" / "checkpoint-4"))
+
+
+def test_bad_fractions_are_errors_naming_the_setting(tmp_path):
+    with pytest.raises(ValueError, match="constraint_indicator_fraction must be in \\(0, 1\\)"):
+        make_rowwise_trainer(str(tmp_path / "a"), constraint_indicator_fraction=1.0)
+    trainer = make_rowwise_trainer(str(tmp_path / "b"))
+    with pytest.raises(ValueError, match="constraint 'group0': .* rows cannot be split"):
+        split_for_indicator(trainer.constraints, 0.001, 0)
