@@ -116,6 +116,14 @@ class ConstrainedTrainingArguments(TrainingArguments):
                   "tol_k - margin (on the inner value of a compositional constraint). Constraint.margin overrides "
                   "it; exclusive with constraint_confidence."},
     )
+    constraint_certificate_delta: Optional[float] = field(
+        default=None,
+        metadata={"help": "Margins sized to the certificate: every constraint with a certify_dataset and a value_range "
+                  "is trained to tol_k minus the width its certificate's bound will need at that delta and the "
+                  "certification split's size (empirical Bernstein, from the running spread of the per-row values), "
+                  "so that a run feasible in training is likely to certify. In (0, 1); exclusive with "
+                  "constraint_confidence and constraint_margin (Constraint.margin / .confidence override it)."},
+    )
     constraint_indicator_fraction: Optional[float] = field(
         default=None,
         metadata={"help": "Two-split estimation (a deviation from the paper, off by default): this share of each "
@@ -147,6 +155,11 @@ class ConstrainedTrainingArguments(TrainingArguments):
         if self.constraint_margin is not None and not (math.isfinite(float(self.constraint_margin))
                                                        and float(self.constraint_margin) >= 0):
             raise ValueError(f"constraint_margin must be a finite number >= 0, got {self.constraint_margin}")
+        if self.constraint_certificate_delta is not None:
+            if not 0.0 < float(self.constraint_certificate_delta) < 1.0:
+                raise ValueError(f"constraint_certificate_delta must be in (0, 1), got {self.constraint_certificate_delta}")
+            if self.constraint_confidence is not None or self.constraint_margin is not None:
+                raise ValueError("give one of constraint_certificate_delta, constraint_confidence and constraint_margin")
         if self.constraint_indicator_fraction is not None and not 0.0 < float(self.constraint_indicator_fraction) < 1:
             raise ValueError(f"constraint_indicator_fraction must be in (0, 1), got {self.constraint_indicator_fraction}")
         if self.max_steps == 0:

@@ -146,7 +146,7 @@ class ConstraintEngine:
                  reduce_sum: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
                  share_constraint_batches: bool = False, check_finite: bool = True,
                  confidence: Optional[float] = None, margin: Optional[float] = None,
-                 indicator_fraction: Optional[float] = None) -> None:
+                 indicator_fraction: Optional[float] = None, certificate_delta: Optional[float] = None) -> None:
         self.constraints = list(constraints)
         m = len(self.constraints)
         self.penalty, self.batches, self.check_finite = penalty, batches, check_finite
@@ -171,7 +171,7 @@ class ConstraintEngine:
         if share_constraint_batches:
             self.values.stream_owner = self._shared_stream_owners()
         self.spread = RowSpread(self.constraints, confidence=confidence, margin=margin, device=device,
-                                dtype=stats_dtype(device))
+                                dtype=stats_dtype(device), certificate_delta=certificate_delta)
         self.tolerances = torch.tensor([c.tolerance for c in self.constraints], dtype=stats_dtype(device), device=device)
         self.next_draw: Optional[ConstraintDraw] = None
         self.step_metrics: dict[str, list[torch.Tensor]] = defaultdict(list)

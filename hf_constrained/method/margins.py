@@ -10,7 +10,15 @@ constraint) and the rows per batch, and from them
 * the margin of a calibrated constraint, ``z_c * s_k / sqrt(n_k)`` with n_k = |D_k| (or
   ``Constraint.independent_rows``), or an explicit margin: the hinge then acts on
   ``u_k + margin > tol_k``, so the constraint also holds on unseen data of the same population
-  with confidence c (the one-sided CLT bound of :mod:`hf_constrained.statistics`).
+  with confidence c (the one-sided CLT bound of :mod:`hf_constrained.statistics`);
+* the margin sized to the certificate (``certificate_delta``): for a constraint with a
+  ``certify_dataset`` and a ``value_range`` (certifying its own per-row values), the width that
+  the certificate's bound will need at its n and delta, by the empirical-Bernstein rule
+  (Maurer & Pontil 2009): ``sqrt(2 s_k^2 log(2/delta) / n) + 7 R log(2/delta) / (3 (n - 1))``
+  with ``R`` the range's width and ``n = |certify_dataset|``; a difference of two group means
+  takes each group's width at ``delta/2`` (``delta/4`` with ``outer=abs``) over its share of the
+  rows, as the certificate does. Training then aims at ``tol_k`` minus that width, so that a run
+  feasible in training is likely to certify.
 
 Its state (:meth:`RowSpread.state_dict`) goes into every checkpoint: a resumed run has the
 same margins as an uninterrupted one.
@@ -49,7 +57,8 @@ class RowSpread:
     """
 
     def __init__(self, constraints: Sequence["Constraint"], *, confidence: Optional[float] = None,
-                 margin: Optional[float] = None, device: Any = None, dtype: torch.dtype = torch.float64) -> None:
+                 margin: Optional[float] = None, device: Any = None, dtype: torch.dtype = torch.float64,
+                 certificate_delta: Optional[float] = None) -> None:
         self.constraints = list(constraints)
         m = len(self.constraints)
         z, fixed = torch.zeros(m, dtype=torch.float64), torch.zeros(m, dtype=torch.float64)
@@ -73,8 +82,28 @@ class RowSpread:
             logger.warning("constraint_confidence=%s gives no margin to %d constraint(s) without per-row values "
                            "(scalar fn): %s. Declare them with row_fn or give them Constraint(margin=...).",
                            confidence, len(no_rows), no_rows[:10])
+        # margins sized to the certificate: log(2/delta') per constraint (0: none), the range's width, and n
+        cert_log, cert_range, cert_rows = (torch.zeros(m, dtype=torch.float64) for _ in range(3))
+        uncertifiable = []
+        for k, c in enumerate(self.constraints):
+            if certificate_delta is None or c.margin is not None or c.confidence is not None:
+                continue
+            if c.certify_dataset is None or c.certify_statistic is not None or c.value_range is None:
+                uncertifiable.append(c.name)
+                continue
+            share = 1.0 if c.group_key is None else (0.25 if c.outer is not None else 0.5)
+            cert_log[k] = math.log(2.0 / (certificate_delta * share))
+            cert_range[k] = float(c.value_range[1]) - float(c.value_range[0])
+            cert_rows[k] = len(c.certify_dataset)
+        if uncertifiable:
+            logger.warning("certificate_delta=%s sizes no margin for %d constraint(s) that do not certify their own "
+                           "per-row values (no certify_dataset or value_range, or a certify_statistic): %s",
+                           certificate_delta, len(uncertifiable), uncertifiable[:10])
+        self.cert_log, self.cert_range = cert_log.to(device, dtype), cert_range.to(device, dtype)
+        self.cert_rows = cert_rows.to(device, dtype)
+        z = torch.where(cert_log > 0, torch.zeros_like(z), z)
         self.z, self.fixed, self.data_rows = z.to(device, dtype), fixed.to(device, dtype), rows.to(device, dtype)
-        self.configured = (z > 0) | (fixed > 0)
+        self.configured = (z > 0) | (fixed > 0) | (cert_log > 0)
         self.has_margins = bool(self.configured.any())
         self.var = torch.zeros(2 * m, dtype=dtype, device=device)
         self.rows = torch.zeros(2 * m, dtype=dtype, device=device)
@@ -115,7 +144,16 @@ class RowSpread:
         share = rows / rows.sum(dim=1, keepdim=True).clamp(min=1e-12)
         n_data = (self.data_rows[ids].unsqueeze(1) * share).clamp(min=1.0)
         se = torch.where(rows > 0, var / n_data, torch.zeros_like(var)).sum(dim=1).sqrt()
-        return self.fixed[ids] + self.z[ids] * se
+        return self.fixed[ids] + self.z[ids] * se + self.certificate_widths(ids, var, share)
+
+    def certificate_widths(self, ids: torch.Tensor, var: torch.Tensor, share: torch.Tensor) -> torch.Tensor:
+        """The empirical-Bernstein width of the certificate's bound (module docstring), summed over
+        the groups of a group difference; 0 for constraints without a margin sized to the certificate."""
+        log_term, width = self.cert_log[ids].unsqueeze(1), self.cert_range[ids].unsqueeze(1)
+        n = (self.cert_rows[ids].unsqueeze(1) * share).clamp(min=2.0)
+        eb = (2.0 * var * log_term / n).sqrt() + 7.0 * width * log_term / (3.0 * (n - 1.0))
+        eb = torch.where((share > 0) & (log_term > 0), eb, torch.zeros_like(eb))
+        return eb.sum(dim=1)
 
     def margins(self) -> dict[str, float]:
         """The margin of each constraint that has one (empty when none is configured)."""
