@@ -27,17 +27,15 @@ files, no deferred repository, the Trainer's callbacks.
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from transformers import TrainerCallback
 from transformers.integrations import TensorBoardCallback
 
-from ..publishable import OUTPUT_DIR_PLACEHOLDER, publish_trainer_state, resolve_output_path
+from ..publishable import publish_trainer_state
 from ..trainer_internals import trainer_load_checkpoint
 from .card import ModelCardInfo, describe_model, render_model_card, write_model_card
 from .evaluation import (
@@ -63,6 +61,7 @@ from .selection import (
     summarize_selection,
 )
 from .tensorboard import ConstraintTensorBoardCallback
+from .trainer_state import TRAINER_STATE_NAME, best_checkpoint_restored
 
 logger = logging.getLogger(__name__)
 
@@ -95,29 +94,6 @@ def _files_signature(folder: str) -> tuple:
         stat = os.stat(os.path.join(folder, name))
         signature.append((name, stat.st_size, stat.st_mtime_ns))
     return tuple(signature)
-
-
-TRAINER_STATE_NAME = "trainer_state.json"
-
-
-class _RestoreBestCheckpoint(TrainerCallback):
-    """On resume, puts back the best checkpoint's path that ``trainer_state.json`` stores without
-    its local part (the Trainer reads the file before any hook: it sees no such folder)."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-
-    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if os.path.isdir(self.path):
-            logger.info("resumed: the best checkpoint so far is %s", self.path)
-            state.best_model_checkpoint = self.path
-
-
-def _not_a_missing_placeholder(record: logging.LogRecord) -> bool:
-    """Drops the Trainer's warning that a best checkpoint stored as ``<output_dir>/...`` does not
-    exist (:class:`_RestoreBestCheckpoint` puts its real path back)."""
-    message = record.getMessage()
-    return not (OUTPUT_DIR_PLACEHOLDER in message and "recorded in the resumed state" in message)
 
 
 class SafetyMixin:
@@ -218,20 +194,8 @@ class SafetyMixin:
     def train(self, *args: Any, **kwargs: Any) -> Any:
         self.safety_report = None
         resume = args[0] if args else kwargs.get("resume_from_checkpoint")
-        best_path = self._stored_best_checkpoint(resume) if isinstance(resume, str) else None
-        # only while a resumed run needs its best checkpoint's path put back: otherwise the callbacks are the Trainer's
-        restorer = _RestoreBestCheckpoint(best_path) if best_path is not None else None
-        if restorer is not None:
-            self.add_callback(restorer)
-        # the Trainer warns that "<output_dir>/checkpoint-N" does not exist before the path is put back
-        trainer_logger = logging.getLogger("transformers.trainer")
-        trainer_logger.addFilter(_not_a_missing_placeholder)
-        try:
+        with best_checkpoint_restored(self, resume):  # trainer_state.json stores it without its local part
             result = super().train(*args, **kwargs)
-        finally:
-            trainer_logger.removeFilter(_not_a_missing_placeholder)
-            if restorer is not None:
-                self.remove_callback(restorer)
         best = self.state.best_model_checkpoint
         if self.args.load_best_model_at_end and best is not None and self.state.best_global_step:
             # the weights are now the best checkpoint's, whose evaluation is in the log history
@@ -266,22 +230,6 @@ class SafetyMixin:
         path = os.path.join(checkpoint_folder, TRAINER_STATE_NAME)
         if self.args.should_save and os.path.isfile(path):
             publish_trainer_state(path, self.args.output_dir)
-
-    def _stored_best_checkpoint(self, checkpoint: str) -> Optional[str]:
-        """The best checkpoint recorded in ``checkpoint``'s state, as this run names it
-        (under ``output_dir`` as given), or ``None``."""
-        try:
-            with open(os.path.join(checkpoint, TRAINER_STATE_NAME), encoding="utf-8") as f:
-                best = json.load(f).get("best_model_checkpoint")
-        except (OSError, ValueError):
-            return None
-        if not isinstance(best, str):
-            return None
-        best = resolve_output_path(best, self.args.output_dir)
-        if os.path.isabs(self.args.output_dir) and not os.path.isabs(best):
-            rel = os.path.relpath(os.path.abspath(best), os.path.abspath(self.args.output_dir))
-            best = os.path.join(self.args.output_dir, rel)
-        return best
 
     # ------------------------------------------------------------------ which weights were evaluated
     def current_weights_fingerprint(self) -> str:
