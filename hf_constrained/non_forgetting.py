@@ -165,11 +165,13 @@ class ReferenceLossDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.dataset)
 
+    key = REFERENCE_KEY  # the field each row gains
+
     def _row(self, row: Any, i: int) -> dict[str, Any]:
         if not isinstance(row, Mapping):
-            raise TypeError(f"ReferenceLossDataset needs dict rows, got {type(row).__name__} at row {i}")
+            raise TypeError(f"{type(self).__name__} needs dict rows, got {type(row).__name__} at row {i}")
         row = dict(row)
-        row[REFERENCE_KEY] = float(self.losses[i])
+        row[self.key] = float(self.losses[i])
         return row
 
     def __getitem__(self, i: int) -> dict[str, Any]:
@@ -187,12 +189,7 @@ class ReferenceCorrectDataset(ReferenceLossDataset):
     """The rows of ``dataset`` with the old model's 0/1 correctness added as ``reference_correct``
     (certification rows: the forgetting statistic needs no reference loss)."""
 
-    def _row(self, row: Any, i: int) -> dict[str, Any]:
-        if not isinstance(row, Mapping):
-            raise TypeError(f"ReferenceCorrectDataset needs dict rows, got {type(row).__name__} at row {i}")
-        row = dict(row)
-        row[CORRECT_KEY] = float(self.losses[i])
-        return row
+    key = CORRECT_KEY
 
 
 class ForgottenRows:

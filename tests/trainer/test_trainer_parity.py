@@ -28,8 +28,8 @@ import torch
 import transformers.trainer as hf_trainer
 from datasets import Dataset
 from torch import nn
-from transformers import (EarlyStoppingCallback, PretrainedConfig, PreTrainedModel, Trainer, TrainerCallback,
-                          TrainingArguments)
+from scale_tiny import StopAt
+from transformers import EarlyStoppingCallback, PretrainedConfig, PreTrainedModel, Trainer, TrainingArguments
 
 from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments, Constraint
 from hf_constrained.checkpointing import COMPLETE_MARKER, CheckpointError
@@ -111,18 +111,6 @@ def build(variant: str, out: str, callbacks: Optional[list] = None, **overrides:
     # (the certificate itself is tested in test_certificate_gate.py)
     trainer.safety_rule = "point"
     return trainer
-
-
-class StopAt(TrainerCallback):
-    """Interrupts training after ``step`` (the checkpoint of that step is still written)."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step >= self.step:
-            control.should_training_stop = True
-        return control
 
 
 # ----------------------------------------------------------------------------- comparisons
