@@ -227,7 +227,8 @@ def _run_one(spec: dict, common: dict) -> dict:
     from hf_constrained.fairness.experiment import ROCFairnessArguments, load_splits, run_roc_fairness
 
     method = "hinge" if spec["method"].startswith("hinge") else spec["method"]
-    script = ROCFairnessArguments(dataset=spec["dataset"], method=method, save_model=False,
+    # certify_fraction=0: the comparison reports on the whole test split, as its committed runs did
+    script = ROCFairnessArguments(dataset=spec["dataset"], method=method, save_model=False, certify_fraction=0.0,
                                   hidden_sizes=common["hidden_sizes"], score_bound=common["score_bound"], **({
                                       "icppac_eta": spec["icppac"]["eta"], "icppac_tau": spec["icppac"]["tau"],
                                       "icppac_mu": spec["icppac"]["mu"],
