@@ -124,6 +124,12 @@ class ConstrainedTrainingArguments(TrainingArguments):
                   "so that a run feasible in training is likely to certify. In (0, 1); exclusive with "
                   "constraint_confidence and constraint_margin (Constraint.margin / .confidence override it)."},
     )
+    constraint_proxy_indicator: bool = field(
+        default=False,
+        metadata={"help": "With two-split estimation: the estimate (and the hinge's indicator) of every constraint "
+                  "that declares a certify_statistic tracks that statistic on the indicator rows, against its "
+                  "tolerance, while the gradient follows the constraint's differentiable surrogate."},
+    )
     constraint_indicator_fraction: Optional[float] = field(
         default=None,
         metadata={"help": "Two-split estimation (a deviation from the paper, off by default): this share of each "

@@ -17,7 +17,11 @@ constraint's rows are split once, by a seeded permutation, into an *indicator* p
 indicator part, evaluated without grad; line 9's gradient follows batches of the gradient part.
 No indicator row ever reaches a gradient, so u_k estimates the constraint on rows the model is
 not fitted to (Cotter et al., ICML 2019: the constraint side on an independent split). Each step
-then evaluates both parts' batches: one extra forward without grad.
+then evaluates both parts' batches: one extra forward without grad. With ``proxy_indicator`` the
+estimate of a constraint that declares a certification statistic (``Constraint.certify_statistic``)
+tracks that statistic on the indicator rows (e.g. the share of a class's examples forgotten), against
+the statistic's tolerance, while the gradient still follows the differentiable surrogate: a proxy
+constraint in Cooper's sense.
 
 The engine's state (:meth:`ConstraintEngine.state_dict`) is assembled from its parts' states:
 the estimators, the data streams, the running row spread behind margins, the drawn next step.
@@ -82,14 +86,16 @@ class ConstraintDraw:
         return self.indicator if self.indicator is not None else self
 
 
-def split_for_indicator(constraints: Sequence[Constraint], fraction: float, seed: int
+def split_for_indicator(constraints: Sequence[Constraint], fraction: float, seed: int, *, proxy: bool = False
                         ) -> tuple[list[Constraint], list[Constraint]]:
     """Each dataset's rows split once into (gradient part, indicator part) by a permutation seeded by
     (``seed``, the position of the first constraint on it): views of the constraints over each part,
     for two-split estimation. Constraints on the same dataset object share its split (e.g. the TPR
     constraints of every threshold on one set of positives), so no row is an indicator row of one
     and a gradient row of another; datasets that merely hold copies of the same rows are split
-    independently. The indicator part holds ``round(fraction * n)`` rows; both parts need one."""
+    independently. The indicator part holds ``round(fraction * n)`` rows; both parts need one.
+    With ``proxy``, the indicator view of a constraint with a ``certify_statistic`` evaluates that
+    statistic (its ``row_fn``, tolerance, no ``outer``)."""
     if not 0.0 < fraction < 1.0:
         raise ValueError(f"constraint_indicator_fraction must be in (0, 1), got {fraction}")
     grad_views, ind_views = [], []
@@ -112,9 +118,16 @@ def split_for_indicator(constraints: Sequence[Constraint], fraction: float, seed
                 for rows in (np.sort(order[n_ind:]), np.sort(order[:n_ind])))
         for views, data in zip((grad_views, ind_views), parts_of[id(c.dataset)]):
             # a view for drawing batches only (no held-out, certification or calibration data of its own)
-            views.append(dataclasses.replace(c, dataset=data, fn=None if c.rowwise else c.fn, eval_dataset=None,
-                                             certify_dataset=None, independent_rows=None, confidence=None,
-                                             margin=None))
+            view = dict(dataset=data, fn=None if c.rowwise else c.fn, eval_dataset=None, certify_dataset=None,
+                        independent_rows=None, confidence=None, margin=None)
+            stat = c.certify_statistic
+            if proxy and views is ind_views and stat is not None:
+                if c.outer is not None:
+                    raise ValueError(f"constraint {c.name!r}: a proxy indicator needs a constraint without outer (its "
+                                     "gradient weight is the indicator of the statistic alone)")
+                view.update(fn=None, row_fn=stat.row_fn, row_transform=None, group_key=None, exact_fn=None,
+                            tolerance=float(stat.tolerance), certify_statistic=None, value_range=None)
+            views.append(dataclasses.replace(c, **view))
     return grad_views, ind_views
 
 
@@ -146,7 +159,8 @@ class ConstraintEngine:
                  reduce_sum: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
                  share_constraint_batches: bool = False, check_finite: bool = True,
                  confidence: Optional[float] = None, margin: Optional[float] = None,
-                 indicator_fraction: Optional[float] = None, certificate_delta: Optional[float] = None) -> None:
+                 indicator_fraction: Optional[float] = None, certificate_delta: Optional[float] = None,
+                 proxy_indicator: bool = False) -> None:
         self.constraints = list(constraints)
         m = len(self.constraints)
         self.penalty, self.batches, self.check_finite = penalty, batches, check_finite
@@ -154,8 +168,12 @@ class ConstraintEngine:
         self.sampler = ConstraintSampler(m, num_sampled, seed)
         self.estimator = MSVREstimator(m, gamma, resolve_gamma_prime(gamma_prime, m, num_sampled, gamma),
                                        device=device, dtype=dtype)
+        if proxy_indicator and not indicator_fraction:
+            raise ValueError("constraint_proxy_indicator needs two-split estimation (constraint_indicator_fraction)")
         grad_views, ind_views = (self.constraints, None) if not indicator_fraction else \
-            split_for_indicator(self.constraints, indicator_fraction, seed)
+            split_for_indicator(self.constraints, indicator_fraction, seed, proxy=proxy_indicator)
+        # what each estimate u_k tracks: the constraint, or with proxy indicators its certification statistic
+        self.estimated = list(ind_views) if proxy_indicator else self.constraints
         self.streams: list[Optional[ConstraintBatchStream]] = [
             None if c.data_free else ConstraintBatchStream(len(c.dataset), seed, k) for k, c in enumerate(grad_views)]
         self.values = DrawValues(grad_views, batches, batch_size=batch_size, device=device, world=world,
@@ -172,7 +190,7 @@ class ConstraintEngine:
             self.values.stream_owner = self._shared_stream_owners()
         self.spread = RowSpread(self.constraints, confidence=confidence, margin=margin, device=device,
                                 dtype=stats_dtype(device), certificate_delta=certificate_delta)
-        self.tolerances = torch.tensor([c.tolerance for c in self.constraints], dtype=stats_dtype(device), device=device)
+        self.tolerances = torch.tensor([c.tolerance for c in self.estimated], dtype=stats_dtype(device), device=device)
         self.next_draw: Optional[ConstraintDraw] = None
         self.step_metrics: dict[str, list[torch.Tensor]] = defaultdict(list)
 
@@ -265,19 +283,19 @@ class ConstraintEngine:
         """
         id_list = ids.tolist()
         tol = self.tolerances.to(inner.device)[ids.to(inner.device, non_blocking=True)].to(inner.dtype)
-        if not any(self.constraints[k].outer is not None for k in id_list):
+        if not any(self.estimated[k].outer is not None for k in id_list):
             h = inner if margin is None else inner + margin.to(inner)
             return h - tol, torch.ones_like(inner)
         with torch.enable_grad():
             x = inner.detach().clone().requires_grad_(True)
-            h = torch.stack([self.constraints[k].apply_outer(x[i]) for i, k in enumerate(id_list)])
+            h = torch.stack([self.estimated[k].apply_outer(x[i]) for i, k in enumerate(id_list)])
             (slope,) = torch.autograd.grad(h.sum(), x, allow_unused=True)
         slope = torch.zeros_like(x) if slope is None else slope
         h = h.detach()
         if margin is not None:
             margin = margin.to(inner)
-            lo = torch.stack([self.constraints[k].apply_outer(x[i] - margin[i]) for i, k in enumerate(id_list)])
-            hi = torch.stack([self.constraints[k].apply_outer(x[i] + margin[i]) for i, k in enumerate(id_list)])
+            lo = torch.stack([self.estimated[k].apply_outer(x[i] - margin[i]) for i, k in enumerate(id_list)])
+            hi = torch.stack([self.estimated[k].apply_outer(x[i] + margin[i]) for i, k in enumerate(id_list)])
             h = torch.maximum(lo, hi).detach()
         return h - tol, slope.detach()
 
@@ -327,7 +345,7 @@ class ConstraintEngine:
         self.step_metrics.clear()
         estimates = self.estimates()
         if estimates:
-            tol = torch.tensor([c.tolerance for c in self.constraints if c.name in estimates], dtype=torch.float64)
+            tol = torch.tensor([c.tolerance for c in self.estimated if c.name in estimates], dtype=torch.float64)
             h = torch.tensor([estimates[n] for n in estimates], dtype=torch.float64) - tol
             if per_constraint:
                 logs.update({f"constraint/{n}": v for n, v in estimates.items()})

@@ -7,6 +7,7 @@ from scale_tiny import (NUM_GROUPS, ListDataset, StopAt, TinyClassifier, make_ro
                         snapshot, tiny_args)
 
 from hf_constrained import ConstrainedTrainer, Constraint
+from hf_constrained.constraint import CertifyStatistic
 from hf_constrained.method.engine import split_for_indicator
 
 
@@ -37,18 +38,18 @@ def _indicator_rows(trainer, fraction):
             for k, c in enumerate(trainer.constraints)}
 
 
-def disjoint_trainer(output_dir, row_fn, **overrides):
+def disjoint_trainer(output_dir, row_fn, statistic=None, **overrides):
     """One constraint per group on that group's rows, plus two constraints on ONE dataset object of
     other rows: they share its split."""
     torch.manual_seed(1234)
     train_rows, _ = make_rows(128, 0)
     c_rows, c_groups = make_rows(96, 1)
     shared = ListDataset(make_rows(60, 2)[0])  # rows of their own
-    constraints = [Constraint(name=f"group{k}", row_fn=row_fn, tolerance=0.25,
+    constraints = [Constraint(name=f"group{k}", row_fn=row_fn, tolerance=0.25, certify_statistic=statistic,
                               dataset=ListDataset([r for r, gk in zip(c_rows, c_groups) if gk == k]))
                    for k in range(NUM_GROUPS - 1)]
-    constraints += [Constraint(name=f"all{j}", row_fn=row_fn, tolerance=0.3 + 0.1 * j, dataset=shared)
-                    for j in range(2)]
+    constraints += [Constraint(name=f"all{j}", row_fn=row_fn, tolerance=0.3 + 0.1 * j, dataset=shared,
+                               certify_statistic=statistic) for j in range(2)]
     kw = dict(constraints_per_step=3, max_steps=8)
     kw.update(overrides)
     return ConstrainedTrainer(model=TinyClassifier(), args=tiny_args(output_dir, **kw),
@@ -113,3 +114,35 @@ def test_bad_fractions_are_errors_naming_the_setting(tmp_path):
     trainer = make_rowwise_trainer(str(tmp_path / "b"))
     with pytest.raises(ValueError, match="constraint 'group0': .* rows cannot be split"):
         split_for_indicator(trainer.constraints, 0.001, 0)
+
+
+def test_a_proxy_indicator_tracks_the_certification_statistic(tmp_path):
+    """With proxy indicators the estimate follows the declared statistic (here the 0/1 error of each
+    row) on indicator rows, against the statistic's tolerance; the gradient still follows the
+    surrogate (cross-entropy) on the gradient rows."""
+    surrogate = Recorder()
+    errors_seen = []
+
+    def error_rate(model, batch):
+        assert not torch.is_grad_enabled()  # the statistic never feeds a gradient
+        wrong = (model(x=batch["x"])["logits"].argmax(-1) != batch["labels"]).double()
+        errors_seen.append(float(wrong.mean()))
+        return wrong
+
+    # a lenient statistic tolerance: the surrogate's (cross-entropy <= 0.25) would switch the hinge on
+    stat = CertifyStatistic(error_rate, tolerance=1.0, value_range=(0, 1))
+    trainer = disjoint_trainer(str(tmp_path / "run"), surrogate, statistic=stat, constraint_indicator_fraction=0.5,
+                               constraint_proxy_indicator=True, msvr_gamma=1.0, msvr_gamma_prime=0.0,
+                               constraints_per_step=1, max_steps=1)
+    trainer.train()
+    (k,) = trainer.engine.estimator.visited.nonzero().flatten().tolist()
+    u = float(trainer.engine.estimator.values[k])
+    assert u == pytest.approx(errors_seen[-1])  # the error rate of the indicator batch, not a cross-entropy
+    assert surrogate.grad_means  # the gradient followed the surrogate
+    name = trainer.constraints[k].name
+    assert trainer.constraint_estimates()[name] == pytest.approx(u)
+    # the hinge's indicator compares the statistic with its own tolerance: off, though the surrogate is violated
+    assert u <= 1.0 and surrogate.grad_means[-1] > 0.25
+    assert float(trainer.engine.current_weights()[k]) == 0.0
+    with pytest.raises(ValueError, match="constraint_proxy_indicator needs two-split estimation"):
+        disjoint_trainer(str(tmp_path / "b"), surrogate, statistic=stat, constraint_proxy_indicator=True)
