@@ -558,10 +558,25 @@ class SafetyMixin:
         feasible checkpoint push), so an unsafe run never creates one. Without constraints
         there is no gate, and the repository is created when the trainer is built, as the Trainer does."""
         if self._defer_hub_repo and getattr(self, "constraints", None):
+            self._check_hub_access(token)
             logger.info("push_to_hub: the Hub repository will be created when the safety gate first passes")
             self.push_in_progress = None
             return
         super().init_hf_repo(token=token, private=private)
+
+    def _check_hub_access(self, token: Optional[str]) -> None:
+        """Fail when the trainer is built, where the Trainer fails when it creates the repository, if
+        the Hub cannot be reached or refuses the token; not at the first feasible checkpoint."""
+        import transformers.trainer as hf_trainer  # its hf_api: the one the Trainer's pushes use
+
+        try:
+            hf_trainer.hf_api().whoami(token=token or self.args.hub_token)
+        except Exception as exc:  # noqa: BLE001 - any failure of the Hub client: network, offline mode, auth
+            raise RuntimeError(
+                f"push_to_hub=True, but the Hugging Face Hub cannot be reached or refuses the token "
+                f"({type(exc).__name__}); the run would fail at its first push. Check the network and the token "
+                "(`hf auth login`, HF_TOKEN or --hub_token), or train with push_to_hub=False and push afterwards"
+            ) from exc
 
 
 __all__ = ["SafetyMixin"]

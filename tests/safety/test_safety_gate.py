@@ -32,6 +32,9 @@ class RecordingHub:
         self.reports: list[SafetyReport] = []
         self.listings: list[list[str]] = []
 
+    def whoami(self, token=None):  # the access check of a gated trainer (no repository, no upload)
+        return {"name": "user"}
+
     def create_repo(self, repo_id, **kwargs):
         self.calls.append(("create_repo", {"repo_id": repo_id, **kwargs}))
         return SimpleNamespace(repo_id=repo_id if "/" in repo_id else f"user/{repo_id}")
@@ -309,3 +312,18 @@ def test_a_pushed_folder_passes_report_check(tmp_path, hub):
     out = trainer.args.output_dir
     assert hub.reports[0].weights_files_fingerprint == weights_files_fingerprint(out) is not None
     assert main(["report", out, "--check"]) == 0
+
+
+def test_an_unreachable_hub_fails_when_the_trainer_is_built(tmp_path, monkeypatch):
+    """With constraints the repository is created by the first push that passes the gate; the Hub
+    is still checked when the trainer is built, where the Trainer fails, not mid-training."""
+    class Offline(RecordingHub):
+        def whoami(self, token=None):
+            raise ConnectionError("[Errno 101] Network is unreachable")
+
+    hub = Offline()
+    monkeypatch.setattr(hf_trainer, "hf_api", lambda: hub)
+    with pytest.raises(RuntimeError, match="the Hugging Face Hub cannot be reached or refuses the token \\(ConnectionError"):
+        make_trainer(str(tmp_path / "run"), push_to_hub=True, hub_model_id="user/model", hub_token="hf_" + "x" * 34)
+    assert hub.calls == []  # nothing created
+

@@ -356,6 +356,9 @@ class RecordingHub:
     def __init__(self) -> None:
         self.calls: list[tuple] = []
 
+    def whoami(self, token=None):  # the access check of a gated trainer (no repository, no upload)
+        return {"name": "user"}
+
     def create_repo(self, repo_id, **kwargs):
         self.calls.append(("create_repo", repo_id))
         return SimpleNamespace(repo_id=repo_id)
