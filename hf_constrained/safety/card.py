@@ -92,7 +92,8 @@ class ModelCardInfo:
         datasets: Hub dataset ids for the card metadata.
         reproduce_command: the command that reproduces the run.
         license, language, tags: card metadata.
-        task: the Hub task id of the model-index results (e.g. ``"image-classification"``).
+        task: the Hub task id (e.g. ``"text-generation"``): the card's ``pipeline_tag`` and the
+            task of the model-index results.
     """
 
     base_model: Optional[str] = None
@@ -309,6 +310,7 @@ def render_model_card(
         datasets=info.datasets or None,
         license=info.license,
         language=info.language,
+        pipeline_tag=info.task,
         tags=list(dict.fromkeys(tags)),
         model_name=model_name,
         eval_results=eval_results(report, model_name=model_name, info=info) if report is not None and report.checked

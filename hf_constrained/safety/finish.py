@@ -61,6 +61,8 @@ def finish_run(
     dataset_description: Optional[str] = None,
     datasets: Optional[list[str]] = None,
     reproduce_command: Optional[str] = None,
+    license: Optional[str] = None,
+    task: Optional[str] = None,
     objective_metrics: Optional[Mapping[str, float]] = None,
     plots: bool = True,
     candidates: str = "final",
@@ -85,6 +87,9 @@ def finish_run(
         dataset_description: one sentence on the training / constraint / held-out data.
         datasets: Hub dataset ids for the card's metadata, if any.
         reproduce_command: the shell command that reproduces the run.
+        license: the card's license (a Hub license id, e.g. ``"apache-2.0"``).
+        task: the Hub task id (e.g. ``"text-generation"``): the card's ``pipeline_tag`` and the
+            task of its model-index results.
         objective_metrics: held-out objective metrics, if ``trainer.evaluate()`` is not
             the right way to get them.
         plots: also write the training-curve figures.
@@ -124,6 +129,10 @@ def finish_run(
         info.datasets = list(datasets)
     if reproduce_command is not None:
         info.reproduce_command = reproduce_command
+    if license is not None:
+        info.license = license
+    if task is not None:
+        info.task = task
     trainer.model_card_info = info
     old = old_model_constraint_values(trainer, old_model, old_model_values)
     if old is not None:

@@ -171,3 +171,14 @@ def test_checkpoints_are_certified_in_training_order_and_the_best_certified_is_r
     assert report.certified and report.certificate_candidate == expected[-1]
     assert float(trainer.model.theta) == pytest.approx(thetas[expected[-1]], abs=1e-5)
     assert report.global_step == expected[-1] + 1 and report.checkpoint == f"checkpoint-{expected[-1] + 1}"
+
+
+def test_license_and_pipeline_tag_reach_the_card(tmp_path):
+    from huggingface_hub import ModelCard
+
+    trainer = make(tmp_path)
+    finish_run(trainer, plots=False, license="apache-2.0", task="tabular-regression")
+    data = ModelCard.load(str(tmp_path / "run" / "README.md")).data
+    assert data.license == "apache-2.0" and data.pipeline_tag == "tabular-regression"
+    assert data.eval_results[0].task_type == "tabular-regression"
+
