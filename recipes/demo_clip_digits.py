@@ -62,18 +62,27 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
 from transformers import AutoTokenizer, CLIPModel, TrainerCallback
 
-from hf_constrained.clip import ContrastiveConstrainedTrainer, ReferenceLossDataset, ZeroShotLoss, reference_losses, zero_shot_accuracy
+from hf_constrained.clip import (
+    ContrastiveConstrainedTrainer,
+    ReferenceLossDataset,
+    ZeroShotCorrect,
+    ZeroShotLoss,
+    reference_losses,
+    zero_shot_accuracy,
+)
 from hf_constrained.clip.data import CLIPCollator, RowDataset
 from hf_constrained.clip.tiny import tiny_clip, word_tokenizer
 from hf_constrained.config import ConstrainedTrainingArguments
 from hf_constrained.constraint import Constraint
+from hf_constrained.non_forgetting import ReferenceCorrectDataset, forgetting_statistic
+from hf_constrained.safety.evaluation import certify_models
 from hf_constrained.safety.selection import EvaluationRecord, select_best
 from hf_constrained.statistics import constraint_statistic
 
@@ -81,11 +90,15 @@ logger = logging.getLogger(__name__)
 
 DIGIT_NAMES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 TEMPLATE = "a photo of the digit {}"
-SPLITS = ("pretrain", "constraint", "selection", "test")
+SPLITS = ("pretrain", "constraint", "selection", "test", "certify")
 PENALTIES = ("hinge", "squared_hinge", "none")
 # the per-row value of a non-forgetting constraint from d_i = CE_i(w) - CE_i(w_old)
 FORGETTING: dict[str, Optional[Callable[[torch.Tensor], torch.Tensor]]] = {"mean": None, "increase": torch.relu}
 STAGE1_COPIES = 4  # stage 1 sees each image or one of 3 shifted / noised copies of it
+# about 27 certification images per protected digit (15% of about 180): even with none forgotten the
+# Clopper-Pearson bound at delta 0.05 is 1 - 0.05 ** (1 / 27) = 0.105, and each forgotten image adds about
+# 0.05 to it; 0.2 is certifiable with up to 2 of 27 forgotten (see the module docstring)
+FORGET_TOLERANCE = 0.2
 
 
 @dataclass
@@ -96,6 +109,7 @@ class DemoConfig:
     test_fraction: float = 0.25  # per class: reported numbers only
     selection_fraction: float = 0.15  # per class: which checkpoint is kept
     constraint_fraction: float = 0.25  # per class: D_k, unseen in stage 1 (like BDD100K for CLIP)
+    certify_fraction: float = 0.15  # per class: the certificate's images, read by nothing else (0: no certificate)
     stage1_target_keep: int = 3
     stage1_epochs: int = 40
     stage1_lr: float = 2e-3
@@ -121,23 +135,29 @@ class DemoConfig:
     rotate: float = 10.0  # largest rotation (degrees) of a copy
     noise: float = 0.1  # std of the Gaussian noise of a copy (images are in [-1, 1])
     select_every: int = 10  # steps between selection evaluations; 0 keeps the last iterate
+    forget_tolerance: float = FORGET_TOLERANCE  # certified: at most this share of each protected digit's images forgotten
+    delta: float = 0.05  # the certificate's error level
 
 
 # ---------------------------------------------------------------------------------- data
 
 
 def digits_split(cfg: DemoConfig) -> dict[str, Any]:
-    """Digits as 1x8x8 images in [-1, 1], split per class into four disjoint parts.
+    """Digits as 1x8x8 images in [-1, 1], split per class (permuted with ``cfg.seed``) into five
+    disjoint parts.
 
     ``pretrain``: stage 1 and the target data; ``constraint``: the protected classes'
     constraint data D_k, never seen by the old model (as BDD100K was not CLIP's training
     data); ``selection``: held out, decides which checkpoint is kept; ``test``: held out,
-    for the reported numbers only.
+    for the reported numbers only; ``certify``: held out, read only by the certificate.
     """
     from sklearn.datasets import load_digits
 
-    if cfg.test_fraction + cfg.selection_fraction + cfg.constraint_fraction >= 1:
-        raise ValueError("test_fraction + selection_fraction + constraint_fraction must leave images for stage 1")
+    if cfg.test_fraction + cfg.selection_fraction + cfg.constraint_fraction + cfg.certify_fraction >= 1:
+        raise ValueError("test_fraction + selection_fraction + constraint_fraction + certify_fraction must leave "
+                         "images for stage 1")
+    if cfg.certify_fraction < 0:
+        raise ValueError(f"--certify_fraction must be >= 0, got {cfg.certify_fraction}")
     digits = load_digits()
     images = (digits.images.astype(np.float32) / 16.0 - 0.5) / 0.5
     labels = digits.target.astype(int)
@@ -145,12 +165,13 @@ def digits_split(cfg: DemoConfig) -> dict[str, Any]:
     parts: dict[str, list[int]] = {k: [] for k in SPLITS}
     for c in range(10):
         idx = rng.permutation(np.flatnonzero(labels == c))
-        bounds = np.cumsum([int(round(len(idx) * f))
-                            for f in (cfg.test_fraction, cfg.selection_fraction, cfg.constraint_fraction)])
+        bounds = np.cumsum([int(round(len(idx) * f)) for f in (cfg.test_fraction, cfg.selection_fraction,
+                                                                 cfg.constraint_fraction, cfg.certify_fraction)])
         parts["test"] += idx[: bounds[0]].tolist()
         parts["selection"] += idx[bounds[0] : bounds[1]].tolist()
         parts["constraint"] += idx[bounds[1] : bounds[2]].tolist()
-        parts["pretrain"] += idx[bounds[2] :].tolist()
+        parts["certify"] += idx[bounds[2] : bounds[3]].tolist()
+        parts["pretrain"] += idx[bounds[3] :].tolist()
     return {"images": images[:, None], "labels": labels, **{k: sorted(v) for k, v in parts.items()}}
 
 
@@ -224,7 +245,8 @@ def target_rows(data: dict[str, Any], cfg: DemoConfig) -> list[dict[str, Any]]:
 
 
 def _stage1_key(cfg: DemoConfig) -> str:
-    keys = ("target", "seed", "test_fraction", "selection_fraction", "constraint_fraction", "stage1_target_keep",
+    keys = ("target", "seed", "test_fraction", "selection_fraction", "constraint_fraction", "certify_fraction",
+            "stage1_target_keep",
             "stage1_epochs", "stage1_lr", "temperature", "shift", "rotate", "noise")
     blob = json.dumps({k: getattr(cfg, k) for k in keys}, sort_keys=True) + "v3"
     return hashlib.sha1(blob.encode()).hexdigest()[:12]
@@ -308,6 +330,9 @@ class Pools:
     test: dict[str, ReferenceLossDataset]
     target_selection: RowDataset
     test_all: RowDataset  # every class's test pool, for the accuracies
+    # the certification images (one per image: no copies, the bound needs independent rows) with the old
+    # model's zero-shot correctness as ``reference_correct``
+    certify: dict[str, ReferenceCorrectDataset] = field(default_factory=dict)
 
 
 def build_pools(cfg: DemoConfig, data: dict[str, Any], old_model: torch.nn.Module, zs: ZeroShotLoss,
@@ -324,7 +349,13 @@ def build_pools(cfg: DemoConfig, data: dict[str, Any], old_model: torch.nn.Modul
             out[split][DIGIT_NAMES[c]] = ReferenceLossDataset(rows, reference_losses(old_model, rows, zs, collate))
     test_all = RowDataset([r for c in range(10) for r in class_rows(data, "test", c, cfg.eval_copies, cfg)])
     target_selection = RowDataset(class_rows(data, "selection", cfg.target, cfg.eval_copies, cfg))
-    return Pools(out["constraint"], out["selection"], out["test"], target_selection, test_all)
+    certify = {}
+    for c in protected:
+        rows = RowDataset(class_rows(data, "certify", c))
+        if len(rows):
+            certify[DIGIT_NAMES[c]] = ReferenceCorrectDataset(rows, reference_losses(
+                old_model, rows, ZeroShotCorrect(zs), collate, desc="old model's correctness"))
+    return Pools(out["constraint"], out["selection"], out["test"], target_selection, test_all, certify)
 
 
 @torch.no_grad()
@@ -380,11 +411,14 @@ def demo_constraints(cfg: DemoConfig, pools: Pools, rows_fn: ForgettingRows, col
     if not (cfg.confidence == 0 or 0.5 <= cfg.confidence < 1):
         raise ValueError(f"--confidence must be in [0.5, 1) (or 0: no calibrated margin), got {cfg.confidence}")
     calibrated = cfg.confidence > 0
+    statistic = forgetting_statistic(ZeroShotCorrect(rows_fn.loss), cfg.forget_tolerance) if pools.certify else None
     return [Constraint(name=f"non_forgetting/{name}", row_fn=rows_fn, dataset=pools.constraint[name],
                        eval_dataset=pools.selection[name], tolerance=cfg.tolerance - cfg.margin,
                        row_transform=FORGETTING[cfg.forgetting], collate_fn=collate,
                        confidence=cfg.confidence if calibrated else None,
                        independent_rows=len(pools.constraint[name]) // cfg.constraint_copies if calibrated else None,
+                       certify_dataset=pools.certify.get(name),
+                       certify_statistic=statistic if name in pools.certify else None,
                        metadata={"class": name, "requirement": cfg.tolerance}) for name in pools.constraint]
 
 
@@ -437,6 +471,8 @@ def finetune(cfg: DemoConfig, old_path: str, penalty: str, pools: Optional[Pools
         margins = trainer.constraint_margins()  # the calibrated margins in force at the end of training
         h_train = trainer.evaluate_constraints(split="train")
         h_selection = trainer.evaluate_constraints(split="eval")
+        # the kept model, certified once on the certification images (fixed before they are read)
+        certificate = certify_models(trainer, delta=cfg.delta)
     h_test, h_bound = {}, {}
     for name, rows in pools.test.items():
         per_row = reference_losses(model, rows, zs, collate) - rows.losses
@@ -449,7 +485,23 @@ def finetune(cfg: DemoConfig, old_path: str, penalty: str, pools: Optional[Pools
     log(f"  {penalty:>13}: kept step {kept}, {time.time() - t0:.0f}s")
     return {"penalty": penalty, "accuracy": acc, "h_train": h_train, "h_selection": h_selection, "h_test": h_test,
             "h_test_bound": h_bound, "kept_step": kept, "margins": margins,
+            "certificate": certificate_summary(certificate, len(constraints)),
             "selection": [asdict(r) for r in selection.records] if selection is not None else []}
+
+
+def certificate_summary(certificate: Any, num_constraints: int) -> dict[str, Any]:
+    """The kept model's certificate as the demo reports it: certified or not, the largest certified
+    bound, the constraints not certified, and per constraint the bound, the share of certification
+    images forgotten and their number. Without certification images: not certified, every constraint failing."""
+    if certificate is None:
+        return {"certified": False, "largest_bound": None, "failing": ["(no certification split)"],
+                "bounds": {}, "forgotten": {}, "rows": {}, "delta": None}
+    bounds = certificate.upper_bounds[0]
+    failing = certificate.failing(0)
+    return {"certified": certificate.is_certified(0) and len(bounds) == num_constraints,
+            "largest_bound": max(bounds.values()), "failing": failing, "bounds": bounds,
+            "forgotten": certificate.values[0], "rows": certificate.num_rows, "tolerance": certificate.tolerance,
+            "delta": certificate.delta}
 
 
 def old_accuracy(cfg: DemoConfig, old_path: str, pools: Pools) -> dict[str, float]:
@@ -488,7 +540,17 @@ def seed_summary(cfg: DemoConfig, old: dict[str, float], run: dict[str, Any]) ->
         "max_h_test": max(run["h_test"].values()),
         "kept_step": run["kept_step"],
         "max_margin": max(run.get("margins", {}).values(), default=0.0),
+        "certified": run["certificate"]["certified"],
+        "largest_certified_bound": run["certificate"]["largest_bound"],
+        "not_certified": run["certificate"]["failing"],
     }
+
+
+def _failing_cell(names: list[str], total: int) -> str:
+    short = [n.split("/", 1)[-1] for n in names]
+    if not short:
+        return "none"
+    return f"all {total}" if len(short) == total else ", ".join(short)
 
 
 def seed_table(cfg: DemoConfig, old: dict[str, float], runs: list[dict[str, Any]]) -> str:
@@ -517,7 +579,13 @@ def seed_table(cfg: DemoConfig, old: dict[str, float], runs: list[dict[str, Any]
               f"| constraints violated, test (h_k > {cfg.tolerance:g}) | " + " | ".join(
                   f"{x['violated_test']}/{m}" for x in s) + " |",
               "| largest calibrated margin on D_k | " + " | ".join(f"{x['max_margin']:.3f}" for x in s) + " |",
-              "| kept step | " + " | ".join(str(x["kept_step"]) for x in s) + " |"]
+              "| kept step | " + " | ".join(str(x["kept_step"]) for x in s) + " |",
+              f"| certified: at most {cfg.forget_tolerance:g} of each protected digit's images forgotten "
+              f"(delta {cfg.delta:g}) | " + " | ".join("yes" if x["certified"] else "no" for x in s) + " |",
+              "| largest certified bound (share forgotten) | " + " | ".join(
+                  "-" if x["largest_certified_bound"] is None else f"{x['largest_certified_bound']:.3f}" for x in s)
+              + " |",
+              "| not certified | " + " | ".join(_failing_cell(x["not_certified"], m) for x in s) + " |"]
     return "\n".join(lines)
 
 
@@ -570,6 +638,13 @@ def seeds_table(per_method: dict[str, list[dict[str, Any]]]) -> str:
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     within = [f"{sum(x['worst_protected_drop'] <= 2.0 for x in per_method[n])}/{len(per_method[n])}" for n in names]
     lines.append("| seeds with every protected class within 2 points | " + " | ".join(within) + " |")
+    cells = []
+    for n in names:
+        v = [x["largest_certified_bound"] for x in per_method[n] if x.get("largest_certified_bound") is not None]
+        cells.append(f"{statistics.median(v):.3f} / {max(v):.3f}" if v else "-")
+    lines.append("| largest certified bound (share forgotten) | " + " | ".join(cells) + " |")
+    certified = [f"{sum(bool(x.get('certified')) for x in per_method[n])}/{len(per_method[n])}" for n in names]
+    lines.append("| seeds certified | " + " | ".join(certified) + " |")
     return "\n".join(lines)
 
 
