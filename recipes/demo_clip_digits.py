@@ -43,6 +43,27 @@ The selection, test and constraint pools all hold augmented copies of their own 
 (copies never cross splits), so one held-out image is worth ``1 / eval_copies`` of an
 image in the accuracies and 2 points are not a single image.
 
+**The release certificate.** Each digit also has a certification split (``certify_fraction``,
+15% of its images, drawn with the run's seed; 26-27 images per digit), which nothing else
+reads: not stage 1, not the target data, not the constraint gradient, not the checkpoint
+selection, not the test table. After training, each method's kept model is certified on it
+(:func:`hf_constrained.safety.evaluation.certify_models`, delta = 0.05): per protected digit k,
+"at most ``forget_tolerance`` of digit k's images are forgotten" (classified right by the old
+model, wrong now: :class:`hf_constrained.non_forgetting.ForgottenRows` with
+:class:`hf_constrained.clip.ZeroShotCorrect`), a 0/1 rate with an exact Clopper-Pearson
+bound, one row per image (no augmented copies: the bound needs independent rows). The
+per-seed table and the JSON give, per method, certified or not, the largest certified bound
+and the digits not certified.
+
+Why ``forget_tolerance = 0.2``: with n = 27 images, even a model that forgets none of them
+has the bound 1 - 0.05^(1/27) = 0.105; one forgotten image gives 0.164, two give 0.215. No
+tolerance below about 0.11 can ever be certified on this data, and 0.2 is the tightest round
+value that a model forgetting at most one image of 27 per digit (about 4%) passes. A tighter
+promise needs more certification images, not a different bound. To make room for them the
+certification images come out of what was stage 1's share: stage 1 (and the target data's
+negatives and polluting images) now draw on 20% of each digit instead of 35%; the
+constraint (25%), selection (15%) and test (25%) splits are unchanged in size.
+
 ``python -m hf_constrained.recipes.demo_clip_digits --seeds 0,1,2,3,4`` repeats everything for several seeds,
 each with its own split and stage-1 old model, and states each goal as met or not over
 the seeds. ``--help`` lists the knobs.
@@ -95,9 +116,9 @@ PENALTIES = ("hinge", "squared_hinge", "none")
 # the per-row value of a non-forgetting constraint from d_i = CE_i(w) - CE_i(w_old)
 FORGETTING: dict[str, Optional[Callable[[torch.Tensor], torch.Tensor]]] = {"mean": None, "increase": torch.relu}
 STAGE1_COPIES = 4  # stage 1 sees each image or one of 3 shifted / noised copies of it
-# about 27 certification images per protected digit (15% of about 180): even with none forgotten the
-# Clopper-Pearson bound at delta 0.05 is 1 - 0.05 ** (1 / 27) = 0.105, and each forgotten image adds about
-# 0.05 to it; 0.2 is certifiable with up to 2 of 27 forgotten (see the module docstring)
+# 26-27 certification images per protected digit (15% of about 180): even with none forgotten the
+# Clopper-Pearson bound at delta 0.05 is 1 - 0.05 ** (1 / 27) = 0.105; one forgotten image gives 0.164, two
+# 0.215; 0.2 is certifiable with at most one of 27 forgotten (see the module docstring)
 FORGET_TOLERANCE = 0.2
 
 
@@ -224,8 +245,9 @@ def target_rows(data: dict[str, Any], cfg: DemoConfig) -> list[dict[str, Any]]:
     rng = np.random.default_rng(cfg.seed + 1)
     target_name = DIGIT_NAMES[cfg.target]
     rows = []
-    # every target image outside the selection and test splits (the target has no constraint data)
-    clean = [i for i in data["pretrain"] + data["constraint"] if data["labels"][i] == cfg.target]
+    # every target image outside the selection and test splits (the target has no constraint data and no
+    # certificate, so its constraint and certification images are target data)
+    clean = [i for i in data["pretrain"] + data["constraint"] + data["certify"] if data["labels"][i] == cfg.target]
     for i in clean:
         rows.append({**_row(data, i), "caption": TEMPLATE.format(target_name), "is_positive": True})
     pulled = [i for i in data["pretrain"] if data["labels"][i] == cfg.pulled]
