@@ -43,10 +43,12 @@ The selection, test and constraint pools all hold augmented copies of their own 
 (copies never cross splits), so one held-out image is worth ``1 / eval_copies`` of an
 image in the accuracies and 2 points are not a single image.
 
-**The release certificate.** Each digit also has a certification split (``certify_fraction``,
-15% of its images, drawn with the run's seed; 26-27 images per digit), which nothing else
-reads: not stage 1, not the target data, not the constraint gradient, not the checkpoint
-selection, not the test table. After training, each method's kept model is certified on it
+**The release certificate.** Of each digit's held-out test images, a share
+(``certify_fraction``, 0.4: 18 of 44-46 images, drawn with the run's seed) is set aside as its
+certification split, which nothing else reads: not stage 1, not the target data, not the
+constraint gradient, not the checkpoint selection, not the test table (which keeps the other
+26-28 images per digit). Stage 1, the target data, D_k and the selection split are the same
+with or without it. After training, each method's kept model is certified on it
 (:func:`hf_constrained.safety.evaluation.certify_models`, delta = 0.05): per protected digit k,
 "at most ``forget_tolerance`` of digit k's images are forgotten" (classified right by the old
 model, wrong now: :class:`hf_constrained.non_forgetting.ForgottenRows` with
@@ -55,14 +57,15 @@ bound, one row per image (no augmented copies: the bound needs independent rows)
 per-seed table and the JSON give, per method, certified or not, the largest certified bound
 and the digits not certified.
 
-Why ``forget_tolerance = 0.2``: with n = 27 images, even a model that forgets none of them
-has the bound 1 - 0.05^(1/27) = 0.105; one forgotten image gives 0.164, two give 0.215. No
-tolerance below about 0.11 can ever be certified on this data, and 0.2 is the tightest round
-value that a model forgetting at most one image of 27 per digit (about 4%) passes. A tighter
-promise needs more certification images, not a different bound. To make room for them the
-certification images come out of what was stage 1's share: stage 1 (and the target data's
-negatives and polluting images) now draw on 20% of each digit instead of 35%; the
-constraint (25%), selection (15%) and test (25%) splits are unchanged in size.
+Why ``forget_tolerance = 0.25``: with n = 18 images, even a model that forgets none of them
+has the bound 1 - 0.05^(1/18) = 0.153; one forgotten image gives 0.238, two give 0.310. No
+tolerance below about 0.16 can ever be certified on this data, and 0.25 is the tightest round
+value that a model forgetting at most one image of 18 per digit passes. A tighter promise
+needs more certification images, and the digits have few: taking 15% of each digit from
+stage 1's share instead (27 images, tolerance 0.2) changed the trained models, and on seeds
+0-4 the hinge then kept every protected digit within 2 points in only 2 of 5 seeds; so they
+come from the test images, which leaves every trained model as it was and makes the test
+table coarser (one test image is now about 3.7 points of a digit's accuracy, not 2.2).
 
 ``python -m hf_constrained.recipes.demo_clip_digits --seeds 0,1,2,3,4`` repeats everything for several seeds,
 each with its own split and stage-1 old model, and states each goal as met or not over
@@ -116,10 +119,10 @@ PENALTIES = ("hinge", "squared_hinge", "none")
 # the per-row value of a non-forgetting constraint from d_i = CE_i(w) - CE_i(w_old)
 FORGETTING: dict[str, Optional[Callable[[torch.Tensor], torch.Tensor]]] = {"mean": None, "increase": torch.relu}
 STAGE1_COPIES = 4  # stage 1 sees each image or one of 3 shifted / noised copies of it
-# 26-27 certification images per protected digit (15% of about 180): even with none forgotten the
-# Clopper-Pearson bound at delta 0.05 is 1 - 0.05 ** (1 / 27) = 0.105; one forgotten image gives 0.164, two
-# 0.215; 0.2 is certifiable with at most one of 27 forgotten (see the module docstring)
-FORGET_TOLERANCE = 0.2
+# 18 certification images per protected digit (0.4 of its 44-46 test images): even with none forgotten the
+# Clopper-Pearson bound at delta 0.05 is 1 - 0.05 ** (1 / 18) = 0.153; one forgotten image gives 0.238, two
+# 0.310; 0.25 is certifiable with at most one of 18 forgotten (see the module docstring)
+FORGET_TOLERANCE = 0.25
 
 
 @dataclass
@@ -130,7 +133,7 @@ class DemoConfig:
     test_fraction: float = 0.25  # per class: reported numbers only
     selection_fraction: float = 0.15  # per class: which checkpoint is kept
     constraint_fraction: float = 0.25  # per class: D_k, unseen in stage 1 (like BDD100K for CLIP)
-    certify_fraction: float = 0.15  # per class: the certificate's images, read by nothing else (0: no certificate)
+    certify_fraction: float = 0.4  # of each class's test images: the certificate's, read by nothing else (0: none)
     stage1_target_keep: int = 3
     stage1_epochs: int = 40
     stage1_lr: float = 2e-3
@@ -170,15 +173,16 @@ def digits_split(cfg: DemoConfig) -> dict[str, Any]:
     ``pretrain``: stage 1 and the target data; ``constraint``: the protected classes'
     constraint data D_k, never seen by the old model (as BDD100K was not CLIP's training
     data); ``selection``: held out, decides which checkpoint is kept; ``test``: held out,
-    for the reported numbers only; ``certify``: held out, read only by the certificate.
+    for the reported numbers only; ``certify``: ``certify_fraction`` of the held-out test
+    images, read only by the certificate (stage 1, the target data, D_k and the selection
+    split do not depend on it).
     """
     from sklearn.datasets import load_digits
 
-    if cfg.test_fraction + cfg.selection_fraction + cfg.constraint_fraction + cfg.certify_fraction >= 1:
-        raise ValueError("test_fraction + selection_fraction + constraint_fraction + certify_fraction must leave "
-                         "images for stage 1")
-    if cfg.certify_fraction < 0:
-        raise ValueError(f"--certify_fraction must be >= 0, got {cfg.certify_fraction}")
+    if cfg.test_fraction + cfg.selection_fraction + cfg.constraint_fraction >= 1:
+        raise ValueError("test_fraction + selection_fraction + constraint_fraction must leave images for stage 1")
+    if not 0 <= cfg.certify_fraction < 1:
+        raise ValueError(f"--certify_fraction must be in [0, 1) (a share of the test images), got {cfg.certify_fraction}")
     digits = load_digits()
     images = (digits.images.astype(np.float32) / 16.0 - 0.5) / 0.5
     labels = digits.target.astype(int)
@@ -186,13 +190,15 @@ def digits_split(cfg: DemoConfig) -> dict[str, Any]:
     parts: dict[str, list[int]] = {k: [] for k in SPLITS}
     for c in range(10):
         idx = rng.permutation(np.flatnonzero(labels == c))
-        bounds = np.cumsum([int(round(len(idx) * f)) for f in (cfg.test_fraction, cfg.selection_fraction,
-                                                                 cfg.constraint_fraction, cfg.certify_fraction)])
-        parts["test"] += idx[: bounds[0]].tolist()
+        bounds = np.cumsum([int(round(len(idx) * f))
+                            for f in (cfg.test_fraction, cfg.selection_fraction, cfg.constraint_fraction)])
+        # the certification images: the last certify_fraction of the held-out test images
+        n_test = bounds[0] - int(round(bounds[0] * cfg.certify_fraction))
+        parts["test"] += idx[:n_test].tolist()
+        parts["certify"] += idx[n_test : bounds[0]].tolist()
         parts["selection"] += idx[bounds[0] : bounds[1]].tolist()
         parts["constraint"] += idx[bounds[1] : bounds[2]].tolist()
-        parts["certify"] += idx[bounds[2] : bounds[3]].tolist()
-        parts["pretrain"] += idx[bounds[3] :].tolist()
+        parts["pretrain"] += idx[bounds[2] :].tolist()
     return {"images": images[:, None], "labels": labels, **{k: sorted(v) for k, v in parts.items()}}
 
 
@@ -245,9 +251,8 @@ def target_rows(data: dict[str, Any], cfg: DemoConfig) -> list[dict[str, Any]]:
     rng = np.random.default_rng(cfg.seed + 1)
     target_name = DIGIT_NAMES[cfg.target]
     rows = []
-    # every target image outside the selection and test splits (the target has no constraint data and no
-    # certificate, so its constraint and certification images are target data)
-    clean = [i for i in data["pretrain"] + data["constraint"] + data["certify"] if data["labels"][i] == cfg.target]
+    # every target image outside the selection, test and certification splits (the target has no constraint data)
+    clean = [i for i in data["pretrain"] + data["constraint"] if data["labels"][i] == cfg.target]
     for i in clean:
         rows.append({**_row(data, i), "caption": TEMPLATE.format(target_name), "is_positive": True})
     pulled = [i for i in data["pretrain"] if data["labels"][i] == cfg.pulled]
@@ -267,8 +272,7 @@ def target_rows(data: dict[str, Any], cfg: DemoConfig) -> list[dict[str, Any]]:
 
 
 def _stage1_key(cfg: DemoConfig) -> str:
-    keys = ("target", "seed", "test_fraction", "selection_fraction", "constraint_fraction", "certify_fraction",
-            "stage1_target_keep",
+    keys = ("target", "seed", "test_fraction", "selection_fraction", "constraint_fraction", "stage1_target_keep",
             "stage1_epochs", "stage1_lr", "temperature", "shift", "rotate", "noise")
     blob = json.dumps({k: getattr(cfg, k) for k in keys}, sort_keys=True) + "v3"
     return hashlib.sha1(blob.encode()).hexdigest()[:12]

@@ -26,15 +26,19 @@ def test_digits_demo_data_design():
     assert all(r["caption"].endswith(target_name) for r in rows if r["is_positive"])
     # every target image outside the selection and test splits is a positive; those two stay out
     n_clean = sum(1 for r in rows if r["is_positive"] and r["label"] == cfg.target)
-    assert n_clean == sum(1 for i in data["pretrain"] + data["constraint"] + data["certify"]
-                          if data["labels"][i] == cfg.target)
+    assert n_clean == sum(1 for i in data["pretrain"] + data["constraint"] if data["labels"][i] == cfg.target)
     with pytest.raises(ValueError, match="stage 1"):
         demo.digits_split(demo.DemoConfig(test_fraction=0.5, selection_fraction=0.3, constraint_fraction=0.2))
-    # the certification images: 15% of every class, none of a protected digit's in the target data
+    # the certification images: 0.4 of each class's held-out test images, none of them in the target data;
+    # every other split is what it is without them
     per_class = [sum(data["labels"][i] == c for i in data["certify"]) for c in range(10)]
-    assert all(round(0.15 * n) == k for n, k in zip(np.bincount(data["labels"]), per_class))
+    assert per_class == [int(round(0.4 * round(0.25 * n))) for n in np.bincount(data["labels"])]
     target_images = {r["pixel_values"].tobytes() for r in rows}
-    assert not target_images & {data["images"][i].tobytes() for i in data["certify"] if data["labels"][i] != cfg.target}
+    assert not target_images & {data["images"][i].tobytes() for i in data["certify"]}
+    plain = demo.digits_split(demo.DemoConfig(certify_fraction=0.0))
+    assert not plain["certify"] and sorted(data["test"] + data["certify"]) == plain["test"]
+    assert all(data[k] == plain[k] for k in ("pretrain", "constraint", "selection"))
+    assert demo._stage1_key(cfg) == demo._stage1_key(demo.DemoConfig(certify_fraction=0.0))
     assert demo.digits_split(demo.DemoConfig(seed=1))["certify"] != data["certify"]  # drawn with the run's seed
 
 
