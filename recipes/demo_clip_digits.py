@@ -511,20 +511,20 @@ def finetune(cfg: DemoConfig, old_path: str, penalty: str, pools: Optional[Pools
     log(f"  {penalty:>13}: kept step {kept}, {time.time() - t0:.0f}s")
     return {"penalty": penalty, "accuracy": acc, "h_train": h_train, "h_selection": h_selection, "h_test": h_test,
             "h_test_bound": h_bound, "kept_step": kept, "margins": margins,
-            "certificate": certificate_summary(certificate, len(constraints)),
+            "certificate": certificate_summary(certificate, [c.name for c in constraints]),
             "selection": [asdict(r) for r in selection.records] if selection is not None else []}
 
 
-def certificate_summary(certificate: Any, num_constraints: int) -> dict[str, Any]:
+def certificate_summary(certificate: Any, names: list[str]) -> dict[str, Any]:
     """The kept model's certificate as the demo reports it: certified or not, the largest certified
     bound, the constraints not certified, and per constraint the bound, the share of certification
     images forgotten and their number. Without certification images: not certified, every constraint failing."""
     if certificate is None:
-        return {"certified": False, "largest_bound": None, "failing": ["(no certification split)"],
-                "bounds": {}, "forgotten": {}, "rows": {}, "delta": None}
+        return {"certified": False, "largest_bound": None, "failing": list(names), "bounds": {}, "forgotten": {},
+                "rows": {}, "delta": None}
     bounds = certificate.upper_bounds[0]
-    failing = certificate.failing(0)
-    return {"certified": certificate.is_certified(0) and len(bounds) == num_constraints,
+    failing = certificate.failing(0) + [n for n in names if n not in bounds]  # no certification split: not certified
+    return {"certified": certificate.is_certified(0) and not failing,
             "largest_bound": max(bounds.values()), "failing": failing, "bounds": bounds,
             "forgotten": certificate.values[0], "rows": certificate.num_rows, "tolerance": certificate.tolerance,
             "delta": certificate.delta}
