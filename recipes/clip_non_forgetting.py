@@ -16,16 +16,26 @@ Data:
     (image path, label) for the constraints; ``--target_csv`` can also add extra pairs
     (e.g. LAION retrievals) to the BDD100K data.
 
-At the end: ``trainer.evaluate()``, the model and processor saved to ``--output_dir`` and
-``non_forgetting_results.json`` with per-class accuracies of the old and new model and
-the exact constraint values.
+Certificate: ``--certify_fraction`` (default 0.5) of each protected class's held-out images
+(of its constraint images when there are no held-out ones), drawn with ``--seed``, are set
+aside as the class's certification split: neither training, nor evaluation, nor the reported
+accuracies read them. ``finish_run`` certifies the final model on them at ``--delta``
+(default 0.05): "at most ``--forget_tolerance`` of class k's images forgotten" (right under the
+old model, wrong now; a 0/1 rate with an exact Clopper-Pearson bound). With n certification
+images per class no tolerance below 1 - delta^(1/n) can be certified (a warning says so).
+
+At the end: ``trainer.evaluate()``, the model and processor saved to ``--output_dir``, the
+safety report and model card (certified or not), and ``non_forgetting_results.json`` with
+per-class accuracies of the old and new model, the exact constraint values and the certificate.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import random
 import sys
 from dataclasses import asdict, dataclass, field
 from typing import Optional
@@ -38,6 +48,7 @@ from hf_constrained.callbacks import PeriodicMetricsCallback
 from hf_constrained.errors import check_model_path
 from hf_constrained.publishable import publishable_command, publishable_path, publishable_values
 from hf_constrained.recipe_args import parse_recipe_args
+from hf_constrained.safety.bounds import clopper_pearson_upper_bound
 from hf_constrained.clip import (
     CLIPWithClassTextHeads,
     ContrastiveConstrainedTrainer,
@@ -93,6 +104,13 @@ class ScriptArguments:
     reference_batch_size: int = field(default=64, metadata={"help": "Batch size of the old model's reference pass."})
     half_positive_batches: bool = field(default=False, metadata={
         "help": "Every batch half target pairs, half others (the reference code's batches); default: shuffled rows."})
+    certify_fraction: float = field(default=0.5, metadata={
+        "help": "Share of each protected class's held-out images (its constraint images when there are no held-out "
+                "ones) set aside, with --seed, as its certification split; nothing else reads them (0: no certificate)."})
+    forget_tolerance: float = field(default=0.05, metadata={
+        "help": "Certified: at most this share of each protected class's certification images forgotten "
+                "(right under the old model, wrong now)."})
+    delta: float = field(default=0.05, metadata={"help": "The certificate's error level."})
     accuracy_every_steps: int = field(default=0, metadata={
         "help": "Log per-class zero-shot accuracy (eval_accuracy/<class>) on the held-out images every N steps "
                 "(400 = once per paper epoch); 0: only at the end."})
@@ -157,6 +175,30 @@ def build_data(script: ScriptArguments) -> dict:
             "train": train, "held_out": held_out}
 
 
+def split_certification(rows: dict, protected: list[str], fraction: float, seed: int, what: str
+                        ) -> tuple[dict, dict]:
+    """(rows left, certification rows) per protected class: ``round(fraction * n)`` of each class's n
+    rows, drawn with ``seed`` (at least one each side); other classes' rows stay as they are."""
+    if not 0.0 <= fraction < 1.0:
+        raise ValueError(f"--certify_fraction must be in [0, 1), got {fraction}")
+    left, certify = dict(rows), {}
+    if fraction == 0:
+        return left, certify
+    rng = random.Random(seed)
+    for c in protected:
+        pool = list(rows.get(c, []))
+        if len(pool) < 2:
+            raise ValueError(f"--certify_fraction {fraction}: protected class {c!r} has {len(pool)} {what} image(s); "
+                             "certifying needs at least 2 (one to certify, one left), or pass --certify_fraction 0")
+        order = list(range(len(pool)))
+        rng.shuffle(order)
+        n = min(len(pool) - 1, max(1, int(round(fraction * len(pool)))))
+        chosen = set(order[:n])
+        certify[c] = [pool[i] for i in sorted(chosen)]
+        left[c] = [pool[i] for i in range(len(pool)) if i not in chosen]
+    return left, certify
+
+
 def main(argv: Optional[list[str]] = None) -> dict:
     script, args = parse_recipe_args([ScriptArguments, ConstrainedTrainingArguments], argv, description=__doc__,
                                      defaults={"remove_unused_columns": False})
@@ -172,6 +214,20 @@ def main(argv: Optional[list[str]] = None) -> dict:
 
     data = build_data(script)
     classes, target = data["classes"], data["target"]
+    # the certification split: set aside before anything reads the rows (reference pass, evaluation, accuracies)
+    certify_from = "held-out" if data["held_out"] is not None else "constraint data"
+    if data["held_out"] is not None:
+        data["held_out"], certify_rows = split_certification(data["held_out"], data["protected"],
+                                                             script.certify_fraction, args.seed, "held-out")
+    else:
+        data["train"], certify_rows = split_certification(data["train"], data["protected"], script.certify_fraction,
+                                                          args.seed, "constraint")
+    for c, rows in certify_rows.items():
+        floor = clopper_pearson_upper_bound(0, len(rows), script.delta)
+        if script.forget_tolerance < floor:
+            logger.warning("protected class %r: %d certification images cannot certify --forget_tolerance %g at "
+                           "--delta %g (even with none forgotten the bound is %.3f)", c, len(rows),
+                           script.forget_tolerance, script.delta, floor)
     processor = CLIPProcessor.from_pretrained(script.model_name_or_path)
     model = CLIPModel.from_pretrained(script.model_name_or_path, dtype=torch.float32)
     model.logit_scale.requires_grad_(False)  # fixed temperatures (t, tau), as the paper
@@ -193,16 +249,14 @@ def main(argv: Optional[list[str]] = None) -> dict:
     collate = CLIPCollator(image_processor=processor.image_processor, tokenizer=processor.tokenizer)
     train_sets = {c: RowDataset(data["train"][c]) for c in data["protected"]}
     eval_sets = None if data["held_out"] is None else {c: RowDataset(data["held_out"][c]) for c in data["protected"]}
+    certify_sets = {c: RowDataset(rows) for c, rows in certify_rows.items()} or None
     # the old model: the model before training; with LoRA the adapter-disabled base (no second copy)
-    if script.lora_r:
-        with model.disable_adapter():
-            constraints = non_forgetting_constraints(model, loss, train_sets, collate, eval_datasets=eval_sets,
-                                                     tolerance=script.constraint_tolerance,
-                                                     batch_size=script.reference_batch_size)
-    else:
+    with model.disable_adapter() if script.lora_r else contextlib.nullcontext():
         constraints = non_forgetting_constraints(model, loss, train_sets, collate, eval_datasets=eval_sets,
                                                  tolerance=script.constraint_tolerance,
-                                                 batch_size=script.reference_batch_size)
+                                                 batch_size=script.reference_batch_size,
+                                                 certify_datasets=certify_sets,
+                                                 forget_tolerance=script.forget_tolerance if certify_sets else None)
     report_split = data["held_out"] if data["held_out"] is not None else data["train"]
     report_rows = RowDataset([row for c in classes for row in report_split.get(c, [])])
     accuracy_old = zero_shot_accuracy(model, report_rows, loss, collate, classes)
@@ -240,17 +294,16 @@ def main(argv: Optional[list[str]] = None) -> dict:
         unwrapped = trainer.accelerator.unwrap_model(trainer.model)
         unwrapped.save_pretrained(args.output_dir)
         processor.save_pretrained(args.output_dir)
-        path = os.path.join(args.output_dir, RESULTS_FILE)
-        with open(path + ".tmp", "w") as f:
-            json.dump(results, f, indent=2, default=str)
-        os.replace(path + ".tmp", path)
-        logger.info("saved model and %s to %s", RESULTS_FILE, args.output_dir)
     # safety report + model card (after save_pretrained: a PEFT save writes its own README.md);
     # a non-forgetting constraint is 0 at the old model by definition
     report = finish_run(
         trainer, old_model_values={c.name: 0.0 for c in constraints}, base_model_name=script.model_name_or_path,
         dataset_description=f"target class {target!r}; protected classes {results['protected_classes']}; "
-                            f"accuracies on {results['accuracy_split']} data",
+                            f"accuracies on {results['accuracy_split']} data; "
+                            + (f"certified on {script.certify_fraction:g} of each protected class's {certify_from} "
+                               f"images (read by nothing else) as 'at most {script.forget_tolerance:g} of the "
+                               "class's images forgotten'" if certify_sets else "no certification split"),
+        delta=script.delta,
         reproduce_command=publishable_command("accelerate launch recipes/clip_non_forgetting.py",
                                               sys.argv[1:] if argv is None else argv,
                                               output_dir=args.output_dir),
@@ -262,11 +315,23 @@ def main(argv: Optional[list[str]] = None) -> dict:
                                         for c in constraints}},
     )
     results["safe"] = report.all_satisfied
+    results["certificate"] = {
+        "certified": report.certified, "delta": script.delta, "forget_tolerance": script.forget_tolerance,
+        "certify_fraction": script.certify_fraction, "certify_split": certify_from if certify_sets else None,
+        "certify_rows": {c: len(rows) for c, rows in certify_rows.items()},
+        "certified_bounds": report.certified_bounds(), "failing": report.with_rule("certified").failed,
+    }
     if trainer.is_world_process_zero():
+        path = os.path.join(args.output_dir, RESULTS_FILE)
+        with open(path + ".tmp", "w") as f:
+            json.dump(results, f, indent=2, default=str)
+        os.replace(path + ".tmp", path)
+        logger.info("saved model and %s to %s", RESULTS_FILE, args.output_dir)
         for c in classes:
             if c in accuracy_old:
                 print(f"{c:>20}: accuracy {100 * accuracy_old[c]:5.1f} -> {100 * accuracy_new.get(c, float('nan')):5.1f}")
         print(f"constraints satisfied (exact, eval data): {bool(metrics.get('eval_constraints_satisfied', 0.0))}")
+        print(report.summary())
     return results
 
 

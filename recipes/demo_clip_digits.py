@@ -43,6 +43,30 @@ The selection, test and constraint pools all hold augmented copies of their own 
 (copies never cross splits), so one held-out image is worth ``1 / eval_copies`` of an
 image in the accuracies and 2 points are not a single image.
 
+**The release certificate.** Of each digit's held-out test images, a share
+(``certify_fraction``, 0.4: 18 of 44-46 images, drawn with the run's seed) is set aside as its
+certification split, which nothing else reads: not stage 1, not the target data, not the
+constraint gradient, not the checkpoint selection, not the test table (which keeps the other
+26-28 images per digit). Stage 1, the target data, D_k and the selection split are the same
+with or without it. After training, each method's kept model is certified on it
+(:func:`hf_constrained.safety.evaluation.certify_models`, delta = 0.05): per protected digit k,
+"at most ``forget_tolerance`` of digit k's images are forgotten" (classified right by the old
+model, wrong now: :class:`hf_constrained.non_forgetting.ForgottenRows` with
+:class:`hf_constrained.clip.ZeroShotCorrect`), a 0/1 rate with an exact Clopper-Pearson
+bound, one row per image (no augmented copies: the bound needs independent rows). The
+per-seed table and the JSON give, per method, certified or not, the largest certified bound
+and the digits not certified.
+
+Why ``forget_tolerance = 0.25``: with n = 18 images, even a model that forgets none of them
+has the bound 1 - 0.05^(1/18) = 0.153; one forgotten image gives 0.238, two give 0.310. No
+tolerance below about 0.16 can ever be certified on this data, and 0.25 is the tightest round
+value that a model forgetting at most one image of 18 per digit passes. A tighter promise
+needs more certification images, and the digits have few: taking 15% of each digit from
+stage 1's share instead (27 images, tolerance 0.2) changed the trained models, and on seeds
+0-4 the hinge then kept every protected digit within 2 points in only 2 of 5 seeds; so they
+come from the test images, which leaves every trained model as it was and makes the test
+table coarser (one test image is now about 3.7 points of a digit's accuracy, not 2.2).
+
 ``python -m hf_constrained.recipes.demo_clip_digits --seeds 0,1,2,3,4`` repeats everything for several seeds,
 each with its own split and stage-1 old model, and states each goal as met or not over
 the seeds. ``--help`` lists the knobs.
@@ -62,18 +86,27 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
 from transformers import AutoTokenizer, CLIPModel, TrainerCallback
 
-from hf_constrained.clip import ContrastiveConstrainedTrainer, ReferenceLossDataset, ZeroShotLoss, reference_losses, zero_shot_accuracy
+from hf_constrained.clip import (
+    ContrastiveConstrainedTrainer,
+    ReferenceLossDataset,
+    ZeroShotCorrect,
+    ZeroShotLoss,
+    reference_losses,
+    zero_shot_accuracy,
+)
 from hf_constrained.clip.data import CLIPCollator, RowDataset
 from hf_constrained.clip.tiny import tiny_clip, word_tokenizer
 from hf_constrained.config import ConstrainedTrainingArguments
 from hf_constrained.constraint import Constraint
+from hf_constrained.non_forgetting import ReferenceCorrectDataset, forgetting_statistic
+from hf_constrained.safety.evaluation import certify_models
 from hf_constrained.safety.selection import EvaluationRecord, select_best
 from hf_constrained.statistics import constraint_statistic
 
@@ -81,11 +114,15 @@ logger = logging.getLogger(__name__)
 
 DIGIT_NAMES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 TEMPLATE = "a photo of the digit {}"
-SPLITS = ("pretrain", "constraint", "selection", "test")
+SPLITS = ("pretrain", "constraint", "selection", "test", "certify")
 PENALTIES = ("hinge", "squared_hinge", "none")
 # the per-row value of a non-forgetting constraint from d_i = CE_i(w) - CE_i(w_old)
 FORGETTING: dict[str, Optional[Callable[[torch.Tensor], torch.Tensor]]] = {"mean": None, "increase": torch.relu}
 STAGE1_COPIES = 4  # stage 1 sees each image or one of 3 shifted / noised copies of it
+# 18 certification images per protected digit (0.4 of its 44-46 test images): even with none forgotten the
+# Clopper-Pearson bound at delta 0.05 is 1 - 0.05 ** (1 / 18) = 0.153; one forgotten image gives 0.238, two
+# 0.310; 0.25 is certifiable with at most one of 18 forgotten (see the module docstring)
+FORGET_TOLERANCE = 0.25
 
 
 @dataclass
@@ -96,6 +133,7 @@ class DemoConfig:
     test_fraction: float = 0.25  # per class: reported numbers only
     selection_fraction: float = 0.15  # per class: which checkpoint is kept
     constraint_fraction: float = 0.25  # per class: D_k, unseen in stage 1 (like BDD100K for CLIP)
+    certify_fraction: float = 0.4  # of each class's test images: the certificate's, read by nothing else (0: none)
     stage1_target_keep: int = 3
     stage1_epochs: int = 40
     stage1_lr: float = 2e-3
@@ -121,23 +159,30 @@ class DemoConfig:
     rotate: float = 10.0  # largest rotation (degrees) of a copy
     noise: float = 0.1  # std of the Gaussian noise of a copy (images are in [-1, 1])
     select_every: int = 10  # steps between selection evaluations; 0 keeps the last iterate
+    forget_tolerance: float = FORGET_TOLERANCE  # certified: at most this share of each protected digit's images forgotten
+    delta: float = 0.05  # the certificate's error level
 
 
 # ---------------------------------------------------------------------------------- data
 
 
 def digits_split(cfg: DemoConfig) -> dict[str, Any]:
-    """Digits as 1x8x8 images in [-1, 1], split per class into four disjoint parts.
+    """Digits as 1x8x8 images in [-1, 1], split per class (permuted with ``cfg.seed``) into five
+    disjoint parts.
 
     ``pretrain``: stage 1 and the target data; ``constraint``: the protected classes'
     constraint data D_k, never seen by the old model (as BDD100K was not CLIP's training
     data); ``selection``: held out, decides which checkpoint is kept; ``test``: held out,
-    for the reported numbers only.
+    for the reported numbers only; ``certify``: ``certify_fraction`` of the held-out test
+    images, read only by the certificate (stage 1, the target data, D_k and the selection
+    split do not depend on it).
     """
     from sklearn.datasets import load_digits
 
     if cfg.test_fraction + cfg.selection_fraction + cfg.constraint_fraction >= 1:
         raise ValueError("test_fraction + selection_fraction + constraint_fraction must leave images for stage 1")
+    if not 0 <= cfg.certify_fraction < 1:
+        raise ValueError(f"--certify_fraction must be in [0, 1) (a share of the test images), got {cfg.certify_fraction}")
     digits = load_digits()
     images = (digits.images.astype(np.float32) / 16.0 - 0.5) / 0.5
     labels = digits.target.astype(int)
@@ -147,7 +192,10 @@ def digits_split(cfg: DemoConfig) -> dict[str, Any]:
         idx = rng.permutation(np.flatnonzero(labels == c))
         bounds = np.cumsum([int(round(len(idx) * f))
                             for f in (cfg.test_fraction, cfg.selection_fraction, cfg.constraint_fraction)])
-        parts["test"] += idx[: bounds[0]].tolist()
+        # the certification images: the last certify_fraction of the held-out test images
+        n_test = bounds[0] - int(round(bounds[0] * cfg.certify_fraction))
+        parts["test"] += idx[:n_test].tolist()
+        parts["certify"] += idx[n_test : bounds[0]].tolist()
         parts["selection"] += idx[bounds[0] : bounds[1]].tolist()
         parts["constraint"] += idx[bounds[1] : bounds[2]].tolist()
         parts["pretrain"] += idx[bounds[2] :].tolist()
@@ -203,7 +251,7 @@ def target_rows(data: dict[str, Any], cfg: DemoConfig) -> list[dict[str, Any]]:
     rng = np.random.default_rng(cfg.seed + 1)
     target_name = DIGIT_NAMES[cfg.target]
     rows = []
-    # every target image outside the selection and test splits (the target has no constraint data)
+    # every target image outside the selection, test and certification splits (the target has no constraint data)
     clean = [i for i in data["pretrain"] + data["constraint"] if data["labels"][i] == cfg.target]
     for i in clean:
         rows.append({**_row(data, i), "caption": TEMPLATE.format(target_name), "is_positive": True})
@@ -308,6 +356,9 @@ class Pools:
     test: dict[str, ReferenceLossDataset]
     target_selection: RowDataset
     test_all: RowDataset  # every class's test pool, for the accuracies
+    # the certification images (one per image: no copies, the bound needs independent rows) with the old
+    # model's zero-shot correctness as ``reference_correct``
+    certify: dict[str, ReferenceCorrectDataset] = field(default_factory=dict)
 
 
 def build_pools(cfg: DemoConfig, data: dict[str, Any], old_model: torch.nn.Module, zs: ZeroShotLoss,
@@ -324,7 +375,13 @@ def build_pools(cfg: DemoConfig, data: dict[str, Any], old_model: torch.nn.Modul
             out[split][DIGIT_NAMES[c]] = ReferenceLossDataset(rows, reference_losses(old_model, rows, zs, collate))
     test_all = RowDataset([r for c in range(10) for r in class_rows(data, "test", c, cfg.eval_copies, cfg)])
     target_selection = RowDataset(class_rows(data, "selection", cfg.target, cfg.eval_copies, cfg))
-    return Pools(out["constraint"], out["selection"], out["test"], target_selection, test_all)
+    certify = {}
+    for c in protected:
+        rows = RowDataset(class_rows(data, "certify", c))
+        if len(rows):
+            certify[DIGIT_NAMES[c]] = ReferenceCorrectDataset(rows, reference_losses(
+                old_model, rows, ZeroShotCorrect(zs), collate, desc="old model's correctness"))
+    return Pools(out["constraint"], out["selection"], out["test"], target_selection, test_all, certify)
 
 
 @torch.no_grad()
@@ -380,11 +437,14 @@ def demo_constraints(cfg: DemoConfig, pools: Pools, rows_fn: ForgettingRows, col
     if not (cfg.confidence == 0 or 0.5 <= cfg.confidence < 1):
         raise ValueError(f"--confidence must be in [0.5, 1) (or 0: no calibrated margin), got {cfg.confidence}")
     calibrated = cfg.confidence > 0
+    statistic = forgetting_statistic(ZeroShotCorrect(rows_fn.loss), cfg.forget_tolerance) if pools.certify else None
     return [Constraint(name=f"non_forgetting/{name}", row_fn=rows_fn, dataset=pools.constraint[name],
                        eval_dataset=pools.selection[name], tolerance=cfg.tolerance - cfg.margin,
                        row_transform=FORGETTING[cfg.forgetting], collate_fn=collate,
                        confidence=cfg.confidence if calibrated else None,
                        independent_rows=len(pools.constraint[name]) // cfg.constraint_copies if calibrated else None,
+                       certify_dataset=pools.certify.get(name),
+                       certify_statistic=statistic if name in pools.certify else None,
                        metadata={"class": name, "requirement": cfg.tolerance}) for name in pools.constraint]
 
 
@@ -437,6 +497,8 @@ def finetune(cfg: DemoConfig, old_path: str, penalty: str, pools: Optional[Pools
         margins = trainer.constraint_margins()  # the calibrated margins in force at the end of training
         h_train = trainer.evaluate_constraints(split="train")
         h_selection = trainer.evaluate_constraints(split="eval")
+        # the kept model, certified once on the certification images (fixed before they are read)
+        certificate = certify_models(trainer, delta=cfg.delta)
     h_test, h_bound = {}, {}
     for name, rows in pools.test.items():
         per_row = reference_losses(model, rows, zs, collate) - rows.losses
@@ -449,7 +511,23 @@ def finetune(cfg: DemoConfig, old_path: str, penalty: str, pools: Optional[Pools
     log(f"  {penalty:>13}: kept step {kept}, {time.time() - t0:.0f}s")
     return {"penalty": penalty, "accuracy": acc, "h_train": h_train, "h_selection": h_selection, "h_test": h_test,
             "h_test_bound": h_bound, "kept_step": kept, "margins": margins,
+            "certificate": certificate_summary(certificate, [c.name for c in constraints]),
             "selection": [asdict(r) for r in selection.records] if selection is not None else []}
+
+
+def certificate_summary(certificate: Any, names: list[str]) -> dict[str, Any]:
+    """The kept model's certificate as the demo reports it: certified or not, the largest certified
+    bound, the constraints not certified, and per constraint the bound, the share of certification
+    images forgotten and their number. Without certification images: not certified, every constraint failing."""
+    if certificate is None:
+        return {"certified": False, "largest_bound": None, "failing": list(names), "bounds": {}, "forgotten": {},
+                "rows": {}, "delta": None}
+    bounds = certificate.upper_bounds[0]
+    failing = certificate.failing(0) + [n for n in names if n not in bounds]  # no certification split: not certified
+    return {"certified": certificate.is_certified(0) and not failing,
+            "largest_bound": max(bounds.values()), "failing": failing, "bounds": bounds,
+            "forgotten": certificate.values[0], "rows": certificate.num_rows, "tolerance": certificate.tolerance,
+            "delta": certificate.delta}
 
 
 def old_accuracy(cfg: DemoConfig, old_path: str, pools: Pools) -> dict[str, float]:
@@ -488,7 +566,17 @@ def seed_summary(cfg: DemoConfig, old: dict[str, float], run: dict[str, Any]) ->
         "max_h_test": max(run["h_test"].values()),
         "kept_step": run["kept_step"],
         "max_margin": max(run.get("margins", {}).values(), default=0.0),
+        "certified": run["certificate"]["certified"],
+        "largest_certified_bound": run["certificate"]["largest_bound"],
+        "not_certified": run["certificate"]["failing"],
     }
+
+
+def _failing_cell(names: list[str], total: int) -> str:
+    short = [n.split("/", 1)[-1] for n in names]
+    if not short:
+        return "none"
+    return f"all {total}" if len(short) == total else ", ".join(short)
 
 
 def seed_table(cfg: DemoConfig, old: dict[str, float], runs: list[dict[str, Any]]) -> str:
@@ -517,7 +605,13 @@ def seed_table(cfg: DemoConfig, old: dict[str, float], runs: list[dict[str, Any]
               f"| constraints violated, test (h_k > {cfg.tolerance:g}) | " + " | ".join(
                   f"{x['violated_test']}/{m}" for x in s) + " |",
               "| largest calibrated margin on D_k | " + " | ".join(f"{x['max_margin']:.3f}" for x in s) + " |",
-              "| kept step | " + " | ".join(str(x["kept_step"]) for x in s) + " |"]
+              "| kept step | " + " | ".join(str(x["kept_step"]) for x in s) + " |",
+              f"| certified: at most {cfg.forget_tolerance:g} of each protected digit's images forgotten "
+              f"(delta {cfg.delta:g}) | " + " | ".join("yes" if x["certified"] else "no" for x in s) + " |",
+              "| largest certified bound (share forgotten) | " + " | ".join(
+                  "-" if x["largest_certified_bound"] is None else f"{x['largest_certified_bound']:.3f}" for x in s)
+              + " |",
+              "| not certified | " + " | ".join(_failing_cell(x["not_certified"], m) for x in s) + " |"]
     return "\n".join(lines)
 
 
@@ -570,6 +664,13 @@ def seeds_table(per_method: dict[str, list[dict[str, Any]]]) -> str:
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     within = [f"{sum(x['worst_protected_drop'] <= 2.0 for x in per_method[n])}/{len(per_method[n])}" for n in names]
     lines.append("| seeds with every protected class within 2 points | " + " | ".join(within) + " |")
+    cells = []
+    for n in names:
+        v = [x["largest_certified_bound"] for x in per_method[n] if x.get("largest_certified_bound") is not None]
+        cells.append(f"{statistics.median(v):.3f} / {max(v):.3f}" if v else "-")
+    lines.append("| largest certified bound (share forgotten) | " + " | ".join(cells) + " |")
+    certified = [f"{sum(bool(x.get('certified')) for x in per_method[n])}/{len(per_method[n])}" for n in names]
+    lines.append("| seeds certified | " + " | ".join(certified) + " |")
     return "\n".join(lines)
 
 

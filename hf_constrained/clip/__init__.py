@@ -15,6 +15,7 @@ from .heads import CLIPWithClassTextHeads
 from .non_forgetting import (
     NonForgettingConstraint,
     ReferenceLossDataset,
+    ZeroShotCorrect,
     ZeroShotLoss,
     non_forgetting_constraints,
     reference_losses,
@@ -27,6 +28,7 @@ __all__ = [
     "HalfPositiveSampler",
     "NonForgettingConstraint",
     "ReferenceLossDataset",
+    "ZeroShotCorrect",
     "ZeroShotLoss",
     "clip_embeddings",
     "contrastive_terms",

@@ -73,7 +73,7 @@ class CLIPCollator:
 
     Output keys: ``pixel_values``, and where the rows have them ``input_ids`` /
     ``attention_mask`` (captions), ``is_positive``, ``label``, ``sample_index``,
-    ``reference_loss``, ``text_class_ids``.
+    ``reference_loss``, ``reference_correct`` (certification rows), ``text_class_ids``.
     """
 
     image_processor: Optional[Callable] = None
@@ -107,6 +107,7 @@ class CLIPCollator:
         for key, out, dtype in (("is_positive", "is_positive", torch.bool), ("label", "label", torch.long),
                                 ("sample_index", "sample_index", torch.long),
                                 ("reference_loss", "reference_loss", torch.float32),
+                                ("reference_correct", "reference_correct", torch.float32),
                                 ("text_class_id", "text_class_ids", torch.long)):
             if key in rows[0]:
                 batch[out] = torch.as_tensor([r[key] for r in rows], dtype=dtype)

@@ -9,9 +9,14 @@ zero-shot accuracy. The old model's per-sample losses are computed once before t
 (eval mode, the collator's deterministic preprocessing, no augmentation); for a PEFT/LoRA
 model the adapter-disabled base serves as the old model (no second copy).
 
-``NonForgettingConstraint``, ``ReferenceLossDataset``, ``non_forgetting_constraints`` and
-``reference_losses`` are the generic ones, re-exported; they accept a :class:`ZeroShotLoss`
-as the per-sample loss (its ``per_sample`` method).
+``NonForgettingConstraint``, ``ReferenceLossDataset`` and ``reference_losses`` are the
+generic ones, re-exported; they accept a :class:`ZeroShotLoss` as the per-sample loss (its
+``per_sample`` method). :func:`non_forgetting_constraints` is the generic builder with CLIP's
+zero-shot correctness (:class:`ZeroShotCorrect`) as the default ``correct``: given
+certification rows per protected class (``certify_datasets``, rows nothing else reads) and
+``forget_tolerance``, each constraint is certified as "at most ``forget_tolerance`` of class
+k's images forgotten" (right under the old model, wrong now; a 0/1 rate with an exact
+Clopper-Pearson bound, see :func:`hf_constrained.non_forgetting.forgetting_statistic`).
 """
 
 from __future__ import annotations
@@ -24,18 +29,21 @@ from torch import nn
 
 from ..non_forgetting import (
     NonForgettingConstraint,
+    PerSampleCorrect,
     ReferenceGap,
     ReferenceLossDataset,
+    Tolerance,
     iterate_batches,
-    non_forgetting_constraints,
     reference_losses,
     to_device,
 )
+from ..non_forgetting import non_forgetting_constraints as generic_non_forgetting_constraints
 from .encode import clip_embeddings
 
 __all__ = [
     "NonForgettingConstraint",
     "ReferenceLossDataset",
+    "ZeroShotCorrect",
     "ZeroShotLoss",
     "non_forgetting_constraints",
     "reference_losses",
@@ -88,9 +96,61 @@ class ZeroShotLoss:
             raise ValueError(f"label {int(labels.max())} outside the {self.num_classes} class prompts")
         return nn.functional.cross_entropy(self.logits(model, batch["pixel_values"]), labels, reduction="none")
 
+    def correct(self, model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
+        """(rows,) of 0/1 (float): whether the zero-shot prediction (argmax of :meth:`logits`) is the label."""
+        labels = torch.as_tensor(batch["label"]).to(batch["pixel_values"].device).long()
+        return (self.logits(model, batch["pixel_values"]).argmax(dim=1) == labels).float()
+
     def __call__(self, model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
         """h_k(w; B_k) = mean CE(w) - mean CE(w_old) on the batch's samples (rows carry ``reference_loss``)."""
         return ReferenceGap(self)(model, batch).mean()
+
+
+class ZeroShotCorrect:
+    """``correct(model, batch) -> (rows,)`` of 0/1: CLIP's zero-shot prediction (argmax over all
+    class prompts of ``loss``'s logits) equals the row's ``label``.
+
+    The per-row correctness of a non-forgetting certificate
+    (:class:`~hf_constrained.non_forgetting.ForgottenRows`,
+    :func:`~hf_constrained.non_forgetting.forgetting_statistic`); it uses the same prompts,
+    temperature and class heads as the constraint's :class:`ZeroShotLoss`.
+    """
+
+    def __init__(self, loss: ZeroShotLoss) -> None:
+        self.loss = loss
+
+    def __call__(self, model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
+        return self.loss.correct(model, batch)
+
+    def __repr__(self) -> str:
+        return f"ZeroShotCorrect({self.loss.num_classes} classes)"
+
+
+def non_forgetting_constraints(old_model: nn.Module, loss: Any, datasets: Mapping[str, Any],
+                               collate_fn: Optional[Callable] = None, *,
+                               certify_datasets: Optional[Mapping[str, Any]] = None,
+                               correct: Optional[PerSampleCorrect] = None,
+                               forget_tolerance: Optional[Tolerance] = None,
+                               **kwargs: Any) -> list[NonForgettingConstraint]:
+    """One non-forgetting constraint per protected class
+    (:func:`hf_constrained.non_forgetting.non_forgetting_constraints`, whose options ``kwargs``
+    takes: ``eval_datasets``, ``tolerance``, ``relative_tolerance``, ``batch_size``, ...).
+
+    With ``certify_datasets`` (class name -> certification rows, read only by the certificate)
+    and ``forget_tolerance`` (one for all classes or per class), each constraint gets those rows,
+    with the old model's zero-shot correctness stored as ``reference_correct``, and the
+    forgetting statistic: the certificate bounds the share of class k's certification images
+    that the old model classified right and the new one gets wrong. ``correct`` defaults to
+    :class:`ZeroShotCorrect` of ``loss`` when ``loss`` is a :class:`ZeroShotLoss`.
+    """
+    if certify_datasets is not None:
+        if correct is None and isinstance(loss, ZeroShotLoss):
+            correct = ZeroShotCorrect(loss)
+        if forget_tolerance is None:
+            raise ValueError("certify_datasets needs forget_tolerance= (the largest share of each protected class's "
+                             "images that may be forgotten)")
+    return generic_non_forgetting_constraints(old_model, loss, datasets, collate_fn, certify_datasets=certify_datasets,
+                                              correct=correct, forget_tolerance=forget_tolerance, **kwargs)
 
 
 @torch.no_grad()

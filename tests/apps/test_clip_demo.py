@@ -29,6 +29,17 @@ def test_digits_demo_data_design():
     assert n_clean == sum(1 for i in data["pretrain"] + data["constraint"] if data["labels"][i] == cfg.target)
     with pytest.raises(ValueError, match="stage 1"):
         demo.digits_split(demo.DemoConfig(test_fraction=0.5, selection_fraction=0.3, constraint_fraction=0.2))
+    # the certification images: 0.4 of each class's held-out test images, none of them in the target data;
+    # every other split is what it is without them
+    per_class = [sum(data["labels"][i] == c for i in data["certify"]) for c in range(10)]
+    assert per_class == [int(round(0.4 * round(0.25 * n))) for n in np.bincount(data["labels"])]
+    target_images = {r["pixel_values"].tobytes() for r in rows}
+    assert not target_images & {data["images"][i].tobytes() for i in data["certify"]}
+    plain = demo.digits_split(demo.DemoConfig(certify_fraction=0.0))
+    assert not plain["certify"] and sorted(data["test"] + data["certify"]) == plain["test"]
+    assert all(data[k] == plain[k] for k in ("pretrain", "constraint", "selection"))
+    assert demo._stage1_key(cfg) == demo._stage1_key(demo.DemoConfig(certify_fraction=0.0))
+    assert demo.digits_split(demo.DemoConfig(seed=1))["certify"] != data["certify"]  # drawn with the run's seed
 
 
 def test_augmented_copies_are_distorted_versions_of_their_own_image():
@@ -186,3 +197,66 @@ def test_calibrated_constraints_count_original_images_not_copies():
     assert all(c.confidence is None and c.independent_rows is None for c in plain)
     with pytest.raises(ValueError, match="--confidence"):
         demo.demo_constraints(demo.DemoConfig(confidence=1.0), pools, rows_fn, collate=None)
+
+
+def test_demo_certifies_each_kept_model_on_images_nothing_else_reads(tmp_path, monkeypatch):
+    """One image per certification row (no copies), disjoint from every pool; the certificate's
+    forgotten shares match the old and kept models' zero-shot predictions, and its bounds are the
+    exact Clopper-Pearson bounds of those counts at delta."""
+    from transformers import AutoTokenizer, CLIPModel
+
+    from hf_constrained.clip import ZeroShotLoss
+    from hf_constrained.clip.data import CLIPCollator, RowDataset
+    from hf_constrained.clip.non_forgetting import zero_shot_predictions
+    from hf_constrained.safety.bounds import clopper_pearson_upper_bound
+
+    cfg = demo.DemoConfig(stage1_epochs=2, steps=4, lr=3e-2, constraint_copies=1, eval_copies=1, select_every=0,
+                          forget_tolerance=0.3, delta=0.1)
+    path = demo.pretrain_old_model(cfg, str(tmp_path), log=lambda *a: None)
+    pools = demo.old_pools(cfg, path)
+    data = demo.digits_split(cfg)
+    protected = [n for k, n in enumerate(demo.DIGIT_NAMES) if k != cfg.target]
+    assert sorted(pools.certify) == sorted(protected)
+    used = {r["pixel_values"].tobytes() for split in (pools.constraint, pools.selection, pools.test)
+            for rows in split.values() for r in (rows[i] for i in range(len(rows)))}
+    for k, name in enumerate(demo.DIGIT_NAMES):
+        if name in pools.certify:
+            images = [data["images"][i] for i in data["certify"] if data["labels"][i] == k]
+            rows = pools.certify[name]
+            assert len(rows) == len(images) and not used & {x.tobytes() for x in images}
+            np.testing.assert_array_equal(rows[0]["pixel_values"], images[0])
+    kept = {}
+    real = demo.certify_models
+
+    def capture(trainer, **kw):
+        kept["state"] = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+        return real(trainer, **kw)
+
+    monkeypatch.setattr(demo, "certify_models", capture)
+    run = demo.finetune(cfg, path, "none", pools=pools, log=lambda *a: None)
+    cert = run["certificate"]
+    tok = AutoTokenizer.from_pretrained(path)
+    old, new = CLIPModel.from_pretrained(path), CLIPModel.from_pretrained(path)
+    new.load_state_dict(kept["state"])
+    p = demo.prompts(tok)
+    zs = ZeroShotLoss(p["input_ids"], p["attention_mask"], temperature=cfg.temperature)
+    collate = CLIPCollator(tokenizer=tok)
+    total = 0
+    for name in protected:
+        rows = RowDataset(demo.class_rows(data, "certify", demo.DIGIT_NAMES.index(name)))
+        p_old, label = zero_shot_predictions(old, rows, zs, collate)
+        p_new, _ = zero_shot_predictions(new, rows, zs, collate)
+        forgotten = int(((p_old == label) & (p_new != label)).sum())
+        total += forgotten
+        key = f"non_forgetting/{name}"
+        assert cert["rows"][key] == len(rows)
+        assert cert["forgotten"][key] == pytest.approx(forgotten / len(rows))
+        assert cert["bounds"][key] == pytest.approx(clopper_pearson_upper_bound(forgotten, len(rows), 0.1))
+    assert total > 0  # the large step makes unconstrained fine-tuning forget some images
+    assert cert["failing"] == [k for k, b in cert["bounds"].items() if b > 0.3]
+    assert cert["certified"] == (not cert["failing"]) and cert["largest_bound"] == max(cert["bounds"].values())
+    summary = demo.seed_summary(cfg, {n: 1.0 for n in demo.DIGIT_NAMES}, run)
+    assert (summary["certified"], summary["not_certified"]) == (cert["certified"], cert["failing"])
+    table = demo.seed_table(cfg, {n: 1.0 for n in demo.DIGIT_NAMES}, [run])
+    assert "| certified: at most 0.3 of each protected digit's images forgotten (delta 0.1) | " \
+           + ("yes" if cert["certified"] else "no") in table

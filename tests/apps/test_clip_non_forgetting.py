@@ -137,3 +137,43 @@ def test_class_text_heads_start_as_the_base_and_round_trip(setup, tmp_path):
     head_loss = ZeroShotLoss(prompts["input_ids"], prompts["attention_mask"], temperature=TAU, class_heads=True)
     acc = zero_shot_accuracy(again, data, head_loss, CLIPCollator(), CLASSES)
     assert set(acc) == set(CLASSES)
+
+
+def test_certification_rows_count_images_right_before_and_wrong_now(setup):
+    """ZeroShotCorrect agrees with zero_shot_predictions; the constraints' certification rows carry the
+    old model's correctness, and the certified statistic is old right * new wrong per image."""
+    from hf_constrained.clip import ZeroShotCorrect
+    from hf_constrained.clip.non_forgetting import zero_shot_predictions
+    from hf_constrained.non_forgetting import CORRECT_KEY, ForgottenRows
+
+    tok, model, loss, prompts, rows = setup
+    collate = CLIPCollator(tokenizer=tok)
+    new = _perturbed(model, scale=0.5)
+    correct = ZeroShotCorrect(loss)
+    old_pred, labels = zero_shot_predictions(model, rows, loss, collate, batch_size=5)
+    new_pred, _ = zero_shot_predictions(new, rows, loss, collate, batch_size=5)
+    batch = collate([rows[i] for i in range(len(rows))])
+    with torch.no_grad():
+        torch.testing.assert_close(correct(model, batch), (old_pred == labels).float())
+        torch.testing.assert_close(correct(new, batch), (new_pred == labels).float())
+    old_right, new_right = (old_pred == labels).double(), (new_pred == labels).double()
+    assert float((old_right * (1 - new_right)).sum()) > 0  # the perturbed model forgets some images
+    by_class = {c: RowDataset([rows[i] for i in range(len(rows)) if rows[i]["label"] == k])
+                for k, c in enumerate(CLASSES)}
+    certify = {c: RowDataset([rows[i] for i in range(len(rows)) if rows[i]["label"] == k])
+               for k, c in enumerate(CLASSES[:2])}
+    constraints = non_forgetting_constraints(model, loss, by_class, collate, certify_datasets=certify,
+                                             forget_tolerance={"clear": 0.1, "rainy": 0.3}, batch_size=4)
+    assert [c.certify_dataset is not None for c in constraints] == [True, True, False]
+    for c, tol in zip(constraints[:2], (0.1, 0.3)):
+        stat = c.certify_statistic
+        assert (stat.tolerance, stat.bound, stat.value_range) == (tol, "clopper_pearson", (0.0, 1.0))
+        k = CLASSES.index(c.metadata["task"])
+        idx = (labels == k).nonzero().flatten()
+        cb = collate([c.certify_dataset[i] for i in range(len(c.certify_dataset))])
+        torch.testing.assert_close(cb[CORRECT_KEY].double(), old_right[idx])
+        with torch.no_grad():
+            torch.testing.assert_close(stat.row_fn(new, cb), old_right[idx] * (1 - new_right[idx]))
+            assert float(ForgottenRows(correct)(model, cb).sum()) == 0.0  # the old model forgets nothing
+    with pytest.raises(ValueError, match="forget_tolerance"):
+        non_forgetting_constraints(model, loss, by_class, collate, certify_datasets=certify)

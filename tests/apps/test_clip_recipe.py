@@ -62,6 +62,11 @@ def test_recipe_bdd100k_hinge_saves_model_and_results(assets, tmp_path):
     # the point values agree with the evaluation; the verdict (certified by default) is the recipe's "safe"
     assert all(c["satisfied"] for c in report["constraints"]) == bool(results["eval_metrics"]["eval_constraints_satisfied"])
     assert report["all_satisfied"] == results["safe"]
+    # 2 certification images per class (0.5 of 3 held-out) cannot certify the default 0.05: even with none
+    # forgotten the Clopper-Pearson bound is 1 - 0.05 ** (1 / 2) = 0.78
+    cert = results["certificate"]
+    assert not cert["certified"] and not results["safe"] and sorted(cert["failing"]) == sorted(saved["constraints_train"])
+    assert all(b >= 1 - 0.05 ** 0.5 - 1e-9 for b in cert["certified_bounds"].values())
     assert sorted(c["name"] for c in report["constraints"]) == sorted(saved["constraints_train"])
     with open(os.path.join(out, "README.md")) as f:
         card = f.read()
@@ -105,3 +110,56 @@ def test_short_constrained_run_forgets_less_than_unconstrained(tmp_path):
     assert none["h_train"][pulled] > 0.5  # the polluted target data makes plain fine-tuning forget
     assert hinge["h_train"][pulled] < none["h_train"][pulled] / 5
     assert max(hinge["h_train"].values()) < 0.1  # and no other protected class pays for it
+
+
+def test_recipe_certifies_on_held_out_images_nothing_else_reads(assets, tmp_path):
+    """--certify_fraction sets part of each protected class's held-out images aside; the certified bound
+    is the exact Clopper-Pearson bound of the share of them forgotten, recomputed here from the old and
+    new models' zero-shot predictions."""
+    import torch
+    from transformers import CLIPProcessor
+
+    from hf_constrained.clip import ZeroShotLoss
+    from hf_constrained.clip.data import CLIPCollator, RowDataset
+    from hf_constrained.clip.non_forgetting import zero_shot_predictions
+    from hf_constrained.safety.bounds import clopper_pearson_upper_bound
+
+    base, bdd, clip = assets
+    out = str(tmp_path / "out")
+    recipe = _recipe()
+    argv = ["--model_name_or_path", clip, "--bdd100k_root", bdd, "--task", "foggy", "--output_dir", out,
+            "--constraint_penalty", "none", "--certify_fraction", "0.5", "--forget_tolerance", "0.9",
+            "--delta", "0.1", *[("5e-2" if a == "1e-4" else a) for a in COMMON]]  # a large step: the model changes
+    results = recipe.main(argv)
+    cert = results["certificate"]
+    assert cert["certify_split"] == "held-out" and cert["delta"] == 0.1 and cert["forget_tolerance"] == 0.9
+    assert cert["certify_rows"] == {c: 2 for c in results["protected_classes"]}  # round(0.5 * 3) of 3 per class
+    # the same split, recomputed: disjoint from the held-out rows left for evaluation and accuracies
+    script = recipe.ScriptArguments(model_name_or_path=clip, bdd100k_root=bdd, task="foggy")
+    data = recipe.build_data(script)
+    left, certify = recipe.split_certification(data["held_out"], data["protected"], 0.5, 42, "held-out")
+    for c in data["protected"]:
+        assert not {r["image"] for r in left[c]} & {r["image"] for r in certify[c]} and len(left[c]) == 1
+    processor = CLIPProcessor.from_pretrained(clip)
+    prompts = processor.tokenizer([data["template"].format(c) for c in data["classes"]], padding=True,
+                                  return_tensors="pt")
+    zs = ZeroShotLoss(prompts["input_ids"], prompts["attention_mask"], temperature=0.05)
+    collate = CLIPCollator(image_processor=processor.image_processor, tokenizer=processor.tokenizer)
+    old, new = CLIPModel.from_pretrained(clip), CLIPModel.from_pretrained(out)
+    expected = {}
+    for c in data["protected"]:
+        rows = RowDataset(certify[c])
+        p_old, label = zero_shot_predictions(old, rows, zs, collate)
+        p_new, _ = zero_shot_predictions(new, rows, zs, collate)
+        forgotten = int(((p_old == label) & (p_new != label)).sum())
+        expected[f"non_forgetting/{c}"] = clopper_pearson_upper_bound(forgotten, len(rows), 0.1)
+    assert cert["certified_bounds"] == pytest.approx(expected)
+    assert cert["certified"] == all(b <= 0.9 for b in expected.values()) == (cert["failing"] == [])
+    assert sorted(cert["failing"]) == sorted(k for k, b in expected.items() if b > 0.9)
+    with open(os.path.join(out, "safety_report.json")) as f:
+        report = json.load(f)
+    assert report["certificate"]["delta"] == 0.1
+    with open(os.path.join(out, "non_forgetting_results.json")) as f:
+        assert json.load(f)["certificate"] == cert
+    with pytest.raises(ValueError, match="--certify_fraction"):
+        recipe.main([*argv[:argv.index("--certify_fraction") + 1], "1.0", *argv[argv.index("--certify_fraction") + 2:]])
