@@ -161,6 +161,9 @@ class ReferenceLossDataset(torch.utils.data.Dataset):
         if len(losses) != len(dataset):
             raise ValueError(f"{len(losses)} reference losses for {len(dataset)} rows")
         self.dataset, self.losses = dataset, torch.as_tensor(losses, dtype=torch.float32)
+        identities = getattr(dataset, "row_identities", None)
+        if callable(identities):  # rows that name themselves (hf_constrained.safety.splits) keep their names
+            self.row_identities = identities
 
     def __len__(self) -> int:
         return len(self.dataset)
