@@ -10,11 +10,28 @@
 3. Held-out per-task loss and exact-match accuracy (greedy decoding; computed in one
    teacher-forced pass: the greedy answer is exact iff every answer token, EOS included,
    is the argmax given the correct prefix), old vs new.
+4. A certificate per run: on 512 certification rows per old task (``--certify_rows``; independent
+   draws of the task's generator, fixed across seeds, read by nothing but the certificate), the
+   share of rows the old model answered exactly and the new one no longer does (teacher-forced
+   exact match, ``causal_lm_per_example_correct``), bounded by Clopper-Pearson at ``--delta``
+   0.05. CERTIFIED: at most ``--forget_tolerance`` of each old task's examples forgotten.
+   The tasks are small (``add`` has 100 problems), so certification rows can repeat a training
+   row's text: they are named by their draw, and the claim is about each task's distribution,
+   the one the training rows come from too, not about problems never trained on.
+
+   Why ``--forget_tolerance 0.4``: the data supports far less (a rate over 512 rows with
+   nothing forgotten has a bound of 1 - 0.05^(1/512) = 0.006); the model does not. The
+   constraint bounds the loss (0.2 nats per answer token), which lets exact match fall: on
+   seeds 0-4 the hinge run forgot 18% (reverse), 22% (copy) and 5% (add) of the rows, median
+   (worst 23%, 26%, 15%), and its largest bound was 0.23-0.30 (unconstrained: 1.00, every
+   answer forgotten). 0.4 is the round value above those bounds with room for other seeds; a
+   smaller tolerance needs a tighter loss tolerance (which learns less of the new task).
 
 Goals, over the seeds (median and worst reported): the unconstrained run forgets some
 old task (its held-out h_k exceeds the tolerance), the constrained run keeps every old
-task within its tolerance on held-out rows, and both learn the new task (held-out
-exact-match accuracy >= ``--learned_accuracy``).
+task within its tolerance on held-out rows, both learn the new task (held-out
+exact-match accuracy >= ``--learned_accuracy``), and the constrained run is certified in every
+seed.
 
     python recipes/llm_tiny_example.py --seeds 0 1 2 --json benchmarks/results/llm_example.json
     python recipes/llm_tiny_example.py --penalty_beta 10 --max_steps 300 --seeds 0
@@ -315,7 +332,7 @@ class ExampleArguments:
     held_out_rows: int = field(default=512, metadata={"help": "held-out rows per task"})
     certify_rows: int = field(default=512, metadata={
         "help": "certification rows per old task (independent draws, read only by the certificate; 0: none)"})
-    forget_tolerance: float = field(default=0.5, metadata={
+    forget_tolerance: float = field(default=0.4, metadata={
         "help": "certified: at most this share of each old task's examples forgotten (exact before, not now)"})
     delta: float = field(default=0.05, metadata={"help": "the certificate's error level"})
     constraint_batch_size: int = field(default=32, metadata={"help": "constraint rows per task and step"})
