@@ -263,6 +263,12 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
             correct=causal_lm_per_example_correct, forget_tolerance=script.forget_tolerance)
     certification = {c.name: {"rows": len(c.certify_dataset), "fraction_of_held_out": script.certify_fraction,
                               "seed": args.seed} for c in constraints if c.certify_dataset is not None}
+    for name, split in certification.items():
+        floor = 1.0 - script.delta ** (1.0 / split["rows"])  # the bound with nothing forgotten
+        if floor > script.forget_tolerance:
+            logger.warning("%s: %d certification rows cannot certify --forget_tolerance %g (even with nothing "
+                           "forgotten the bound is %.3f): more rows (--eval_fraction, --certify_fraction) or a "
+                           "larger tolerance", name, split["rows"], script.forget_tolerance, floor)
 
     trainer = ConstrainedTrainer(model=model, args=args, train_dataset=train_rows, eval_dataset=eval_rows,
                                  data_collator=collate, processing_class=tokenizer, constraints=constraints)

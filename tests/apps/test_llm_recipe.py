@@ -4,6 +4,7 @@ clear errors, and a 2-process run through ``accelerate launch``."""
 
 import importlib.util
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -102,7 +103,7 @@ def _clopper_pearson_upper(k: int, n: int, delta: float) -> float:
 
 
 @pytest.mark.parametrize("model,extra", [("gpt2", {}), ("llama", {"lora_r": 2, "lora_target_modules": "q_proj,v_proj"})])
-def test_certificate_bounds_the_share_of_each_task_forgotten(setup, tmp_path, model, extra):
+def test_certificate_bounds_the_share_of_each_task_forgotten(setup, tmp_path, model, extra, caplog):
     """The certified value is the share of certification rows the old model (with LoRA: the adapter-disabled base)
     answers exactly and the new one does not, recomputed here from the saved models; its bound is Clopper-Pearson
     at --delta over the split's rows; the verdict follows --forget_tolerance."""
@@ -141,8 +142,10 @@ def test_certificate_bounds_the_share_of_each_task_forgotten(setup, tmp_path, mo
         assert cert["values"][0][key] == pytest.approx(float(lost.mean()))
         assert results["certified_bounds"][key] == pytest.approx(_clopper_pearson_upper(int(lost.sum()), 3, 0.1))
     # the same run at a tolerance 3 rows cannot support is NOT CERTIFIED, and the card says so
-    results = recipe.main(_flags(setup, tmp_path / "strict", model=model, eval_fraction=0.5, max_steps=1,
-                                 forget_tolerance=0.05, **extra))
+    with caplog.at_level(logging.WARNING, logger="llm_non_forgetting"):
+        results = recipe.main(_flags(setup, tmp_path / "strict", model=model, eval_fraction=0.5, max_steps=1,
+                                     forget_tolerance=0.05, **extra))
+    assert "non_forgetting/copy: 3 certification rows cannot certify --forget_tolerance 0.05" in caplog.text
     assert results["certified"] is False
     assert all(b >= 1 - 0.05 ** (1 / 3) - 1e-9 for b in results["certified_bounds"].values())
     assert "NOT CERTIFIED" in (tmp_path / "strict" / "README.md").read_text().upper()
