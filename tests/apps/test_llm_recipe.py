@@ -248,3 +248,66 @@ def test_shipped_yaml_config_uses_only_recipe_flags():
     namespace = parser.parse_args(argv + ["--protected_datasets", *config["protected_datasets"]])
     assert namespace.lora_r == 16 and namespace.relative_tolerance == 0.02 and namespace.max_grad_norm == 0.0
     assert namespace.protected_datasets == ["math=data/math.jsonl", "code=data/code.jsonl"]
+
+
+@pytest.fixture(scope="module")
+def answering_model(setup, tmp_path_factory):
+    """A tiny GPT-2 that answers a protected task exactly on every row ("one:<word>=" -> "a"), so that
+    forgetting is measurable, and the task's data (40 rows)."""
+    import itertools
+
+    import torch
+    from datasets import Dataset
+
+    from hf_constrained.per_sample_loss import PaddingCollator, causal_lm_per_example_correct
+    from hf_constrained.text_data import tokenize_sft
+
+    base = tmp_path_factory.mktemp("answering")
+    tok = char_tokenizer()
+    words = ["".join(p) for p in itertools.islice(itertools.permutations("abcdefg", 3), 40)]
+    rows = [{"prompt": f"one:{w}=", "completion": "a"} for w in words]
+    batch = PaddingCollator(tok)([r for r in tokenize_sft(Dataset.from_list(rows), tok, name="one")])
+    torch.manual_seed(0)
+    model = tiny_causal_lm(len(tok), "gpt2", hidden_size=32, layers=1, heads=2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(60):
+        loss = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        assert causal_lm_per_example_correct(model.eval(), batch).all()
+    model.save_pretrained(base / "old")
+    tok.save_pretrained(base / "old")
+    return str(base / "old"), _write_jsonl(base / "one.jsonl", rows)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_forgetting_every_answer_is_not_certified_and_keeping_them_is(setup, answering_model, tmp_path, lora):
+    """The old model answers all 10 certification rows: fine-tuning that forgets most of them has a large
+    forgotten share (NOT CERTIFIED at 0.3); a run that leaves the weights as they are (learning rate 0) forgets
+    none (bound 1 - 0.05^(1/10) = 0.26, CERTIFIED at 0.3). With LoRA the base is the old model."""
+    old, data = answering_model
+    recipe = _recipe()
+
+    def run(name, lr):
+        argv = ["--model_name_or_path", old, "--target_dataset", setup["target"], "--protected_datasets", data,
+                "--output_dir", str(tmp_path / name), "--max_steps", "6", "--learning_rate", str(lr),
+                "--constraint_penalty", "none", "--eval_fraction", "0.5", "--forget_tolerance", "0.3",
+                "--use_cpu", "True", "--report_to", "none", "--save_strategy", "no",
+                "--per_device_train_batch_size", "4", "--disable_tqdm", "True", "--seed", "0"]
+        if lora:
+            argv += ["--lora_r", "2", "--lora_target_modules", "c_attn"]
+        return recipe.main(argv)
+
+    forgot = run("forgot", 5e-2)
+    cert = forgot["safety_report"]["certificate"]
+    assert cert["num_rows"] == {"non_forgetting/one": 10}
+    forgotten = round(cert["values"][0]["non_forgetting/one"] * 10)
+    assert forgotten >= 5  # most answers forgotten (all of them without LoRA)
+    assert forgot["certified_bounds"]["non_forgetting/one"] == pytest.approx(_clopper_pearson_upper(forgotten, 10, 0.05))
+    assert forgot["certified"] is False
+    kept = run("kept", 0.0)
+    assert kept["safety_report"]["certificate"]["values"][0]["non_forgetting/one"] == 0.0
+    assert kept["certified_bounds"]["non_forgetting/one"] == pytest.approx(1 - 0.05 ** (1 / 10))
+    assert kept["certified"] is True and kept["safe"] is True
