@@ -155,7 +155,10 @@ def reference_losses(model: nn.Module, dataset: Any, loss: Union[PerSampleLoss, 
 
 
 class ReferenceLossDataset(torch.utils.data.Dataset):
-    """The rows of ``dataset`` with the old model's per-sample loss added as ``reference_loss``."""
+    """The rows of ``dataset`` with the old model's per-sample loss added as ``reference_loss``.
+
+    Rows that name themselves (a ``row_identities()`` method, read by the certification-split
+    check of :mod:`hf_constrained.safety.splits`) keep their names."""
 
     def __init__(self, dataset: Any, losses: torch.Tensor) -> None:
         if len(losses) != len(dataset):
