@@ -206,11 +206,12 @@ def finetune(old_path: str, penalty: str, seed: int, cfg: ExampleArguments) -> d
     model = AutoModelForCausalLM.from_pretrained(old_path)
     collate = PaddingCollator(tokenizer)
     held_out, constraint_rows = data_splits(tokenizer, cfg)
+    certify = certification_rows(tokenizer, cfg) if cfg.certify_rows else None
     constraints = non_forgetting_constraints(model, causal_lm_per_example_loss, constraint_rows, collate,
                                              eval_datasets={t: held_out[t] for t in OLD_TASKS},
-                                             tolerance=cfg.tolerance, batch_size=256,
-                                             certify_datasets=certification_rows(tokenizer, cfg) if cfg.certify_rows else None,
-                                             correct=causal_lm_per_example_correct, forget_tolerance=cfg.forget_tolerance)
+                                             tolerance=cfg.tolerance, batch_size=256, certify_datasets=certify,
+                                             correct=causal_lm_per_example_correct,
+                                             forget_tolerance=cfg.forget_tolerance)
     with tempfile.TemporaryDirectory() as tmp:
         trainer = ConstrainedTrainer(
             model=model, args=_args(tmp, seed, constraint_penalty=penalty, penalty_beta=cfg.penalty_beta,
@@ -388,7 +389,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         if r["certificate"]:
             c = r["certificate"]
             print(f"seed {r['seed']} {r['penalty']:>13}: {'CERTIFIED' if c['certified'] else 'NOT CERTIFIED'} "
-                  f"(largest bound {c['largest_bound']:.3f}, tolerance {c['forget_tolerance']:g}, delta {c['delta']:g})")
+                  f"(largest bound {c['largest_bound']:.3f}, tolerance {c['forget_tolerance']:g}, "
+                  f"delta {c['delta']:g})")
     summary = summarize(old, runs, cfg)
     usage = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
     result = {"command": publishable_command("python recipes/llm_tiny_example.py",

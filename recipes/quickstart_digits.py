@@ -25,8 +25,8 @@ bound of at least 1 - 0.05^(1/20) = 0.14 even with no error (3 errors of 20: 0.3
 
 Every field of ``ConstrainedTrainingArguments`` is a flag (``--penalty_beta``,
 ``--msvr_gamma``, ``--learning_rate``, ...); the recipe's own flags are ``--bound``,
-``--compare``, ``--seeds``, ``--certify_fraction``, ``--error_tolerance`` and ``--delta``. ``--constraint_penalty`` needs ``--compare false`` and
-``--seed`` no ``--seeds`` (otherwise they are errors, as they would not be used). Each run
+``--compare``, ``--seeds``, ``--certify_fraction``, ``--error_tolerance`` and ``--delta``.
+``--constraint_penalty`` needs ``--compare false`` and ``--seed`` no ``--seeds`` (otherwise they are errors, as they would not be used). Each run
 writes to its own folder under ``--output_dir``.
 """
 
@@ -247,13 +247,13 @@ def summarize_seeds(args: ConstrainedTrainingArguments, opts: QuickstartArgument
                   f"test max violation {m['eval_constraint_max_violation']:+.3f}; {certificate_line(cert, opts)}")
     print(f"\nseeds {seeds}, bound {opts.bound}, beta {args.penalty_beta}, certified error tolerance "
           f"{opts.error_tolerance:g} (delta {opts.delta:g})")
-    print(f"{'method':>14} {'hold (constraint data)':>23} {'hold (test)':>12} {'test max viol. median':>22} {'worst':>7} "
-          f"{'certified':>10} {'largest bound median':>21} {'worst':>7}")
+    print(f"{'method':>14} {'hold (constraint data)':>23} {'hold (test)':>12} {'test max viol. median':>22} "
+          f"{'worst':>7} {'certified':>10} {'largest bound median':>21} {'worst':>7}")
     for p in penalties:
         viol = sorted(r[2] for r in rows[p])
         bounds = sorted(r[4] for r in rows[p] if r[4] is not None)
-        cert_cells = (f"{sum(r[3] for r in rows[p]):>8}/{len(seeds)} {float(np.median(bounds)):>21.3f} {bounds[-1]:>7.3f}"
-                      if bounds else f"{'-':>10} {'-':>21} {'-':>7}")
+        cert_cells = (f"{sum(r[3] for r in rows[p]):>8}/{len(seeds)} {float(np.median(bounds)):>21.3f} "
+                      f"{bounds[-1]:>7.3f}" if bounds else f"{'-':>10} {'-':>21} {'-':>7}")
         print(f"{p:>14} {sum(r[0] for r in rows[p]):>19}/{len(seeds)} {sum(r[1] for r in rows[p]):>9}/{len(seeds)} "
               f"{float(np.median(viol)):>+22.3f} {viol[-1]:>+7.3f} {cert_cells}")
 

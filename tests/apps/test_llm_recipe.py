@@ -102,7 +102,8 @@ def _clopper_pearson_upper(k: int, n: int, delta: float) -> float:
     return 1.0 if k >= n else float(beta.ppf(1 - delta, k + 1, n - k))
 
 
-@pytest.mark.parametrize("model,extra", [("gpt2", {}), ("llama", {"lora_r": 2, "lora_target_modules": "q_proj,v_proj"})])
+@pytest.mark.parametrize("model,extra", [("gpt2", {}),
+                                         ("llama", {"lora_r": 2, "lora_target_modules": "q_proj,v_proj"})])
 def test_certificate_bounds_the_share_of_each_task_forgotten(setup, tmp_path, model, extra, caplog):
     """The certified value is the share of certification rows the old model (with LoRA: the adapter-disabled base)
     answers exactly and the new one does not, recomputed here from the saved models; its bound is Clopper-Pearson
@@ -305,7 +306,8 @@ def test_forgetting_every_answer_is_not_certified_and_keeping_them_is(setup, ans
     assert cert["num_rows"] == {"non_forgetting/one": 10}
     forgotten = round(cert["values"][0]["non_forgetting/one"] * 10)
     assert forgotten >= 5  # most answers forgotten (all of them without LoRA)
-    assert forgot["certified_bounds"]["non_forgetting/one"] == pytest.approx(_clopper_pearson_upper(forgotten, 10, 0.05))
+    expected = _clopper_pearson_upper(forgotten, 10, 0.05)
+    assert forgot["certified_bounds"]["non_forgetting/one"] == pytest.approx(expected)
     assert forgot["certified"] is False
     kept = run("kept", 0.0)
     assert kept["safety_report"]["certificate"]["values"][0]["non_forgetting/one"] == 0.0
