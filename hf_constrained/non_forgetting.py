@@ -155,12 +155,18 @@ def reference_losses(model: nn.Module, dataset: Any, loss: Union[PerSampleLoss, 
 
 
 class ReferenceLossDataset(torch.utils.data.Dataset):
-    """The rows of ``dataset`` with the old model's per-sample loss added as ``reference_loss``."""
+    """The rows of ``dataset`` with the old model's per-sample loss added as ``reference_loss``.
+
+    Rows that name themselves (a ``row_identities()`` method, read by the certification-split
+    check of :mod:`hf_constrained.safety.splits`) keep their names."""
 
     def __init__(self, dataset: Any, losses: torch.Tensor) -> None:
         if len(losses) != len(dataset):
             raise ValueError(f"{len(losses)} reference losses for {len(dataset)} rows")
         self.dataset, self.losses = dataset, torch.as_tensor(losses, dtype=torch.float32)
+        identities = getattr(dataset, "row_identities", None)
+        if callable(identities):  # rows that name themselves (hf_constrained.safety.splits) keep their names
+            self.row_identities = identities
 
     def __len__(self) -> int:
         return len(self.dataset)

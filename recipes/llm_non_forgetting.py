@@ -15,6 +15,17 @@ completion); ``messages`` (a chat rendered with the tokenizer's chat template; l
 the last message). A safety set such as "harmful prompts with refusals" in the
 prompt/completion format gives the constraint "the loss of the refusals does not rise".
 
+The certificate: ``--eval_fraction`` of every dataset is held out, and ``--certify_fraction``
+(default 0.5) of each protected / safety set's held-out rows is set aside, seeded by
+``--seed``, as its certification split, which nothing else reads (no gradient, no
+evaluation during training, no checkpoint selection). ``finish_run`` then certifies, at
+``--delta``, that at most ``--forget_tolerance`` of each protected task's examples are
+forgotten: the share of rows the old model answered exactly (teacher-forced exact match of
+the answer tokens) that the new one no longer does, a 0/1 rate with an exact
+Clopper-Pearson bound. A rate over n rows has a bound of at least 1 - delta^(1/n) (about
+3/n), so the tolerance must fit the split: 0.05 needs about 60 certification rows per
+task with none forgotten. ``--certify_fraction 0`` leaves the run NOT CERTIFIED.
+
 Run::
 
     accelerate launch recipes/llm_non_forgetting.py \\
@@ -28,8 +39,9 @@ Run::
 or put the flags in a YAML file (keys = flag names) and pass ``--config x.yaml``; flags on
 the command line override the file. ``--help`` lists every flag. At the end: held-out
 evaluation, the model (or adapter) and tokenizer in ``--output_dir``, the safety report
-and model card, ``llm_results.json``, and with ``--push_to_hub`` the gated push (refused
-when a constraint fails on held-out data, unless ``--allow_unsafe_push``).
+and model card (with the certificate), ``llm_results.json`` (``certified``,
+``certified_bounds``, the certification splits' sizes), and with ``--push_to_hub`` the gated
+push (refused when the run is not certified, unless ``--allow_unsafe_push``).
 """
 
 from __future__ import annotations
@@ -39,7 +51,7 @@ import logging
 import os
 import sys
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 
@@ -52,6 +64,7 @@ from hf_constrained.non_forgetting import (
     causal_lm_per_example_loss,
     non_forgetting_constraints,
 )
+from hf_constrained.per_sample_loss import causal_lm_per_example_correct
 from hf_constrained.publishable import publishable_command, publishable_path, publishable_values
 from hf_constrained.recipe_args import parse_recipe_args
 from hf_constrained.text_data import load_text_dataset, tokenize_sft
@@ -88,6 +101,15 @@ class ScriptArguments:
     relative_tolerance: float = field(default=0.0, metadata={
         "help": "Added tolerance as a fraction of the old model's mean loss on each protected set."})
     safety_tolerance: float = field(default=0.0, metadata={"help": "Absolute tolerance of the safety constraint."})
+    certify_fraction: float = field(default=0.5, metadata={
+        "help": "Share of each protected (and safety) dataset's held-out rows set aside as its certification split, "
+                "read only by the certificate (seeded by --seed; 0: no certificate, the run is NOT CERTIFIED)."})
+    forget_tolerance: float = field(default=0.05, metadata={
+        "help": "Certified: at most this share of each protected task's examples forgotten (answered exactly, "
+                "teacher-forced, by the old model and not by the new one). A rate over n rows with none forgotten "
+                "has a bound of 1 - delta^(1/n): the certification split needs enough rows."})
+    delta: float = field(default=0.05, metadata={
+        "help": "The certificate's error level: it holds with probability at least 1 - delta."})
     reference_batch_size: int = field(default=16, metadata={"help": "Batch size of the old model's reference pass."})
     lora_r: int = field(default=0, metadata={"help": "LoRA rank (0: train all parameters)."})
     lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha."})
@@ -124,9 +146,19 @@ def _named_sources(entries: list[str]) -> dict[str, str]:
 
 
 # ---------------------------------------------------------------------------------- data
+class Splits(NamedTuple):
+    """One dataset's disjoint parts: training rows, held-out rows (evaluation and the safety report's values),
+    certification rows (read only by the certificate; ``None`` without them)."""
+
+    train: Any
+    held_out: Any
+    certify: Any
+
+
 def load_tokenized(source: str, split: str, tokenizer: Any, script: ScriptArguments, name: str,
-                   max_rows: Optional[int], seed: int) -> tuple[Any, Any]:
-    """(train rows, held-out rows) of one dataset, tokenised; ``eval_fraction`` of the rows held out."""
+                   max_rows: Optional[int], seed: int, certify: bool = False) -> Splits:
+    """One dataset, tokenised, split in disjoint parts: ``eval_fraction`` of the rows held out and, with
+    ``certify``, ``certify_fraction`` of those set aside as the certification split (both seeded by ``seed``)."""
     raw = load_text_dataset(source, split=split, config_name=script.dataset_config)
     if max_rows is not None and len(raw) > max_rows:
         raw = raw.shuffle(seed=seed).select(range(max_rows))
@@ -134,11 +166,19 @@ def load_tokenized(source: str, split: str, tokenizer: Any, script: ScriptArgume
                         prompt_column=script.prompt_column, completion_column=script.completion_column,
                         messages_column=script.messages_column, name=name)
     if script.eval_fraction <= 0:
-        return rows, None
+        return Splits(rows, None, None)
     if len(rows) < 2:
         raise ValueError(f"{name} ({source}): {len(rows)} usable row(s); need at least 2 to hold some out")
     split_rows = rows.train_test_split(test_size=script.eval_fraction, seed=seed)
-    return split_rows["train"], split_rows["test"]
+    train, held_out = split_rows["train"], split_rows["test"]
+    if not certify or script.certify_fraction <= 0:
+        return Splits(train, held_out, None)
+    if len(held_out) < 2:
+        raise ValueError(f"{name} ({source}): {len(held_out)} held-out row(s); --certify_fraction "
+                         f"{script.certify_fraction} needs at least 2 (one held out, one certifying): raise "
+                         "--eval_fraction or pass --certify_fraction 0 (no certificate)")
+    parts = held_out.train_test_split(test_size=script.certify_fraction, seed=seed)
+    return Splits(train, parts["train"], parts["test"])
 
 
 def check_arguments(script: ScriptArguments, args: ConstrainedTrainingArguments) -> None:
@@ -154,6 +194,15 @@ def check_arguments(script: ScriptArguments, args: ConstrainedTrainingArguments)
             raise ValueError(f"--{flag} must be >= 0, got {getattr(script, flag)}")
     if script.max_length < 2:
         raise ValueError(f"--max_length must be >= 2, got {script.max_length}")
+    if not 0.0 <= script.certify_fraction < 1.0:
+        raise ValueError(f"--certify_fraction must be in [0, 1), got {script.certify_fraction}")
+    if script.certify_fraction > 0 and script.eval_fraction <= 0:
+        raise ValueError(f"--certify_fraction {script.certify_fraction} splits the held-out rows, but --eval_fraction "
+                         "is 0: raise --eval_fraction or pass --certify_fraction 0 (no certificate)")
+    if not 0.0 <= script.forget_tolerance <= 1.0:
+        raise ValueError(f"--forget_tolerance is a share of examples, in [0, 1]; got {script.forget_tolerance}")
+    if not 0.0 < script.delta < 1.0:
+        raise ValueError(f"--delta must be in (0, 1), got {script.delta}")
 
 
 # ---------------------------------------------------------------------------------- main
@@ -180,31 +229,46 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
             target_modules=targets if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]))
 
     with args.main_process_first(desc="tokenising"):
-        train_rows, eval_rows = load_tokenized(script.target_dataset, script.target_split, tokenizer, script,
-                                               "target", script.max_target_rows, args.seed)
+        train_rows, eval_rows, _ = load_tokenized(script.target_dataset, script.target_split, tokenizer, script,
+                                                  "target", script.max_target_rows, args.seed)
         protected = {name: load_tokenized(src, script.protected_split, tokenizer, script, name,
-                                          script.max_constraint_rows, args.seed)
+                                          script.max_constraint_rows, args.seed, certify=True)
                      for name, src in _named_sources(script.protected_datasets).items()}
         safety = None
         if script.safety_dataset:
             safety = load_tokenized(script.safety_dataset, script.protected_split, tokenizer, script, "safety",
-                                    script.max_constraint_rows, args.seed)
+                                    script.max_constraint_rows, args.seed, certify=True)
 
     collate = PaddingCollator(tokenizer)
     model.to(args.device)
     gap = ReferenceGap(causal_lm_per_example_loss)  # one row function: every constraint in one group
+    # the certificate: per protected task, the share of its certification rows the old model (with LoRA: the
+    # adapter-disabled base) answers exactly and the new one does not (teacher-forced exact match of the answer)
+    certifying = script.certify_fraction > 0
     constraints = []
     if protected:
         constraints += non_forgetting_constraints(
-            model, causal_lm_per_example_loss, {k: v[0] for k, v in protected.items()}, collate,
-            eval_datasets=None if script.eval_fraction <= 0 else {k: v[1] for k, v in protected.items()},
+            model, causal_lm_per_example_loss, {k: v.train for k, v in protected.items()}, collate,
+            eval_datasets=None if script.eval_fraction <= 0 else {k: v.held_out for k, v in protected.items()},
             tolerance=script.constraint_tolerance, relative_tolerance=script.relative_tolerance,
-            batch_size=script.reference_batch_size, row_fn=gap)
+            batch_size=script.reference_batch_size, row_fn=gap,
+            certify_datasets={k: v.certify for k, v in protected.items()} if certifying else None,
+            correct=causal_lm_per_example_correct, forget_tolerance=script.forget_tolerance)
     if safety is not None:
         constraints += non_forgetting_constraints(
-            model, causal_lm_per_example_loss, {"refusals": safety[0]}, collate,
-            eval_datasets=None if safety[1] is None else {"refusals": safety[1]}, tolerance=script.safety_tolerance,
-            batch_size=script.reference_batch_size, name="safety/{task}", row_fn=gap)
+            model, causal_lm_per_example_loss, {"refusals": safety.train}, collate,
+            eval_datasets=None if safety.held_out is None else {"refusals": safety.held_out},
+            tolerance=script.safety_tolerance, batch_size=script.reference_batch_size, name="safety/{task}",
+            row_fn=gap, certify_datasets={"refusals": safety.certify} if certifying else None,
+            correct=causal_lm_per_example_correct, forget_tolerance=script.forget_tolerance)
+    certification = {c.name: {"rows": len(c.certify_dataset), "fraction_of_held_out": script.certify_fraction,
+                              "seed": args.seed} for c in constraints if c.certify_dataset is not None}
+    for name, split in certification.items():
+        floor = 1.0 - script.delta ** (1.0 / split["rows"])  # the bound with nothing forgotten
+        if floor > script.forget_tolerance:
+            logger.warning("%s: %d certification rows cannot certify --forget_tolerance %g (even with nothing "
+                           "forgotten the bound is %.3f): more rows (--eval_fraction, --certify_fraction) or a "
+                           "larger tolerance", name, split["rows"], script.forget_tolerance, floor)
 
     trainer = ConstrainedTrainer(model=model, args=args, train_dataset=train_rows, eval_dataset=eval_rows,
                                  data_collator=collate, processing_class=tokenizer, constraints=constraints)
@@ -222,10 +286,15 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
             dataset_description=(f"SFT on {publishable_path(script.target_dataset)}; "
                                  f"protected: {sorted(protected) or 'none'}"
                                  f"{'; safety set ' + publishable_path(script.safety_dataset) if script.safety_dataset else ''}; "
-                                 f"{script.eval_fraction:.0%} of every dataset held out"),
+                                 f"{script.eval_fraction:.0%} of every dataset held out"
+                                 + (f", {script.certify_fraction:.0%} of each protected / safety set's held-out rows "
+                                    "set aside as its certification split (read only by the certificate: the "
+                                    "share of the set's examples forgotten, teacher-forced exact match, at most "
+                                    f"{script.forget_tolerance:g})" if certifying else "; no certification split")),
             datasets=hub_ids or None,
             reproduce_command=publishable_command("accelerate launch recipes/llm_non_forgetting.py",
                                                   sys.argv[1:] if argv is None else argv, output_dir=args.output_dir),
+            delta=script.delta,
         )
         metrics = dict(report.objective_metrics)
     elif eval_rows is not None:
@@ -240,6 +309,11 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         "constraints": {c.name: {"tolerance": c.tolerance, **c.metadata} for c in constraints},
         "safety_report": None if report is None else report.to_dict(),
         "safe": None if report is None else report.all_satisfied,
+        "certified": None if report is None else report.certified,
+        "certified_bounds": {} if report is None else report.certified_bounds(),
+        "forget_tolerance": script.forget_tolerance,
+        "delta": script.delta,
+        "certification_splits": certification,
         "script_args": publishable_values(asdict(script), args.output_dir),
     }
     if trainer.is_world_process_zero():

@@ -10,11 +10,28 @@
 3. Held-out per-task loss and exact-match accuracy (greedy decoding; computed in one
    teacher-forced pass: the greedy answer is exact iff every answer token, EOS included,
    is the argmax given the correct prefix), old vs new.
+4. A certificate per run: on 512 certification rows per old task (``--certify_rows``; independent
+   draws of the task's generator, fixed across seeds, read by nothing but the certificate), the
+   share of rows the old model answered exactly and the new one no longer does (teacher-forced
+   exact match, ``causal_lm_per_example_correct``), bounded by Clopper-Pearson at ``--delta``
+   0.05. CERTIFIED: at most ``--forget_tolerance`` of each old task's examples forgotten.
+   The tasks are small (``add`` has 100 problems), so certification rows can repeat a training
+   row's text: they are named by their draw, and the claim is about each task's distribution,
+   the one the training rows come from too, not about problems never trained on.
+
+   Why ``--forget_tolerance 0.4``: the data supports far less (a rate over 512 rows with
+   nothing forgotten has a bound of 1 - 0.05^(1/512) = 0.006); the model does not. The
+   constraint bounds the loss (0.2 nats per answer token), which lets exact match fall: on
+   seeds 0-4 the hinge run forgot 18% (reverse), 22% (copy) and 5% (add) of the rows, median
+   (worst 23%, 26%, 15%), and its largest bound was 0.23-0.30 (unconstrained: 1.00, every
+   answer forgotten). 0.4 is the round value above those bounds with room for other seeds; a
+   smaller tolerance needs a tighter loss tolerance (which learns less of the new task).
 
 Goals, over the seeds (median and worst reported): the unconstrained run forgets some
 old task (its held-out h_k exceeds the tolerance), the constrained run keeps every old
-task within its tolerance on held-out rows, and both learn the new task (held-out
-exact-match accuracy >= ``--learned_accuracy``).
+task within its tolerance on held-out rows, both learn the new task (held-out
+exact-match accuracy >= ``--learned_accuracy``), and the constrained run is certified in every
+seed.
 
     python recipes/llm_tiny_example.py --seeds 0 1 2 --json benchmarks/results/llm_example.json
     python recipes/llm_tiny_example.py --penalty_beta 10 --max_steps 300 --seeds 0
@@ -59,7 +76,8 @@ from hf_constrained.non_forgetting import (
     non_forgetting_constraints,
     reference_losses,
 )
-from hf_constrained.per_sample_loss import IGNORE_INDEX
+from hf_constrained.per_sample_loss import IGNORE_INDEX, causal_lm_per_example_correct
+from hf_constrained.safety.evaluation import certify_models
 from hf_constrained.publishable import publishable_command
 from hf_constrained.recipe_args import parse_recipe_args
 from hf_constrained.text_data import tokenize_sft
@@ -70,6 +88,34 @@ logger = logging.getLogger("llm_tiny_example")
 OLD_TASKS = ("reverse", "copy", "add")
 NEW_TASK = "first"
 LETTERS = "abcdefghij"
+# generator seeds of the fixed rows (the same for every fine-tuning seed): constraint rows, held-out rows,
+# certification rows (independent draws, read only by the certificate)
+CONSTRAINT_DRAW, HELD_OUT_DRAW, CERTIFY_DRAW = 1, 999, 7
+
+
+class IndependentDraws(torch.utils.data.Dataset):
+    """Rows drawn independently from a task's generator, each named by its draw (``task/certify/i``).
+
+    The certification split: a fresh sample of the task's distribution, drawn apart from every other
+    row. The tasks are small (``add`` has 100 problems), so a draw can repeat a training row's text;
+    the rows are named by their draw, not their text, and the certificate's claim is about the task's
+    distribution (the one the training rows come from), not about problems never trained on.
+    """
+
+    def __init__(self, rows: Dataset, name: str) -> None:
+        self.rows, self.name = rows, name
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return self.rows[i]
+
+    def __getitems__(self, rows: list[int]) -> list[dict[str, Any]]:
+        return [self.rows[i] for i in rows]
+
+    def row_identities(self) -> list[str]:
+        return [f"{self.name}/{i}" for i in range(len(self.rows))]
 
 
 def make_rows(task: str, n: int, rng: random.Random) -> list[dict[str, str]]:
@@ -140,9 +186,16 @@ def train_old_model(path: str, cfg: ExampleArguments) -> None:
 
 def data_splits(tokenizer: Any, cfg: ExampleArguments) -> tuple[dict[str, Dataset], dict[str, Dataset]]:
     """(held-out rows of every task, constraint rows of every old task): fixed across seeds."""
-    held_out = {t: task_data(t, cfg.held_out_rows, 999, tokenizer) for t in (*OLD_TASKS, NEW_TASK)}
-    constraint_rows = {t: task_data(t, cfg.constraint_rows, 1, tokenizer) for t in OLD_TASKS}
+    held_out = {t: task_data(t, cfg.held_out_rows, HELD_OUT_DRAW, tokenizer) for t in (*OLD_TASKS, NEW_TASK)}
+    constraint_rows = {t: task_data(t, cfg.constraint_rows, CONSTRAINT_DRAW, tokenizer) for t in OLD_TASKS}
     return held_out, constraint_rows
+
+
+def certification_rows(tokenizer: Any, cfg: ExampleArguments) -> dict[str, IndependentDraws]:
+    """The certification split of every old task: ``certify_rows`` independent draws (generator seed
+    ``CERTIFY_DRAW``, fixed across seeds), read only by the certificate."""
+    return {t: IndependentDraws(task_data(t, cfg.certify_rows, CERTIFY_DRAW, tokenizer), f"{t}/certify")
+            for t in OLD_TASKS}
 
 
 def finetune(old_path: str, penalty: str, seed: int, cfg: ExampleArguments) -> dict[str, Any]:
@@ -153,9 +206,12 @@ def finetune(old_path: str, penalty: str, seed: int, cfg: ExampleArguments) -> d
     model = AutoModelForCausalLM.from_pretrained(old_path)
     collate = PaddingCollator(tokenizer)
     held_out, constraint_rows = data_splits(tokenizer, cfg)
+    certify = certification_rows(tokenizer, cfg) if cfg.certify_rows else None
     constraints = non_forgetting_constraints(model, causal_lm_per_example_loss, constraint_rows, collate,
                                              eval_datasets={t: held_out[t] for t in OLD_TASKS},
-                                             tolerance=cfg.tolerance, batch_size=256)
+                                             tolerance=cfg.tolerance, batch_size=256, certify_datasets=certify,
+                                             correct=causal_lm_per_example_correct,
+                                             forget_tolerance=cfg.forget_tolerance)
     with tempfile.TemporaryDirectory() as tmp:
         trainer = ConstrainedTrainer(
             model=model, args=_args(tmp, seed, constraint_penalty=penalty, penalty_beta=cfg.penalty_beta,
@@ -167,9 +223,14 @@ def finetune(old_path: str, penalty: str, seed: int, cfg: ExampleArguments) -> d
         trainer.remove_callback(PrinterCallback)
         trainer.train()
         h_eval = trainer.evaluate_constraints(split="eval")
+        certificate = certify_models(trainer, delta=cfg.delta)  # the final weights, on the certification rows
     metrics = evaluate(model, held_out, collate)
+    cert = None if certificate is None else {
+        "certified": certificate.is_certified(0), "forgotten": certificate.values[0],
+        "upper_bounds": certificate.upper_bounds[0], "largest_bound": max(certificate.upper_bounds[0].values()),
+        "num_rows": certificate.num_rows, "forget_tolerance": cfg.forget_tolerance, "delta": cfg.delta}
     return {"penalty": penalty, "seed": seed, "held_out": metrics, "h_held_out": h_eval,
-            "tolerance": cfg.tolerance, "seconds": round(time.time() - t0, 1)}
+            "tolerance": cfg.tolerance, "certificate": cert, "seconds": round(time.time() - t0, 1)}
 
 
 def _job(job: tuple[str, str, int, ExampleArguments]) -> dict[str, Any]:
@@ -206,9 +267,21 @@ def summarize(old: dict[str, dict], runs: list[dict[str, Any]], cfg: ExampleArgu
         f"{constrained}_keeps_every_old_task_within_tolerance": not any(violated[constrained]),
         "both_learn_the_new_task": all(learned["none"]) and all(learned[constrained]),
     }
+    certificates = {p: [r["certificate"] for r in rs if r.get("certificate")] for p, rs in by.items()}
+    certified = {}
+    if all(len(certificates[p]) == len(by[p]) and by[p] for p in by):
+        goals[f"{constrained}_certified_in_every_seed"] = all(c["certified"] for c in certificates[constrained])
+        certified = {p: {"seeds_certified": sum(c["certified"] for c in cs),
+                         "per_seed": {str(r["seed"]): c["certified"] for r, c in zip(by[p], cs)},
+                         "largest_bound": _summary([c["largest_bound"] for c in cs], "max"),
+                         "largest_bound_per_seed": {str(r["seed"]): c["largest_bound"] for r, c in zip(by[p], cs)},
+                         "forgotten": {t: _summary([c["forgotten"][f"non_forgetting/{t}"] for c in cs], "max")
+                                       for t in OLD_TASKS}}
+                     for p, cs in certificates.items()}
     return {"old_model": old, "table": table, "goals": goals,
             "seeds_violating": {p: sum(v) for p, v in violated.items()},
-            "seeds_learning": {p: sum(v) for p, v in learned.items()}}
+            "seeds_learning": {p: sum(v) for p, v in learned.items()},
+            "certificate": certified}
 
 
 def format_table(summary: dict[str, Any], cfg: ExampleArguments) -> str:
@@ -226,6 +299,13 @@ def format_table(summary: dict[str, Any], cfg: ExampleArguments) -> str:
             cells.append(cell)
         name = f"{t} (new)" if t == NEW_TASK else t
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    cert = summary.get("certificate")
+    if cert:
+        n = len(next(iter(cert.values()))["per_seed"])
+        cells = [f"{c['seeds_certified']}/{n} seeds; largest bound {c['largest_bound']['median']:.3f} "
+                 f"({c['largest_bound']['worst']:.3f})" for c in (cert["none"], cert[cfg.constraint_penalty])]
+        lines.append(f"| certified: at most {cfg.forget_tolerance:g} of each old task forgotten (delta "
+                     f"{cfg.delta:g}) | | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -251,6 +331,11 @@ class ExampleArguments:
     new_rows: int = field(default=2000, metadata={"help": "training rows of the new task"})
     constraint_rows: int = field(default=512, metadata={"help": "constraint rows per old task"})
     held_out_rows: int = field(default=512, metadata={"help": "held-out rows per task"})
+    certify_rows: int = field(default=512, metadata={
+        "help": "certification rows per old task (independent draws, read only by the certificate; 0: none)"})
+    forget_tolerance: float = field(default=0.4, metadata={
+        "help": "certified: at most this share of each old task's examples forgotten (exact before, not now)"})
+    delta: float = field(default=0.05, metadata={"help": "the certificate's error level"})
     constraint_batch_size: int = field(default=32, metadata={"help": "constraint rows per task and step"})
     tolerance: float = field(default=0.2, metadata={"help": "h_k <= tolerance (nats per answer token)"})
     learned_accuracy: float = field(default=0.9, metadata={"help": "held-out new-task accuracy that counts as learned"})
@@ -263,6 +348,12 @@ class ExampleArguments:
             raise ValueError("--seeds: give at least one seed")
         if not (math.isfinite(self.penalty_beta) and self.penalty_beta > 0):
             raise ValueError(f"--penalty_beta must be a positive number, got {self.penalty_beta}")
+        if self.certify_rows < 0:
+            raise ValueError(f"--certify_rows must be >= 0, got {self.certify_rows}")
+        if not 0.0 <= self.forget_tolerance <= 1.0:
+            raise ValueError(f"--forget_tolerance is a share of examples, in [0, 1]; got {self.forget_tolerance}")
+        if not 0.0 < self.delta < 1.0:
+            raise ValueError(f"--delta must be in (0, 1), got {self.delta}")
 
 
 def parse(argv: Optional[list[str]] = None) -> ExampleArguments:
@@ -295,6 +386,11 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     for r in runs:
         logger.info("seed %d %-5s: %s (%.0fs)", r["seed"], r["penalty"],
                     {t: round(m["accuracy"], 3) for t, m in r["held_out"].items()}, r["seconds"])
+        if r["certificate"]:
+            c = r["certificate"]
+            print(f"seed {r['seed']} {r['penalty']:>13}: {'CERTIFIED' if c['certified'] else 'NOT CERTIFIED'} "
+                  f"(largest bound {c['largest_bound']:.3f}, tolerance {c['forget_tolerance']:g}, "
+                  f"delta {c['delta']:g})")
     summary = summarize(old, runs, cfg)
     usage = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
     result = {"command": publishable_command("python recipes/llm_tiny_example.py",

@@ -4,6 +4,7 @@ clear errors, and a 2-process run through ``accelerate launch``."""
 
 import importlib.util
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -88,6 +89,73 @@ def test_recipe_trains_under_one_constraint_per_protected_set_and_reports(setup,
     assert all(c["old_loss"] > 0 for c in results["constraints"].values())
     card = (out / "README.md").read_text()
     assert "non_forgetting/reverse" in card and "safety/refusals" in card
+    # every protected set and the safety set has a certification split: 3 held-out rows, half of them certify
+    assert {k: v["rows"] for k, v in results["certification_splits"].items()} == {n: 2 for n in results["constraints"]}
+    assert set(results["certified_bounds"]) == set(results["constraints"])
+    assert results["certified"] is False  # 2 rows cannot certify 5% (a 0/1 rate over 2 rows: bound >= 0.78)
+    assert results["safe"] is False
+
+
+def _clopper_pearson_upper(k: int, n: int, delta: float) -> float:
+    from scipy.stats import beta
+
+    return 1.0 if k >= n else float(beta.ppf(1 - delta, k + 1, n - k))
+
+
+@pytest.mark.parametrize("model,extra", [("gpt2", {}),
+                                         ("llama", {"lora_r": 2, "lora_target_modules": "q_proj,v_proj"})])
+def test_certificate_bounds_the_share_of_each_task_forgotten(setup, tmp_path, model, extra, caplog):
+    """The certified value is the share of certification rows the old model (with LoRA: the adapter-disabled base)
+    answers exactly and the new one does not, recomputed here from the saved models; its bound is Clopper-Pearson
+    at --delta over the split's rows; the verdict follows --forget_tolerance."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_constrained.per_sample_loss import PaddingCollator, causal_lm_per_example_correct
+
+    recipe = _recipe()
+    out = tmp_path / "cert"
+    argv = _flags(setup, out, model=model, eval_fraction=0.5, certify_fraction=0.5, forget_tolerance=1.0, delta=0.1,
+                  max_steps=2, **extra)
+    results = recipe.main(argv)
+    cert = results["safety_report"]["certificate"]
+    assert results["certified"] is True and results["forget_tolerance"] == 1.0  # a share is always <= 1
+    assert cert["delta"] == 0.1 and set(cert["bound"].values()) == {"clopper_pearson"}
+    script, args = recipe.parse_arguments(argv)
+    tokenizer = AutoTokenizer.from_pretrained(setup[model])
+    old = AutoModelForCausalLM.from_pretrained(setup[model]).eval()
+    if extra:
+        from peft import PeftModel
+
+        new = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(setup[model]), str(out)).eval()
+    else:
+        new = AutoModelForCausalLM.from_pretrained(out).eval()
+    collate = PaddingCollator(tokenizer)
+    for name, source in (("reverse", setup["reverse"]), ("copy", setup["copy"])):
+        splits = recipe.load_tokenized(source, "train", tokenizer, script, name, None, args.seed, certify=True)
+        assert len(splits.certify) == 3 and len(splits.held_out) == 3
+        assert not set(map(tuple, splits.certify["input_ids"])) & set(map(tuple, splits.held_out["input_ids"]))
+        with torch.no_grad():
+            batch = collate([splits.certify[i] for i in range(len(splits.certify))])
+            lost = causal_lm_per_example_correct(old, batch) * (1 - causal_lm_per_example_correct(new, batch))
+        key = f"non_forgetting/{name}"
+        assert cert["num_rows"][key] == 3
+        assert cert["values"][0][key] == pytest.approx(float(lost.mean()))
+        assert results["certified_bounds"][key] == pytest.approx(_clopper_pearson_upper(int(lost.sum()), 3, 0.1))
+    # the same run at a tolerance 3 rows cannot support is NOT CERTIFIED, and the card says so
+    with caplog.at_level(logging.WARNING, logger="llm_non_forgetting"):
+        results = recipe.main(_flags(setup, tmp_path / "strict", model=model, eval_fraction=0.5, max_steps=1,
+                                     forget_tolerance=0.05, **extra))
+    assert "non_forgetting/copy: 3 certification rows cannot certify --forget_tolerance 0.05" in caplog.text
+    assert results["certified"] is False
+    assert all(b >= 1 - 0.05 ** (1 / 3) - 1e-9 for b in results["certified_bounds"].values())
+    assert "NOT CERTIFIED" in (tmp_path / "strict" / "README.md").read_text().upper()
+
+
+def test_without_certification_split_the_run_is_not_certified(setup, tmp_path):
+    results = _recipe().main(_flags(setup, tmp_path / "none", certify_fraction=0.0, max_steps=1))
+    assert results["certification_splits"] == {} and results["certified"] is False
+    assert results["safety_report"]["certificate"] is None
 
 
 def test_lora_llama_saves_the_adapter(setup, tmp_path):
@@ -131,6 +199,14 @@ def test_bad_input_is_a_clear_error_before_training(setup, tmp_path):
     bad = _write_jsonl(tmp_path / "bad.jsonl", [{"question": "a", "answer": "b"}] * 4)
     with pytest.raises(ValueError, match="cannot tell the text format"):
         recipe.main(argv + ["--protected_datasets", bad])
+    for flag, value, message in (("certify_fraction", "1.0", "--certify_fraction must be in"),
+                                 ("certify_fraction", "-0.1", "--certify_fraction must be in"),
+                                 ("forget_tolerance", "1.5", "--forget_tolerance is a share"),
+                                 ("delta", "0", "--delta must be in")):
+        with pytest.raises(ValueError, match=message):
+            recipe.main(argv + ["--protected_datasets", setup["reverse"], f"--{flag}", value])
+    with pytest.raises(ValueError, match="--eval_fraction is 0"):
+        recipe.main(argv + ["--protected_datasets", setup["reverse"], "--eval_fraction", "0"])
     with pytest.raises(ValueError, match="two datasets named 'reverse'"):
         recipe.main(argv + ["--protected_datasets", f"reverse={setup['reverse']}", f"reverse={setup['copy']}"])
 
@@ -173,3 +249,67 @@ def test_shipped_yaml_config_uses_only_recipe_flags():
     namespace = parser.parse_args(argv + ["--protected_datasets", *config["protected_datasets"]])
     assert namespace.lora_r == 16 and namespace.relative_tolerance == 0.02 and namespace.max_grad_norm == 0.0
     assert namespace.protected_datasets == ["math=data/math.jsonl", "code=data/code.jsonl"]
+
+
+@pytest.fixture(scope="module")
+def answering_model(setup, tmp_path_factory):
+    """A tiny GPT-2 that answers a protected task exactly on every row ("one:<word>=" -> "a"), so that
+    forgetting is measurable, and the task's data (40 rows)."""
+    import itertools
+
+    import torch
+    from datasets import Dataset
+
+    from hf_constrained.per_sample_loss import PaddingCollator, causal_lm_per_example_correct
+    from hf_constrained.text_data import tokenize_sft
+
+    base = tmp_path_factory.mktemp("answering")
+    tok = char_tokenizer()
+    words = ["".join(p) for p in itertools.islice(itertools.permutations("abcdefg", 3), 40)]
+    rows = [{"prompt": f"one:{w}=", "completion": "a"} for w in words]
+    batch = PaddingCollator(tok)([r for r in tokenize_sft(Dataset.from_list(rows), tok, name="one")])
+    torch.manual_seed(0)
+    model = tiny_causal_lm(len(tok), "gpt2", hidden_size=32, layers=1, heads=2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(60):
+        loss = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        assert causal_lm_per_example_correct(model.eval(), batch).all()
+    model.save_pretrained(base / "old")
+    tok.save_pretrained(base / "old")
+    return str(base / "old"), _write_jsonl(base / "one.jsonl", rows)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_forgetting_every_answer_is_not_certified_and_keeping_them_is(setup, answering_model, tmp_path, lora):
+    """The old model answers all 10 certification rows: fine-tuning that forgets most of them has a large
+    forgotten share (NOT CERTIFIED at 0.3); a run that leaves the weights as they are (learning rate 0) forgets
+    none (bound 1 - 0.05^(1/10) = 0.26, CERTIFIED at 0.3). With LoRA the base is the old model."""
+    old, data = answering_model
+    recipe = _recipe()
+
+    def run(name, lr):
+        argv = ["--model_name_or_path", old, "--target_dataset", setup["target"], "--protected_datasets", data,
+                "--output_dir", str(tmp_path / name), "--max_steps", "6", "--learning_rate", str(lr),
+                "--constraint_penalty", "none", "--eval_fraction", "0.5", "--forget_tolerance", "0.3",
+                "--use_cpu", "True", "--report_to", "none", "--save_strategy", "no",
+                "--per_device_train_batch_size", "4", "--disable_tqdm", "True", "--seed", "0"]
+        if lora:
+            argv += ["--lora_r", "2", "--lora_target_modules", "c_attn"]
+        return recipe.main(argv)
+
+    forgot = run("forgot", 5e-2)
+    cert = forgot["safety_report"]["certificate"]
+    assert cert["num_rows"] == {"non_forgetting/one": 10}
+    forgotten = round(cert["values"][0]["non_forgetting/one"] * 10)
+    assert forgotten >= 5  # most answers forgotten (all of them without LoRA)
+    expected = _clopper_pearson_upper(forgotten, 10, 0.05)
+    assert forgot["certified_bounds"]["non_forgetting/one"] == pytest.approx(expected)
+    assert forgot["certified"] is False
+    kept = run("kept", 0.0)
+    assert kept["safety_report"]["certificate"]["values"][0]["non_forgetting/one"] == 0.0
+    assert kept["certified_bounds"]["non_forgetting/one"] == pytest.approx(1 - 0.05 ** (1 / 10))
+    assert kept["certified"] is True and kept["safe"] is True
