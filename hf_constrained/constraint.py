@@ -54,6 +54,9 @@ class CertifyStatistic:
         bound: the finite-sample bound (:data:`hf_constrained.safety.bounds.BOUNDS`):
             ``"betting"`` by default, ``"clopper_pearson"`` for 0/1 rates.
         description: how reports and cards name the statistic.
+        group_key: the statistic is a difference of two group means (group 0 minus group 1,
+            each row's group in ``batch[group_key]``), e.g. a TPR gap between two groups.
+        absolute: with ``group_key``, the statistic is the absolute difference.
     """
 
     row_fn: RowFn
@@ -61,6 +64,8 @@ class CertifyStatistic:
     value_range: tuple[float, float]
     bound: str = "betting"
     description: str = ""
+    group_key: Optional[str] = None
+    absolute: bool = False
 
 
 class ConstraintValueError(RuntimeError):

@@ -164,8 +164,11 @@ def certification_values(model: nn.Module, constraints: Sequence[Constraint], ba
                 v = stat.row_fn(model, batch) if stat is not None else c.row_values(c.row_fn(model, batch))
             v = v.detach().double().reshape(-1)
             values.append(v.cpu())
-            if stat is None and c.group_key is not None:
+            if stat is not None and stat.group_key is not None:
+                groups.append(torch.as_tensor(batch[stat.group_key]).reshape(-1).long().cpu())
+            elif stat is None and c.group_key is not None:
                 groups.append(c.row_groups(batch, v.shape[0], v.device).cpu())
         v = torch.cat(values).numpy()
-        out[c.name] = v if not groups else GroupRows(v, torch.cat(groups).numpy(), absolute=is_absolute_value(c.outer))
+        absolute = stat.absolute if stat is not None else is_absolute_value(c.outer)
+        out[c.name] = v if not groups else GroupRows(v, torch.cat(groups).numpy(), absolute=absolute)
     return out

@@ -47,6 +47,8 @@ from .roc import (
     objective_pairs,
     pairwise_auc_loss,
     roc_fairness_constraints,
+    roc_fairness_values,
+    score_rows,
 )
 
 logger = logging.getLogger(__name__)
@@ -261,9 +263,13 @@ def run_roc_fairness(args: ROCFairnessArguments, training_args: ConstrainedTrain
         train_seconds = history.train_seconds
         if certify_split is not None:
             cert = certify_models(trainer, delta=args.delta)
+            test = splits["test"]
             certificate = {"certified": cert.certified == [0], "delta": args.delta, "bounds": cert.upper_bounds[0],
                            "values": cert.values[0], "smallest_certified_gap": max(cert.upper_bounds[0].values()),
-                           "certify_rows": len(certify_split), "audit_rows": len(splits["test"]),
+                           "certify_rows": len(certify_split), "audit_rows": len(test),
+                           # the certified statistic (hard gaps) on the test split, which the certificate never read
+                           "test_values": roc_fairness_values(score_rows(model, test), test.label, test.group,
+                                                              args.threshold_list, hard=True),
                            "split_fingerprints": cert.split_fingerprints}
         if args.save_model:
             if training_args.should_save:

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 from transformers import TrainerCallback
 
-from ..constraint import Constraint
+from ..constraint import CertifyStatistic, Constraint
 from ..method.sampling import ConstraintBatchStream
 from ..trainer import ConstrainedTrainer
 from .model import model_scores
@@ -258,6 +258,20 @@ def roc_row_scores(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Te
     return model_scores(model, batch["inputs"])
 
 
+class HardRate:
+    """The certification statistic of the constraint at threshold tau: the hard rate 1[s > tau] of
+    each row (what users check: TPR / FPR at the threshold), from the ``row_fn`` scores."""
+
+    def __init__(self, tau: float) -> None:
+        self.tau = float(tau)
+
+    def __call__(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return (roc_row_scores(model, batch) > self.tau).double()
+
+    def __repr__(self) -> str:
+        return f"HardRate(tau={self.tau:g})"
+
+
 class SigmoidRate:
     """``row_transform`` of the constraint at threshold tau: the soft rate sigmoid(s - tau)."""
 
@@ -342,9 +356,10 @@ def roc_fairness_constraints(train: RowSource, eval_data: Optional[RowSource] = 
     positives (group p, group u), the FPR ones one of the negatives; evaluation data
     (``eval_dataset``) is a :class:`GroupRows` with every row once. ``seed`` seeds the
     shorter group's walk. ``metadata["noise_scale"] = kappa``: the scale the mini-batch
-    dispersion is compared with. ``certify_data``: the certification split (every row once,
-    per-row soft rates in [0, 1], so ``value_range = (0, 1)``; the certificate bounds the
-    absolute gap from each group's bounds).
+    dispersion is compared with. ``certify_data``: the certification split (every row once);
+    the certificate measures what users check, the hard gap |rate_p - rate_u| of 1[s > tau]
+    (:class:`HardRate`), from each group's exact Clopper-Pearson bounds, while training follows
+    the soft rates.
     """
     if not kappa >= 0 or not math.isfinite(kappa):
         raise ValueError(f"kappa must be a finite number >= 0, got {kappa}")
@@ -368,7 +383,12 @@ def roc_fairness_constraints(train: RowSource, eval_data: Optional[RowSource] = 
                 name=constraint_name(kind, tau), row_fn=roc_row_scores, row_transform=SigmoidRate(tau),
                 group_key=GROUP_KEY, dataset=data, eval_dataset=eval_rows, tolerance=float(kappa),
                 collate_fn=collate_rows, outer=torch.abs, exact_fn=_ExactGap(tau),
-                certify_dataset=certify_rows, value_range=(0.0, 1.0) if certify_rows is not None else None,
+                certify_dataset=certify_rows,
+                # certified: the hard |TPR/FPR gap| at tau (each group's 0/1 rate, exact Clopper-Pearson bounds);
+                # trained: the soft rates' gap (the surrogate)
+                certify_statistic=None if certify_rows is None else CertifyStatistic(
+                    HardRate(tau), tolerance=float(kappa), value_range=(0.0, 1.0), bound="clopper_pearson",
+                    description=f"hard {kind.upper()} gap at {tau:g}", group_key=GROUP_KEY, absolute=True),
                 metadata={"kind": kind, "label": y, "threshold": tau, "kappa": float(kappa),
                           "noise_scale": float(kappa)},
             ))
@@ -376,13 +396,14 @@ def roc_fairness_constraints(train: RowSource, eval_data: Optional[RowSource] = 
 
 
 def roc_fairness_values(scores: np.ndarray, label: np.ndarray, group: np.ndarray,
-                        thresholds: Sequence[float] = DEFAULT_THRESHOLDS) -> dict[str, float]:
-    """Exact |group-rate gap| of every constraint from one score vector (numpy, float64)."""
+                        thresholds: Sequence[float] = DEFAULT_THRESHOLDS, *, hard: bool = False) -> dict[str, float]:
+    """Exact |group-rate gap| of every constraint from one score vector (numpy, float64): of the
+    soft rates sigmoid(s - tau) (the constraints), or with ``hard`` of 1[s > tau] (the certificate)."""
     scores = np.asarray(scores, dtype=np.float64)
     out = {}
     for kind, y in (("tpr", 1), ("fpr", 0)):
         for tau in thresholds:
-            rate = 1.0 / (1.0 + np.exp(-(scores - float(tau))))
+            rate = (scores > float(tau)).astype(np.float64) if hard else 1.0 / (1.0 + np.exp(-(scores - float(tau))))
             a = rate[(group == 1) & (label == y)].mean()
             b = rate[(group == 0) & (label == y)].mean()
             out[constraint_name(kind, float(tau))] = float(abs(a - b))

@@ -413,3 +413,41 @@ def test_penalty_methods_follow_the_step_decay_through_multisteplr(splits, tmp_p
     # ICPPAC's loop (no torch optimizer) gets the same multipliers
     np.testing.assert_allclose([1e-2 * step_decay(total, [0.5, 0.75], 0.1)(t) for t in range(total)], expected,
                                rtol=1e-9)
+
+
+def test_the_certificate_bounds_the_hard_gaps_on_its_own_split(splits, tmp_path):
+    """The ROC certificate measures what users check, the hard |TPR/FPR gap| of 1[s > tau], on a
+    certification split: each group's rate gets exact Clopper-Pearson bounds at delta/4 (both ends
+    of both groups), checked here against scipy's beta quantiles."""
+    from scipy.stats import beta as beta_dist
+
+    from hf_constrained.safety.evaluation import certify_models
+
+    model = mlp()
+    with torch.no_grad():
+        model.mlp[-1].bias.fill_(0.3)
+    certify = biased_split(400, 7)
+    cons = roc_fairness_constraints(splits["train"], splits["validation"], thresholds=THRESHOLDS, kappa=0.01,
+                                    certify_data=certify)
+    trainer = AUCConstrainedTrainer(model=model, args=make_args(tmp_path), constraints=cons,
+                                    train_dataset=objective_pairs(splits["train"]), data_collator=collate_pairs)
+    cert = certify_models(trainer, delta=0.05)
+    with torch.no_grad():
+        s = model(features=torch.from_numpy(certify.features)).logits.double().numpy()
+
+    def ends(hits):
+        k, n = int(hits.sum()), hits.size
+        up = 1.0 if k == n else beta_dist.ppf(1 - 0.05 / 4, k + 1, n - k)
+        lo = 0.0 if k == 0 else beta_dist.ppf(0.05 / 4, k, n - k + 1)
+        return lo, up
+
+    for kind, y in (("tpr", 1), ("fpr", 0)):
+        for tau in THRESHOLDS:
+            name = f"{kind}_gap@{tau:+g}"
+            lo_p, up_p = ends(s[(certify.group == 1) & (certify.label == y)] > tau)
+            lo_u, up_u = ends(s[(certify.group == 0) & (certify.label == y)] > tau)
+            assert cert.upper_bounds[0][name] == pytest.approx(max(up_p - lo_u, up_u - lo_p), abs=1e-9)
+            hard = abs((s[(certify.group == 1) & (certify.label == y)] > tau).mean()
+                       - (s[(certify.group == 0) & (certify.label == y)] > tau).mean())
+            assert cert.values[0][name] == pytest.approx(hard)
+    assert cert.bound == {c.name: "clopper_pearson" for c in cons}
