@@ -52,5 +52,5 @@ def test_end_to_end_numbers_are_the_committed_runs():
     assert "| ROC fairness, COMPAS, at the hard gap 70% of runs certify (0.316) | 14 / 20 | 0 / 14 | - |" in readme
     bounds = sorted(max(r["certified_bounds"].values()) for r in roc["per_run"])
     audit = sorted(max(r["audit_certified_statistic"].values()) for r in roc["per_run"])
-    assert (round(bounds[0], 2), round(bounds[-1], 2), round(audit[0], 2), round(audit[-1], 2)) == (0.2, 0.37, 0.07, 0.22)
-    assert "hard gaps of 0.20-0.37" in readme and "hard gaps of 0.07-0.22" in readme
+    assert (round(bounds[0], 2), round(bounds[-1], 2), round(audit[0], 2), round(audit[-1], 2)) == (0.19, 0.37, 0.07, 0.22)
+    assert "hard gaps of 0.19-0.37" in readme and "hard gaps of 0.07-0.22" in readme
