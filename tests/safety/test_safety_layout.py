@@ -22,8 +22,7 @@ PACKAGE = "hf_constrained"
 
 def package_modules() -> dict[str, str]:
     """module name -> file, for every ``.py`` file of the package's (regular) packages; files in
-    folders without ``__init__.py`` are resources, e.g. the ``evaluate`` metric script under
-    ``metrics/constraint_satisfaction/``, which ``evaluate.load`` reads by path."""
+    folders without ``__init__.py`` are resources, not modules."""
     out = {}
     root = os.path.join(REPO, PACKAGE)
     for directory, _, files in os.walk(root):
