@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -53,6 +54,21 @@ def load_config_file(path: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise RecipeConfigError(f"--config {path}: expected a mapping of flag names to values, got {type(data).__name__}")
     return data
+
+
+def given_flags(argv: Optional[Sequence[str]] = None) -> set[str]:
+    """The fields set on the command line ``argv`` (default: ``sys.argv[1:]``) or in its
+    ``--config`` file, by field name (``--constraint-penalty`` and ``--constraint_penalty`` are
+    both ``constraint_penalty``): what a user chose, as opposed to a default."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    names = {a[2:].split("=", 1)[0].replace("-", "_") for a in argv if a.startswith("--") and len(a) > 2}
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--config", default=None)
+    config = pre.parse_known_args(argv)[0].config
+    if config is not None:
+        names |= {str(k) for k in load_config_file(config)}
+    names.discard("config")
+    return names
 
 
 def parse_recipe_args(dataclass_types: Sequence[type], argv: Optional[Sequence[str]] = None,

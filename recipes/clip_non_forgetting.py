@@ -309,10 +309,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
                                               output_dir=args.output_dir),
         objective_metrics={f"accuracy/{c}": v for c, v in accuracy_new.items()},
         # what users look at beside the loss-based value: zero-one accuracy per protected class
-        extra_columns={"old accuracy": {c.name: accuracy_old.get(c.metadata.get("class"), float("nan"))
-                                        for c in constraints},
-                       "new accuracy": {c.name: accuracy_new.get(c.metadata.get("class"), float("nan"))
-                                        for c in constraints}},
+        # (each constraint's metadata names its class under "task", as the non-forgetting builder stores it)
+        extra_columns={"old accuracy": {c.name: accuracy_old[c.metadata["task"]] for c in constraints},
+                       "new accuracy": {c.name: accuracy_new[c.metadata["task"]] for c in constraints}},
     )
     results["safe"] = report.all_satisfied
     results["certificate"] = {

@@ -58,6 +58,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
 
 from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments, finish_run
+from hf_constrained.errors import check_model_path
 from hf_constrained.non_forgetting import (
     PaddingCollator,
     ReferenceGap,
@@ -203,6 +204,8 @@ def check_arguments(script: ScriptArguments, args: ConstrainedTrainingArguments)
         raise ValueError(f"--forget_tolerance is a share of examples, in [0, 1]; got {script.forget_tolerance}")
     if not 0.0 < script.delta < 1.0:
         raise ValueError(f"--delta must be in (0, 1), got {script.delta}")
+    # a mistyped path is an error naming the flag, before the tokenizer or the model loads
+    script.model_name_or_path = check_model_path(script.model_name_or_path)
 
 
 # ---------------------------------------------------------------------------------- main

@@ -5,7 +5,9 @@
     python recipes/roc_fairness.py --dataset csv --csv_path my.csv --label_column y --group_column sex \
         --group_value F --positive_label 1 --method hinge --output_dir runs/mine
 
-Methods: hinge (the paper's method), squared_hinge, none, icppac. Writes
+Methods: hinge (the paper's method), squared_hinge, none, icppac, chosen with ``--method``;
+``--constraint_penalty`` (hinge, squared_hinge, none), the flag the other recipes share, chooses
+the same penalty methods when ``--method`` is not given (both given must agree). Writes
 <output_dir>/results.json (final exact train/validation/test constraint values, largest
 violation, AUCs, the shift-proof fairness measures and where the scores lie relative to
 the thresholds, wall time, per-epoch history) and the trained model.
@@ -36,10 +38,11 @@ logs each constraint's batch dispersion next to its estimate.
 
 import json
 import logging
+from collections.abc import Collection
 
 from hf_constrained import ConstrainedTrainingArguments
 from hf_constrained.fairness.experiment import ROCFairnessArguments, run_roc_fairness
-from hf_constrained.recipe_args import parse_recipe_args
+from hf_constrained.recipe_args import given_flags, parse_recipe_args
 
 DEFAULTS = dict(  # the paper's setting where the user does not say otherwise, and the four changes above
     per_device_train_batch_size=64, learning_rate=1e-4, num_train_epochs=60, constraint_batch_size=64,
@@ -54,14 +57,22 @@ DEFAULT_MARGIN = 0.004
 """``--constraint_margin`` unless given (or ``--constraint_confidence`` is, which excludes a margin)."""
 
 
-def check_recipe_flags(script_args: ROCFairnessArguments, training_args: ConstrainedTrainingArguments) -> None:
+def check_recipe_flags(script_args: ROCFairnessArguments, training_args: ConstrainedTrainingArguments,
+                       given: Collection[str] = ()) -> None:
     """Flags this recipe cannot honour are errors, never silently replaced: the method is
-    ``--method``; the optimizer is AdamW with the paper's step decay (``--lr_decay_at``,
-    ``--lr_decay_factor``)."""
+    ``--method``, or ``--constraint_penalty`` when ``--method`` is not given (``given``: the
+    flags the user set, :func:`~hf_constrained.recipe_args.given_flags`), and both given must
+    agree; the optimizer is AdamW with the paper's step decay (``--lr_decay_at``,
+    ``--lr_decay_factor``). Sets ``script_args.method`` to the method chosen."""
     penalty = training_args.constraint_penalty
-    if penalty != "hinge" and penalty != script_args.method:  # "hinge" is the default: not given
-        raise ValueError(f"--constraint_penalty {penalty} contradicts --method {script_args.method}: this recipe takes "
-                         "the method from --method (hinge, squared_hinge, none, icppac)")
+    # without ``given``, a penalty other than the default "hinge" counts as given
+    penalty_given = "constraint_penalty" in given or penalty != "hinge"
+    if penalty_given and "method" not in given:
+        script_args.method = penalty  # hinge, squared_hinge or none: each one of the recipe's methods
+    elif penalty_given and penalty != script_args.method:
+        raise ValueError(f"--constraint_penalty {penalty} contradicts --method {script_args.method}: give one of them "
+                         "(--method: hinge, squared_hinge, none, icppac; --constraint_penalty: hinge, squared_hinge, "
+                         "none), or both with the same method")
     scheduler = str(getattr(training_args.lr_scheduler_type, "value", training_args.lr_scheduler_type))
     if scheduler != "constant":
         raise ValueError(f"--lr_scheduler_type {scheduler} is not used by this recipe: its "
@@ -76,7 +87,7 @@ def main(argv=None) -> dict:
     script_args, training_args = parse_recipe_args([ROCFairnessArguments, ConstrainedTrainingArguments], argv,
                                                    description=__doc__,
                                                    defaults={**DEFAULTS, "output_dir": "runs/roc_fairness"})
-    check_recipe_flags(script_args, training_args)
+    check_recipe_flags(script_args, training_args, given_flags(argv))
     if training_args.constraint_margin is None and training_args.constraint_confidence is None:
         training_args.constraint_margin = DEFAULT_MARGIN
     logging.basicConfig(level=logging.INFO if training_args.should_log else logging.WARNING)

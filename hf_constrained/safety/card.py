@@ -22,6 +22,7 @@ Only relative paths appear: local base-model and checkpoint paths are shown by t
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import os
 import re
@@ -138,6 +139,8 @@ class ModelSource:
     module: Optional[str] = None
     adapter_base_model: Optional[str] = None
     from_pretrained: bool = True
+    base_class_name: Optional[str] = None
+    no_argument_constructor: bool = False
 
     @property
     def is_adapter(self) -> bool:
@@ -160,6 +163,16 @@ def _custom_module(cls: type) -> Optional[str]:
     return None if module.split(".")[0] == "transformers" else module
 
 
+def _no_argument_constructor(cls: type) -> bool:
+    """Whether ``cls()`` builds the model: its constructor needs no argument."""
+    try:
+        parameters = inspect.signature(cls).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return all(p.default is not inspect.Parameter.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+               for p in parameters)
+
+
 def describe_model(model: Any) -> ModelSource:
     """:class:`ModelSource` of a model, by duck typing (no import of peft or transformers):
     a ``peft`` model has ``peft_config`` (its adapters) and ``get_base_model()``."""
@@ -167,27 +180,37 @@ def describe_model(model: Any) -> ModelSource:
     if isinstance(peft_config, Mapping) and peft_config:
         config = next(iter(peft_config.values()))
         base = model.get_base_model() if hasattr(model, "get_base_model") else None
-        return ModelSource("peft", "AutoPeftModel", None if base is None else _custom_module(type(base)),
-                           getattr(config, "base_model_name_or_path", None))
+        return ModelSource("peft", "PeftModel", None if base is None else _custom_module(type(base)),
+                           getattr(config, "base_model_name_or_path", None),
+                           base_class_name=None if base is None else type(base).__name__)
     cls = type(model)
     if not hasattr(cls, "from_pretrained"):
-        return ModelSource(None, cls.__name__, _custom_module(cls) or cls.__module__, from_pretrained=False)
+        return ModelSource(None, cls.__name__, _custom_module(cls) or cls.__module__, from_pretrained=False,
+                           no_argument_constructor=_no_argument_constructor(cls))
     return ModelSource("transformers", cls.__name__, _custom_module(cls))
 
 
 def usage_snippet(source: ModelSource, repo_id: str) -> str:
     """Python that loads the published model."""
     lines = []
-    if source.module and source.is_adapter:
-        lines.append(f"import {source.module}  # defines the base model's architecture")
     if source.is_adapter:
-        lines += ["from peft import AutoPeftModel", "",
-                  f'model = AutoPeftModel.from_pretrained("{repo_id}")  # the base model, with the adapters']
+        # PeftModel.from_pretrained picks the PEFT class of the adapter's task type (AutoPeftModel
+        # refuses a task type, e.g. a causal-LM adapter, and base models AutoModel does not map)
+        base_class = source.base_class_name or "AutoModel"
+        where = source.module or "transformers"
+        comment = "  # the base model's architecture" if source.module else ""
+        lines += ["from peft import PeftConfig, PeftModel",
+                  f"from {where} import {base_class}{comment}", "",
+                  f'config = PeftConfig.from_pretrained("{repo_id}")',
+                  f"base = {base_class}.from_pretrained(config.base_model_name_or_path)",
+                  f'model = PeftModel.from_pretrained(base, "{repo_id}")  # the base model, with the adapters']
     elif not source.from_pretrained:
+        build = (f"model = {source.class_name}()" if source.no_argument_constructor
+                 else f"model = {source.class_name}(...)  # the constructor arguments used for training")
         lines += [f"from {source.module} import {source.class_name}",
                   "from huggingface_hub import hf_hub_download",
                   "from safetensors.torch import load_model", "",
-                  f"model = {source.class_name}(...)  # built as for training",
+                  build,
                   f'load_model(model, hf_hub_download("{repo_id}", "model.safetensors"))']
     else:
         where = source.module or "transformers"

@@ -3,6 +3,7 @@ constrained run of the demo's code path that must beat unconstrained fine-tuning
 
 import importlib.util
 import json
+import math
 import os
 import sys
 
@@ -68,8 +69,18 @@ def test_recipe_bdd100k_hinge_saves_model_and_results(assets, tmp_path):
     assert not cert["certified"] and not results["safe"] and sorted(cert["failing"]) == sorted(saved["constraints_train"])
     assert all(b >= 1 - 0.05 ** 0.5 - 1e-9 for b in cert["certified_bounds"].values())
     assert sorted(c["name"] for c in report["constraints"]) == sorted(saved["constraints_train"])
+    # each protected class's old and new zero-shot accuracy, in the report and the card's table
+    assert report["extra_columns"] == ["old accuracy", "new accuracy"]
+    for c in report["constraints"]:
+        old, new = c["extra"]["old accuracy"], c["extra"]["new accuracy"]
+        assert all(isinstance(v, float) and math.isfinite(v) and 0 <= v <= 1 for v in (old, new)), c
+    by_class = {c["name"]: c["extra"] for c in report["constraints"]}
+    assert sorted(v["old accuracy"] for v in by_class.values()) == sorted(
+        v for k, v in results["accuracy_old"].items() if k != "foggy")
     with open(os.path.join(out, "README.md")) as f:
         card = f.read()
+    table = card.split("old accuracy")[1].split("\n\n")[0]
+    assert "nan" not in table.lower()
     head = card.split("\n---", 2)[-1][:400]
     assert ("UNSAFE" in head or "NOT CERTIFIED" in head) != report["all_satisfied"]
 

@@ -211,6 +211,33 @@ def test_bad_input_is_a_clear_error_before_training(setup, tmp_path):
         recipe.main(argv + ["--protected_datasets", f"reverse={setup['reverse']}", f"reverse={setup['copy']}"])
 
 
+def test_mistyped_model_path_fails_before_any_model_loads(setup, tmp_path, monkeypatch):
+    """A mistyped local --model_name_or_path is an error naming the flag, raised before the
+    tokenizer or the model is loaded (as the CLIP recipe does)."""
+    from huggingface_hub import constants
+
+    recipe = _recipe()
+
+    class NoLoading:
+        @staticmethod
+        def from_pretrained(*args, **kwargs):
+            raise AssertionError(f"loaded {args} before checking --model_name_or_path")
+
+    monkeypatch.setattr(recipe, "AutoTokenizer", NoLoading)
+    monkeypatch.setattr(recipe, "AutoModelForCausalLM", NoLoading)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    argv = _flags(setup, tmp_path / "out")
+    for mistyped, error, message in (
+            (setup["gpt2"] + "-typo", FileNotFoundError, "the local path does not exist"),
+            ("./tiny-gpt2-typo", FileNotFoundError, "the local path does not exist"),
+            ("runs/tiny-gpt2-typo", FileNotFoundError, "not in the local Hugging Face cache"),
+            ("runs//tiny", ValueError, "neither a local model directory nor a hub id")):
+        bad = [mistyped if a == setup["gpt2"] else a for a in argv]
+        with pytest.raises(error, match=message) as raised:
+            recipe.main(bad)
+        assert f"--model_name_or_path={mistyped!r}" in str(raised.value)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -174,9 +174,47 @@ def test_safe_release_through_the_cli_with_a_config_file(tmp_path, capsys):
     ("quickstart", ["--seeds", "0;1"], "expected comma-separated integers"),
     ("clip", ["--model_name_or_path", "x", "--remove_unused_columns", "true"], "--remove_unused_columns true is not"),
     ("fairness", ["--method", "none", "--constraint_penalty", "squared_hinge"], "contradicts --method none"),
+    # the default of either flag, given, is a choice too
+    ("fairness", ["--method", "squared_hinge", "--constraint_penalty", "hinge"],
+     "--constraint_penalty hinge contradicts --method squared_hinge"),
+    ("fairness", ["--method", "icppac", "--constraint_penalty", "hinge"], "contradicts --method icppac"),
 ])
 def test_flags_a_recipe_cannot_honour_are_errors(command, flags, message, tmp_path, capsys):
     with pytest.raises((ValueError, SystemExit)) as error:
         main([command, *flags, "--output_dir", str(tmp_path)])
     text = str(error.value) if error.type is ValueError else capsys.readouterr().err
     assert message in text
+
+
+@pytest.mark.parametrize("flags, method", [
+    ([], "hinge"),
+    (["--constraint_penalty", "squared_hinge"], "squared_hinge"),
+    (["--constraint-penalty=none"], "none"),
+    (["--constraint_penalty", "hinge"], "hinge"),
+    (["--method", "squared_hinge"], "squared_hinge"),
+    (["--method", "icppac"], "icppac"),
+    (["--method", "squared_hinge", "--constraint_penalty", "squared_hinge"], "squared_hinge"),
+])
+def test_fairness_method_from_method_or_constraint_penalty(flags, method, tmp_path, monkeypatch):
+    """``--constraint_penalty`` (listed in the fairness recipe's --help) chooses its penalty
+    method when ``--method`` is not given; the run gets that method."""
+    module = importlib.import_module("hf_constrained.recipes.roc_fairness")
+    runs = []
+    monkeypatch.setattr(module, "run_roc_fairness", lambda script, training, argv=None: runs.append(script) or {})
+    monkeypatch.setattr(module.ConstrainedTrainingArguments, "should_save", property(lambda self: False))
+    main(["fairness", *flags, "--output_dir", str(tmp_path)])
+    assert [r.method for r in runs] == [method]
+
+
+def test_fairness_method_from_a_config_file(tmp_path, monkeypatch):
+    module = importlib.import_module("hf_constrained.recipes.roc_fairness")
+    runs = []
+    monkeypatch.setattr(module, "run_roc_fairness", lambda script, training, argv=None: runs.append(script) or {})
+    monkeypatch.setattr(module.ConstrainedTrainingArguments, "should_save", property(lambda self: False))
+    config = tmp_path / "fair.yaml"
+    config.write_text(yaml.safe_dump({"constraint_penalty": "squared_hinge"}))
+    main(["fairness", "--config", str(config), "--output_dir", str(tmp_path)])
+    assert runs[-1].method == "squared_hinge"
+    config.write_text(yaml.safe_dump({"constraint_penalty": "none", "method": "hinge"}))
+    with pytest.raises(ValueError, match="--constraint_penalty none contradicts --method hinge"):
+        main(["fairness", "--config", str(config), "--output_dir", str(tmp_path)])

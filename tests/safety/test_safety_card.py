@@ -178,3 +178,85 @@ def test_a_recipe_run_as_a_script_is_named_by_its_installed_module(monkeypatch):
     assert hasattr(importlib.import_module(source.module), "DigitMLP")
     main.__file__ = "/somewhere/my_training.py"
     assert describe_model(model_class()).module == "my_training"
+
+
+def _card_snippet(card: str) -> str:
+    """The Python block under "How to use" in a rendered card."""
+    return card.split("## How to use")[1].split("```python\n")[1].split("```")[0]
+
+
+def _transformers_model(folder: Path):
+    model = _tiny_bert()
+    model.save_pretrained(folder)
+    return model
+
+
+def _lora(base, folder: Path, **lora):
+    """``base`` saved and reloaded (the adapter records the folder as its base), with LoRA weights
+    set to random values (a loader that drops the adapters would then differ)."""
+    from peft import LoraConfig, get_peft_model
+
+    base.save_pretrained(folder / "base")
+    base = type(base).from_pretrained(folder / "base")
+    model = get_peft_model(base, LoraConfig(r=2, **lora))
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn_like(p))
+    model.save_pretrained(folder / "model")
+    return model
+
+
+def _causal_lm_adapter(folder: Path):
+    from hf_constrained.recipes.tiny_lm import tiny_causal_lm
+
+    base = tiny_causal_lm(20, "gpt2", hidden_size=16, layers=1, heads=2)
+    return _lora(base, folder, task_type="CAUSAL_LM", target_modules=["c_attn"], fan_in_fan_out=True)
+
+
+def _clip_adapter(folder: Path):
+    from hf_constrained.clip.tiny import tiny_clip
+
+    base = tiny_clip(20, hidden_size=16, layers=1, heads=2, projection_dim=8)
+    return _lora(base, folder, target_modules=["q_proj", "v_proj"])
+
+
+def _custom_module(folder: Path):
+    """The safe-release recipe's model, saved as its ``Trainer`` saves a plain ``nn.Module``."""
+    from safetensors.torch import save_file
+
+    from hf_constrained.recipes.safe_release_digits import DigitMLP
+
+    torch.manual_seed(0)
+    model = DigitMLP()
+    folder.mkdir()
+    save_file(model.state_dict(), str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return model
+
+
+@pytest.mark.parametrize("make", [_transformers_model, _causal_lm_adapter, _clip_adapter, _custom_module],
+                         ids=["transformers", "causal_lm_lora", "clip_lora", "custom_module"])
+def test_card_usage_snippet_runs_as_written(tmp_path, monkeypatch, make):
+    """The card's snippet, with its repo id pointed at the saved folder, loads the saved weights."""
+    import huggingface_hub
+
+    model = make(tmp_path / "model") if make in (_transformers_model, _custom_module) else make(tmp_path)
+    folder = tmp_path / "model"
+    repo_id = "org/published-model"
+    card = str(render_model_card(SafetyReport([ConstraintResult("a", 0.1, 0.2)]), model_name="m",
+                                 source=describe_model(model), repo_id=repo_id))
+    snippet = _card_snippet(card)
+    assert repo_id in snippet and str(tmp_path) not in card
+
+    def hf_hub_download(repo, filename, **_):  # the Hub, served from the saved folder
+        assert repo == str(folder)
+        return str(folder / filename)
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", hf_hub_download)
+    namespace: dict = {}
+    exec(snippet.replace(repo_id, str(folder)), namespace)  # noqa: S102 (the card's own snippet)
+    loaded, saved = namespace["model"].state_dict(), model.state_dict()
+    assert loaded.keys() == saved.keys()
+    for key, value in saved.items():
+        assert torch.equal(loaded[key], value), key
