@@ -138,6 +138,8 @@ def run_recipe(recipe: Recipe, argv: Sequence[str]) -> int:
         result = module.main(list(argv))
     finally:
         sys.argv = saved
+    if isinstance(result, dict) and isinstance(result.get("exit_status"), int):
+        return result["exit_status"]  # e.g. 1 when the recipe's push gate refused
     return result if isinstance(result, int) else 0
 
 

@@ -57,7 +57,7 @@ import torch
 
 from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
 
-from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments, finish_run
+from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments, UnsafeModelError, finish_run
 from hf_constrained.errors import check_model_path
 from hf_constrained.non_forgetting import (
     PaddingCollator,
@@ -276,7 +276,12 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     trainer = ConstrainedTrainer(model=model, args=args, train_dataset=train_rows, eval_dataset=eval_rows,
                                  data_collator=collate, processing_class=tokenizer, constraints=constraints)
     train_result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
-    trainer.save_model(args.output_dir)  # before the card: a PEFT save writes its own README.md
+    # the upload comes last, after the results, report and card exist: this save does not push
+    push, args.push_to_hub = args.push_to_hub, False
+    try:
+        trainer.save_model(args.output_dir)  # before the card: a PEFT save writes its own README.md
+    finally:
+        args.push_to_hub = push
 
     hub_ids = [s for s in [script.target_dataset, *_named_sources(script.protected_datasets).values(),
                            script.safety_dataset] if s and not os.path.exists(s)]
@@ -328,10 +333,15 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         logger.info("saved the model, tokenizer and %s to %s", RESULTS_FILE, args.output_dir)
         if report is not None:
             logger.info(report.summary())
+    results["exit_status"] = 0
     if args.push_to_hub:
-        trainer.push_to_hub(allow_unsafe=script.allow_unsafe_push)  # refused when a constraint fails held-out
+        try:  # every local file is complete by now: a refusal uploads nothing and loses nothing
+            trainer.push_to_hub(allow_unsafe=script.allow_unsafe_push)
+        except UnsafeModelError as err:
+            logger.error("%s", str(err).splitlines()[0])
+            results["exit_status"] = 1  # the gate refused: the command fails
     return results
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main()["exit_status"])

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -340,3 +341,43 @@ def test_forgetting_every_answer_is_not_certified_and_keeping_them_is(setup, ans
     assert kept["safety_report"]["certificate"]["values"][0]["non_forgetting/one"] == 0.0
     assert kept["certified_bounds"]["non_forgetting/one"] == pytest.approx(1 - 0.05 ** (1 / 10))
     assert kept["certified"] is True and kept["safe"] is True
+
+
+class _Hub:
+    """The Hub client the Trainer pushes through (mocked: no network)."""
+
+    def __init__(self) -> None:
+        self.calls = []
+
+    def whoami(self, token=None):
+        return {"name": "user"}
+
+    def create_repo(self, repo_id, **kwargs):
+        self.calls.append(("create_repo", repo_id))
+        return SimpleNamespace(repo_id=repo_id)
+
+    def upload_folder(self, **kwargs):
+        self.calls.append(("upload_folder", kwargs.get("repo_id")))
+        return SimpleNamespace(commit_url="https://example.invalid/commit", oid="0" * 40)
+
+
+def test_push_comes_last_and_a_refusal_keeps_every_local_file(setup, tmp_path, monkeypatch):
+    """--push_to_hub on a run that is not certified: results, report, card and trainer state are all
+    written, nothing is uploaded, and the command's status is 1; --allow_unsafe_push uploads, status 0."""
+    import transformers.trainer as hf_trainer
+
+    from hf_constrained.cli import main as cli_main
+
+    hub = _Hub()
+    monkeypatch.setattr(hf_trainer, "hf_api", lambda: hub)
+    out = tmp_path / "refused"
+    status = cli_main(["llm", *_flags(setup, out, push_to_hub=True, hub_model_id="user/model")])
+    assert status == 1 and hub.calls == []
+    for name in ("llm_results.json", "safety_report.json", "README.md", "trainer_state.json", "model.safetensors"):
+        assert (out / name).exists(), name
+    assert json.loads((out / "llm_results.json").read_text())["certified"] is False
+    out = tmp_path / "override"
+    status = cli_main(["llm", *_flags(setup, out, push_to_hub=True, hub_model_id="user/model",
+                                      allow_unsafe_push=True)])
+    assert status == 0 and ("upload_folder", "user/model") in hub.calls
+    assert "UNSAFE" in (out / "README.md").read_text() or "NOT CERTIFIED" in (out / "README.md").read_text()
