@@ -43,7 +43,7 @@ from typing import Optional
 import torch
 from transformers import CLIPModel, CLIPProcessor, set_seed
 
-from hf_constrained import ConstrainedTrainingArguments, finish_run
+from hf_constrained import ConstrainedTrainingArguments, UnsafeModelError, finish_run
 from hf_constrained.callbacks import PeriodicMetricsCallback
 from hf_constrained.errors import check_model_path
 from hf_constrained.publishable import publishable_command, publishable_path, publishable_values
@@ -111,6 +111,8 @@ class ScriptArguments:
         "help": "Certified: at most this share of each protected class's certification images forgotten "
                 "(right under the old model, wrong now)."})
     delta: float = field(default=0.05, metadata={"help": "The certificate's error level."})
+    allow_unsafe_push: bool = field(default=False, metadata={
+        "help": "With --push_to_hub: publish even when the run is not certified (the card then says so)."})
     accuracy_every_steps: int = field(default=0, metadata={
         "help": "Log per-class zero-shot accuracy (eval_accuracy/<class>) on the held-out images every N steps "
                 "(400 = once per paper epoch); 0: only at the end."})
@@ -331,8 +333,15 @@ def main(argv: Optional[list[str]] = None) -> dict:
                 print(f"{c:>20}: accuracy {100 * accuracy_old[c]:5.1f} -> {100 * accuracy_new.get(c, float('nan')):5.1f}")
         print(f"constraints satisfied (exact, eval data): {bool(metrics.get('eval_constraints_satisfied', 0.0))}")
         print(report.summary())
+    results["exit_status"] = 0
+    if args.push_to_hub:
+        try:  # last, after the model, results, report and card are written: a refusal loses nothing
+            trainer.push_to_hub(allow_unsafe=script.allow_unsafe_push)
+        except UnsafeModelError as err:
+            logger.error("%s", str(err).splitlines()[0])
+            results["exit_status"] = 1  # the gate refused: the command fails
     return results
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or None)
+    sys.exit(main(sys.argv[1:] or None)["exit_status"])

@@ -174,3 +174,45 @@ def test_recipe_certifies_on_held_out_images_nothing_else_reads(assets, tmp_path
         assert json.load(f)["certificate"] == cert
     with pytest.raises(ValueError, match="--certify_fraction"):
         recipe.main([*argv[:argv.index("--certify_fraction") + 1], "1.0", *argv[argv.index("--certify_fraction") + 2:]])
+
+
+def test_push_to_hub_is_gated_and_comes_last(assets, tmp_path, monkeypatch):
+    """--push_to_hub: a run that is not certified uploads nothing, keeps its files, and the command
+    fails (status 1); --allow_unsafe_push publishes it."""
+    from types import SimpleNamespace
+
+    import transformers.trainer as hf_trainer
+
+    from hf_constrained.cli import main as cli_main
+
+    class Hub:
+        calls = []
+
+        def whoami(self, token=None):
+            return {"name": "user"}
+
+        def create_repo(self, repo_id, **kwargs):
+            self.calls.append(("create_repo", repo_id))
+            return SimpleNamespace(repo_id=repo_id)
+
+        def upload_folder(self, **kwargs):
+            self.calls.append(("upload_folder", kwargs.get("repo_id")))
+            return SimpleNamespace(commit_url="https://example.invalid/commit", oid="0" * 40)
+
+    hub = Hub()
+    monkeypatch.setattr(hf_trainer, "hf_api", lambda: hub)
+    base, bdd, clip = assets
+
+    def run(name, *extra):
+        out = str(tmp_path / name)
+        return out, cli_main(["clip", "--model_name_or_path", clip, "--bdd100k_root", bdd, "--task", "foggy",
+                              "--output_dir", out, "--push_to_hub", "true", "--hub_model_id", "user/clip", *COMMON,
+                              *extra])
+
+    out, status = run("refused")  # 2 certification images per class cannot certify 0.05
+    assert status == 1 and hub.calls == []
+    for name in ("non_forgetting_results.json", "safety_report.json", "README.md"):
+        assert os.path.exists(os.path.join(out, name)), name
+    out, status = run("override", "--allow_unsafe_push", "true")
+    assert status == 0 and ("upload_folder", "user/clip") in hub.calls
+
