@@ -40,10 +40,26 @@ class RecipeConfigError(ValueError):
     """A ``--config`` file that cannot be used."""
 
 
+def resolve_config_path(path: str) -> str:
+    """``path`` if it is a file; else, for a bare file name, the recipes' shipped config of that name
+    (``--config llm_non_forgetting_lora.yaml`` works from any folder, after ``pip install`` too)."""
+    if os.path.isfile(path) or os.path.dirname(path):
+        return path
+    from .recipes import recipe_file
+
+    try:
+        return recipe_file(os.path.join("configs", path))
+    except FileNotFoundError:
+        return path
+
+
 def load_config_file(path: str) -> dict[str, Any]:
-    """The mapping in the YAML file ``path``; a clear error when it is missing or not a mapping."""
+    """The mapping in the YAML file ``path`` (or the shipped config of that name, see
+    :func:`resolve_config_path`); a clear error when it is missing or not a mapping."""
+    path = resolve_config_path(path)
     if not os.path.isfile(path):
-        raise RecipeConfigError(f"--config {path}: no such file")
+        raise RecipeConfigError(f"--config {path}: no such file (the configs shipped with the recipes can be named "
+                                "by their file name alone: `hf-constrained recipes` lists them)")
     with open(path, encoding="utf-8") as f:
         try:
             data = yaml.safe_load(f)

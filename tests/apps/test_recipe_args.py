@@ -55,3 +55,33 @@ def test_roc_recipe_refuses_flags_it_cannot_honour(tmp_path):
                         (["--optim", "sgd"], "--optim sgd is not used")):
         with pytest.raises(ValueError, match=what):
             recipe.main(flags + ["--output_dir", str(tmp_path), "--num_train_epochs", "1"])
+
+
+def test_the_readmes_launch_commands_find_their_configs_from_any_folder(tmp_path, monkeypatch):
+    """The README's `accelerate launch -m hf_constrained.recipes...` commands run from an install:
+    their --config is found whatever the current folder (a shipped config named by its file name)."""
+    import shlex
+    from pathlib import Path
+
+    from hf_constrained.recipe_args import load_config_file
+
+    lines = (Path(__file__).resolve().parents[2] / "README.md").read_text().splitlines()
+    commands, current = [], None
+    for line in lines:  # shell lines, a trailing backslash continuing them
+        if current is None and line.startswith("accelerate launch -m "):
+            current = ""
+        if current is not None:
+            current += " " + line.rstrip("\\ ")
+            if not line.rstrip().endswith("\\"):
+                commands.append(current.split("#")[0])
+                current = None
+    assert commands
+    monkeypatch.chdir(tmp_path)  # not the repository: as after pip install
+    configs = 0
+    for command in commands:
+        argv = shlex.split(command)
+        if "--config" in argv:
+            config = load_config_file(argv[argv.index("--config") + 1])
+            assert isinstance(config, dict) and config
+            configs += 1
+    assert configs >= 1
