@@ -46,6 +46,7 @@ push (refused when the run is not certified, unless ``--allow_unsafe_push``).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -204,6 +205,12 @@ def check_arguments(script: ScriptArguments, args: ConstrainedTrainingArguments)
         raise ValueError(f"--forget_tolerance is a share of examples, in [0, 1]; got {script.forget_tolerance}")
     if not 0.0 < script.delta < 1.0:
         raise ValueError(f"--delta must be in (0, 1), got {script.delta}")
+    # a logger whose package is missing would fail when the Trainer is built, after the model loaded
+    loggers = {"tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",), "mlflow": ("mlflow",)}
+    for name in args.report_to or []:
+        if name in loggers and not any(importlib.util.find_spec(m) is not None for m in loggers[name]):
+            raise ValueError(f"--report_to {name}: the {loggers[name][0]} package is not installed "
+                             f"(pip install {loggers[name][0]}), or pass --report_to none")
     # a mistyped path is an error naming the flag, before the tokenizer or the model loads
     script.model_name_or_path = check_model_path(script.model_name_or_path)
 

@@ -381,3 +381,24 @@ def test_push_comes_last_and_a_refusal_keeps_every_local_file(setup, tmp_path, m
                                       allow_unsafe_push=True)])
     assert status == 0 and ("upload_folder", "user/model") in hub.calls
     assert "UNSAFE" in (out / "README.md").read_text() or "NOT CERTIFIED" in (out / "README.md").read_text()
+
+
+def test_a_missing_logger_package_fails_before_any_model_loads(setup, tmp_path, monkeypatch):
+    """The shipped LoRA config reports to TensorBoard: without the package the error names the flag
+    before the model loads (the Trainer would fail only when it is built)."""
+    import importlib.util as util
+
+    recipe = _recipe()
+
+    class NoLoading:
+        @staticmethod
+        def from_pretrained(*args, **kwargs):
+            raise AssertionError("loaded a model before checking --report_to")
+
+    real = util.find_spec
+    monkeypatch.setattr(util, "find_spec", lambda name, *a: None if name.startswith("tensorboard") else real(name, *a))
+    monkeypatch.setattr(recipe, "AutoTokenizer", NoLoading)
+    monkeypatch.setattr(recipe, "AutoModelForCausalLM", NoLoading)
+    with pytest.raises(ValueError, match="--report_to tensorboard: the tensorboard package is not installed"):
+        recipe.main([*_flags(setup, tmp_path / "out"), "--report_to", "tensorboard"])
+
