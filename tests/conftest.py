@@ -9,6 +9,7 @@ processes or train for long (``pytest -m "not slow"`` skips them).
 
 import os
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -108,3 +109,24 @@ def args64(tmp_path, name: str, **kw) -> ConstrainedTrainingArguments:
                 constraint_batch_size=8)
     base.update(kw)
     return ConstrainedTrainingArguments(**base)
+
+
+class UploadRecorder:
+    """Stands in for the Hub client the Trainer pushes through (``transformers.trainer.hf_api``):
+    answers the gated trainer's access check and records which repositories were created and
+    uploaded to, without network."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str]] = []
+
+    def whoami(self, token=None):
+        return {"name": "user"}
+
+    def create_repo(self, repo_id, **kwargs):
+        self.calls.append(("create_repo", repo_id))
+        return SimpleNamespace(repo_id=repo_id)
+
+    def upload_folder(self, **kwargs):
+        self.calls.append(("upload_folder", kwargs.get("repo_id")))
+        return SimpleNamespace(commit_url="https://example.invalid/commit", oid="0" * 40)
+

@@ -179,27 +179,12 @@ def test_recipe_certifies_on_held_out_images_nothing_else_reads(assets, tmp_path
 def test_push_to_hub_is_gated_and_comes_last(assets, tmp_path, monkeypatch):
     """--push_to_hub: a run that is not certified uploads nothing, keeps its files, and the command
     fails (status 1); --allow_unsafe_push publishes it."""
-    from types import SimpleNamespace
-
     import transformers.trainer as hf_trainer
+    from conftest import UploadRecorder
 
     from hf_constrained.cli import main as cli_main
 
-    class Hub:
-        calls = []
-
-        def whoami(self, token=None):
-            return {"name": "user"}
-
-        def create_repo(self, repo_id, **kwargs):
-            self.calls.append(("create_repo", repo_id))
-            return SimpleNamespace(repo_id=repo_id)
-
-        def upload_folder(self, **kwargs):
-            self.calls.append(("upload_folder", kwargs.get("repo_id")))
-            return SimpleNamespace(commit_url="https://example.invalid/commit", oid="0" * 40)
-
-    hub = Hub()
+    hub = UploadRecorder()
     monkeypatch.setattr(hf_trainer, "hf_api", lambda: hub)
     base, bdd, clip = assets
 

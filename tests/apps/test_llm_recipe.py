@@ -10,10 +10,11 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import yaml
+
+from conftest import UploadRecorder
 
 from hf_constrained.recipes.tiny_lm import char_tokenizer, tiny_causal_lm
 
@@ -343,24 +344,6 @@ def test_forgetting_every_answer_is_not_certified_and_keeping_them_is(setup, ans
     assert kept["certified"] is True and kept["safe"] is True
 
 
-class _Hub:
-    """The Hub client the Trainer pushes through (mocked: no network)."""
-
-    def __init__(self) -> None:
-        self.calls = []
-
-    def whoami(self, token=None):
-        return {"name": "user"}
-
-    def create_repo(self, repo_id, **kwargs):
-        self.calls.append(("create_repo", repo_id))
-        return SimpleNamespace(repo_id=repo_id)
-
-    def upload_folder(self, **kwargs):
-        self.calls.append(("upload_folder", kwargs.get("repo_id")))
-        return SimpleNamespace(commit_url="https://example.invalid/commit", oid="0" * 40)
-
-
 def test_push_comes_last_and_a_refusal_keeps_every_local_file(setup, tmp_path, monkeypatch):
     """--push_to_hub on a run that is not certified: results, report, card and trainer state are all
     written, nothing is uploaded, and the command's status is 1; --allow_unsafe_push uploads, status 0."""
@@ -368,7 +351,7 @@ def test_push_comes_last_and_a_refusal_keeps_every_local_file(setup, tmp_path, m
 
     from hf_constrained.cli import main as cli_main
 
-    hub = _Hub()
+    hub = UploadRecorder()
     monkeypatch.setattr(hf_trainer, "hf_api", lambda: hub)
     out = tmp_path / "refused"
     status = cli_main(["llm", *_flags(setup, out, push_to_hub=True, hub_model_id="user/model")])
