@@ -94,7 +94,8 @@ def config_output_dir(path: str) -> Optional[str]:
 
 def save_config_copy(path: str, output_dir: str) -> str:
     """Save the ``--config`` file ``path`` as ``<output_dir>/recipe_config.yaml`` and return how a
-    published command cites it (relative to the current folder, or ``<output_dir>/...``).
+    published command cites it: relative to the current folder when the copy lies inside it, else
+    ``<output_dir>/recipe_config.yaml``.
 
     The copy is what may be published: keys that carry a secret (``hub_token``, ``*_api_key``,
     see :func:`~hf_constrained.publishable.is_secret_flag`) are dropped, absolute paths made
@@ -115,7 +116,8 @@ def save_config_copy(path: str, output_dir: str) -> str:
                 "(secrets dropped, local paths made relative)\n")
         yaml.safe_dump(clean, f, sort_keys=False)
     os.replace(tmp, target)
-    return target if not os.path.isabs(target) else publishable_values(target, output_dir)
+    rel = os.path.relpath(os.path.abspath(target), os.getcwd())
+    return rel if not rel.startswith(os.pardir) else publishable_values(os.path.abspath(target), output_dir)
 
 
 def given_flags(argv: Optional[Sequence[str]] = None) -> set[str]:

@@ -508,6 +508,9 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
 
     hub_ids = [s for s in [target_source, *_named_sources(data.protected_datasets).values(),
                            data.safety_dataset] if s and not os.path.exists(s)]
+    # the installed entry point after pip install; with --config, a copy of the file saved in --output_dir
+    command = publishable_command("accelerate launch recipes/llm_non_forgetting.py",
+                                  sys.argv[1:] if argv is None else argv, output_dir=args.output_dir)
     report, metrics = None, {}
     if constraints:
         # held-out evaluation (objective and exact constraint values), safety report, card, figures;
@@ -523,14 +526,14 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                                     "share of the set's examples forgotten, teacher-forced exact match, at most "
                                     f"{data.forget_tolerance:g})" if certifying else "; no certification split")),
             datasets=hub_ids or None,
-            reproduce_command=publishable_command("accelerate launch recipes/llm_non_forgetting.py",
-                                                  sys.argv[1:] if argv is None else argv, output_dir=args.output_dir),
+            reproduce_command=command,
             delta=data.delta,
         )
         metrics = dict(report.objective_metrics)
     elif eval_rows is not None:
         metrics = trainer.evaluate()
     results = {
+        "command": command,
         "model": publishable_path(margs.model_name_or_path),  # results are shared: no local paths
         "penalty": args.constraint_penalty,
         "penalty_beta": args.penalty_beta,
