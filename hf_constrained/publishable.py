@@ -141,9 +141,20 @@ def reproduce_program(program: str) -> str:
     launcher = sys.argv[0] if sys.argv else ""
     if launcher.startswith("hf-constrained "):
         return launcher
-    if os.path.isfile(os.path.join(os.getcwd(), "recipes", f"{match.group(1)}.py")):
+    if os.path.isfile(os.path.join(os.getcwd(), "recipes", f"{match.group(1)}.py")) or not _is_recipe(match.group(1)):
         return program
     return program[:match.start()] + f"-m {RECIPES_PACKAGE}.{match.group(1)}" + program[match.end():]
+
+
+def _is_recipe(module: str) -> bool:
+    """Whether ``hf_constrained.recipes`` ships the module ``module`` (after ``pip install`` as in a clone)."""
+    from .recipes import recipe_file
+
+    try:
+        recipe_file(f"{module}.py")
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def _config_value(argv: Sequence[str]) -> tuple[Optional[int], Optional[str]]:
@@ -160,14 +171,17 @@ def publishable_command(program: str, argv: Sequence[str], output_dir: Optional[
     """``program`` (see :func:`reproduce_program`) followed by :func:`publishable_argv` of ``argv``,
     quoted for a POSIX shell.
 
-    With ``--config FILE`` in ``argv`` and an output folder (``output_dir``, or ``--output_dir``
-    in ``argv`` or in the file), the file is saved there without secrets and absolute paths
-    (:func:`hf_constrained.recipe_args.save_config_copy`) and the command cites the copy.
+    With ``--config FILE`` in ``argv`` (a file that exists) and an output folder (``output_dir``,
+    or ``--output_dir`` in ``argv`` or in the file), the file is saved there without secrets and
+    absolute paths (:func:`hf_constrained.recipe_args.save_config_copy`) and the command cites the copy.
     """
     argv = [str(a) for a in argv]
     index, config = _config_value(argv)
-    if config is not None:
-        from .recipe_args import config_output_dir, save_config_copy
+    if config is not None and index is not None:
+        from .recipe_args import config_output_dir, resolve_config_path, save_config_copy
+
+        if not os.path.isfile(resolve_config_path(config)):  # nothing to copy: the command names the file
+            return " ".join([reproduce_program(program), shlex.join(publishable_argv(argv, output_dir))]).strip()
 
         folder = output_dir or publishable_output_dir(argv) or config_output_dir(config)
         if folder:
