@@ -143,15 +143,14 @@ def bf16_supported() -> bool:
     return bool(is_torch_bf16_gpu_available() or is_torch_xla_available())
 
 
-def _check_bf16(parser: argparse.ArgumentParser, rest: Sequence[str], given: set[str],
-                config: Optional[str]) -> None:
+def _check_bf16(parser: argparse.ArgumentParser, namespace: argparse.Namespace, rest: Sequence[str],
+                given: set[str], config: Optional[str]) -> None:
     """``--bf16`` where no GPU supports it: a usage error naming the flag when the user asked for it
     (command line or ``--config`` file; with ``--use_cpu true`` it is honoured: bf16 on the CPU); a
     default ``bf16`` (TRL's ``SFTConfig``: on unless ``--fp16``) is turned off on such a machine and with
     ``--use_cpu``, with a log line saying so."""
     if not any(getattr(a, "dest", None) == "bf16" for a in parser._actions):
         return
-    namespace, _ = parser.parse_known_args(list(rest))  # argparse values only: no dataclass is built yet
     if getattr(namespace, "bf16", None) is False or getattr(namespace, "fp16", False):
         return
     use_cpu = bool(getattr(namespace, "use_cpu", False))
@@ -218,9 +217,10 @@ def parse_recipe_args(dataclass_types: Sequence[type], argv: Optional[Sequence[s
         if _on_command_line(old, rest):
             parser.error(f"--{old} was replaced: {new}")
     given = file_keys | {a[2:].split("=", 1)[0].replace("-", "_") for a in rest if a.startswith("--")}
-    _check_bf16(parser, rest, given, known.config)
-    *outputs, unknown_flags = parser.parse_args_into_dataclasses(args=list(rest), return_remaining_strings=True)
+    namespace, unknown_flags = parser.parse_known_args(list(rest))  # argparse values only: no dataclass built yet
     if unknown_flags:  # argparse's own message and exit status 2, not a traceback
         parser.error(f"unrecognized arguments: {' '.join(unknown_flags)} "
                      "(not a flag of this recipe; --help lists them)")
+    _check_bf16(parser, namespace, rest, given, known.config)
+    outputs = parser.parse_args_into_dataclasses(args=list(rest))
     return tuple(outputs[: len(dataclass_types)])  # the last entry is the namespace holding --config
