@@ -249,3 +249,40 @@ def test_sft_collator_gives_the_batches_of_the_padding_collator():
     assert (ours["labels"][0, len(rows[0]["labels"]):] == -100).all() and tok.padding_side == "left"
     padded = SFTPaddingCollator(tok, pad_to_multiple_of=8)(rows)
     assert padded["input_ids"].shape[1] % 8 == 0
+
+
+def _llm_commands(path: Path) -> list[list[str]]:
+    """The shell commands of ``path`` that run this recipe (a trailing backslash continues a line), as argv
+    after the program."""
+    import shlex
+
+    commands, current = [], None
+    for line in path.read_text().splitlines():
+        if current is None and line.startswith(("accelerate launch", "hf-constrained llm ")) and \
+                ("llm_non_forgetting" in line or line.startswith("hf-constrained llm ")):
+            current = ""
+        if current is not None:
+            current += " " + line.rstrip("\\ ")
+            if not line.rstrip().endswith("\\"):
+                commands.append(shlex.split(current.split("#")[0]))
+                current = None
+    out = []
+    for argv in commands:
+        start = next(i for i, a in enumerate(argv) if "llm_non_forgetting" in a or a == "llm") + 1
+        if "--help" not in argv[start:]:
+            out.append(argv[start:])
+    return out
+
+
+@pytest.mark.parametrize("use_trl", [True, False])
+def test_the_documented_commands_parse(use_trl, tmp_path, monkeypatch):
+    """README's and docs/llm.md's commands of this recipe use its flags (here on a CPU: --bf16 false)."""
+    if use_trl:
+        pytest.importorskip("trl")
+    monkeypatch.chdir(tmp_path)  # shipped configs by their file name, as after pip install
+    commands = _llm_commands(ROOT / "README.md") + _llm_commands(ROOT / "docs" / "llm.md")
+    assert len(commands) >= 4
+    for argv in commands:
+        parsed = _recipe().parse_arguments(argv + ["--bf16", "false"], use_trl=use_trl)
+        assert parsed.dataset.dataset_name and parsed.model.model_name_or_path and parsed.data.protected_datasets
+        assert parsed.model.use_peft and _recipe().lora_targets(parsed.model.lora_target_modules) == "all-linear"
