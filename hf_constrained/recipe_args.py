@@ -163,7 +163,7 @@ def _check_bf16(parser: argparse.ArgumentParser, namespace: argparse.Namespace, 
         parser.error(f"--bf16 true (set {where}): this machine has no GPU with bf16 support; pass --bf16 false to "
                      "train in float32 (or --use_cpu true to train in bf16 on the CPU)")
     logger.warning("bf16 is on by default, but %s: training in float32 (--bf16 false); pass --bf16 true for bf16",
-                "--use_cpu is set" if use_cpu else "this machine has no GPU with bf16 support")
+                   "--use_cpu is set" if use_cpu else "this machine has no GPU with bf16 support")
     parser.set_defaults(bf16=False)
 
 

@@ -111,7 +111,7 @@ def test_trl_parses_the_flags_and_its_trainer_logs_its_metrics(tiny, tmp_path, m
 def test_without_trl_the_same_flags_train_with_the_plain_trainer(tiny, tmp_path):
     """TRL hidden (a sys.modules block): the same flag names through HfArgumentParser, ConstrainedTrainer
     (no TRL metrics); a TRL-only flag is an error naming the extra to install."""
-    script = textwrap.dedent(f"""
+    script = textwrap.dedent("""
         import json, sys
         sys.modules["trl"] = None  # import trl fails
         from hf_constrained.recipes import llm_non_forgetting as recipe
