@@ -18,8 +18,8 @@ published. :func:`publishable_command` turns a command line into one that can be
   folder (``recipe_config.yaml``), and the command cites that copy: the file the run read
   may be edited or missing later, the copy stays with the run.
 
-This module imports nothing beyond the standard library (the YAML copy imports ``yaml`` when
-there is a ``--config`` to copy).
+This module imports nothing beyond the standard library at import time (the copy of a
+``--config`` file reads it with :mod:`hf_constrained.recipe_args` when there is one).
 """
 
 from __future__ import annotations
@@ -173,12 +173,12 @@ def publishable_command(program: str, argv: Sequence[str], output_dir: Optional[
 
     With ``--config FILE`` in ``argv`` (a file that exists) and an output folder (``output_dir``,
     or ``--output_dir`` in ``argv`` or in the file), the file is saved there without secrets and
-    absolute paths (:func:`hf_constrained.recipe_args.save_config_copy`) and the command cites the copy.
+    absolute paths (:func:`save_config_copy`) and the command cites the copy.
     """
     argv = [str(a) for a in argv]
     index, config = _config_value(argv)
     if config is not None and index is not None:
-        from .recipe_args import config_output_dir, resolve_config_path, save_config_copy
+        from .recipe_args import resolve_config_path
 
         if not os.path.isfile(resolve_config_path(config)):  # nothing to copy: the command names the file
             return " ".join([reproduce_program(program), shlex.join(publishable_argv(argv, output_dir))]).strip()
@@ -189,6 +189,44 @@ def publishable_command(program: str, argv: Sequence[str], output_dir: Optional[
             argv = argv[:index] + ["--config", copy] + argv[index + (1 if argv[index].startswith("--config=") else 2):]
             output_dir = folder
     return " ".join([reproduce_program(program), shlex.join(publishable_argv(argv, output_dir))]).strip()
+
+
+def config_output_dir(path: str) -> Optional[str]:
+    """The ``output_dir`` a ``--config`` file sets, or ``None``."""
+    from .recipe_args import load_config_file
+
+    value = load_config_file(path).get("output_dir")
+    return None if value is None else str(value)
+
+
+def save_config_copy(path: str, output_dir: str) -> str:
+    """Save the ``--config`` file ``path`` as ``<output_dir>/recipe_config.yaml`` and return how a
+    published command cites it: relative to the current folder when the copy lies inside it, else
+    ``<output_dir>/recipe_config.yaml``.
+
+    The copy is what may be published: keys that carry a secret (``hub_token``, ``*_api_key``,
+    see :func:`is_secret_flag`) are dropped, absolute paths made
+    relative or replaced by placeholders, token-shaped strings redacted
+    (:func:`publishable_values`). Written through a temporary file,
+    so several processes of one run may write it at once.
+    """
+    import yaml
+
+    from .recipe_args import SAVED_CONFIG_NAME, load_config_file
+
+    values = load_config_file(path)
+    clean = {k: publishable_values(v, output_dir) for k, v in values.items()
+             if not (isinstance(k, str) and is_secret_flag(k))}
+    os.makedirs(output_dir, exist_ok=True)
+    target = os.path.join(output_dir, SAVED_CONFIG_NAME)
+    tmp = f"{target}.tmp.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(f"# a copy of --config {publishable_values(path, output_dir)} as this run read it "
+                "(secrets dropped, local paths made relative)\n")
+        yaml.safe_dump(clean, f, sort_keys=False)
+    os.replace(tmp, target)
+    rel = os.path.relpath(os.path.abspath(target), os.getcwd())
+    return rel if not rel.startswith(os.pardir) else publishable_values(os.path.abspath(target), output_dir)
 
 
 def publishable_output_dir(argv: Sequence[str]) -> Optional[str]:
@@ -247,4 +285,5 @@ def publish_trainer_state(path: str, output_dir: str) -> None:
 
 __all__ = ["HF_TOKEN_PATTERN", "LOCAL_PLACEHOLDER", "OUTPUT_DIR_PLACEHOLDER", "REDACTED", "is_secret_flag",
            "publish_trainer_state", "publishable_argv", "publishable_command", "publishable_output_dir",
-           "publishable_path", "publishable_values", "redact_secrets", "reproduce_program", "resolve_output_path"]
+           "publishable_path", "publishable_values", "redact_secrets", "reproduce_program", "resolve_output_path",
+           "save_config_copy"]

@@ -86,40 +86,6 @@ def load_config_file(path: str) -> dict[str, Any]:
     return data
 
 
-def config_output_dir(path: str) -> Optional[str]:
-    """The ``output_dir`` a ``--config`` file sets, or ``None``."""
-    value = load_config_file(path).get("output_dir")
-    return None if value is None else str(value)
-
-
-def save_config_copy(path: str, output_dir: str) -> str:
-    """Save the ``--config`` file ``path`` as ``<output_dir>/recipe_config.yaml`` and return how a
-    published command cites it: relative to the current folder when the copy lies inside it, else
-    ``<output_dir>/recipe_config.yaml``.
-
-    The copy is what may be published: keys that carry a secret (``hub_token``, ``*_api_key``,
-    see :func:`~hf_constrained.publishable.is_secret_flag`) are dropped, absolute paths made
-    relative or replaced by placeholders, token-shaped strings redacted
-    (:func:`~hf_constrained.publishable.publishable_values`). Written through a temporary file,
-    so several processes of one run may write it at once.
-    """
-    from .publishable import is_secret_flag, publishable_values
-
-    values = load_config_file(path)
-    clean = {k: publishable_values(v, output_dir) for k, v in values.items()
-             if not (isinstance(k, str) and is_secret_flag(k))}
-    os.makedirs(output_dir, exist_ok=True)
-    target = os.path.join(output_dir, SAVED_CONFIG_NAME)
-    tmp = f"{target}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(f"# a copy of --config {publishable_values(path, output_dir)} as this run read it "
-                "(secrets dropped, local paths made relative)\n")
-        yaml.safe_dump(clean, f, sort_keys=False)
-    os.replace(tmp, target)
-    rel = os.path.relpath(os.path.abspath(target), os.getcwd())
-    return rel if not rel.startswith(os.pardir) else publishable_values(os.path.abspath(target), output_dir)
-
-
 def given_flags(argv: Optional[Sequence[str]] = None) -> set[str]:
     """The fields set on the command line ``argv`` (default: ``sys.argv[1:]``) or in its
     ``--config`` file, by field name (``--constraint-penalty`` and ``--constraint_penalty`` are
