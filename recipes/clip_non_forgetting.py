@@ -122,6 +122,14 @@ def _split(value: Optional[str]) -> list[str]:
     return [v.strip() for v in value.split(",") if v.strip()] if value else []
 
 
+def dataset_id(script: ScriptArguments) -> str:
+    """The data's identifier in the model card's model-index: ``bdd100k``, or the protected
+    CSV's file name (``--data csv``)."""
+    if script.data == "csv" and script.protected_csv:
+        return os.path.splitext(os.path.basename(script.protected_csv))[0]
+    return script.data
+
+
 def build_data(script: ScriptArguments) -> dict:
     """Target rows, protected train/eval rows and the class list, from BDD100K and/or CSVs."""
     if script.data == "bdd100k":
@@ -305,7 +313,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
                             + (f"certified on {script.certify_fraction:g} of each protected class's {certify_from} "
                                f"images (read by nothing else) as 'at most {script.forget_tolerance:g} of the "
                                "class's images forgotten'" if certify_sets else "no certification split"),
-        delta=script.delta,
+        delta=script.delta, eval_dataset=dataset_id(script),
         reproduce_command=publishable_command("accelerate launch recipes/clip_non_forgetting.py",
                                               sys.argv[1:] if argv is None else argv,
                                               output_dir=args.output_dir),

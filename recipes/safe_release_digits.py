@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         f"(read only by the certificate). One non-forgetting constraint per old digit 0-7, trained as "
         f"CE_k(w) - CE_k(w_old) <= {opts.tolerance} and certified as 'at most {opts.forget_tolerance} of digit k's "
         "images forgotten'.",
-        reproduce_command=command, delta=opts.delta,
+        eval_dataset="digits", reproduce_command=command, delta=opts.delta,
     )
     results = release_results(trainer, report, rows.get("audit"), opts)
     if trainer.is_world_process_zero():

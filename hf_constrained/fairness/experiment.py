@@ -277,6 +277,8 @@ def run_roc_fairness(args: ROCFairnessArguments, training_args: ConstrainedTrain
             final = history.history[-1]
             # safety report + model card: constraints on the validation split, objective metrics on all splits
             finish_run(trainer, base_model_name=f"MLPForScoring {args.hidden_list} (trained from scratch)", delta=args.delta,
+                       eval_dataset=args.dataset if args.dataset != "csv"
+                       else os.path.splitext(os.path.basename(args.csv_path))[0],
                        dataset_description=f"{args.dataset}: objective and constraints on train, constraint check "
                                            f"on the validation split (kappa={args.kappa}, thresholds "
                                            f"{args.threshold_list})",

@@ -60,6 +60,7 @@ def finish_run(
     base_model_name: Optional[str] = None,
     dataset_description: Optional[str] = None,
     datasets: Optional[list[str]] = None,
+    eval_dataset: Optional[str] = None,
     reproduce_command: Optional[str] = None,
     license: Optional[str] = None,
     task: Optional[str] = None,
@@ -86,6 +87,9 @@ def finish_run(
         base_model_name: the Hub id or path of the model that was fine-tuned.
         dataset_description: one sentence on the training / constraint / held-out data.
         datasets: Hub dataset ids for the card's metadata, if any.
+        eval_dataset: the identifier of the evaluation data in the card's ``model-index``
+            (``dataset.type``): a Hub dataset id or a short name (``"digits"``, ``"adult"``);
+            default: the first of ``datasets``, else ``"custom"``.
         reproduce_command: the shell command that reproduces the run.
         license: the card's license (a Hub license id, e.g. ``"apache-2.0"``).
         task: the Hub task id (e.g. ``"text-generation"``): the card's ``pipeline_tag`` and the
@@ -127,6 +131,8 @@ def finish_run(
         info.dataset_description = dataset_description
     if datasets is not None:
         info.datasets = list(datasets)
+    if eval_dataset is not None:
+        info.eval_dataset = eval_dataset
     if reproduce_command is not None:
         info.reproduce_command = reproduce_command
     if license is not None:
