@@ -118,6 +118,10 @@ class ScriptArguments:
                 "(400 = once per paper epoch); 0: only at the end."})
 
 
+OUTPUT_DIR = "outputs/clip_non_forgetting"
+"""``--output_dir`` unless given: ``outputs/<recipe module>``, as every recipe."""
+
+
 def _split(value: Optional[str]) -> list[str]:
     return [v.strip() for v in value.split(",") if v.strip()] if value else []
 
@@ -211,7 +215,7 @@ def split_certification(rows: dict, protected: list[str], fraction: float, seed:
 
 def main(argv: Optional[list[str]] = None) -> dict:
     script, args = parse_recipe_args([ScriptArguments, ConstrainedTrainingArguments], argv, description=__doc__,
-                                     defaults={"remove_unused_columns": False})
+                                     defaults={"remove_unused_columns": False, "output_dir": OUTPUT_DIR})
     if args.remove_unused_columns:  # a flag this recipe cannot honour: an error, not silently replaced
         raise ValueError("--remove_unused_columns true is not supported by this recipe: its collator reads the "
                          "raw columns (image, caption) that the Trainer would remove")
