@@ -29,10 +29,10 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
-from sklearn.model_selection import train_test_split
 from transformers import TrainerCallback
 
 from ..config import ConstrainedTrainingArguments
+from ..extras import require_extra
 from ..safety.evaluation import certify_models
 from ..publishable import publishable_command
 from ..safety.finish import finish_run
@@ -209,6 +209,8 @@ def run_roc_fairness(args: ROCFairnessArguments, training_args: ConstrainedTrain
         # the certification rows leave the test split: nothing but the certificate reads them (not the
         # per-epoch history either); the rest of the test split is data that neither training nor the certificate saw
         test = splits["test"]
+        split_module = require_extra("sklearn.model_selection", "fairness", "the certification split")
+        train_test_split = split_module.train_test_split
         keep, held = train_test_split(np.arange(len(test)), test_size=args.certify_fraction,
                                       stratify=test.label * 2 + test.group, random_state=args.split_seed + 2)
         splits["test"], certify_split = test.subset(np.sort(keep)), test.subset(np.sort(held))
