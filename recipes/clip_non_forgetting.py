@@ -46,6 +46,7 @@ from transformers import CLIPModel, CLIPProcessor, set_seed
 from hf_constrained import ConstrainedTrainingArguments, UnsafeModelError, finish_run
 from hf_constrained.callbacks import PeriodicMetricsCallback
 from hf_constrained.errors import check_model_path
+from hf_constrained.extras import require_extra
 from hf_constrained.publishable import publishable_command, publishable_path, publishable_values
 from hf_constrained.recipe_args import parse_recipe_args
 from hf_constrained.safety.bounds import clopper_pearson_upper_bound
@@ -220,6 +221,10 @@ def main(argv: Optional[list[str]] = None) -> dict:
         raise ValueError("--remove_unused_columns true is not supported by this recipe: its collator reads the "
                          "raw columns (image, caption) that the Trainer would remove")
     check_model_path(script.model_name_or_path)  # before any data is read
+    # optional packages, before any data is read or model loaded: an error naming the extra
+    require_extra("PIL", "clip", "the CLIP recipe's images")
+    if script.lora_r:
+        require_extra("peft", "peft", "--lora_r (LoRA adapters)")
     logging.basicConfig(level=logging.INFO if args.should_log else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     set_seed(args.seed)
