@@ -298,3 +298,15 @@ def test_model_index_follows_the_hub_spec(tmp_path, given):
     assert by_type["auc_score"].metric_name == "AUC score (validation)" and by_type["loss"].dataset_split == "validation"
     assert by_type["accuracy"].dataset_split == "test" and by_type["accuracy"].metric_value == 0.75
     assert not any("held-out" in (r.dataset_type, r.dataset_split) for r in results)
+
+
+@pytest.mark.slow
+def test_safe_release_card_names_its_data_in_the_model_index(tmp_path):
+    """The recipes pass their data's name: the safe-release card's results are on ``digits``."""
+    from hf_constrained.cli import main
+
+    out = tmp_path / "release"
+    assert main(["safe-release", "--max_steps", "4", "--output_dir", str(out)]) == 0
+    name, results = model_index_to_eval_results(metadata_load(out / "README.md")["model-index"])
+    assert {r.dataset_type for r in results} == {"digits"}
+    assert {r.dataset_split for r in results} == {"validation", "certification"}
