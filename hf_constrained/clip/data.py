@@ -267,7 +267,7 @@ def _read_csv_rows(path: str, header: Sequence[str], delimiter: str) -> Any:
 
     features = datasets.Features({c: datasets.Value("string") for c in header})
     bars = not datasets.utils.are_progress_bars_disabled()
-    datasets.utils.disable_progress_bars()  # one small file: no "Generating train split" bar
+    datasets.utils.disable_progress_bars()  # no "Generating train split" bar for a file the user named
     with tempfile.TemporaryDirectory() as cache, warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ParserWarning)
         try:
@@ -276,7 +276,9 @@ def _read_csv_rows(path: str, header: Sequence[str], delimiter: str) -> Any:
                                            cache_dir=cache, keep_in_memory=True)
         except datasets.exceptions.DatasetGenerationError as err:
             cause = err.__cause__
-            raise (cause if isinstance(cause, ValueError) else ValueError(f"{path}: not a readable CSV: {cause}")) from err
+            if isinstance(cause, ValueError):
+                raise cause from err
+            raise ValueError(f"{path}: not a readable CSV: {cause}") from err
         finally:
             if bars:
                 datasets.utils.enable_progress_bars()

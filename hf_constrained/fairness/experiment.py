@@ -377,4 +377,5 @@ def check_push(args: ROCFairnessArguments, training_args: ConstrainedTrainingArg
         raise ValueError("--push_to_hub needs the saved model, its report and card: leave --save_model true")
 
 
-__all__ = ["METHODS", "ROCFairnessArguments", "check_push", "decay_milestones", "load_splits", "run_roc_fairness", "step_decay"]
+__all__ = ["METHODS", "ROCFairnessArguments", "check_push", "decay_milestones", "load_splits", "run_roc_fairness",
+           "step_decay"]

@@ -304,7 +304,8 @@ def eval_results(report: SafetyReport, *, model_name: str, info: ModelCardInfo) 
       rows), ``tolerance``, the bound's method and whether it certifies as ``metric.args``.
 
     Then each objective metric, on the split its key names (``eval_accuracy`` -> metric type
-    ``accuracy`` on ``validation``, ``test_auc`` -> ``auc`` on ``test``; no prefix: ``validation``). Every result has ``verified: false`` (the Hub did not compute it).
+    ``accuracy`` on ``validation``, ``test_auc`` -> ``auc`` on ``test``; no prefix: ``validation``).
+    Every result has ``verified: false`` (the Hub did not compute it).
     """
     dataset_id = eval_dataset_id(info)
     task = info.task or DEFAULT_TASK

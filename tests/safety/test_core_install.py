@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import tomllib
 from pathlib import Path
 
 import pytest
@@ -44,7 +43,8 @@ SCRIPT = textwrap.dedent('''
     from datasets import Dataset
     from transformers import PretrainedConfig, PreTrainedModel
 
-    from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments, Constraint, UnsafeModelError, finish_run
+    from hf_constrained import (ConstrainedTrainer, ConstrainedTrainingArguments, Constraint, UnsafeModelError,
+                                finish_run)
     from hf_constrained.extras import MissingExtraError
 
     class Config(PretrainedConfig):
@@ -133,6 +133,7 @@ def test_core_install_trains_certifies_and_gates_without_any_extra(tmp_path):
 def test_extras_in_pyproject_match_the_library():
     """Each extra the library names exists in pyproject.toml with its distributions; ``all`` and
     ``dev`` hold every one; none of them is a core dependency."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]
 

@@ -283,7 +283,8 @@ def test_model_index_follows_the_hub_spec(tmp_path, given):
     path = tmp_path / "run" / "README.md"
     ModelCard.load(path)  # validates the metadata
     name, results = model_index_to_eval_results(metadata_load(path)["model-index"])
-    expected_type = {"eval_dataset": "digits", "datasets": "org/digits-data"}.get(next(iter(given), ""), UNNAMED_DATASET)
+    expected_type = {"eval_dataset": "digits", "datasets": "org/digits-data"}.get(next(iter(given), ""),
+                                                                                  UNNAMED_DATASET)
     assert {r.dataset_type for r in results} == {expected_type}
     assert all(r.verified is False and re.match(SNAKE, r.metric_type) for r in results)
     assert {r.metric_type for r in results} == {CONSTRAINT_METRIC_TYPE, CERTIFIED_METRIC_TYPE, "loss", "auc_score",
@@ -295,7 +296,8 @@ def test_model_index_follows_the_hub_spec(tmp_path, given):
     assert bound.metric_value == pytest.approx(report.certified_bounds()["rate"])
     assert bound.metric_args["delta"] == 0.05 and bound.metric_args["n"] == 300
     assert bound.metric_args["tolerance"] == 0.2 and bound.metric_args["certified"] is True
-    assert by_type["auc_score"].metric_name == "AUC score (validation)" and by_type["loss"].dataset_split == "validation"
+    assert by_type["auc_score"].metric_name == "AUC score (validation)"
+    assert by_type["loss"].dataset_split == "validation"
     assert by_type["accuracy"].dataset_split == "test" and by_type["accuracy"].metric_value == 0.75
     assert not any("held-out" in (r.dataset_type, r.dataset_split) for r in results)
 
