@@ -1,16 +1,20 @@
 """AUC maximisation under ROC-fairness constraints (paper section 5.1).
 
-    python recipes/roc_fairness.py --dataset adult --method hinge --penalty_beta 4 --output_dir runs/adult
+    python recipes/roc_fairness.py --dataset adult --method hinge --penalty_beta 4 --output_dir outputs/adult
     accelerate launch recipes/roc_fairness.py --dataset compas --method squared_hinge --penalty_beta 800 ...
     python recipes/roc_fairness.py --dataset csv --csv_path my.csv --label_column y --group_column sex \
-        --group_value F --positive_label 1 --method hinge --output_dir runs/mine
+        --group_value F --positive_label 1 --method hinge --output_dir outputs/mine
 
 Methods: hinge (the paper's method), squared_hinge, none, icppac, chosen with ``--method``;
 ``--constraint_penalty`` (hinge, squared_hinge, none), the flag the other recipes share, chooses
 the same penalty methods when ``--method`` is not given (both given must agree). Writes
 <output_dir>/results.json (final exact train/validation/test constraint values, largest
 violation, AUCs, the shift-proof fairness measures and where the scores lie relative to
-the thresholds, wall time, per-epoch history) and the trained model.
+the thresholds, wall time, per-epoch history) and the trained model with its safety report
+and model card (default folder: outputs/roc_fairness). With ``--push_to_hub true`` the
+model is pushed last, behind the safety gate: a run that is not certified uploads nothing,
+keeps every local file and exits with status 1; ``--allow_unsafe_push true`` publishes it
+(the card says NOT CERTIFIED).
 
 Defaults: the paper's setting (section 5.1: kappa 0.005, thresholds -3..3, batch 128 =
 64 positive / negative pairs, 64 rows per group in each constraint batch, 60 epochs, lr
@@ -38,6 +42,7 @@ logs each constraint's batch dispersion next to its estimate.
 
 import json
 import logging
+import sys
 from collections.abc import Collection
 
 from hf_constrained import ConstrainedTrainingArguments
@@ -53,6 +58,8 @@ DEFAULTS = dict(  # the paper's setting where the user does not say otherwise, a
     # constraint batches"); --share_constraint_batches trades that for a faster step on large scorers
     share_constraint_batches=False,
 )
+OUTPUT_DIR = "outputs/roc_fairness"
+"""``--output_dir`` unless given: ``outputs/<recipe module>``, as every recipe."""
 DEFAULT_MARGIN = 0.004
 """``--constraint_margin`` unless given (or ``--constraint_confidence`` is, which excludes a margin)."""
 
@@ -86,7 +93,7 @@ def check_recipe_flags(script_args: ROCFairnessArguments, training_args: Constra
 def main(argv=None) -> dict:
     script_args, training_args = parse_recipe_args([ROCFairnessArguments, ConstrainedTrainingArguments], argv,
                                                    description=__doc__,
-                                                   defaults={**DEFAULTS, "output_dir": "runs/roc_fairness"})
+                                                   defaults={**DEFAULTS, "output_dir": OUTPUT_DIR})
     check_recipe_flags(script_args, training_args, given_flags(argv))
     if training_args.constraint_margin is None and training_args.constraint_confidence is None:
         training_args.constraint_margin = DEFAULT_MARGIN
@@ -100,4 +107,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main()["exit_status"])
