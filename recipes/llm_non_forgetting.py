@@ -75,6 +75,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, 
 
 from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments, UnsafeModelError, finish_run
 from hf_constrained.errors import check_model_path
+from hf_constrained.extras import MissingExtraError, has_module, install_hint
 from hf_constrained.non_forgetting import (
     ReferenceGap,
     causal_lm_per_example_loss,
@@ -87,7 +88,7 @@ from hf_constrained.text_data import SFTPaddingCollator, load_text_dataset, toke
 
 logger = logging.getLogger("llm_non_forgetting")
 RESULTS_FILE = "llm_results.json"
-TRL_EXTRA = "pip install 'hf_constrained[trl]'"
+TRL_EXTRA = install_hint("trl")
 
 
 @dataclass
@@ -354,6 +355,9 @@ def check_arguments(config: RecipeArguments) -> None:
         raise ValueError(f"--eval_fraction must be in [0, 1), got {data.eval_fraction}")
     if model.use_peft and model.lora_r < 1:
         raise ValueError(f"--lora_r must be >= 1 with --use_peft, got {model.lora_r}")
+    if model.use_peft and not has_module("peft"):
+        raise MissingExtraError(f"--use_peft: LoRA adapters need the optional package 'peft', which is not "
+                                f"installed: {install_hint('peft')}")
     for flag in ("constraint_tolerance", "relative_tolerance", "safety_tolerance"):
         if getattr(data, flag) < 0:
             raise ValueError(f"--{flag} must be >= 0, got {getattr(data, flag)}")

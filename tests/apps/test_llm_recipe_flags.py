@@ -215,6 +215,17 @@ def test_shipped_config_on_a_machine_without_bf16_names_the_flag_before_loading(
                      "--report_to", "none", "--model_name_or_path", str(tmp_path)])
 
 
+def test_use_peft_without_peft_names_the_extra_before_loading(tiny, tmp_path, monkeypatch):
+    from hf_constrained.extras import MissingExtraError
+
+    recipe = _recipe()
+    monkeypatch.setattr(recipe, "has_module", lambda name: name != "peft")
+    monkeypatch.setattr(recipe, "AutoTokenizer", NoLoading)
+    monkeypatch.setattr(recipe, "AutoModelForCausalLM", NoLoading)
+    with pytest.raises(MissingExtraError, match=r"--use_peft: .* pip install 'hf_constrained\[peft\]'"):
+        recipe.main(_argv(tiny, tmp_path, use_peft=True))
+
+
 def test_a_default_bf16_is_turned_off_where_it_is_unavailable_and_logged(tiny, tmp_path, monkeypatch, caplog):
     pytest.importorskip("trl")
     from hf_constrained import recipe_args
