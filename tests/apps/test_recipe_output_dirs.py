@@ -12,7 +12,7 @@ from hf_constrained.cli import main
 from hf_constrained.recipes import RECIPES
 
 # the recipes that follow the convention (the others keep theirs until their owners move them)
-FOLLOWING = ("roc_fairness", "clip_non_forgetting", "safe_release_digits")
+FOLLOWING = ("roc_fairness", "clip_non_forgetting", "safe_release_digits", "llm_non_forgetting")
 
 
 def default_output_dir(command: str, capsys: pytest.CaptureFixture) -> str:
