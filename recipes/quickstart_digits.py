@@ -25,9 +25,16 @@ bound of at least 1 - 0.05^(1/20) = 0.14 even with no error (3 errors of 20: 0.3
 
 Every field of ``ConstrainedTrainingArguments`` is a flag (``--penalty_beta``,
 ``--msvr_gamma``, ``--learning_rate``, ...); the recipe's own flags are ``--bound``,
-``--compare``, ``--seeds``, ``--certify_fraction``, ``--error_tolerance`` and ``--delta``.
-``--constraint_penalty`` needs ``--compare false`` and ``--seed`` no ``--seeds`` (otherwise they are errors, as they would not be used). Each run
-writes to its own folder under ``--output_dir``.
+``--compare``, ``--seeds``, ``--certify_fraction``, ``--error_tolerance``, ``--delta`` and ``--json``.
+``--constraint_penalty`` needs ``--compare false`` and ``--seed`` no ``--seeds`` (otherwise they are errors, as they
+would not be used).
+
+Everything a run prints also goes to ``<output_dir>/results.json`` (default ``outputs/quickstart_digits``): the
+command, every parsed setting, each digit's cross-entropy on its training and test rows, the test accuracy and the
+certificate, per method and seed, with the summary over seeds; ``--json PATH`` writes a copy there too. Each method
+(and seed) trains in its own folder under ``--output_dir``, where its certificate is written as ``certificate.json``.
+After one seed's table, one line per method says in plain words what holds and, when constraints are violated on
+their own training rows, why (e.g. too few epochs).
 """
 
 from __future__ import annotations
