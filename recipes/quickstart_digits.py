@@ -52,7 +52,7 @@ import torch
 from datasets import Dataset
 from sklearn.datasets import load_digits
 from torch import nn
-from transformers import PrinterCallback
+from transformers import PretrainedConfig, PrinterCallback
 
 from hf_constrained import CertifyStatistic, ConstrainedTrainer, ConstrainedTrainingArguments, constraints_per_value
 from hf_constrained.publishable import publishable_command, publishable_values
@@ -86,8 +86,12 @@ class QuickstartArguments:
 
 
 class DigitClassifier(nn.Module):
+    """A 64-64-10 MLP on the 8x8 images. Its ``config`` is an empty ``PretrainedConfig``: the Trainer reads
+    it (e.g. with ``--label_smoothing_factor``, which smooths the objective's labels, never the constraints')."""
+
     def __init__(self) -> None:
         super().__init__()
+        self.config = PretrainedConfig()
         self.net = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
 
     def forward(self, pixels: torch.Tensor, labels: torch.Tensor | None = None, **_) -> dict:

@@ -94,3 +94,12 @@ def test_the_stored_quickstart_results_are_the_ones_the_readme_cites():
                      f"{s['test_accuracy_median']:.3f} ({s['test_accuracy_worst']:.3f})")
             for cell in cells:
                 assert cell in section, f"{path.name} {method}: {cell} not in the README's quick start"
+
+
+
+def test_label_smoothing_is_a_flag_the_recipe_honours(tmp_path):
+    """``--label_smoothing_factor`` (a Trainer flag) works with the recipe's model and changes the training."""
+    common = ["--compare", "false", "--max_steps", "3", "--certify_fraction", "0"]
+    plain = qs.main(common + ["--output_dir", str(tmp_path / "plain")])["runs"][0]
+    smooth = qs.main(common + ["--label_smoothing_factor", "0.5", "--output_dir", str(tmp_path / "smooth")])["runs"][0]
+    assert smooth["train_constraint"] != plain["train_constraint"]  # another objective, another model
