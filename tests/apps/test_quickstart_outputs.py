@@ -24,6 +24,19 @@ def test_the_default_output_folder_is_outputs_quickstart_digits():
     assert args.output_dir == "outputs/quickstart_digits"
 
 
+def test_another_margin_setting_replaces_the_default_margin(tmp_path):
+    """The recipe trains with a margin by default; a user's calibrated or certificate-sized margin replaces it
+    (they are exclusive), and giving both margins is the library's error, naming them."""
+    assert qs.parse_args([])[1].constraint_margin == qs.TRAINING_DEFAULTS["constraint_margin"] > 0
+    _, args = qs.parse_args(["--constraint_confidence", "0.9"])
+    assert args.constraint_confidence == 0.9 and args.constraint_margin is None
+    (tmp_path / "c.yaml").write_text("constraint_certificate_delta: 0.1\n")
+    _, args = qs.parse_args(["--config", str(tmp_path / "c.yaml")])
+    assert args.constraint_certificate_delta == 0.1 and args.constraint_margin is None
+    with pytest.raises(ValueError, match="constraint_confidence or constraint_margin"):
+        qs.parse_args(["--constraint_confidence", "0.9", "--constraint_margin", "0.1"])
+
+
 def test_a_run_leaves_its_results_and_certificate_in_its_output_folder(tmp_path, capsys):
     out = tmp_path / "qs"
     result = qs.main(["--compare", "false", "--num_train_epochs", "1", "--output_dir", str(out)])
@@ -39,7 +52,8 @@ def test_a_run_leaves_its_results_and_certificate_in_its_output_folder(tmp_path,
     assert certificate["upper_bounds"][0] == pytest.approx(run["certificate"]["upper_bound"])
     # one epoch is too few: the output says so instead of leaving ten violated constraints unexplained
     printed = capsys.readouterr().out
-    assert "too few epochs (1; the recipe's default is 20)" in printed and "--num_train_epochs" in printed
+    default = qs.TRAINING_DEFAULTS["num_train_epochs"]
+    assert f"too few epochs (1; the recipe's default is {default})" in printed and "--num_train_epochs" in printed
 
 
 def _record(train: float, test: float) -> dict:
