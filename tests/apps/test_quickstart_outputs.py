@@ -71,6 +71,7 @@ def test_the_verdict_names_what_a_column_shows():
     assert "baseline" in qs.verdict("none", _record(0.9, 0.9), 0.4, 20)
 
 
+@pytest.mark.slow
 def test_the_readme_quickstart_command_runs_the_method_to_its_bounds(tmp_path, capsys):
     """The README's command line for the quickstart shows the method working: the hinge ends with every
     constraint met on its training rows, and the output says what holds on unseen images."""
