@@ -47,7 +47,7 @@ Run::
         --dataset_name data/new_task.jsonl \\
         --protected_datasets math=data/math.jsonl code=data/code.jsonl \\
         --safety_dataset data/refusals.jsonl \\
-        --output_dir out/llm --max_steps 500 --learning_rate 1e-4 \\
+        --output_dir outputs/llm --max_steps 500 --learning_rate 1e-4 \\
         --constraint_penalty hinge --penalty_beta 10 --relative_tolerance 0.02
 
 or put the flags in a YAML file (keys = flag names) and pass ``--config x.yaml``; flags on
