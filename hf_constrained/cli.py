@@ -22,9 +22,10 @@ import json
 import logging
 import os
 import sys
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from .checkpointing import checkpoint_folders, checkpoint_problem
+from .extras import MissingExtraError, extra_for_module, install_hint
 from .recipes import RECIPES, Recipe, shipped_recipe_files
 from .safety.figures import plot_log_history
 from .safety.report import SAFETY_REPORT_NAME, SAFETY_RULES, SafetyReport, format_number
@@ -102,8 +103,9 @@ def _plot(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     # imported here, not at the top: the demo imports torch and transformers, which would
     # make every other command (and --help) take seconds to start
-    from .recipes import demo_clip_digits as demo
+    from .recipes import DEMO_MODULE, __name__ as recipes_package
 
+    demo = import_recipe(f"{recipes_package}.{DEMO_MODULE}", "demo")
     parser = argparse.ArgumentParser(prog="hf-constrained demo", description=DEMO_HELP,
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
     demo.add_demo_arguments(parser)
@@ -127,12 +129,26 @@ def _recipes(args: argparse.Namespace) -> int:
     return 0
 
 
+def import_recipe(module_name: str, command: str) -> Any:
+    """Import a recipe's module; a missing optional package (scikit-learn for the digits examples,
+    pillow for CLIP, ...) is a :class:`MissingExtraError` that names the extra to install."""
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        extra = extra_for_module(err.name or "")
+        if extra is None:
+            raise
+        raise MissingExtraError(f"hf-constrained {command} needs the optional package {err.name!r}, which is not "
+                                f"installed: {install_hint('recipes')} (what every recipe needs) or "
+                                f"{install_hint(extra)}") from err
+
+
 def run_recipe(recipe: Recipe, argv: Sequence[str]) -> int:
     """Run ``recipe``'s ``main(argv)``, as ``python recipes/<module>.py argv`` would; its usage
     and errors name the command (``hf-constrained <recipe>``)."""
     # imported here, not at the top: a recipe imports torch and transformers, which would make
     # every other command (and --help) take seconds to start
-    module = importlib.import_module(recipe.module_name)
+    module = import_recipe(recipe.module_name, recipe.command)
     saved, sys.argv = sys.argv, [f"hf-constrained {recipe.command}", *argv]  # argparse's prog
     try:
         result = module.main(list(argv))
@@ -183,12 +199,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _missing_extra(command: str, err: ModuleNotFoundError) -> int:
+    """A missing optional package: one line naming the extra (status 2); any other missing module re-raises."""
+    extra = extra_for_module(err.name or "")
+    if extra is None:
+        raise err
+    print(f"hf-constrained {command}: error: the optional package {err.name!r} is not installed: "
+          f"{install_hint('recipes')} (what every recipe needs) or {install_hint(extra)}", file=sys.stderr)
+    return 2
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     if getattr(args, "recipe", None) is not None:
-        # not under the try below: a recipe's errors keep their traceback, as with python recipes/x.py
-        return run_recipe(args.recipe, rest)
+        # not under the try below: a recipe's errors keep their traceback, as with python recipes/x.py;
+        # only a missing optional package is a one-line error naming the extra
+        try:
+            return run_recipe(args.recipe, rest)
+        except MissingExtraError as exc:
+            print(f"hf-constrained {args.recipe.command}: error: {exc}", file=sys.stderr)
+            return 2
+        except ModuleNotFoundError as err:  # an optional package a recipe imports late
+            return _missing_extra(args.recipe.command, err)
     if args.command == "demo":
         args.demo_args = rest
     elif rest:
@@ -197,9 +230,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         code = args.func(args)
         sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
         return code
-    except (FileNotFoundError, ValueError) as exc:
+    except (FileNotFoundError, ValueError, MissingExtraError) as exc:
         print(f"hf-constrained {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as err:
+        return _missing_extra(args.command, err)
     except BrokenPipeError:
         # the reader went away (`hf-constrained report RUN --json | head -1`): no traceback, and
         # no second error when the interpreter flushes stdout at exit

@@ -38,6 +38,19 @@ EXTRAS: dict[str, tuple[str, ...]] = {
 """Each extra's distributions (``pyproject.toml`` holds their versions)."""
 
 
+IMPORT_NAMES: dict[str, str] = {
+    "matplotlib": "figures", "sklearn": "fairness", "pandas": "fairness", "PIL": "clip", "peft": "peft",
+    "tensorboard": "tensorboard", "trl": "trl",
+}
+"""The top-level import name of each optional package -> the extra that installs it."""
+
+
+def extra_for_module(module: str) -> str | None:
+    """The extra that installs the package ``module`` (``"sklearn.datasets"`` -> ``"fairness"``), or
+    ``None`` for a package that is no optional dependency."""
+    return IMPORT_NAMES.get(module.split(".")[0])
+
+
 class MissingExtraError(ImportError):
     """An optional dependency is not installed; the message names the extra to install."""
 
@@ -66,4 +79,4 @@ def has_module(module: str) -> bool:
     return True
 
 
-__all__ = ["EXTRAS", "MissingExtraError", "has_module", "install_hint", "require_extra"]
+__all__ = ["EXTRAS", "IMPORT_NAMES", "MissingExtraError", "extra_for_module", "has_module", "install_hint", "require_extra"]

@@ -148,3 +148,36 @@ def test_extras_in_pyproject_match_the_library():
     assert every <= names(extras["all"]) and every <= names(extras["dev"])
     assert every - {"trl"} <= names(extras["recipes"])
     assert {"matplotlib", "scikit-learn", "pillow", "peft"}.isdisjoint(core)
+
+
+RECIPE_SCRIPT = textwrap.dedent('''
+    import importlib.machinery, sys
+
+    class Hide:
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] == "sklearn":
+                return None
+            return importlib.machinery.PathFinder.find_spec(name, path, target)
+        def find_distributions(self, *args, **kwargs):
+            return importlib.machinery.PathFinder.find_distributions(*args, **kwargs)
+        def invalidate_caches(self):
+            importlib.machinery.PathFinder.invalidate_caches()
+
+    sys.meta_path[:] = [Hide() if f is importlib.machinery.PathFinder else f for f in sys.meta_path]
+    from hf_constrained.cli import main
+    sys.exit(main(sys.argv[1:]))
+''')
+
+
+@pytest.mark.parametrize("argv", [["quickstart", "--help"], ["demo", "--seeds", "0"]])
+def test_a_recipe_without_its_extra_is_a_one_line_error_naming_it(argv, tmp_path):
+    """The digits examples need scikit-learn (an extra): without it the command says which extra to
+    install, with no traceback, whether the recipe imports it at once (quickstart) or late (demo)."""
+    command = argv[0]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", RECIPE_SCRIPT, *argv], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert f"hf-constrained {command}: error:" in proc.stderr and "'sklearn'" in proc.stderr
+    assert "pip install 'hf_constrained[recipes]'" in proc.stderr
