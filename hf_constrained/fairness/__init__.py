@@ -39,6 +39,7 @@ from .roc import (
     roc_fairness_values,
     roc_row_scores,
     shift_proof_fairness,
+    smallest_certified_gap,
 )
 
 __all__ = [
@@ -76,4 +77,5 @@ __all__ = [
     "roc_fairness_values",
     "roc_row_scores",
     "shift_proof_fairness",
+    "smallest_certified_gap",
 ]
