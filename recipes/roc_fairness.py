@@ -53,8 +53,12 @@ DEFAULTS = dict(  # the paper's setting where the user does not say otherwise, a
     # constraint batches"); --share_constraint_batches trades that for a faster step on large scorers
     share_constraint_batches=False,
 )
+DATASET_DEFAULTS = {"compas": {"penalty_beta": 20.0}, "adult": {"penalty_beta": 4.0}}
+"""Per data set, unless given: the hinge's smallest beta at which every seed 0-4 was feasible on the training
+data (docs/roc_fairness.md, "Every seed feasible at the smallest feasible beta")."""
 DEFAULT_MARGIN = 0.004
-"""``--constraint_margin`` unless given (or ``--constraint_confidence`` is, which excludes a margin)."""
+"""``--constraint_margin`` unless given (or ``--constraint_confidence`` or ``--constraint_certificate_delta`` is,
+which exclude a margin)."""
 
 
 def check_recipe_flags(script_args: ROCFairnessArguments, training_args: ConstrainedTrainingArguments,
@@ -87,8 +91,13 @@ def main(argv=None) -> dict:
     script_args, training_args = parse_recipe_args([ROCFairnessArguments, ConstrainedTrainingArguments], argv,
                                                    description=__doc__,
                                                    defaults={**DEFAULTS, "output_dir": "runs/roc_fairness"})
-    check_recipe_flags(script_args, training_args, given_flags(argv))
-    if training_args.constraint_margin is None and training_args.constraint_confidence is None:
+    given = given_flags(argv)
+    check_recipe_flags(script_args, training_args, given)
+    for name, value in DATASET_DEFAULTS.get(script_args.dataset, {}).items():
+        if name not in given:
+            setattr(training_args, name, value)
+    if (training_args.constraint_margin is None and training_args.constraint_confidence is None
+            and training_args.constraint_certificate_delta is None):
         training_args.constraint_margin = DEFAULT_MARGIN
     logging.basicConfig(level=logging.INFO if training_args.should_log else logging.WARNING)
     results = run_roc_fairness(script_args, training_args, argv=argv)

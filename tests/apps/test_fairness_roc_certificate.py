@@ -167,3 +167,43 @@ def test_stored_roc_certificate_results_name_their_real_command(name):
     for method in ("hinge", "none"):
         g = s[method]["smallest_certified_gap"]
         assert f"{g['median']:.3f}" in readme and f"{g['worst']:.3f}" in readme
+
+
+def _recipe():
+    sys.path.insert(0, os.path.join(ROOT, "recipes"))
+    try:
+        import roc_fairness
+    finally:
+        sys.path.pop(0)
+    return roc_fairness
+
+
+@pytest.mark.parametrize("flags, beta", [
+    (["--dataset", "compas"], 20.0),
+    (["--dataset", "adult"], 4.0),
+    (["--dataset", "compas", "--penalty_beta", "7"], 7.0),
+    (["--dataset", "adult", "--penalty_beta=40"], 40.0),
+])
+def test_recipe_beta_default_per_data_set_gives_way_to_the_flag(flags, beta, tmp_path, monkeypatch):
+    recipe = _recipe()
+    runs = []
+    monkeypatch.setattr(recipe, "run_roc_fairness", lambda script, training, argv=None: runs.append(training) or {})
+    monkeypatch.setattr(ConstrainedTrainingArguments, "should_save", property(lambda self: False))
+    recipe.main([*flags, "--output_dir", str(tmp_path)])
+    assert runs[-1].penalty_beta == beta
+
+
+@pytest.mark.parametrize("flags, margin", [
+    ([], 0.004),
+    (["--constraint_margin", "0.001"], 0.001),
+    (["--constraint_confidence", "0.9"], None),
+    (["--constraint_certificate_delta", "0.05"], None),
+])
+def test_recipe_default_margin_steps_aside_for_calibrated_and_certificate_margins(flags, margin, tmp_path,
+                                                                                   monkeypatch):
+    recipe = _recipe()
+    runs = []
+    monkeypatch.setattr(recipe, "run_roc_fairness", lambda script, training, argv=None: runs.append(training) or {})
+    monkeypatch.setattr(ConstrainedTrainingArguments, "should_save", property(lambda self: False))
+    recipe.main(["--dataset", "compas", *flags, "--output_dir", str(tmp_path)])
+    assert runs[-1].constraint_margin == margin
