@@ -96,6 +96,10 @@ def run_one(dataset: str, method: str, seed: int, flags: Sequence[str]) -> dict[
         "test_hard_gaps": cert["test_values"],
         "test_auc": r["test_auc"],
         "test_roc_gap": r["shift_proof"]["test"]["roc_gap"],
+        # hard gaps at the test scores' own quantiles (thresholds that move with the scores) and where the test
+        # scores lie: scores squeezed between two fixed thresholds make every decision 1[s > tau] the same for all
+        "test_quantile_hard_gap_max": r["shift_proof"]["test"]["hard_gap_max"],
+        "test_score_quantiles": r["final"]["test"]["shift_proof"]["score_quantiles"],
         "train_max_violation": r["train_max_violation"],
         "test_soft_max_violation": r["test_max_violation"],
         "scores_outside_thresholds_test": r["scores_outside_thresholds"]["test"],
@@ -118,6 +122,7 @@ def summarize(runs: Sequence[dict[str, Any]], goal_ratio: float) -> dict[str, An
             "test_hard_gap_max": _stats([r["test_hard_gap_max"] for r in rs], "max"),
             "test_auc": _stats([r["test_auc"] for r in rs], "min"),
             "test_roc_gap": _stats([r["test_roc_gap"] for r in rs], "max"),
+            "test_quantile_hard_gap_max": _stats([r["test_quantile_hard_gap_max"] for r in rs], "max"),
         }
     ratios = [h["smallest_certified_gap"] / n["smallest_certified_gap"] for h, n in zip(by["hinge"], by["none"])]
     hinge_med = out["hinge"]["smallest_certified_gap"]["median"]

@@ -117,7 +117,7 @@ def _benchmark():
 
 def _run(seed, method, gap, test_gap=0.1):
     return {"seed": seed, "method": method, "certified_at_kappa": False, "smallest_certified_gap": gap,
-            "test_hard_gap_max": test_gap, "test_auc": 0.7, "test_roc_gap": 0.1}
+            "test_hard_gap_max": test_gap, "test_auc": 0.7, "test_roc_gap": 0.1, "test_quantile_hard_gap_max": 0.2}
 
 
 def test_benchmark_summary_median_worst_and_goal():
@@ -178,19 +178,21 @@ def _recipe():
     return roc_fairness
 
 
-@pytest.mark.parametrize("flags, beta", [
-    (["--dataset", "compas"], 20.0),
-    (["--dataset", "adult"], 4.0),
-    (["--dataset", "compas", "--penalty_beta", "7"], 7.0),
-    (["--dataset", "adult", "--penalty_beta=40"], 40.0),
+@pytest.mark.parametrize("flags, beta, temperature", [
+    (["--dataset", "compas"], 20.0, 0.1),
+    (["--dataset", "adult"], 4.0, 1.0),
+    (["--dataset", "compas", "--penalty_beta", "7", "--rate_temperature", "1"], 7.0, 1.0),
+    (["--dataset", "adult", "--penalty_beta=40", "--rate_temperature=0.5"], 40.0, 0.5),
 ])
-def test_recipe_beta_default_per_data_set_gives_way_to_the_flag(flags, beta, tmp_path, monkeypatch):
+def test_recipe_defaults_per_data_set_give_way_to_the_flags(flags, beta, temperature, tmp_path, monkeypatch):
     recipe = _recipe()
     runs = []
-    monkeypatch.setattr(recipe, "run_roc_fairness", lambda script, training, argv=None: runs.append(training) or {})
+    monkeypatch.setattr(recipe, "run_roc_fairness",
+                        lambda script, training, argv=None: runs.append((script, training)) or {})
     monkeypatch.setattr(ConstrainedTrainingArguments, "should_save", property(lambda self: False))
     recipe.main([*flags, "--output_dir", str(tmp_path)])
-    assert runs[-1].penalty_beta == beta
+    script, training = runs[-1]
+    assert training.penalty_beta == beta and script.rate_temperature == temperature
 
 
 @pytest.mark.parametrize("flags, margin", [
