@@ -10,9 +10,16 @@ published. :func:`publishable_command` turns a command line into one that can be
   path inside it ``<output_dir>/...``), a path under the current folder becomes relative to
   it, any other absolute path becomes ``<local>/<its last component>``;
 - a string shaped like a Hugging Face token (``hf_`` and 30 or more letters and digits) is
-  replaced by ``<redacted>`` wherever it is (:func:`redact_secrets`).
+  replaced by ``<redacted>`` wherever it is (:func:`redact_secrets`);
+- the program is one that exists where the command is run again (:func:`reproduce_program`):
+  ``python recipes/x.py`` only in a clone; after ``pip install`` the installed entry point
+  (``hf-constrained <recipe>`` or ``python -m hf_constrained.recipes.x``);
+- a ``--config FILE`` is copied, without secrets and absolute paths, into the run's output
+  folder (``recipe_config.yaml``), and the command cites that copy: the file the run read
+  may be edited or missing later, the copy stays with the run.
 
-This module imports nothing beyond the standard library.
+This module imports nothing beyond the standard library at import time (the copy of a
+``--config`` file reads it with :mod:`hf_constrained.recipe_args` when there is one).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import logging
 import os
 import re
 import shlex
+import sys
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -113,9 +121,122 @@ def publishable_argv(argv: Sequence[str], output_dir: Optional[str] = None) -> l
     return out
 
 
+_RECIPE_SCRIPT = re.compile(r"(?:(?<=\s)|^)recipes/([A-Za-z_][A-Za-z0-9_]*)\.py(?=\s|$)")
+RECIPES_PACKAGE = "hf_constrained.recipes"
+
+
+def reproduce_program(program: str) -> str:
+    """The program of a reproduce command as it can be run again.
+
+    A run started through the command line (``hf-constrained llm``, which names itself in
+    ``sys.argv[0]``) is reproduced by that command. Otherwise ``program`` names a recipe script
+    (``python recipes/x.py``, ``accelerate launch recipes/x.py``): kept when ``recipes/x.py``
+    exists under the current folder (a clone), else the installed module
+    (``python -m hf_constrained.recipes.x``, ``accelerate launch -m hf_constrained.recipes.x``),
+    since ``recipes/`` exists only in a clone. Any other program is returned unchanged.
+    """
+    match = _RECIPE_SCRIPT.search(program)
+    if match is None:
+        return program
+    launcher = sys.argv[0] if sys.argv else ""
+    if launcher.startswith("hf-constrained "):
+        return launcher
+    if os.path.isfile(os.path.join(os.getcwd(), "recipes", f"{match.group(1)}.py")) or not _is_recipe(match.group(1)):
+        return program
+    return program[:match.start()] + f"-m {RECIPES_PACKAGE}.{match.group(1)}" + program[match.end():]
+
+
+def _is_recipe(module: str) -> bool:
+    """Whether ``hf_constrained.recipes`` ships the module ``module`` (after ``pip install`` as in a clone)."""
+    from .recipes import recipe_file
+
+    try:
+        recipe_file(f"{module}.py")
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _config_value(argv: Sequence[str]) -> tuple[Optional[int], Optional[str]]:
+    """(index, value) of ``--config`` in ``argv`` (the flag's own index), or (None, None)."""
+    for i, arg in enumerate(argv):
+        if arg == "--config" and i + 1 < len(argv):
+            return i, argv[i + 1]
+        if arg.startswith("--config="):
+            return i, arg.split("=", 1)[1]
+    return None, None
+
+
 def publishable_command(program: str, argv: Sequence[str], output_dir: Optional[str] = None) -> str:
-    """``program`` followed by :func:`publishable_argv` of ``argv``, quoted for a POSIX shell."""
-    return " ".join([program, shlex.join(publishable_argv(argv, output_dir))]).strip()
+    """``program`` (see :func:`reproduce_program`) followed by :func:`publishable_argv` of ``argv``,
+    quoted for a POSIX shell.
+
+    With ``--config FILE`` in ``argv`` (a file that exists) and an output folder (``output_dir``,
+    or ``--output_dir`` in ``argv`` or in the file), the file is saved there without secrets and
+    absolute paths (:func:`save_config_copy`) and the command cites the copy.
+    """
+    argv = [str(a) for a in argv]
+    index, config = _config_value(argv)
+    if config is not None and index is not None:
+        from .recipe_args import resolve_config_path
+
+        if not os.path.isfile(resolve_config_path(config)):  # nothing to copy: the command names the file
+            return " ".join([reproduce_program(program), shlex.join(publishable_argv(argv, output_dir))]).strip()
+
+        folder = output_dir or publishable_output_dir(argv) or config_output_dir(config)
+        if folder:
+            copy = save_config_copy(config, folder)
+            argv = argv[:index] + ["--config", copy] + argv[index + (1 if argv[index].startswith("--config=") else 2):]
+            output_dir = folder
+    return " ".join([reproduce_program(program), shlex.join(publishable_argv(argv, output_dir))]).strip()
+
+
+def config_output_dir(path: str) -> Optional[str]:
+    """The ``output_dir`` a ``--config`` file sets, or ``None``."""
+    from .recipe_args import load_config_file
+
+    value = load_config_file(path).get("output_dir")
+    return None if value is None else str(value)
+
+
+def save_config_copy(path: str, output_dir: str) -> str:
+    """Save the ``--config`` file ``path`` as ``<output_dir>/recipe_config.yaml`` and return how a
+    published command cites it: relative to the current folder when the copy lies inside it, else
+    ``<output_dir>/recipe_config.yaml``.
+
+    The copy is what may be published: keys that carry a secret (``hub_token``, ``*_api_key``,
+    see :func:`is_secret_flag`) are dropped, absolute paths made
+    relative or replaced by placeholders, token-shaped strings redacted
+    (:func:`publishable_values`). Written through a temporary file,
+    so several processes of one run may write it at once.
+    """
+    import yaml
+
+    from .recipe_args import SAVED_CONFIG_NAME, load_config_file
+
+    values = load_config_file(path)
+    clean = {k: publishable_values(v, output_dir) for k, v in values.items()
+             if not (isinstance(k, str) and is_secret_flag(k))}
+    os.makedirs(output_dir, exist_ok=True)
+    target = os.path.join(output_dir, SAVED_CONFIG_NAME)
+    tmp = f"{target}.tmp.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(f"# a copy of --config {publishable_values(path, output_dir)} as this run read it "
+                "(secrets dropped, local paths made relative)\n")
+        yaml.safe_dump(clean, f, sort_keys=False)
+    os.replace(tmp, target)
+    rel = os.path.relpath(os.path.abspath(target), os.getcwd())
+    return rel if not rel.startswith(os.pardir) else publishable_values(os.path.abspath(target), output_dir)
+
+
+def publishable_output_dir(argv: Sequence[str]) -> Optional[str]:
+    """The value of ``--output_dir`` in ``argv``, or ``None``."""
+    for i, arg in enumerate(argv):
+        if arg == "--output_dir" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--output_dir="):
+            return arg.split("=", 1)[1]
+    return None
 
 
 def publishable_values(value: Any, output_dir: Optional[str] = None) -> Any:
@@ -163,5 +284,6 @@ def publish_trainer_state(path: str, output_dir: str) -> None:
 
 
 __all__ = ["HF_TOKEN_PATTERN", "LOCAL_PLACEHOLDER", "OUTPUT_DIR_PLACEHOLDER", "REDACTED", "is_secret_flag",
-           "publish_trainer_state", "publishable_argv", "publishable_command", "publishable_path", "publishable_values",
-           "redact_secrets", "resolve_output_path"]
+           "publish_trainer_state", "publishable_argv", "publishable_command", "publishable_output_dir",
+           "publishable_path", "publishable_values", "redact_secrets", "reproduce_program", "resolve_output_path",
+           "save_config_copy"]

@@ -4,12 +4,18 @@ As in TRL's scripts (``trl sft --config x.yaml``), a YAML file gives values for 
 the recipe's dataclasses (e.g. :class:`~hf_constrained.ConstrainedTrainingArguments` and the
 recipe's own arguments) and flags on the command line override it. A key of the file that no
 dataclass has is an error naming the file and the key, and a flag that no dataclass has is a
-usage error (exit status 2): neither is silently ignored.
+usage error (exit status 2): neither is silently ignored. A usage error prints the short usage
+line and the error, not the list of every flag (``--help`` lists them).
+
+``--bf16`` follows what a user asks for: given on the command line or in the file on a machine
+without bf16 support, it is a usage error naming the flag before any model loads; a default of
+``bf16`` on (TRL's ``SFTConfig``) is turned off there, with a log line saying so.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -17,6 +23,14 @@ from typing import Any, Optional
 
 import yaml
 from transformers import HfArgumentParser
+
+logger = logging.getLogger(__name__)
+
+SHORT_USAGE = "%(prog)s [--config FILE.yaml] [--FLAG VALUE ...]  (--help lists every flag)"
+"""The usage line of every recipe: a usage error prints it and the error, not a page of flags."""
+
+SAVED_CONFIG_NAME = "recipe_config.yaml"
+"""The copy of a run's ``--config`` file in its output folder, cited by the reproduce command."""
 
 
 def _user_settings_first(parser: argparse.ArgumentParser, dataclass_types: Sequence[type]) -> None:
@@ -87,26 +101,75 @@ def given_flags(argv: Optional[Sequence[str]] = None) -> set[str]:
     return names
 
 
+def bf16_supported() -> bool:
+    """Whether this machine trains in bf16 without ``--use_cpu`` (a GPU with bf16, or an XLA device):
+    the condition under which ``TrainingArguments`` accepts ``bf16=True``."""
+    from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_available
+
+    return bool(is_torch_bf16_gpu_available() or is_torch_xla_available())
+
+
+def _check_bf16(parser: argparse.ArgumentParser, namespace: argparse.Namespace, rest: Sequence[str],
+                given: set[str], config: Optional[str]) -> None:
+    """``--bf16`` where no GPU supports it: a usage error naming the flag when the user asked for it
+    (command line or ``--config`` file; with ``--use_cpu true`` it is honoured: bf16 on the CPU); a
+    default ``bf16`` (TRL's ``SFTConfig``: on unless ``--fp16``) is turned off on such a machine and with
+    ``--use_cpu``, with a log line saying so."""
+    if not any(getattr(a, "dest", None) == "bf16" for a in parser._actions):
+        return
+    if getattr(namespace, "bf16", None) is False or getattr(namespace, "fp16", False):
+        return
+    use_cpu = bool(getattr(namespace, "use_cpu", False))
+    if not use_cpu and bf16_supported():
+        return
+    if "bf16" in given:
+        if use_cpu:
+            return  # bf16 on the CPU, as asked
+        where = "on the command line" if _on_command_line("bf16", rest) else f"by --config {config}"
+        parser.error(f"--bf16 true (set {where}): this machine has no GPU with bf16 support; pass --bf16 false to "
+                     "train in float32 (or --use_cpu true to train in bf16 on the CPU)")
+    logger.warning("bf16 is on by default, but %s: training in float32 (--bf16 false); pass --bf16 true for bf16",
+                   "--use_cpu is set" if use_cpu else "this machine has no GPU with bf16 support")
+    parser.set_defaults(bf16=False)
+
+
+def _on_command_line(name: str, argv: Sequence[str]) -> bool:
+    return any(a[2:].split("=", 1)[0].replace("-", "_") == name for a in argv if a.startswith("--"))
+
+
 def parse_recipe_args(dataclass_types: Sequence[type], argv: Optional[Sequence[str]] = None,
                       description: Optional[str] = None,
-                      defaults: Optional[dict[str, Any]] = None) -> tuple[Any, ...]:
+                      defaults: Optional[dict[str, Any]] = None,
+                      parser_class: type = HfArgumentParser,
+                      replaced_flags: Optional[dict[str, str]] = None) -> tuple[Any, ...]:
     """Parse ``argv`` into instances of ``dataclass_types``, honouring ``--config FILE.yaml``.
 
     ``defaults`` are the recipe's own defaults (e.g. its learning rate); the file's values
     override them and every flag given on the command line wins over both. The usual
     validation of each dataclass (``__post_init__``) runs on the merged values.
+
+    ``parser_class``: ``HfArgumentParser`` or a subclass (``trl.TrlParser`` for a recipe that
+    follows TRL's scripts). ``replaced_flags``: old flag name -> what replaces it; such a flag on
+    the command line or in the file is a usage error that names the replacement, not an
+    unknown flag. A usage error prints :data:`SHORT_USAGE` and the error (exit status 2).
     """
+    argv = list(sys.argv[1:] if argv is None else argv)
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--config", default=None)
     known, rest = pre.parse_known_args(argv)
     # no abbreviations: a mistyped or old flag name (--seed for --seeds) is an error, not another flag
-    parser = HfArgumentParser(list(dataclass_types), description=description, allow_abbrev=False)
+    parser = parser_class(list(dataclass_types), description=description, allow_abbrev=False, usage=SHORT_USAGE)
     parser.add_argument("--config", default=None, help="YAML file of flag values; command-line flags override it.")
     _user_settings_first(parser, dataclass_types)
     if defaults:
         parser.set_defaults(**defaults)
+    file_keys: set[str] = set()
     if known.config is not None:
         values = load_config_file(known.config)
+        file_keys = {str(k) for k in values}
+        for old, new in (replaced_flags or {}).items():
+            if old in values:
+                raise RecipeConfigError(f"--config {known.config}: key {old!r} was replaced: {new}")
         fields = {action.dest for action in parser._actions}  # the flags every dataclass declares
         unknown = sorted(set(values) - fields)
         if unknown:
@@ -116,8 +179,14 @@ def parse_recipe_args(dataclass_types: Sequence[type], argv: Optional[Sequence[s
         for action in parser._actions:
             if action.dest in values:
                 action.required = False
-    *outputs, unknown_flags = parser.parse_args_into_dataclasses(args=list(rest), return_remaining_strings=True)
+    for old, new in (replaced_flags or {}).items():
+        if _on_command_line(old, rest):
+            parser.error(f"--{old} was replaced: {new}")
+    given = file_keys | {a[2:].split("=", 1)[0].replace("-", "_") for a in rest if a.startswith("--")}
+    namespace, unknown_flags = parser.parse_known_args(list(rest))  # argparse values only: no dataclass built yet
     if unknown_flags:  # argparse's own message and exit status 2, not a traceback
         parser.error(f"unrecognized arguments: {' '.join(unknown_flags)} "
                      "(not a flag of this recipe; --help lists them)")
+    _check_bf16(parser, namespace, rest, given, known.config)
+    outputs = parser.parse_args_into_dataclasses(args=list(rest))
     return tuple(outputs[: len(dataclass_types)])  # the last entry is the namespace holding --config

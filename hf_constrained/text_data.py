@@ -14,7 +14,15 @@
 The tokenised rows feed both the objective (the Trainer's batches) and the non-forgetting
 constraints (:func:`hf_constrained.non_forgetting.non_forgetting_constraints` with
 :func:`~hf_constrained.per_sample_loss.causal_lm_per_example_loss`), padded by
-:class:`~hf_constrained.per_sample_loss.PaddingCollator`.
+:class:`SFTPaddingCollator` (``transformers.DataCollatorForSeq2Seq``, right padding, labels
+-100) or :class:`~hf_constrained.per_sample_loss.PaddingCollator` (the same batches, with no
+tokenizer needed).
+
+Why not TRL's own data preparation for these rows: the per-example losses need ``labels`` with
+-100 outside the answer, and for ``messages`` rows the loss on the last message only, whatever
+the chat template; TRL's ``SFTTrainer`` prepares rows for its own loss (``completion_mask``,
+``assistant_masks`` that need a template with generation markers). With TRL installed the
+recipe lets TRL prepare the objective's rows and uses :func:`tokenize_sft` for the constraints.
 """
 
 from __future__ import annotations
@@ -24,7 +32,9 @@ import os
 from typing import Any, Optional
 
 import datasets
+from transformers import DataCollatorForSeq2Seq
 
+from .batches import collate_examples
 from .per_sample_loss import IGNORE_INDEX
 
 logger = logging.getLogger(__name__)
@@ -126,3 +136,54 @@ def tokenize_sft(dataset: datasets.Dataset, tokenizer: Any, *, max_length: Optio
     if len(out) == 0:
         raise ValueError(f"{name}: no row left with a token to predict (max_length={max_length})")
     return out
+
+
+SEQUENCE_FIELDS = ("input_ids", "attention_mask", "labels", "token_type_ids")
+"""The per-token fields :class:`SFTPaddingCollator` pads; every other field is collated as it is."""
+
+
+class SFTPaddingCollator:
+    """Pad tokenised SFT rows on the right into one batch, with ``transformers.DataCollatorForSeq2Seq``.
+
+    ``input_ids`` are padded with the tokenizer's pad token, ``labels`` with -100 (no loss),
+    ``attention_mask`` with 0, to the longest row (or a multiple of ``pad_to_multiple_of``), on
+    the right whatever the tokenizer's ``padding_side`` (the per-example losses and exact-match
+    statistics read answers left-aligned). What this wrapper adds to the library collator:
+    the other fields of a row (``reference_loss``, ``row_index``, a class label) are collated by
+    :func:`~hf_constrained.batches.collate_examples` instead of being handed to the tokenizer.
+    The batches equal those of :class:`~hf_constrained.per_sample_loss.PaddingCollator`.
+
+    Args:
+        tokenizer: a tokenizer with a pad token (set ``tokenizer.pad_token = tokenizer.eos_token``
+            for a model without one: padding is masked out of every loss).
+        pad_to_multiple_of: optional length multiple (tensor-core friendly shapes).
+    """
+
+    def __init__(self, tokenizer: Any, *, pad_to_multiple_of: Optional[int] = None) -> None:
+        if getattr(tokenizer, "pad_token_id", None) is None:
+            raise ValueError("SFTPaddingCollator needs a tokenizer with a pad token: set tokenizer.pad_token "
+                             "(e.g. to tokenizer.eos_token)")
+        self.tokenizer = tokenizer
+        self._collator = DataCollatorForSeq2Seq(tokenizer, padding="longest", pad_to_multiple_of=pad_to_multiple_of,
+                                                label_pad_token_id=IGNORE_INDEX, return_tensors="pt")
+
+    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
+        if not examples:
+            raise ValueError("SFTPaddingCollator got no rows")
+        if "input_ids" not in examples[0]:
+            raise KeyError(f"SFTPaddingCollator needs tokenised rows with 'input_ids'; the rows have "
+                           f"{sorted(examples[0])}")
+        sequences = [{k: _as_list(ex[k]) for k in SEQUENCE_FIELDS if k in ex} for ex in examples]
+        side, self.tokenizer.padding_side = self.tokenizer.padding_side, "right"
+        try:
+            batch = dict(self._collator(sequences))
+        finally:
+            self.tokenizer.padding_side = side
+        for key in examples[0]:
+            if key not in SEQUENCE_FIELDS:
+                batch[key] = collate_examples([ex[key] for ex in examples])
+        return batch
+
+
+def _as_list(value: Any) -> list[int]:
+    return value.tolist() if hasattr(value, "tolist") else list(value)

@@ -46,6 +46,7 @@ from transformers import CLIPModel, CLIPProcessor, set_seed
 from hf_constrained import ConstrainedTrainingArguments, UnsafeModelError, finish_run
 from hf_constrained.callbacks import PeriodicMetricsCallback
 from hf_constrained.errors import check_model_path
+from hf_constrained.extras import require_extra
 from hf_constrained.publishable import publishable_command, publishable_path, publishable_values
 from hf_constrained.recipe_args import parse_recipe_args
 from hf_constrained.safety.bounds import clopper_pearson_upper_bound
@@ -118,8 +119,20 @@ class ScriptArguments:
                 "(400 = once per paper epoch); 0: only at the end."})
 
 
+OUTPUT_DIR = "outputs/clip_non_forgetting"
+"""``--output_dir`` unless given: ``outputs/<recipe module>``, as every recipe."""
+
+
 def _split(value: Optional[str]) -> list[str]:
     return [v.strip() for v in value.split(",") if v.strip()] if value else []
+
+
+def dataset_id(script: ScriptArguments) -> str:
+    """The data's identifier in the model card's model-index: ``bdd100k``, or the protected
+    CSV's file name (``--data csv``)."""
+    if script.data == "csv" and script.protected_csv:
+        return os.path.splitext(os.path.basename(script.protected_csv))[0]
+    return script.data
 
 
 def build_data(script: ScriptArguments) -> dict:
@@ -203,11 +216,15 @@ def split_certification(rows: dict, protected: list[str], fraction: float, seed:
 
 def main(argv: Optional[list[str]] = None) -> dict:
     script, args = parse_recipe_args([ScriptArguments, ConstrainedTrainingArguments], argv, description=__doc__,
-                                     defaults={"remove_unused_columns": False})
+                                     defaults={"remove_unused_columns": False, "output_dir": OUTPUT_DIR})
     if args.remove_unused_columns:  # a flag this recipe cannot honour: an error, not silently replaced
         raise ValueError("--remove_unused_columns true is not supported by this recipe: its collator reads the "
                          "raw columns (image, caption) that the Trainer would remove")
     check_model_path(script.model_name_or_path)  # before any data is read
+    # optional packages, before any data is read or model loaded: an error naming the extra
+    require_extra("PIL", "clip", "the CLIP recipe's images")
+    if script.lora_r:
+        require_extra("peft", "peft", "--lora_r (LoRA adapters)")
     logging.basicConfig(level=logging.INFO if args.should_log else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     set_seed(args.seed)
@@ -305,7 +322,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
                             + (f"certified on {script.certify_fraction:g} of each protected class's {certify_from} "
                                f"images (read by nothing else) as 'at most {script.forget_tolerance:g} of the "
                                "class's images forgotten'" if certify_sets else "no certification split"),
-        delta=script.delta,
+        delta=script.delta, eval_dataset=dataset_id(script),
         reproduce_command=publishable_command("accelerate launch recipes/clip_non_forgetting.py",
                                               sys.argv[1:] if argv is None else argv,
                                               output_dir=args.output_dir),

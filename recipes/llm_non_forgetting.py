@@ -26,22 +26,37 @@ Clopper-Pearson bound. A rate over n rows has a bound of at least 1 - delta^(1/n
 3/n), so the tolerance must fit the split: 0.05 needs about 60 certification rows per
 task with none forgotten. ``--certify_fraction 0`` leaves the run NOT CERTIFIED.
 
+The command line follows TRL's scripts (``trl/scripts/sft.py``): with TRL installed
+(``pip install 'hf_constrained[trl]'``) it is parsed by ``TrlParser`` over TRL's
+``ScriptArguments`` (``--dataset_name``: the target data, ``--dataset_config``,
+``--dataset_train_split``), ``ModelConfig`` (``--model_name_or_path``, ``--dtype``,
+``--use_peft``, ``--lora_r``, ``--lora_target_modules q_proj v_proj``, ...), the package's
+``ConstrainedSFTConfig`` (TRL's ``SFTConfig``: ``--max_length``, ``--packing``,
+``--chat_template_path``, ... plus the constraint settings) and this recipe's
+``ConstraintDataArguments`` (the protected and safety data, tolerances, the certificate), and
+the objective is trained by ``ConstrainedSFTTrainer`` (TRL prepares the target data and logs
+its metrics, e.g. ``mean_token_accuracy``). Without TRL the same flag names are parsed by
+``HfArgumentParser`` and the objective is trained by ``ConstrainedTrainer`` on rows tokenised
+by :func:`hf_constrained.text_data.tokenize_sft`; a flag only TRL implements (``--packing``,
+``--load_in_4bit``, ...) is then an error naming the extra to install.
+
 Run::
 
     accelerate launch recipes/llm_non_forgetting.py \\
-        --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --lora_r 16 \\
-        --target_dataset data/new_task.jsonl \\
+        --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --use_peft --lora_r 16 \\
+        --dataset_name data/new_task.jsonl \\
         --protected_datasets math=data/math.jsonl code=data/code.jsonl \\
         --safety_dataset data/refusals.jsonl \\
-        --output_dir out/llm --max_steps 500 --learning_rate 1e-4 \\
+        --output_dir outputs/llm --max_steps 500 --learning_rate 1e-4 \\
         --constraint_penalty hinge --penalty_beta 10 --relative_tolerance 0.02
 
 or put the flags in a YAML file (keys = flag names) and pass ``--config x.yaml``; flags on
 the command line override the file. ``--help`` lists every flag. At the end: held-out
 evaluation, the model (or adapter) and tokenizer in ``--output_dir``, the safety report
 and model card (with the certificate), ``llm_results.json`` (``certified``,
-``certified_bounds``, the certification splits' sizes), and with ``--push_to_hub`` the gated
-push (refused when the run is not certified, unless ``--allow_unsafe_push``).
+``certified_bounds``, the certification splits' sizes), with ``--config`` a copy of the file
+(``recipe_config.yaml``, cited by the card's reproduce command), and with ``--push_to_hub``
+the gated push (refused when the run is not certified, unless ``--allow_unsafe_push``).
 """
 
 from __future__ import annotations
@@ -56,12 +71,12 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
-from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
+from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, set_seed
 
 from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments, UnsafeModelError, finish_run
 from hf_constrained.errors import check_model_path
+from hf_constrained.extras import MissingExtraError, has_module, install_hint
 from hf_constrained.non_forgetting import (
-    PaddingCollator,
     ReferenceGap,
     causal_lm_per_example_loss,
     non_forgetting_constraints,
@@ -69,23 +84,22 @@ from hf_constrained.non_forgetting import (
 from hf_constrained.per_sample_loss import causal_lm_per_example_correct
 from hf_constrained.publishable import publishable_command, publishable_path, publishable_values
 from hf_constrained.recipe_args import parse_recipe_args
-from hf_constrained.text_data import load_text_dataset, tokenize_sft
+from hf_constrained.text_data import SFTPaddingCollator, load_text_dataset, tokenize_sft
 
 logger = logging.getLogger("llm_non_forgetting")
 RESULTS_FILE = "llm_results.json"
+TRL_EXTRA = install_hint("trl")
 
 
 @dataclass
-class ScriptArguments:
-    model_name_or_path: str = field(metadata={"help": "Causal LM: a Hub id (e.g. Qwen/Qwen2.5-0.5B-Instruct) or a "
-                                              "local folder with the model and its tokenizer."})
-    target_dataset: str = field(metadata={"help": "SFT data of the new task: Hub id or local JSON/CSV/parquet file."})
+class ConstraintDataArguments:
+    """The recipe's own flags: the protected and safety data, the tolerances and the certificate."""
+
     protected_datasets: list[str] = field(default_factory=list, metadata={
-        "help": "Protected datasets, one constraint each: NAME=SOURCE (or SOURCE; the name is the file's stem)."})
+        "help": "Protected datasets, one constraint each: NAME=SOURCE (or SOURCE; the name is the file's stem). "
+                "SOURCE: a Hub dataset id or a local JSON/JSONL/CSV/TSV/parquet file."})
     safety_dataset: Optional[str] = field(default=None, metadata={
         "help": "Optional safety set (e.g. harmful prompts with refusals): its loss must not rise either."})
-    dataset_config: Optional[str] = field(default=None, metadata={"help": "Hub dataset configuration name, if any."})
-    target_split: str = field(default="train", metadata={"help": "Split of a Hub target dataset."})
     protected_split: str = field(default="train", metadata={"help": "Split of Hub protected / safety datasets."})
     eval_fraction: float = field(default=0.1, metadata={
         "help": "Fraction of every dataset held out: target rows for the objective's evaluation, protected rows "
@@ -93,11 +107,6 @@ class ScriptArguments:
     max_constraint_rows: Optional[int] = field(default=None, metadata={
         "help": "Cap on the rows taken from each protected / safety dataset (before the held-out split)."})
     max_target_rows: Optional[int] = field(default=None, metadata={"help": "Cap on the target rows."})
-    max_length: int = field(default=512, metadata={"help": "Token limit per example (longer ones are cut)."})
-    text_column: str = field(default="text", metadata={"help": "Column of plain-text rows."})
-    prompt_column: str = field(default="prompt", metadata={"help": "Prompt column of prompt/completion rows."})
-    completion_column: str = field(default="completion", metadata={"help": "Completion column."})
-    messages_column: str = field(default="messages", metadata={"help": "Chat column (list of role/content)."})
     constraint_tolerance: float = field(default=0.0, metadata={
         "help": "Absolute tolerance of every protected constraint (nats per token)."})
     relative_tolerance: float = field(default=0.0, metadata={
@@ -113,23 +122,208 @@ class ScriptArguments:
     delta: float = field(default=0.05, metadata={
         "help": "The certificate's error level: it holds with probability at least 1 - delta."})
     reference_batch_size: int = field(default=16, metadata={"help": "Batch size of the old model's reference pass."})
-    lora_r: int = field(default=0, metadata={"help": "LoRA rank (0: train all parameters)."})
-    lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha."})
-    lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout."})
-    lora_target_modules: str = field(default="all-linear", metadata={
-        "help": "Comma-separated LoRA target modules, or 'all-linear'."})
-    dtype: str = field(default="float32", metadata={"help": "Weights dtype.", "choices": ["float32", "bfloat16",
-                                                                                           "float16", "auto"]})
     allow_unsafe_push: bool = field(default=False, metadata={
         "help": "With --push_to_hub: publish even when a constraint fails (the card then says UNSAFE)."})
 
 
-# ---------------------------------------------------------------------------------- arguments
-def parse_arguments(argv: Optional[list[str]] = None) -> tuple[ScriptArguments, ConstrainedTrainingArguments]:
-    """Flags of both dataclasses; with ``--config x.yaml`` the file's values are the defaults
-    and flags given on the command line override them (the convention of TRL's scripts)."""
-    script, args = parse_recipe_args([ScriptArguments, ConstrainedTrainingArguments], argv)
-    return script, args
+# ----------------------------------------------------------- the same flag names without TRL
+@dataclass
+class DatasetArguments:
+    """TRL's ``ScriptArguments`` (the flags this recipe reads), for a machine without TRL."""
+
+    dataset_name: Optional[str] = field(default=None, metadata={
+        "help": "The target data (the new task): a Hub dataset id or a local JSON/JSONL/CSV/TSV/parquet file."})
+    dataset_config: Optional[str] = field(default=None, metadata={"help": "Hub dataset configuration name, if any."})
+    dataset_train_split: str = field(default="train", metadata={"help": "Split of a Hub target dataset."})
+    dataset_test_split: str = field(default="test", metadata={
+        "help": "Not used: the target's held-out rows are --eval_fraction of --dataset_train_split."})
+
+
+@dataclass
+class ModelArguments:
+    """TRL's ``ModelConfig`` (model and LoRA flags, TRL's defaults), for a machine without TRL."""
+
+    model_name_or_path: Optional[str] = field(default=None, metadata={
+        "help": "Causal LM: a Hub id (e.g. Qwen/Qwen2.5-0.5B-Instruct) or a local folder with model and tokenizer."})
+    model_revision: str = field(default="main", metadata={"help": "Model revision (branch, tag or commit)."})
+    dtype: Optional[str] = field(default="float32", metadata={
+        "help": "Weights dtype.", "choices": ["auto", "bfloat16", "float16", "float32"]})
+    attn_implementation: Optional[str] = field(default=None, metadata={"help": "Attention implementation."})
+    use_peft: bool = field(default=False, metadata={"help": "Train a LoRA adapter instead of every parameter."})
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha."})
+    lora_dropout: float = field(default=0.05, metadata={"help": "LoRA dropout."})
+    lora_target_modules: Optional[list[str]] = field(default=None, metadata={
+        "help": "LoRA target modules (e.g. q_proj v_proj, or all-linear); default: PEFT's for the model type."})
+    lora_modules_to_save: Optional[list[str]] = field(default=None, metadata={
+        "help": "Modules trained and saved in full beside the adapter."})
+    use_rslora: bool = field(default=False, metadata={"help": "Rank-stabilised LoRA scaling."})
+    use_dora: bool = field(default=False, metadata={"help": "Weight-decomposed LoRA (DoRA)."})
+
+
+@dataclass
+class SFTArguments(ConstrainedTrainingArguments):
+    """The flags of TRL's ``SFTConfig`` this recipe implements without TRL, on top of the constraint settings."""
+
+    max_length: Optional[int] = field(default=1024, metadata={
+        "help": "Token limit per example (longer ones are cut); as TRL's SFTConfig."})
+    dataset_text_field: str = field(default="text", metadata={"help": "Column of plain-text rows."})
+    trust_remote_code: bool = field(default=False, metadata={"help": "Run the model repository's own code."})
+
+
+TRL_ONLY_FLAGS = frozenset({
+    # SFTConfig
+    "model_init_kwargs", "chat_template_path", "dataset_kwargs", "dataset_num_proc", "eos_token", "pad_token",
+    "truncation_mode", "shuffle_dataset", "packing", "packing_strategy", "padding_free", "pad_to_multiple_of",
+    "eval_packing", "completion_only_loss", "assistant_only_loss", "loss_type", "activation_offloading",
+    "router_aux_loss_coef",
+    # ScriptArguments
+    "dataset_streaming", "ignore_bias_buffers",
+    # ModelConfig
+    "lora_target_parameters", "lora_task_type", "load_in_8bit", "load_in_4bit", "bnb_4bit_quant_type",
+    "use_bnb_nested_quant", "bnb_4bit_quant_storage",
+})
+"""Flags of TRL's dataclasses that only TRL implements: without TRL, an error naming the extra."""
+
+NOT_USED_FLAGS = {
+    "dataset_test_split": "the target's held-out rows are --eval_fraction of --dataset_train_split",
+    "dataset_streaming": "the recipe splits every dataset into training, held-out and certification rows",
+    "ignore_bias_buffers": "not needed by this recipe",
+    "lora_task_type": "the recipe trains a causal LM (CAUSAL_LM)",
+}
+"""Flags of TRL's dataclasses this recipe cannot honour: an error when given, not ignored."""
+
+REPLACED_FLAGS = {
+    "target_dataset": "the target data is --dataset_name (TRL's ScriptArguments)",
+    "target_split": "the target's split is --dataset_train_split",
+    "text_column": "the text column is --dataset_text_field (TRL's SFTConfig)",
+    "prompt_column": "rows use TRL's column names: prompt + completion, text, or messages (rename the columns)",
+    "completion_column": "rows use TRL's column names: prompt + completion, text, or messages (rename the columns)",
+    "messages_column": "rows use TRL's column names: prompt + completion, text, or messages (rename the columns)",
+}
+"""Flags of earlier versions of this recipe and their replacements (an error naming the new flag)."""
+
+
+def trl_available() -> bool:
+    """Whether TRL (and so ``hf_constrained.integrations.trl``) can be imported."""
+    try:
+        import trl  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class RecipeArguments(NamedTuple):
+    """The parsed flags: TRL's three groups and the recipe's own, and whether TRL parsed them."""
+
+    dataset: Any
+    training: Any
+    model: Any
+    data: ConstraintDataArguments
+    trl: bool
+
+
+def _dataclass_types(use_trl: bool) -> tuple[type, ...]:
+    if use_trl:
+        from trl import ModelConfig, ScriptArguments
+
+        from hf_constrained.integrations.trl import ConstrainedSFTConfig
+
+        return ScriptArguments, ConstrainedSFTConfig, ModelConfig, ConstraintDataArguments
+    return DatasetArguments, SFTArguments, ModelArguments, ConstraintDataArguments
+
+
+def parse_arguments(argv: Optional[list[str]] = None, use_trl: Optional[bool] = None) -> RecipeArguments:
+    """TRL's flags (``TrlParser`` over ``ScriptArguments``, ``ConstrainedSFTConfig``, ``ModelConfig``) and the
+    recipe's; without TRL (``use_trl=False`` or not installed) the same names through ``HfArgumentParser``.
+    With ``--config x.yaml`` the file's values are the defaults and flags on the command line override them."""
+    from hf_constrained.recipe_args import given_flags
+
+    use_trl = trl_available() if use_trl is None else use_trl
+    argv = list(sys.argv[1:] if argv is None else argv)
+    given = given_flags(argv)
+    for flag in sorted(given & set(NOT_USED_FLAGS)):
+        raise ValueError(f"--{flag} is not used by this recipe: {NOT_USED_FLAGS[flag]}")
+    if not use_trl:
+        trl_only = sorted(given & TRL_ONLY_FLAGS)
+        if trl_only:
+            raise ValueError(f"{', '.join('--' + f for f in trl_only)}: implemented by TRL, which is not installed; "
+                             f"{TRL_EXTRA}")
+    parser_class = HfArgumentParser
+    if use_trl:
+        from trl import TrlParser
+
+        parser_class = TrlParser
+    dataset, training, model, data = parse_recipe_args(
+        _dataclass_types(use_trl), argv, description=__doc__.split("\n\n")[0], parser_class=parser_class,
+        replaced_flags=REPLACED_FLAGS, defaults={"output_dir": "outputs/llm_non_forgetting"})
+    lora_flags = sorted(given & {"lora_r", "lora_alpha", "lora_dropout", "lora_target_modules",
+                                 "lora_target_parameters", "lora_modules_to_save", "use_rslora", "use_dora"})
+    if lora_flags and not model.use_peft:
+        if "lora_r" in lora_flags and model.lora_r == 0:
+            raise ValueError("--lora_r 0: full fine-tuning is the default; drop --lora_r 0 (LoRA is turned on "
+                             "by --use_peft)")
+        raise ValueError(f"{', '.join('--' + f for f in lora_flags)} without --use_peft: LoRA is turned on by "
+                         "--use_peft (TRL's ModelConfig); add --use_peft true")
+    return RecipeArguments(dataset, training, model, data, use_trl)
+
+
+def lora_targets(modules: Optional[Any]) -> Optional[Any]:
+    """``--lora_target_modules`` for ``LoraConfig``: a list of names (``q_proj v_proj``, or one comma-separated
+    word ``q_proj,v_proj``), the word ``all-linear``, or ``None`` (PEFT's default for the model type)."""
+    if modules is None:
+        return None
+    names = [n.strip() for m in ([modules] if isinstance(modules, str) else modules) for n in str(m).split(",")]
+    names = [n for n in names if n]
+    return "all-linear" if names == ["all-linear"] else names
+
+
+# ---------------------------------------------------------------------------------- data
+class Splits(NamedTuple):
+    """One dataset's disjoint parts: training rows, held-out rows (evaluation and the safety report's values),
+    certification rows (read only by the certificate; ``None`` without them)."""
+
+    train: Any
+    held_out: Any
+    certify: Any
+
+
+def split_rows(rows: Any, data: ConstraintDataArguments, name: str, source: str, seed: int,
+               certify: bool = False) -> Splits:
+    """``rows`` split in disjoint parts: ``eval_fraction`` of them held out and, with ``certify``,
+    ``certify_fraction`` of those set aside as the certification split (both seeded by ``seed``)."""
+    if data.eval_fraction <= 0:
+        return Splits(rows, None, None)
+    if len(rows) < 2:
+        raise ValueError(f"{name} ({source}): {len(rows)} usable row(s); need at least 2 to hold some out")
+    parts = rows.train_test_split(test_size=data.eval_fraction, seed=seed)
+    train, held_out = parts["train"], parts["test"]
+    if not certify or data.certify_fraction <= 0:
+        return Splits(train, held_out, None)
+    if len(held_out) < 2:
+        raise ValueError(f"{name} ({source}): {len(held_out)} held-out row(s); --certify_fraction "
+                         f"{data.certify_fraction} needs at least 2 (one held out, one certifying): raise "
+                         "--eval_fraction or pass --certify_fraction 0 (no certificate)")
+    parts = held_out.train_test_split(test_size=data.certify_fraction, seed=seed)
+    return Splits(train, parts["train"], parts["test"])
+
+
+def load_raw(source: str, split: str, config_name: Optional[str], max_rows: Optional[int], seed: int) -> Any:
+    """One dataset's rows, untokenised, capped at ``max_rows`` (a seeded random subset)."""
+    raw = load_text_dataset(source, split=split, config_name=config_name)
+    if max_rows is not None and len(raw) > max_rows:
+        raw = raw.shuffle(seed=seed).select(range(max_rows))
+    return raw
+
+
+def load_tokenized(source: str, split: str, tokenizer: Any, config: RecipeArguments, name: str,
+                   max_rows: Optional[int], seed: int, certify: bool = False) -> Splits:
+    """One dataset, tokenised for per-example losses (:func:`~hf_constrained.text_data.tokenize_sft`: labels
+    -100 outside the answer), split by :func:`split_rows`."""
+    raw = load_raw(source, split, config.dataset.dataset_config, max_rows, seed)
+    rows = tokenize_sft(raw, tokenizer, max_length=config.training.max_length,
+                        text_column=config.training.dataset_text_field, name=name)
+    return split_rows(rows, config.data, name, source, seed, certify=certify)
 
 
 def _named_sources(entries: list[str]) -> dict[str, str]:
@@ -147,64 +341,37 @@ def _named_sources(entries: list[str]) -> dict[str, str]:
     return out
 
 
-# ---------------------------------------------------------------------------------- data
-class Splits(NamedTuple):
-    """One dataset's disjoint parts: training rows, held-out rows (evaluation and the safety report's values),
-    certification rows (read only by the certificate; ``None`` without them)."""
-
-    train: Any
-    held_out: Any
-    certify: Any
-
-
-def load_tokenized(source: str, split: str, tokenizer: Any, script: ScriptArguments, name: str,
-                   max_rows: Optional[int], seed: int, certify: bool = False) -> Splits:
-    """One dataset, tokenised, split in disjoint parts: ``eval_fraction`` of the rows held out and, with
-    ``certify``, ``certify_fraction`` of those set aside as the certification split (both seeded by ``seed``)."""
-    raw = load_text_dataset(source, split=split, config_name=script.dataset_config)
-    if max_rows is not None and len(raw) > max_rows:
-        raw = raw.shuffle(seed=seed).select(range(max_rows))
-    rows = tokenize_sft(raw, tokenizer, max_length=script.max_length, text_column=script.text_column,
-                        prompt_column=script.prompt_column, completion_column=script.completion_column,
-                        messages_column=script.messages_column, name=name)
-    if script.eval_fraction <= 0:
-        return Splits(rows, None, None)
-    if len(rows) < 2:
-        raise ValueError(f"{name} ({source}): {len(rows)} usable row(s); need at least 2 to hold some out")
-    split_rows = rows.train_test_split(test_size=script.eval_fraction, seed=seed)
-    train, held_out = split_rows["train"], split_rows["test"]
-    if not certify or script.certify_fraction <= 0:
-        return Splits(train, held_out, None)
-    if len(held_out) < 2:
-        raise ValueError(f"{name} ({source}): {len(held_out)} held-out row(s); --certify_fraction "
-                         f"{script.certify_fraction} needs at least 2 (one held out, one certifying): raise "
-                         "--eval_fraction or pass --certify_fraction 0 (no certificate)")
-    parts = held_out.train_test_split(test_size=script.certify_fraction, seed=seed)
-    return Splits(train, parts["train"], parts["test"])
-
-
-def check_arguments(script: ScriptArguments, args: ConstrainedTrainingArguments) -> None:
-    if not script.protected_datasets and not script.safety_dataset and args.constraint_penalty != "none":
+def check_arguments(config: RecipeArguments) -> None:
+    """Every check that needs no model: a clear error naming the flag before anything heavy loads."""
+    data, args, model = config.data, config.training, config.model
+    if not config.dataset.dataset_name:
+        raise ValueError("no target data: pass --dataset_name (a Hub dataset id or a local JSON/CSV/parquet file)")
+    if not model.model_name_or_path:
+        raise ValueError("no model: pass --model_name_or_path (a Hub id or a local folder)")
+    if not data.protected_datasets and not data.safety_dataset and args.constraint_penalty != "none":
         raise ValueError("no constraint: pass --protected_datasets and/or --safety_dataset "
                          "(or --constraint_penalty none for plain SFT)")
-    if not 0.0 <= script.eval_fraction < 1.0:
-        raise ValueError(f"--eval_fraction must be in [0, 1), got {script.eval_fraction}")
-    if script.lora_r < 0:
-        raise ValueError(f"--lora_r must be >= 0, got {script.lora_r}")
+    if not 0.0 <= data.eval_fraction < 1.0:
+        raise ValueError(f"--eval_fraction must be in [0, 1), got {data.eval_fraction}")
+    if model.use_peft and model.lora_r < 1:
+        raise ValueError(f"--lora_r must be >= 1 with --use_peft, got {model.lora_r}")
+    if model.use_peft and not has_module("peft"):
+        raise MissingExtraError(f"--use_peft: LoRA adapters need the optional package 'peft', which is not "
+                                f"installed: {install_hint('peft')}")
     for flag in ("constraint_tolerance", "relative_tolerance", "safety_tolerance"):
-        if getattr(script, flag) < 0:
-            raise ValueError(f"--{flag} must be >= 0, got {getattr(script, flag)}")
-    if script.max_length < 2:
-        raise ValueError(f"--max_length must be >= 2, got {script.max_length}")
-    if not 0.0 <= script.certify_fraction < 1.0:
-        raise ValueError(f"--certify_fraction must be in [0, 1), got {script.certify_fraction}")
-    if script.certify_fraction > 0 and script.eval_fraction <= 0:
-        raise ValueError(f"--certify_fraction {script.certify_fraction} splits the held-out rows, but --eval_fraction "
+        if getattr(data, flag) < 0:
+            raise ValueError(f"--{flag} must be >= 0, got {getattr(data, flag)}")
+    if args.max_length is not None and args.max_length < 2:
+        raise ValueError(f"--max_length must be >= 2, got {args.max_length}")
+    if not 0.0 <= data.certify_fraction < 1.0:
+        raise ValueError(f"--certify_fraction must be in [0, 1), got {data.certify_fraction}")
+    if data.certify_fraction > 0 and data.eval_fraction <= 0:
+        raise ValueError(f"--certify_fraction {data.certify_fraction} splits the held-out rows, but --eval_fraction "
                          "is 0: raise --eval_fraction or pass --certify_fraction 0 (no certificate)")
-    if not 0.0 <= script.forget_tolerance <= 1.0:
-        raise ValueError(f"--forget_tolerance is a share of examples, in [0, 1]; got {script.forget_tolerance}")
-    if not 0.0 < script.delta < 1.0:
-        raise ValueError(f"--delta must be in (0, 1), got {script.delta}")
+    if not 0.0 <= data.forget_tolerance <= 1.0:
+        raise ValueError(f"--forget_tolerance is a share of examples, in [0, 1]; got {data.forget_tolerance}")
+    if not 0.0 < data.delta < 1.0:
+        raise ValueError(f"--delta must be in (0, 1), got {data.delta}")
     # a logger whose package is missing would fail when the Trainer is built, after the model loaded
     loggers = {"tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",), "mlflow": ("mlflow",)}
     for name in args.report_to or []:
@@ -212,76 +379,129 @@ def check_arguments(script: ScriptArguments, args: ConstrainedTrainingArguments)
             raise ValueError(f"--report_to {name}: the {loggers[name][0]} package is not installed "
                              f"(pip install {loggers[name][0]}), or pass --report_to none")
     # a mistyped path is an error naming the flag, before the tokenizer or the model loads
-    script.model_name_or_path = check_model_path(script.model_name_or_path)
+    model.model_name_or_path = check_model_path(model.model_name_or_path)
+
+
+# ---------------------------------------------------------------------------------- model
+def load_model_and_tokenizer(config: RecipeArguments) -> tuple[Any, Any]:
+    """The tokenizer (with a pad token; TRL's ``--eos_token`` / ``--pad_token`` / ``--chat_template_path``
+    applied here, before any data is tokenised, so the constraints' rows and TRL's see one tokenizer) and the
+    model (``--dtype``, ``--model_revision``, ``--attn_implementation``, ``--trust_remote_code``, TRL's
+    quantisation flags; with ``--use_peft`` wrapped in a LoRA adapter, whose disabled base is the old model)."""
+    margs, args = config.model, config.training
+    common = dict(revision=margs.model_revision, trust_remote_code=args.trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(margs.model_name_or_path, **common)
+    kwargs: dict[str, Any] = dict(common, attn_implementation=margs.attn_implementation,
+                                  dtype=margs.dtype if margs.dtype in (None, "auto") else getattr(torch, margs.dtype))
+    if config.trl:
+        from trl import get_quantization_config
+
+        quantization = get_quantization_config(margs)  # --load_in_4bit / --load_in_8bit
+        if quantization is not None:
+            kwargs.update(quantization_config=quantization)
+        kwargs.update(args.model_init_kwargs or {})
+    model = AutoModelForCausalLM.from_pretrained(margs.model_name_or_path, **kwargs)
+    if config.trl:
+        if args.eos_token is not None:
+            if args.eos_token not in tokenizer.get_vocab():
+                raise ValueError(f"--eos_token {args.eos_token!r} is not in the tokenizer's vocabulary")
+            tokenizer.eos_token = args.eos_token
+        if args.pad_token is not None:
+            tokenizer.pad_token = args.pad_token
+        if args.chat_template_path is not None:
+            path = args.chat_template_path
+            if os.path.isfile(path) and path.endswith((".jinja", ".j2")):
+                with open(path, encoding="utf-8") as f:
+                    tokenizer.chat_template = f.read()
+            else:
+                from trl import clone_chat_template
+
+                model, tokenizer, _ = clone_chat_template(model, tokenizer, path)
+            args.chat_template_path = None  # applied: the trainer must not apply it a second time
+            logger.info("chat template from %s applied to the tokenizer", publishable_path(path))
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ValueError(f"{margs.model_name_or_path}: the tokenizer has neither a pad nor an EOS token")
+        tokenizer.pad_token = tokenizer.eos_token  # padding is masked out of every loss
+    if margs.use_peft:
+        from peft import LoraConfig, get_peft_model
+
+        extra = {} if getattr(margs, "lora_target_parameters", None) is None else {
+            "target_parameters": margs.lora_target_parameters}
+        model = get_peft_model(model, LoraConfig(
+            task_type="CAUSAL_LM", r=margs.lora_r, lora_alpha=margs.lora_alpha, lora_dropout=margs.lora_dropout,
+            target_modules=lora_targets(margs.lora_target_modules), bias="none", use_rslora=margs.use_rslora,
+            use_dora=margs.use_dora, modules_to_save=margs.lora_modules_to_save, **extra))
+    return model, tokenizer
 
 
 # ---------------------------------------------------------------------------------- main
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
-    script, args = parse_arguments(argv)
+    config = parse_arguments(argv)
+    data, args, margs = config.data, config.training, config.model
     logging.basicConfig(level=logging.INFO if args.should_log else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    check_arguments(script, args)
+    check_arguments(config)
     set_seed(args.seed)
-
-    tokenizer = AutoTokenizer.from_pretrained(script.model_name_or_path)
-    if tokenizer.pad_token is None:
-        if tokenizer.eos_token is None:
-            raise ValueError(f"{script.model_name_or_path}: the tokenizer has neither a pad nor an EOS token")
-        tokenizer.pad_token = tokenizer.eos_token  # padding is masked out of every loss
-    dtype = script.dtype if script.dtype == "auto" else getattr(torch, script.dtype)
-    model = AutoModelForCausalLM.from_pretrained(script.model_name_or_path, dtype=dtype)
-    if script.lora_r:
-        from peft import LoraConfig, get_peft_model
-
-        targets = script.lora_target_modules
-        model = get_peft_model(model, LoraConfig(
-            task_type="CAUSAL_LM", r=script.lora_r, lora_alpha=script.lora_alpha, lora_dropout=script.lora_dropout,
-            target_modules=targets if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]))
+    model, tokenizer = load_model_and_tokenizer(config)
+    target_source = config.dataset.dataset_name
 
     with args.main_process_first(desc="tokenising"):
-        train_rows, eval_rows, _ = load_tokenized(script.target_dataset, script.target_split, tokenizer, script,
-                                                  "target", script.max_target_rows, args.seed)
-        protected = {name: load_tokenized(src, script.protected_split, tokenizer, script, name,
-                                          script.max_constraint_rows, args.seed, certify=True)
-                     for name, src in _named_sources(script.protected_datasets).items()}
+        if config.trl:  # TRL prepares the objective's rows (formats, chat template, packing) itself
+            raw = load_raw(target_source, config.dataset.dataset_train_split, config.dataset.dataset_config,
+                           data.max_target_rows, args.seed)
+            train_rows, eval_rows, _ = split_rows(raw, data, "target", target_source, args.seed)
+        else:
+            train_rows, eval_rows, _ = load_tokenized(target_source, config.dataset.dataset_train_split, tokenizer,
+                                                      config, "target", data.max_target_rows, args.seed)
+        protected = {name: load_tokenized(src, data.protected_split, tokenizer, config, name,
+                                          data.max_constraint_rows, args.seed, certify=True)
+                     for name, src in _named_sources(data.protected_datasets).items()}
         safety = None
-        if script.safety_dataset:
-            safety = load_tokenized(script.safety_dataset, script.protected_split, tokenizer, script, "safety",
-                                    script.max_constraint_rows, args.seed, certify=True)
+        if data.safety_dataset:
+            safety = load_tokenized(data.safety_dataset, data.protected_split, tokenizer, config, "safety",
+                                    data.max_constraint_rows, args.seed, certify=True)
 
-    collate = PaddingCollator(tokenizer)
-    model.to(args.device)
+    collate = SFTPaddingCollator(tokenizer)  # the constraints' rows (and without TRL the objective's)
+    if not getattr(model, "is_quantized", False):  # a quantised model is placed when it loads
+        model.to(args.device)
     gap = ReferenceGap(causal_lm_per_example_loss)  # one row function: every constraint in one group
     # the certificate: per protected task, the share of its certification rows the old model (with LoRA: the
     # adapter-disabled base) answers exactly and the new one does not (teacher-forced exact match of the answer)
-    certifying = script.certify_fraction > 0
+    certifying = data.certify_fraction > 0
     constraints = []
     if protected:
         constraints += non_forgetting_constraints(
             model, causal_lm_per_example_loss, {k: v.train for k, v in protected.items()}, collate,
-            eval_datasets=None if script.eval_fraction <= 0 else {k: v.held_out for k, v in protected.items()},
-            tolerance=script.constraint_tolerance, relative_tolerance=script.relative_tolerance,
-            batch_size=script.reference_batch_size, row_fn=gap,
+            eval_datasets=None if data.eval_fraction <= 0 else {k: v.held_out for k, v in protected.items()},
+            tolerance=data.constraint_tolerance, relative_tolerance=data.relative_tolerance,
+            batch_size=data.reference_batch_size, row_fn=gap,
             certify_datasets={k: v.certify for k, v in protected.items()} if certifying else None,
-            correct=causal_lm_per_example_correct, forget_tolerance=script.forget_tolerance)
+            correct=causal_lm_per_example_correct, forget_tolerance=data.forget_tolerance)
     if safety is not None:
         constraints += non_forgetting_constraints(
             model, causal_lm_per_example_loss, {"refusals": safety.train}, collate,
             eval_datasets=None if safety.held_out is None else {"refusals": safety.held_out},
-            tolerance=script.safety_tolerance, batch_size=script.reference_batch_size, name="safety/{task}",
+            tolerance=data.safety_tolerance, batch_size=data.reference_batch_size, name="safety/{task}",
             row_fn=gap, certify_datasets={"refusals": safety.certify} if certifying else None,
-            correct=causal_lm_per_example_correct, forget_tolerance=script.forget_tolerance)
-    certification = {c.name: {"rows": len(c.certify_dataset), "fraction_of_held_out": script.certify_fraction,
+            correct=causal_lm_per_example_correct, forget_tolerance=data.forget_tolerance)
+    certification = {c.name: {"rows": len(c.certify_dataset), "fraction_of_held_out": data.certify_fraction,
                               "seed": args.seed} for c in constraints if c.certify_dataset is not None}
     for name, split in certification.items():
-        floor = 1.0 - script.delta ** (1.0 / split["rows"])  # the bound with nothing forgotten
-        if floor > script.forget_tolerance:
+        floor = 1.0 - data.delta ** (1.0 / split["rows"])  # the bound with nothing forgotten
+        if floor > data.forget_tolerance:
             logger.warning("%s: %d certification rows cannot certify --forget_tolerance %g (even with nothing "
                            "forgotten the bound is %.3f): more rows (--eval_fraction, --certify_fraction) or a "
-                           "larger tolerance", name, split["rows"], script.forget_tolerance, floor)
+                           "larger tolerance", name, split["rows"], data.forget_tolerance, floor)
 
-    trainer = ConstrainedTrainer(model=model, args=args, train_dataset=train_rows, eval_dataset=eval_rows,
-                                 data_collator=collate, processing_class=tokenizer, constraints=constraints)
+    if config.trl:  # TRL's data preparation, loss and metrics (mean_token_accuracy, num_tokens) for the objective
+        from hf_constrained.integrations.trl import ConstrainedSFTTrainer
+
+        trainer = ConstrainedSFTTrainer(model=model, args=args, train_dataset=train_rows, eval_dataset=eval_rows,
+                                        processing_class=tokenizer, constraints=constraints)
+    else:
+        trainer = ConstrainedTrainer(model=model, args=args, train_dataset=train_rows, eval_dataset=eval_rows,
+                                     data_collator=collate, processing_class=tokenizer, constraints=constraints)
     train_result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     # the upload comes last, after the results, report and card exist: this save does not push
     push, args.push_to_hub = args.push_to_hub, False
@@ -290,32 +510,35 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     finally:
         args.push_to_hub = push
 
-    hub_ids = [s for s in [script.target_dataset, *_named_sources(script.protected_datasets).values(),
-                           script.safety_dataset] if s and not os.path.exists(s)]
+    hub_ids = [s for s in [target_source, *_named_sources(data.protected_datasets).values(),
+                           data.safety_dataset] if s and not os.path.exists(s)]
+    # the installed entry point after pip install; with --config, a copy of the file saved in --output_dir
+    command = publishable_command("accelerate launch recipes/llm_non_forgetting.py",
+                                  sys.argv[1:] if argv is None else argv, output_dir=args.output_dir)
     report, metrics = None, {}
     if constraints:
         # held-out evaluation (objective and exact constraint values), safety report, card, figures;
         # a non-forgetting constraint is 0 at the old model by definition
         report = finish_run(
-            trainer, old_model_values={c.name: 0.0 for c in constraints}, base_model_name=script.model_name_or_path,
-            dataset_description=(f"SFT on {publishable_path(script.target_dataset)}; "
+            trainer, old_model_values={c.name: 0.0 for c in constraints}, base_model_name=margs.model_name_or_path,
+            dataset_description=(f"SFT on {publishable_path(target_source)}; "
                                  f"protected: {sorted(protected) or 'none'}"
-                                 f"{'; safety set ' + publishable_path(script.safety_dataset) if script.safety_dataset else ''}; "
-                                 f"{script.eval_fraction:.0%} of every dataset held out"
-                                 + (f", {script.certify_fraction:.0%} of each protected / safety set's held-out rows "
+                                 f"{'; safety set ' + publishable_path(data.safety_dataset) if data.safety_dataset else ''}; "
+                                 f"{data.eval_fraction:.0%} of every dataset held out"
+                                 + (f", {data.certify_fraction:.0%} of each protected / safety set's held-out rows "
                                     "set aside as its certification split (read only by the certificate: the "
                                     "share of the set's examples forgotten, teacher-forced exact match, at most "
-                                    f"{script.forget_tolerance:g})" if certifying else "; no certification split")),
+                                    f"{data.forget_tolerance:g})" if certifying else "; no certification split")),
             datasets=hub_ids or None,
-            reproduce_command=publishable_command("accelerate launch recipes/llm_non_forgetting.py",
-                                                  sys.argv[1:] if argv is None else argv, output_dir=args.output_dir),
-            delta=script.delta,
+            reproduce_command=command,
+            delta=data.delta,
         )
         metrics = dict(report.objective_metrics)
     elif eval_rows is not None:
         metrics = trainer.evaluate()
     results = {
-        "model": publishable_path(script.model_name_or_path),  # results are shared: no local paths
+        "command": command,
+        "model": publishable_path(margs.model_name_or_path),  # results are shared: no local paths
         "penalty": args.constraint_penalty,
         "penalty_beta": args.penalty_beta,
         "num_processes": trainer.accelerator.num_processes,
@@ -326,10 +549,12 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         "safe": None if report is None else report.all_satisfied,
         "certified": None if report is None else report.certified,
         "certified_bounds": {} if report is None else report.certified_bounds(),
-        "forget_tolerance": script.forget_tolerance,
-        "delta": script.delta,
+        "forget_tolerance": data.forget_tolerance,
+        "delta": data.delta,
         "certification_splits": certification,
-        "script_args": publishable_values(asdict(script), args.output_dir),
+        "script_args": publishable_values({**asdict(config.dataset), **asdict(margs), **asdict(data)},
+                                          args.output_dir),
+        "trl": config.trl,
     }
     if trainer.is_world_process_zero():
         tokenizer.save_pretrained(args.output_dir)
@@ -343,7 +568,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     results["exit_status"] = 0
     if args.push_to_hub:
         try:  # every local file is complete by now: a refusal uploads nothing and loses nothing
-            trainer.push_to_hub(allow_unsafe=script.allow_unsafe_push)
+            trainer.push_to_hub(allow_unsafe=data.allow_unsafe_push)
         except UnsafeModelError as err:
             logger.error("%s", str(err).splitlines()[0])
             results["exit_status"] = 1  # the gate refused: the command fails

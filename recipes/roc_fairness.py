@@ -1,16 +1,20 @@
 """AUC maximisation under ROC-fairness constraints (paper section 5.1).
 
-    python recipes/roc_fairness.py --dataset adult --method hinge --penalty_beta 4 --output_dir runs/adult
+    python recipes/roc_fairness.py --dataset adult --method hinge --penalty_beta 4 --output_dir outputs/adult
     accelerate launch recipes/roc_fairness.py --dataset compas --method squared_hinge --penalty_beta 800 ...
     python recipes/roc_fairness.py --dataset csv --csv_path my.csv --label_column y --group_column sex \
-        --group_value F --positive_label 1 --method hinge --output_dir runs/mine
+        --group_value F --positive_label 1 --method hinge --output_dir outputs/mine
 
 Methods: hinge (the paper's method), squared_hinge, none, icppac, chosen with ``--method``;
 ``--constraint_penalty`` (hinge, squared_hinge, none), the flag the other recipes share, chooses
 the same penalty methods when ``--method`` is not given (both given must agree). Writes
 <output_dir>/results.json (final exact train/validation/test constraint values, largest
 violation, AUCs, the shift-proof fairness measures and where the scores lie relative to
-the thresholds, wall time, per-epoch history) and the trained model.
+the thresholds, wall time, per-epoch history) and the trained model with its safety report
+and model card (default folder: outputs/roc_fairness). With ``--push_to_hub true`` the
+model is pushed last, behind the safety gate: a run that is not certified uploads nothing,
+keeps every local file and exits with status 1; ``--allow_unsafe_push true`` publishes it
+(the card says NOT CERTIFIED).
 
 Defaults: the paper's setting (section 5.1: kappa 0.005, thresholds -3..3, batch 128 =
 64 positive / negative pairs, 64 rows per group in each constraint batch, 60 epochs, lr
@@ -42,6 +46,7 @@ logs each constraint's batch dispersion next to its estimate.
 
 import json
 import logging
+import sys
 from collections.abc import Collection
 
 from hf_constrained import ConstrainedTrainingArguments
@@ -62,6 +67,8 @@ DATASET_DEFAULTS = {"compas": {"penalty_beta": 20.0, "rate_temperature": 0.1}, "
 on the training data (docs/roc_fairness.md, "Every seed feasible at the smallest feasible beta"); on COMPAS
 ``--rate_temperature 0.1``, the temperature at which the hinge's smallest certified hard gap was at most half the
 unconstrained model's on seeds 0-4 (docs/roc_fairness.md, "The certificate")."""
+OUTPUT_DIR = "outputs/roc_fairness"
+"""``--output_dir`` unless given: ``outputs/<recipe module>``, as every recipe."""
 DEFAULT_MARGIN = 0.004
 """``--constraint_margin`` unless given (or ``--constraint_confidence`` or ``--constraint_certificate_delta`` is,
 which exclude a margin)."""
@@ -96,7 +103,7 @@ def check_recipe_flags(script_args: ROCFairnessArguments, training_args: Constra
 def main(argv=None) -> dict:
     script_args, training_args = parse_recipe_args([ROCFairnessArguments, ConstrainedTrainingArguments], argv,
                                                    description=__doc__,
-                                                   defaults={**DEFAULTS, "output_dir": "runs/roc_fairness"})
+                                                   defaults={**DEFAULTS, "output_dir": OUTPUT_DIR})
     given = given_flags(argv)
     check_recipe_flags(script_args, training_args, given)
     for name, value in DATASET_DEFAULTS.get(script_args.dataset, {}).items():
@@ -115,4 +122,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main()["exit_status"])

@@ -51,12 +51,11 @@ from typing import Optional
 import numpy as np
 import torch
 from datasets import Dataset
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 from torch import nn
 
 from hf_constrained import CertifyStatistic, ConstrainedTrainer, ConstrainedTrainingArguments, constraints_per_value
 from hf_constrained import UnsafeModelError, finish_run
+from hf_constrained.extras import require_extra
 from hf_constrained.publishable import publishable_command
 from hf_constrained.recipe_args import parse_recipe_args
 
@@ -149,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if not 0.0 <= opts.audit_fraction < 1.0:
         raise ValueError(f"--audit_fraction must be in [0, 1), got {opts.audit_fraction}")
+    load_digits = require_extra("sklearn.datasets", "recipes", "the safe-release recipe's digits").load_digits
+    train_test_split = require_extra("sklearn.model_selection", "recipes", "the safe-release recipe's splits"
+                                     ).train_test_split
     digits = load_digits()
     x, y = (digits.data / 16.0).astype(np.float32), digits.target
     ids = np.arange(len(y))
@@ -195,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         f"(read only by the certificate). One non-forgetting constraint per old digit 0-7, trained as "
         f"CE_k(w) - CE_k(w_old) <= {opts.tolerance} and certified as 'at most {opts.forget_tolerance} of digit k's "
         "images forgotten'.",
-        reproduce_command=command, delta=opts.delta,
+        eval_dataset="digits", reproduce_command=command, delta=opts.delta,
     )
     results = release_results(trainer, report, rows.get("audit"), opts)
     if trainer.is_world_process_zero():

@@ -210,3 +210,53 @@ def make_rowwise_trainer(output_dir: str, row_fn: Any = per_row_ce, **overrides:
     kw.update(overrides)
     return ConstrainedTrainer(model=model, args=tiny_args(output_dir, **kw), train_dataset=ListDataset(train_rows),
                               constraints=constraints)
+
+
+# ---------------------------------------------------------------------- two-split estimation
+def row_key(x: torch.Tensor) -> bytes:
+    """A row's identity for the two-split checks: the bytes of its feature vector."""
+    return x.detach().cpu().numpy().tobytes()
+
+
+class Recorder:
+    """The shared row_fn, recording which rows it scores with grad enabled and without."""
+
+    def __init__(self) -> None:
+        self.with_grad: set[bytes] = set()
+        self.without_grad: set[bytes] = set()
+        self.no_grad_means: list[float] = []
+        self.grad_means: list[float] = []
+
+    def __call__(self, model, batch):
+        values = per_row_ce(model, batch)
+        rows = {row_key(x) for x in batch["x"]}
+        (self.with_grad if torch.is_grad_enabled() else self.without_grad).update(rows)
+        (self.grad_means if torch.is_grad_enabled() else self.no_grad_means).append(float(values.detach().mean()))
+        return values
+
+
+def indicator_rows(trainer: ConstrainedTrainer, fraction: float) -> dict[str, set[bytes]]:
+    """Each constraint's indicator rows (the part of its data that drives u_k under two-split estimation)."""
+    from hf_constrained.method.engine import split_for_indicator
+
+    _, views = split_for_indicator(trainer.constraints, fraction, trainer.args.constraint_sampling_seed)
+    return {c.name: {row_key(views[k].dataset[i]["x"]) for i in range(len(views[k].dataset))}
+            for k, c in enumerate(trainer.constraints)}
+
+
+def disjoint_trainer(output_dir: str, row_fn: Any, statistic: Any = None, **overrides: Any) -> ConstrainedTrainer:
+    """One constraint per group on that group's rows, plus two constraints on ONE dataset object of
+    other rows: they share its split."""
+    torch.manual_seed(1234)
+    train_rows, _ = make_rows(128, 0)
+    c_rows, c_groups = make_rows(96, 1)
+    shared = ListDataset(make_rows(60, 2)[0])  # rows of their own
+    constraints = [Constraint(name=f"group{k}", row_fn=row_fn, tolerance=0.25, certify_statistic=statistic,
+                              dataset=ListDataset([r for r, gk in zip(c_rows, c_groups) if gk == k]))
+                   for k in range(NUM_GROUPS - 1)]
+    constraints += [Constraint(name=f"all{j}", row_fn=row_fn, tolerance=0.3 + 0.1 * j, dataset=shared,
+                               certify_statistic=statistic) for j in range(2)]
+    kw: dict[str, Any] = dict(constraints_per_step=3, max_steps=8)
+    kw.update(overrides)
+    return ConstrainedTrainer(model=TinyClassifier(), args=tiny_args(output_dir, **kw),
+                              train_dataset=ListDataset(train_rows), constraints=constraints)

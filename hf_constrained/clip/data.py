@@ -17,7 +17,6 @@ Loaders:
 
 from __future__ import annotations
 
-import csv
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -26,6 +25,8 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
+
+from ..extras import require_extra
 
 
 class RowDataset(torch.utils.data.Dataset):
@@ -47,13 +48,14 @@ class RowDataset(torch.utils.data.Dataset):
 
 
 def _load_image(image: Any) -> Any:
+    """An RGB image from a path (decoded by ``datasets.Image``), or ``image`` as it is."""
     if isinstance(image, (str, os.PathLike)):
-        from PIL import Image
+        import datasets
 
         if not os.path.exists(image):
             raise FileNotFoundError(f"image file not found: {image}")
-        with Image.open(image) as im:
-            return im.convert("RGB")
+        require_extra("PIL", "clip", "decoding the CLIP images")
+        return datasets.Image(mode="RGB").decode_example({"path": os.fspath(image), "bytes": None})
     return image
 
 
@@ -230,6 +232,62 @@ def bdd100k_task_data(root: str, task: str | BDD100KTask, *, max_per_class: Opti
 # ---------------------------------------------------------------------------------- CSV
 
 
+def _csv_header(path: str, delimiter: str) -> tuple[list[str], bool]:
+    """The header row as written (pandas would rename a repeated name ``x`` to ``x.1``), and
+    whether a data row follows it."""
+    import warnings
+
+    import pandas as pd  # a dependency of datasets
+
+    try:
+        with warnings.catch_warnings():  # a longer first data row is reported by _read_csv_rows
+            warnings.simplefilter("ignore", pd.errors.ParserWarning)
+            first = pd.read_csv(path, sep=delimiter, header=None, nrows=2, dtype=str, keep_default_na=False,
+                                engine="python", on_bad_lines=lambda fields: fields)
+    except pd.errors.EmptyDataError:
+        raise ValueError(f"{path}: empty file (no header row)") from None
+    return [str(v) for v in first.iloc[0].tolist()], len(first) > 1
+
+
+def _read_csv_rows(path: str, header: Sequence[str], delimiter: str) -> Any:
+    """Every field of ``path`` as text, with ``datasets``' csv builder (``Dataset.from_csv``):
+    no number or NA parsing ("007", "NA" stay), quoted fields may hold delimiters and line
+    breaks; a row with more fields than the header is an error (pandas would drop the extra
+    fields of the first data row with a warning, and shift others), a shorter row leaves
+    ``None`` in its missing fields. Read into memory through a temporary cache, so a later
+    call parses (and checks) the file again."""
+    import tempfile
+    import warnings
+
+    import datasets
+    from pandas.errors import ParserWarning
+
+    def too_many(fields: list[str]) -> None:
+        raise ValueError(f"{path}: a row has {len(fields)} fields, the header has {len(header)}: {fields}")
+
+    features = datasets.Features({c: datasets.Value("string") for c in header})
+    bars = not datasets.utils.are_progress_bars_disabled()
+    datasets.utils.disable_progress_bars()  # no "Generating train split" bar for a file the user named
+    with tempfile.TemporaryDirectory() as cache, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ParserWarning)
+        try:
+            ds = datasets.Dataset.from_csv(path, sep=delimiter, features=features, keep_default_na=False,
+                                           index_col=False, engine="python", on_bad_lines=too_many,
+                                           cache_dir=cache, keep_in_memory=True)
+        except datasets.exceptions.DatasetGenerationError as err:
+            cause = err.__cause__
+            if isinstance(cause, ValueError):
+                raise cause from err
+            raise ValueError(f"{path}: not a readable CSV: {cause}") from err
+        finally:
+            if bars:
+                datasets.utils.enable_progress_bars()
+    extra = [w for w in caught if issubclass(w.category, ParserWarning)]
+    if extra:  # the first data row had more fields than the header
+        raise ValueError(f"{path}: the first data row has more fields than the header ({len(header)}: {header})")
+    return ds
+
+
 def load_image_text_csv(path: str, *, image_column: str = "filepath", caption_column: Optional[str] = "title",
                         label_column: Optional[str] = "label", root: Optional[str] = None,
                         delimiter: Optional[str] = None, check_images: bool = True) -> list[dict[str, Any]]:
@@ -237,46 +295,50 @@ def load_image_text_csv(path: str, *, image_column: str = "filepath", caption_co
 
     ``caption_column=None`` reads image-label lists (rows without ``caption``).
 
-    Relative image paths are resolved against ``root`` (default: the CSV's folder).
-    The delimiter is sniffed from the extension (``.tsv`` -> tab) unless given.
+    The file is read with ``datasets`` (``Dataset.from_csv``, every field kept as text) and
+    the image column cast to ``datasets.Image``; ``image`` is the image file's path, decoded
+    by :class:`CLIPCollator` when a batch is built. Relative image paths are resolved against
+    ``root`` (default: the CSV's folder). The delimiter is sniffed from the extension
+    (``.tsv`` -> tab) unless given. A missing file, column or image, a repeated column name
+    and a row with more or fewer fields than the header are errors naming the file (and the
+    row, counted from 1 after the header).
     """
+    import datasets
+
     if not os.path.exists(path):
         raise FileNotFoundError(f"CSV not found: {path}")
     root = root if root is not None else os.path.dirname(os.path.abspath(path))
     delimiter = delimiter or ("\t" if path.endswith(".tsv") else ",")
-    rows = []
-    # the csv module, not the datasets csv builder: pandas, under it, silently shifts the columns of
-    # a first data row with one field too many (the extra becomes the index) and fills short rows
-    with open(path, newline="") as f:
-        reader = csv.reader(f, delimiter=delimiter)
-        header = next(reader, [])
-        needed = [image_column] + [c for c in (caption_column, label_column) if c]
-        missing = [c for c in needed if c not in header]
-        if missing:
-            raise ValueError(f"{path}: missing columns {missing}; found {header}")
-        if len(set(header)) != len(header):
-            raise ValueError(f"{path}: repeated column names in the header {header}")
-        for fields in reader:
-            line = reader.line_num  # the file's line (a quoted field may span several)
-            if not fields:
-                continue  # a blank line
-            if len(fields) != len(header):
-                raise ValueError(f"{path}:{line}: {len(fields)} fields, the header has {len(header)}")
-            rec = dict(zip(header, fields))
-            image = rec[image_column]
-            if not image:
-                raise ValueError(f"{path}:{line}: empty {image_column}")
-            image = image if os.path.isabs(image) else os.path.join(root, image)
-            if check_images and not os.path.exists(image):
-                raise FileNotFoundError(f"{path}:{line}: image not found: {image}")
-            row = {"image": image}
-            if caption_column:
-                row["caption"] = rec[caption_column]
-            if label_column:
-                row["label_name"] = rec[label_column]
-            rows.append(row)
-    if not rows:
+    header, has_rows = _csv_header(path, delimiter)
+    needed = [image_column] + [c for c in (caption_column, label_column) if c]
+    missing = [c for c in needed if c not in header]
+    if missing:
+        raise ValueError(f"{path}: missing columns {missing}; found {header}")
+    if len(set(header)) != len(header):
+        raise ValueError(f"{path}: repeated column names in the header {header}")
+    if not has_rows:
         raise ValueError(f"{path}: no rows")
+    ds = _read_csv_rows(path, header, delimiter)
+    for i, rec in enumerate(ds):
+        given = [v for v in rec.values() if v is not None]
+        if len(given) != len(header):
+            raise ValueError(f"{path}: row {i + 1} has {len(given)} fields, the header has {len(header)}")
+        if not rec[image_column]:
+            raise ValueError(f"{path}: row {i + 1}: empty {image_column}")
+
+    # the image column as the datasets Image feature: its files' paths, decoded when a batch is collated
+    images = ds.cast_column(image_column, datasets.Image(decode=False))[image_column]
+    rows = []
+    for i, (image, rec) in enumerate(zip(images, ds)):
+        file = image["path"] if os.path.isabs(image["path"]) else os.path.join(root, image["path"])
+        if check_images and not os.path.exists(file):
+            raise FileNotFoundError(f"{path}: row {i + 1}: image not found: {file} ({image_column})")
+        row = {"image": file}
+        if caption_column:
+            row["caption"] = rec[caption_column]
+        if label_column:
+            row["label_name"] = rec[label_column]
+        rows.append(row)
     return rows
 
 

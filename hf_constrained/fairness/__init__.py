@@ -4,78 +4,60 @@ Modules: :mod:`.data` (Adult, COMPAS, any CSV, CheXpert), :mod:`.model` (the MLP
 a ``PreTrainedModel``), :mod:`.roc` (AUC loss, the constraints, exact values, trainer),
 :mod:`.icppac` (the double-loop baseline), :mod:`.frvp` (the FRVP diagnostic),
 :mod:`.experiment` (one run, used by ``recipes/roc_fairness.py`` and the benchmark).
+
+Names are imported on first use: the model (``hf_constrained.fairness.model``, what a
+published ROC model's card imports) needs no optional package; the data, the AUC and the
+experiment need scikit-learn (the ``fairness`` extra), and without it name the extra.
 """
+from __future__ import annotations
 
-from .data import (
-    TabularSplit,
-    build_tabular_splits,
-    feature_names,
-    load_adult,
-    load_chexpert,
-    load_compas,
-    load_tabular_csv,
-)
-from .frvp import frvp_report, min_singular_value
-from .icppac import ICPPACConfig, ICPPACTrainer
-from .model import MLPConfig, MLPForScoring, model_scores
-from .roc import (
-    DEFAULT_KAPPA,
-    DEFAULT_QUANTILES,
-    DEFAULT_THRESHOLDS,
-    GROUP_KEY,
-    AUCConstrainedTrainer,
-    GroupRows,
-    PairedRows,
-    ROCHistoryCallback,
-    SigmoidRate,
-    auc_score,
-    collate_pairs,
-    collate_rows,
-    evaluate_roc,
-    objective_pairs,
-    pairwise_auc_loss,
-    roc_curve_gap,
-    roc_fairness_constraints,
-    roc_fairness_values,
-    roc_row_scores,
-    shift_proof_fairness,
-    smallest_certified_gap,
-)
+from ..lazy_import import lazy_attributes
 
-__all__ = [
-    "AUCConstrainedTrainer",
-    "DEFAULT_KAPPA",
-    "DEFAULT_QUANTILES",
-    "DEFAULT_THRESHOLDS",
-    "GROUP_KEY",
-    "GroupRows",
-    "ICPPACConfig",
-    "ICPPACTrainer",
-    "MLPConfig",
-    "MLPForScoring",
-    "PairedRows",
-    "ROCHistoryCallback",
-    "SigmoidRate",
-    "TabularSplit",
-    "auc_score",
-    "build_tabular_splits",
-    "collate_pairs",
-    "collate_rows",
-    "evaluate_roc",
-    "feature_names",
-    "frvp_report",
-    "load_adult",
-    "load_chexpert",
-    "load_compas",
-    "load_tabular_csv",
-    "min_singular_value",
-    "model_scores",
-    "objective_pairs",
-    "pairwise_auc_loss",
-    "roc_curve_gap",
-    "roc_fairness_constraints",
-    "roc_fairness_values",
-    "roc_row_scores",
-    "shift_proof_fairness",
-    "smallest_certified_gap",
-]
+# public name -> the module that defines it
+_LAZY = {
+    "AUCConstrainedTrainer": ".roc",
+    "DEFAULT_KAPPA": ".roc",
+    "DEFAULT_QUANTILES": ".roc",
+    "DEFAULT_THRESHOLDS": ".roc",
+    "GROUP_KEY": ".roc",
+    "GroupRows": ".roc",
+    "ICPPACConfig": ".icppac",
+    "ICPPACTrainer": ".icppac",
+    "MLPConfig": ".model",
+    "MLPForScoring": ".model",
+    "PairedRows": ".roc",
+    "ROCHistoryCallback": ".roc",
+    "SigmoidRate": ".roc",
+    "TabularSplit": ".data",
+    "auc_score": ".roc",
+    "build_tabular_splits": ".data",
+    "collate_pairs": ".roc",
+    "collate_rows": ".roc",
+    "evaluate_roc": ".roc",
+    "feature_names": ".data",
+    "frvp_report": ".frvp",
+    "load_adult": ".data",
+    "load_chexpert": ".data",
+    "load_compas": ".data",
+    "load_tabular_csv": ".data",
+    "min_singular_value": ".frvp",
+    "model_scores": ".model",
+    "objective_pairs": ".roc",
+    "pairwise_auc_loss": ".roc",
+    "roc_curve_gap": ".roc",
+    "roc_fairness_constraints": ".roc",
+    "roc_fairness_values": ".roc",
+    "roc_row_scores": ".roc",
+    "shift_proof_fairness": ".roc",
+    "smallest_certified_gap": ".roc",
+}
+
+
+__getattr__ = lazy_attributes(__name__, _LAZY, globals())
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])
+
+
+__all__ = sorted(_LAZY)

@@ -38,9 +38,14 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import numpy as np
 import pandas as pd
 import torch
-from sklearn.compose import ColumnTransformer
-from sklearn.model_selection import train_test_split
-from sklearn.preprocessing import OneHotEncoder, StandardScaler
+
+from ..extras import require_extra
+
+require_extra("sklearn", "fairness", "the fairness data (Adult, COMPAS, CSV, CheXpert)")
+
+from sklearn.compose import ColumnTransformer  # noqa: E402
+from sklearn.model_selection import train_test_split  # noqa: E402
+from sklearn.preprocessing import OneHotEncoder, StandardScaler  # noqa: E402
 
 if TYPE_CHECKING:
     import datasets
@@ -476,8 +481,9 @@ class ImageRows:
         return len(self.label)
 
     def fetch(self, rows: Sequence[int] | np.ndarray) -> torch.Tensor:
-        from PIL import Image
+        from ..extras import require_extra
 
+        Image = require_extra("PIL.Image", "fairness", "reading CheXpert images")
         images = []
         for r in np.asarray(rows, dtype=np.int64).tolist():
             with Image.open(self.paths[r]) as im:

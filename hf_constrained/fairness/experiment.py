@@ -29,13 +29,14 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
-from sklearn.model_selection import train_test_split
 from transformers import TrainerCallback
 
 from ..config import ConstrainedTrainingArguments
+from ..extras import require_extra
 from ..safety.evaluation import certify_models
 from ..publishable import publishable_command
 from ..safety.finish import finish_run
+from ..safety.report import UnsafeModelError
 from .data import TABULAR_LOADERS, TabularSplit, load_tabular_csv
 from .icppac import ICPPACConfig, ICPPACTrainer
 from .model import MLPConfig, MLPForScoring
@@ -106,6 +107,8 @@ class ROCFairnessArguments:
                 "certification split, read only by the certificate; the rest stays the test split. 0: no "
                 "certificate (the run is then NOT CERTIFIED)."})
     delta: float = field(default=0.05, metadata={"help": "The certificate's error level."})
+    allow_unsafe_push: bool = field(default=False, metadata={
+        "help": "With --push_to_hub: publish even when the run is not certified (the card then says so)."})
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -205,12 +208,15 @@ def run_roc_fairness(args: ROCFairnessArguments, training_args: ConstrainedTrain
     and the per-epoch history. ``callbacks`` are extra Trainer callbacks (penalty
     methods only; ICPPAC has its own loop).
     """
+    check_push(args, training_args)
     splits = dict(splits or load_splits(args))
     certify_split = None
     if args.certify_fraction > 0 and args.method != "icppac":
         # the certification rows leave the test split: nothing but the certificate reads them (not the
         # per-epoch history either); the rest of the test split is data that neither training nor the certificate saw
         test = splits["test"]
+        split_module = require_extra("sklearn.model_selection", "fairness", "the certification split")
+        train_test_split = split_module.train_test_split
         keep, held = train_test_split(np.arange(len(test)), test_size=args.certify_fraction,
                                       stratify=test.label * 2 + test.group, random_state=args.split_seed + 2)
         splits["test"], certify_split = test.subset(np.sort(keep)), test.subset(np.sort(held))
@@ -282,10 +288,17 @@ def run_roc_fairness(args: ROCFairnessArguments, training_args: ConstrainedTrain
                            "split_fingerprints": cert.split_fingerprints}
         if args.save_model:
             if training_args.should_save:
-                trainer.save_model(training_args.output_dir)
+                # the upload comes last, after the results, report and card exist: this save does not push
+                push, training_args.push_to_hub = training_args.push_to_hub, False
+                try:
+                    trainer.save_model(training_args.output_dir)
+                finally:
+                    training_args.push_to_hub = push
             final = history.history[-1]
             # safety report + model card: constraints on the validation split, objective metrics on all splits
             finish_run(trainer, base_model_name=f"MLPForScoring {args.hidden_list} (trained from scratch)", delta=args.delta,
+                       eval_dataset=args.dataset if args.dataset != "csv"
+                       else os.path.splitext(os.path.basename(args.csv_path))[0],
                        dataset_description=f"{args.dataset}: objective and constraints on train, constraint check "
                                            f"on the validation split (kappa={args.kappa}, thresholds "
                                            f"{args.threshold_list})",
@@ -350,7 +363,29 @@ def run_roc_fairness(args: ROCFairnessArguments, training_args: ConstrainedTrain
         _write_json(path, results)
         if args.method == "icppac" and args.save_model:
             model.save_pretrained(training_args.output_dir)
+    results["exit_status"] = 0
+    if training_args.push_to_hub:
+        try:  # every local file is complete by now: a refusal uploads nothing and loses nothing
+            trainer.push_to_hub(allow_unsafe=args.allow_unsafe_push)
+        except UnsafeModelError as err:
+            logger.error("%s", str(err).splitlines()[0])
+            results["exit_status"] = 1  # the gate refused: the command fails
     return results
 
 
-__all__ = ["METHODS", "ROCFairnessArguments", "decay_milestones", "load_splits", "run_roc_fairness", "step_decay"]
+def check_push(args: ROCFairnessArguments, training_args: ConstrainedTrainingArguments) -> None:
+    """``--push_to_hub`` publishes the saved model behind the safety gate, so it needs a saved
+    model with a safety report: an error before any data loads, never a run that skips the push."""
+    if not training_args.push_to_hub:
+        if args.allow_unsafe_push:
+            raise ValueError("--allow_unsafe_push only applies with --push_to_hub true")
+        return
+    if args.method == "icppac":
+        raise ValueError("--push_to_hub is not available with --method icppac: its own loop has no safety gate; "
+                         "push a hinge, squared_hinge or none run")
+    if not args.save_model:
+        raise ValueError("--push_to_hub needs the saved model, its report and card: leave --save_model true")
+
+
+__all__ = ["METHODS", "ROCFairnessArguments", "check_push", "decay_milestones", "load_splits", "run_roc_fairness",
+           "step_decay"]

@@ -531,7 +531,9 @@ def shift_proof_fairness(scores: np.ndarray, label: np.ndarray, group: np.ndarra
 
 def auc_score(scores: np.ndarray, label: np.ndarray) -> float:
     """Exact AUC (probability a positive outscores a negative, ties 1/2)."""
-    from sklearn.metrics import roc_auc_score
+    from ..extras import require_extra
+
+    roc_auc_score = require_extra("sklearn.metrics", "fairness", "the AUC").roc_auc_score
 
     return float(roc_auc_score(label, scores))
 

@@ -20,13 +20,12 @@ report, model cards and gated ``push_to_hub`` are this library's.
 Example (non-forgetting constraints on protected data, tokenised like TRL's rows)::
 
     from hf_constrained.integrations.trl import ConstrainedSFTConfig, ConstrainedSFTTrainer
-    from hf_constrained.non_forgetting import (PaddingCollator, causal_lm_per_example_loss,
-                                               non_forgetting_constraints)
-    from hf_constrained.text_data import tokenize_sft
+    from hf_constrained.non_forgetting import causal_lm_per_example_loss, non_forgetting_constraints
+    from hf_constrained.text_data import SFTPaddingCollator, tokenize_sft
 
     protected = {name: tokenize_sft(ds, tokenizer) for name, ds in raw_protected.items()}
     constraints = non_forgetting_constraints(model, causal_lm_per_example_loss, protected,
-                                             PaddingCollator(tokenizer), relative_tolerance=0.02)
+                                             SFTPaddingCollator(tokenizer), relative_tolerance=0.02)
     trainer = ConstrainedSFTTrainer(model=model, args=ConstrainedSFTConfig(output_dir="out", packing=True),
                                     train_dataset=target, processing_class=tokenizer,
                                     constraints=constraints)
@@ -60,7 +59,10 @@ class ConstrainedSFTConfig(SFTConfig, ConstrainedTrainingArguments):
     Defaults are TRL's where TRL changes the Trainer's (e.g. ``learning_rate`` 2e-5,
     ``gradient_checkpointing``, ``bf16`` when ``fp16`` is off) and the paper's for the
     constraint fields (hinge penalty, beta 10, gamma 0.8, gamma' 0.1). Parse it from the
-    command line with ``HfArgumentParser`` or ``trl.TrlParser`` like ``SFTConfig``.
+    command line with ``HfArgumentParser`` or ``trl.TrlParser`` like ``SFTConfig`` (the LLM
+    recipe, ``hf-constrained llm``, parses it with ``TrlParser`` beside TRL's ``ScriptArguments``
+    and ``ModelConfig``). TRL turns ``bf16`` on by default; the recipes turn it off, with a
+    warning, where no GPU supports it (:mod:`hf_constrained.recipe_args`).
     """
 
 

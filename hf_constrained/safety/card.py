@@ -7,9 +7,10 @@ source; a wheel carries a build-time copy as ``hf_constrained/model_cards/``, se
 
 - metadata the Hub reads: ``library_name`` (``peft`` for adapters, with their
   ``base_model``; ``transformers`` otherwise), ``base_model``, license, language,
-  datasets, tags and a ``model-index`` with every held-out constraint value (metric type
-  ``constraint_value``, its tolerance, upper confidence bound and verdict as metric
-  arguments) and the held-out objective metrics;
+  datasets, tags and a ``model-index`` as the Hub's spec defines it (:func:`eval_results`):
+  per constraint its held-out value (metric type ``constraint_value``) and its certified
+  upper bound (``certified_upper_bound`` on the ``certification`` split, with delta, n and
+  tolerance as metric arguments), then the held-out objective metrics;
 - the verdict (UNSAFE on the first line when a constraint fails), the constraint table of
   the :class:`~hf_constrained.safety.report.SafetyReport`, the objective metrics, the
   checkpoint selection, a usage snippet that loads the model (naming the module to import
@@ -54,7 +55,9 @@ CITATION = f"""@article{{yang2026singleloop,
   url     = {{{PAPER_URL}}}
 }}"""
 
-CONSTRAINT_METRIC_TYPE = "constraint_value"
+CONSTRAINT_METRIC_TYPE = "constraint_value"  # a constraint's value h_k on its held-out (or training) rows
+CERTIFIED_METRIC_TYPE = "certified_upper_bound"  # the certificate's bound on the certification split
+UNNAMED_DATASET = "custom"  # model-index dataset.type when the caller names no data
 DEFAULT_TASK = "other"  # model-index needs a task; ModelCardInfo.task or create_model_card(tasks=...) names it
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
@@ -95,6 +98,9 @@ class ModelCardInfo:
         license, language, tags: card metadata.
         task: the Hub task id (e.g. ``"text-generation"``): the card's ``pipeline_tag`` and the
             task of the model-index results.
+        eval_dataset: the identifier of the data the constraints and objective were evaluated
+            on, the model-index ``dataset.type``: a Hub dataset id or a short name of the data
+            (``"digits"``, ``"adult"``); default: the first of ``datasets``.
     """
 
     base_model: Optional[str] = None
@@ -105,6 +111,7 @@ class ModelCardInfo:
     language: Optional[str] = None
     tags: list[str] = field(default_factory=list)
     task: Optional[str] = None
+    eval_dataset: Optional[str] = None
 
     def with_trainer_card_arguments(self, *, language: Optional[str] = None, license: Optional[str] = None,
                                     tags: Any = None, finetuned_from: Optional[str] = None, tasks: Any = None,
@@ -246,11 +253,64 @@ def _hub_id(path_or_id: Optional[str]) -> Optional[str]:
     return None
 
 
+def metric_id(text: str) -> str:
+    """A model-index ``metric.type``: lower_snake_case (``"eval_accuracy"`` -> ``"accuracy"``,
+    ``"AUC (test)"`` -> ``"auc_test"``), as the Hub's metric ids are spelled."""
+    text = re.sub(r"^eval_", "", text)
+    slug = re.sub(r"[^0-9a-z]+", "_", re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", text).lower()).strip("_")
+    return slug or "metric"
+
+
+_SPLIT_PREFIXES = {"eval": "validation", "validation": "validation", "val": "validation", "test": "test",
+                   "train": "train"}
+
+
+def _objective_split(key: str) -> tuple[str, str]:
+    """An objective metric's split and name: ``"test_auc"`` -> ``("test", "auc")``, ``"eval_loss"``
+    -> ``("validation", "loss")``; a key without a split prefix is a held-out (``validation``) metric."""
+    prefix, _, rest = key.partition("_")
+    if rest and prefix.lower() in _SPLIT_PREFIXES:
+        return _SPLIT_PREFIXES[prefix.lower()], rest
+    return "validation", key
+
+
+def _readable(key: str) -> str:
+    """``"eval_accuracy"`` -> ``"Accuracy"``: a metric's display name (``metric.name``)."""
+    words = re.sub(r"^eval_", "", key).replace("_", " ").strip()
+    return words[:1].upper() + words[1:] if words else key
+
+
+def eval_dataset_id(info: ModelCardInfo) -> str:
+    """The model-index ``dataset.type`` of the run: ``info.eval_dataset`` (a Hub dataset id or a
+    short name of the data, e.g. ``"digits"``), else the first of ``info.datasets``, else
+    :data:`UNNAMED_DATASET` (pass ``finish_run(eval_dataset=...)`` to name it)."""
+    name = info.eval_dataset or (info.datasets[0] if info.datasets else None)
+    if not name:
+        return UNNAMED_DATASET
+    return _display_name(name) or UNNAMED_DATASET
+
+
 def eval_results(report: SafetyReport, *, model_name: str, info: ModelCardInfo) -> list[EvalResult]:
-    """The ``model-index`` results: each constraint's held-out value (with its tolerance,
-    upper bound and verdict as arguments) and each held-out objective metric."""
-    dataset_id = info.datasets[0] if info.datasets else "held-out"
+    """The ``model-index`` results, as the Hub's model-index spec defines them.
+
+    Per constraint (``dataset.config`` is the constraint's name, ``dataset.type`` the data's
+    identifier, :func:`eval_dataset_id`):
+
+    - its value on the split it was evaluated on (``dataset.split`` ``validation`` for its
+      held-out rows, ``train`` without them), metric type :data:`CONSTRAINT_METRIC_TYPE`, with
+      its tolerance, verdict, CLT upper bound and old-model value as ``metric.args``;
+    - when the run has a certificate: the certified upper bound on the ``certification``
+      split, metric type :data:`CERTIFIED_METRIC_TYPE`, with ``delta``, ``n`` (the split's
+      rows), ``tolerance``, the bound's method and whether it certifies as ``metric.args``.
+
+    Then each objective metric, on the split its key names (``eval_accuracy`` -> metric type
+    ``accuracy`` on ``validation``, ``test_auc`` -> ``auc`` on ``test``; no prefix: ``validation``).
+    Every result has ``verified: false`` (the Hub did not compute it).
+    """
+    dataset_id = eval_dataset_id(info)
     task = info.task or DEFAULT_TASK
+    cert = report.certificate
+    bounds = report.certified_bounds()
     results = []
     for c in report.constraints:
         args: dict[str, Any] = {"tolerance": c.tolerance, "satisfied": c.satisfied, "verdict": c.verdict}
@@ -258,27 +318,32 @@ def eval_results(report: SafetyReport, *, model_name: str, info: ModelCardInfo) 
             args.update(upper_bound=c.upper_bound, confidence=c.confidence, bound_method=c.bound_method)
         if c.old_value is not None:
             args["old_model_value"] = c.old_value
-        cert = report.certificate
-        if cert is not None and c.name in cert.get("tolerance", {}):
-            bounds = report.certified_bounds()
-            args.update(certified=c.name not in report.failed, certificate_delta=cert["delta"],
-                        certificate_bound=cert["bound"][c.name], certificate_tolerance=cert["tolerance"][c.name],
-                        certification_rows=cert["num_rows"].get(c.name),
-                        certification_split=cert.get("split_fingerprints", {}).get(c.name))
-            if c.name in bounds:
-                args["certified_upper_bound"] = bounds[c.name]
-        # one result per constraint: the Hub groups results by task, dataset, config and split
+        split = {"held-out": "validation", "training": "train"}.get(c.data)  # data-free: no split
+        where = {"validation": "held-out", "train": "training"}.get(split or "", "data-free")
+        # one result per constraint and split: the Hub groups results by task, dataset, config and split
         results.append(EvalResult(
-            task_type=task, dataset_type="none" if c.data == "data-free" else dataset_id,
-            dataset_name=f"{c.name} constraint data", dataset_config=c.name,
-            dataset_split="held-out" if c.data == "held-out" else c.data, metric_type=CONSTRAINT_METRIC_TYPE,
-            metric_name=c.name, metric_value=c.value, metric_args=args, verified=False,
+            task_type=task, dataset_type=dataset_id, dataset_name=f"{dataset_id}: {c.name} constraint data",
+            dataset_config=c.name, dataset_split=split, metric_type=CONSTRAINT_METRIC_TYPE,
+            metric_name=f"{c.name} constraint value ({where})", metric_value=c.value, metric_args=args,
+            verified=False,
         ))
+        if cert is not None and c.name in bounds and c.name in cert.get("tolerance", {}):
+            cert_args: dict[str, Any] = {
+                "delta": cert["delta"], "n": cert["num_rows"].get(c.name),
+                "tolerance": cert["tolerance"][c.name], "bound_method": cert["bound"][c.name],
+                "certified": c.name not in report.failed, "procedure": cert.get("procedure"),
+                "split_fingerprint": cert.get("split_fingerprints", {}).get(c.name)}
+            results.append(EvalResult(
+                task_type=task, dataset_type=dataset_id, dataset_name=f"{dataset_id}: {c.name} constraint data",
+                dataset_config=c.name, dataset_split="certification", metric_type=CERTIFIED_METRIC_TYPE,
+                metric_name=f"{c.name} certified upper bound (delta {cert['delta']:g})", metric_value=bounds[c.name],
+                metric_args={k: v for k, v in cert_args.items() if v is not None}, verified=False,
+            ))
     for key, value in report.objective_metrics.items():
-        metric = key.split("_", 1)[1] if "_" in key else key
-        results.append(EvalResult(task_type=task, dataset_type=dataset_id, dataset_name="held-out objective data",
-                                  dataset_split="held-out", metric_type=metric, metric_name=key,
-                                  metric_value=value, verified=False))
+        split, metric = _objective_split(key)
+        results.append(EvalResult(task_type=task, dataset_type=dataset_id, dataset_name=f"{dataset_id}: objective data",
+                                  dataset_split=split, metric_type=metric_id(metric),
+                                  metric_name=f"{_readable(metric)} ({split})", metric_value=value, verified=False))
     return results
 
 
@@ -394,6 +459,7 @@ def write_model_card(directory: str, card: ModelCard) -> str:
     return path
 
 
-__all__ = ["CITATION", "CONSTRAINT_METRIC_TYPE", "ModelCardInfo", "ModelSource", "PAPER_TITLE", "PAPER_URL",
-           "TEMPLATE_NAME", "card_status", "describe_model", "eval_results", "framework_versions",
-           "render_model_card", "template_path", "usage_snippet", "write_model_card"]
+__all__ = ["CERTIFIED_METRIC_TYPE", "CITATION", "CONSTRAINT_METRIC_TYPE", "ModelCardInfo", "ModelSource",
+           "PAPER_TITLE", "PAPER_URL", "TEMPLATE_NAME", "UNNAMED_DATASET", "card_status", "describe_model",
+           "eval_dataset_id", "eval_results", "framework_versions", "metric_id", "render_model_card",
+           "template_path", "usage_snippet", "write_model_card"]

@@ -15,10 +15,21 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Optional
 
+from ..extras import has_module, require_extra
 from .report import SafetyReport
 from .selection import after_training_flags
 
 SUMMARY_KEYS = ("max_estimate", "active_fraction", "penalty", "penalty_loss", "sampled_active_fraction")
+
+
+def require_figures() -> None:
+    """matplotlib, or :class:`~hf_constrained.extras.MissingExtraError` naming the ``figures`` extra."""
+    require_extra("matplotlib", "figures", "training-curve figures")
+
+
+def figures_available() -> bool:
+    """Whether matplotlib (the ``figures`` extra) is installed."""
+    return has_module("matplotlib")
 
 
 def _series(log_history: Iterable[Mapping[str, Any]], key: str) -> tuple[list[int], list[float]]:
@@ -59,6 +70,7 @@ MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 def constraint_styles(n: int) -> list[tuple[tuple[float, float, float, float], str]]:
     """(colour, marker) of each of ``n`` constraints: tab20's 20 colours, cycling the marker
     every 20 constraints, so 14 (or 160) constraints never share a style."""
+    require_figures()
     from matplotlib import colormaps  # drawing only: the report and the CLI start without matplotlib
 
     palette = colormaps["tab20"].colors
@@ -83,6 +95,7 @@ def constraints_figure(log_history: Sequence[Mapping[str, Any]], names: Sequence
                        title: Optional[str] = None) -> Any:
     """Figure 1 style: every constraint over training (colour and marker = constraint,
     line style = kind of value); returns a ``matplotlib.figure.Figure``."""
+    require_figures()
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
 
@@ -142,6 +155,7 @@ def objective_figure(log_history: Sequence[Mapping[str, Any]], *, report: Option
     """Figure 2 style: the largest violation (solid, left axis) and the objective (dashed,
     right axis: the training loss and the held-out objective, ``objective_metric`` or
     :func:`default_objective_metric`); returns a ``matplotlib.figure.Figure``."""
+    require_figures()
     from matplotlib.figure import Figure
 
     final_step = report.global_step if report is not None else None
@@ -191,7 +205,10 @@ def plot_log_history(log_history: Sequence[Mapping[str, Any]], out_dir: str, *,
         objective_metric: held-out objective key to plot (default: ``eval_loss``, else the
             feasible-checkpoint selection's metric; see :func:`default_objective_metric`).
         title: a figure title prefix.
+
+    Needs matplotlib (the ``figures`` extra): without it, :class:`~hf_constrained.extras.MissingExtraError`.
     """
+    require_figures()
     names = constraint_names_in(log_history)
     if not names:
         raise ValueError("the log history holds no constraint values (constraint/<name> or eval_constraint/<name>)")

@@ -21,7 +21,8 @@ from typing import Any, Optional, Protocol
 from .card import ModelCardInfo
 from .certify import DEFAULT_DELTA
 from .evaluation import DEFAULT_CONFIDENCE, ReportableTrainer, build_safety_report, old_model_constraint_values
-from .figures import plot_log_history
+from ..extras import install_hint
+from .figures import figures_available, plot_log_history, require_figures
 from ..checkpointing import checkpoint_folders, is_complete_checkpoint
 from .certify import Certificate, best_certified
 from .evaluation import certify_models, checkpoint_step
@@ -60,11 +61,12 @@ def finish_run(
     base_model_name: Optional[str] = None,
     dataset_description: Optional[str] = None,
     datasets: Optional[list[str]] = None,
+    eval_dataset: Optional[str] = None,
     reproduce_command: Optional[str] = None,
     license: Optional[str] = None,
     task: Optional[str] = None,
     objective_metrics: Optional[Mapping[str, float]] = None,
-    plots: bool = True,
+    plots: Optional[bool] = None,
     candidates: str = "final",
     safety_rule: Optional[str] = None,
     confidence: float = DEFAULT_CONFIDENCE,
@@ -86,13 +88,19 @@ def finish_run(
         base_model_name: the Hub id or path of the model that was fine-tuned.
         dataset_description: one sentence on the training / constraint / held-out data.
         datasets: Hub dataset ids for the card's metadata, if any.
+        eval_dataset: the identifier of the evaluation data in the card's ``model-index``
+            (``dataset.type``): a Hub dataset id or a short name (``"digits"``, ``"adult"``);
+            default: the first of ``datasets``, else ``"custom"``.
         reproduce_command: the shell command that reproduces the run.
         license: the card's license (a Hub license id, e.g. ``"apache-2.0"``).
         task: the Hub task id (e.g. ``"text-generation"``): the card's ``pipeline_tag`` and the
             task of its model-index results.
         objective_metrics: held-out objective metrics, if ``trainer.evaluate()`` is not
             the right way to get them.
-        plots: also write the training-curve figures.
+        plots: also write the training-curve figures: ``True`` needs matplotlib (the ``figures``
+            extra; without it an error naming the extra, before anything is written),
+            ``False`` skips them, ``None`` (default) writes them when matplotlib is installed
+            and otherwise says, in a log message, how to get them.
         candidates: what the certificate tests: ``"final"`` (default), the model in the
             trainer (the feasible best checkpoint when ``load_best_model_at_end`` chose one on
             the selection data); or ``"checkpoints"``: every complete checkpoint in the
@@ -120,6 +128,13 @@ def finish_run(
     """
     safety_rule = check_safety_rule(safety_rule if safety_rule is not None
                                     else getattr(trainer, "safety_rule", DEFAULT_SAFETY_RULE))
+    if plots:
+        require_figures()  # asked for: fail before anything is written
+    elif plots is None:
+        plots = figures_available()
+        if not plots:
+            logger.warning("no training-curve figures: matplotlib is not installed (%s); the report and the card "
+                           "are written without them", install_hint("figures"))
     info = getattr(trainer, "model_card_info", None) or ModelCardInfo()
     if base_model_name is not None:
         info.base_model = base_model_name
@@ -127,6 +142,8 @@ def finish_run(
         info.dataset_description = dataset_description
     if datasets is not None:
         info.datasets = list(datasets)
+    if eval_dataset is not None:
+        info.eval_dataset = eval_dataset
     if reproduce_command is not None:
         info.reproduce_command = reproduce_command
     if license is not None:

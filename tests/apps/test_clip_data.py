@@ -71,23 +71,25 @@ def test_csv_loader_relative_paths_tsv_and_errors(tmp_path):
         load_image_text_csv(path, caption_column="caption")
     with open(path, "a") as f:
         f.write("img/missing.jpg,x,foggy\n")
-    with pytest.raises(FileNotFoundError, match=r"pairs.csv:4"):
+    with pytest.raises(FileNotFoundError, match=r"pairs.csv: row 3: image not found: .*missing.jpg \(filepath\)"):
         load_image_text_csv(path)
 
 
 def test_csv_values_are_kept_verbatim_and_malformed_rows_are_named(tmp_path):
     """Every value is the file's text (no NA / number parsing: "007", "NA" and "null" stay);
     a quoted caption may hold commas and line breaks; a row with more or fewer fields than the
-    header is an error naming the file and line, also the first data row (which pandas' CSV
-    reader, under the datasets csv builder, would silently shift into an index column)."""
+    header is an error naming the file and the row, also the first data row (which pandas' CSV
+    reader, under the datasets csv builder, would otherwise cut to the header's length)."""
     folder = tmp_path / "verbatim"
     path = make_csv(str(folder), [("a.jpg", "a road, foggy\nsecond line", "007"), ("b.jpg", "NA", "null")])
     rows = load_image_text_csv(path)
     assert [(r["caption"], r["label_name"]) for r in rows] == [("a road, foggy\nsecond line", "007"), ("NA", "null")]
     header = "filepath,title,label\n"
-    for body, line, found in (("a.jpg,t,foggy,extra\n", 2, 4), ("a.jpg,t,foggy\n\nb.jpg,t\n", 4, 2)):
+    for body, message in (("a.jpg,t,foggy,extra\n", "the first data row has more fields than the header"),
+                          ("a.jpg,t,foggy\nb.jpg,t,foggy,extra\n", "a row has 4 fields, the header has 3"),
+                          ("a.jpg,t,foggy\n\nb.jpg,t\n", "row 2 has 2 fields, the header has 3")):
         (folder / "bad.csv").write_text(header + body)
-        with pytest.raises(ValueError, match=rf"bad.csv:{line}: {found} fields, the header has 3"):
+        with pytest.raises(ValueError, match=rf"bad.csv: {message}"):
             load_image_text_csv(str(folder / "bad.csv"))
     (folder / "dup.csv").write_text("filepath,title,filepath\na.jpg,t,b.jpg\n")
     with pytest.raises(ValueError, match="repeated column names"):
@@ -110,3 +112,30 @@ def test_collator_with_a_saved_processor(bdd, tmp_path):
     assert batch["sample_index"].tolist() == [0, 1, 2, 3] and batch["is_positive"].dtype == torch.bool
     with pytest.raises(ValueError, match="image_processor"):
         CLIPCollator()([ds[0]])
+
+
+def test_csv_of_png_images_loads_through_datasets_and_names_what_is_missing(tmp_path):
+    """Tiny PNGs (grey, RGBA) listed in a CSV: the rows hold their paths, the collator's images are
+    decoded as RGB; a missing CSV, column or image is an error naming it."""
+    from PIL import Image
+
+    from hf_constrained.clip.data import _load_image
+
+    Image.new("L", (3, 2), 128).save(tmp_path / "grey.png")
+    (tmp_path / "sub").mkdir()
+    Image.new("RGBA", (2, 2), (10, 20, 30, 0)).save(tmp_path / "sub" / "rgba.png")
+    (tmp_path / "images.csv").write_text("path,kind\ngrey.png,grey\nsub/rgba.png,rgba\n")
+    rows = load_image_text_csv(str(tmp_path / "images.csv"), image_column="path", caption_column=None,
+                               label_column="kind")
+    assert [r["image"] for r in rows] == [str(tmp_path / "grey.png"), str(tmp_path / "sub" / "rgba.png")]
+    assert [r["label_name"] for r in rows] == ["grey", "rgba"]
+    grey, rgba = (_load_image(r["image"]) for r in rows)
+    assert grey.mode == rgba.mode == "RGB" and grey.size == (3, 2) and rgba.getpixel((0, 0)) == (10, 20, 30)
+    with pytest.raises(FileNotFoundError, match="CSV not found: .*nothere.csv"):
+        load_image_text_csv(str(tmp_path / "nothere.csv"))
+    with pytest.raises(ValueError, match=r"images.csv: missing columns \['filepath'\]; found \['path', 'kind'\]"):
+        load_image_text_csv(str(tmp_path / "images.csv"), caption_column=None, label_column="kind")
+    (tmp_path / "images.csv").write_text("path,kind\ngrey.png,grey\ngone.png,rgba\n")
+    with pytest.raises(FileNotFoundError, match=r"images.csv: row 2: image not found: .*gone.png \(path\)"):
+        load_image_text_csv(str(tmp_path / "images.csv"), image_column="path", caption_column=None,
+                            label_column="kind")

@@ -451,3 +451,36 @@ def test_the_certificate_bounds_the_hard_gaps_on_its_own_split(splits, tmp_path)
                        - (s[(certify.group == 0) & (certify.label == y)] > tau).mean())
             assert cert.values[0][name] == pytest.approx(hard)
     assert cert.bound == {c.name: "clopper_pearson" for c in cons}
+
+
+def test_push_to_hub_is_gated_and_comes_last(splits, tmp_path, monkeypatch):
+    """--push_to_hub: results, report and card are written first; a run that is not certified uploads
+    nothing, keeps its files and the command fails (status 1); --allow_unsafe_push publishes it."""
+    import transformers.trainer as hf_trainer
+    from conftest import UploadRecorder
+    from huggingface_hub import metadata_load
+
+    from hf_constrained.cli import main as cli_main
+
+    hub = UploadRecorder()
+    monkeypatch.setattr(hf_trainer, "hf_api", lambda: hub)
+    flags = _csv_recipe_flags(splits, tmp_path) + ["--num_train_epochs", "1", "--push_to_hub", "true",
+                                                   "--hub_model_id", "user/roc"]
+
+    out = tmp_path / "refused"  # the tight default kappa on a tiny certification split: not certified
+    assert cli_main(["fairness", *flags, "--output_dir", str(out)]) == 1 and hub.calls == []
+    for name in ("results.json", "safety_report.json", "README.md", "model.safetensors"):
+        assert (out / name).exists(), name
+    assert json.loads((out / "safety_report.json").read_text())["certified"] is False
+    # the card's model-index names the data (the CSV's name), never a split
+    results = metadata_load(out / "README.md")["model-index"][0]["results"]
+    assert {r["dataset"]["type"] for r in results} == {"mine"}
+    out = tmp_path / "override"
+    assert cli_main(["fairness", *flags, "--output_dir", str(out), "--allow_unsafe_push", "true"]) == 0
+    assert ("upload_folder", "user/roc") in hub.calls and (out / "results.json").exists()
+    # a push the recipe cannot gate is refused before any data loads
+    with pytest.raises(ValueError, match="--push_to_hub is not available with --method icppac"):
+        _roc_recipe().main(flags[:flags.index("--method")] + ["--method", "icppac", "--output_dir", str(tmp_path / "x")]
+                           + flags[flags.index("--method") + 2:])
+    with pytest.raises(ValueError, match="--allow_unsafe_push only applies with --push_to_hub"):
+        _roc_recipe().main(_csv_recipe_flags(splits, tmp_path) + ["--allow_unsafe_push", "true"])

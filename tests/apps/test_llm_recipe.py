@@ -61,7 +61,7 @@ def setup(tmp_path_factory):
 
 def _flags(setup, out, model="gpt2", **extra):
     flags = {
-        "model_name_or_path": setup[model], "target_dataset": setup["target"],
+        "model_name_or_path": setup[model], "dataset_name": setup["target"],
         "safety_dataset": setup["safety"], "output_dir": str(out), "max_steps": 3,
         "per_device_train_batch_size": 4, "learning_rate": 1e-2, "constraint_batch_size": 3,
         "eval_fraction": 0.25, "use_cpu": True, "report_to": "none", "save_strategy": "no",
@@ -105,7 +105,7 @@ def _clopper_pearson_upper(k: int, n: int, delta: float) -> float:
 
 
 @pytest.mark.parametrize("model,extra", [("gpt2", {}),
-                                         ("llama", {"lora_r": 2, "lora_target_modules": "q_proj,v_proj"})])
+                                         ("llama", {"use_peft": True, "lora_r": 2, "lora_target_modules": "q_proj,v_proj"})])
 def test_certificate_bounds_the_share_of_each_task_forgotten(setup, tmp_path, model, extra, caplog):
     """The certified value is the share of certification rows the old model (with LoRA: the adapter-disabled base)
     answers exactly and the new one does not, recomputed here from the saved models; its bound is Clopper-Pearson
@@ -123,7 +123,7 @@ def test_certificate_bounds_the_share_of_each_task_forgotten(setup, tmp_path, mo
     cert = results["safety_report"]["certificate"]
     assert results["certified"] is True and results["forget_tolerance"] == 1.0  # a share is always <= 1
     assert cert["delta"] == 0.1 and set(cert["bound"].values()) == {"clopper_pearson"}
-    script, args = recipe.parse_arguments(argv)
+    config = recipe.parse_arguments(argv)
     tokenizer = AutoTokenizer.from_pretrained(setup[model])
     old = AutoModelForCausalLM.from_pretrained(setup[model]).eval()
     if extra:
@@ -134,7 +134,8 @@ def test_certificate_bounds_the_share_of_each_task_forgotten(setup, tmp_path, mo
         new = AutoModelForCausalLM.from_pretrained(out).eval()
     collate = PaddingCollator(tokenizer)
     for name, source in (("reverse", setup["reverse"]), ("copy", setup["copy"])):
-        splits = recipe.load_tokenized(source, "train", tokenizer, script, name, None, args.seed, certify=True)
+        splits = recipe.load_tokenized(source, "train", tokenizer, config, name, None, config.training.seed,
+                                       certify=True)
         assert len(splits.certify) == 3 and len(splits.held_out) == 3
         assert not set(map(tuple, splits.certify["input_ids"])) & set(map(tuple, splits.held_out["input_ids"]))
         with torch.no_grad():
@@ -162,8 +163,8 @@ def test_without_certification_split_the_run_is_not_certified(setup, tmp_path):
 
 def test_lora_llama_saves_the_adapter(setup, tmp_path):
     out = tmp_path / "lora"
-    results = _recipe().main(_flags(setup, out, model="llama", lora_r=2, lora_target_modules="q_proj,v_proj",
-                                    max_steps=2))
+    results = _recipe().main(_flags(setup, out, model="llama", use_peft=True, lora_r=2,
+                                    lora_target_modules="q_proj,v_proj", max_steps=2))
     assert (out / "adapter_config.json").exists() and not (out / "model.safetensors").exists()
     assert results["train_metrics"]["train_loss"] > 0
     # the adapter moved: the saved weights differ from the base (LoRA B starts at zero)
@@ -176,23 +177,24 @@ def test_lora_llama_saves_the_adapter(setup, tmp_path):
 def test_yaml_config_with_command_line_override(setup, tmp_path):
     recipe = _recipe()
     config = tmp_path / "run.yaml"
-    config.write_text(yaml.safe_dump({"model_name_or_path": setup["gpt2"], "target_dataset": setup["target"],
+    config.write_text(yaml.safe_dump({"model_name_or_path": setup["gpt2"], "dataset_name": setup["target"],
                                       "protected_datasets": [setup["reverse"]], "output_dir": str(tmp_path / "o"),
                                       "penalty_beta": 3.0, "constraint_penalty": "squared_hinge",
                                       "max_steps": 7, "msvr_gamma_prime": 0.2}))
-    script, args = recipe.parse_arguments(["--config", str(config), "--max_steps", "2"])
-    assert script.model_name_or_path == setup["gpt2"] and script.protected_datasets == [setup["reverse"]]
+    parsed = recipe.parse_arguments(["--config", str(config), "--max_steps", "2"])
+    args = parsed.training
+    assert parsed.model.model_name_or_path == setup["gpt2"] and parsed.data.protected_datasets == [setup["reverse"]]
     assert args.penalty_beta == 3.0 and args.constraint_penalty == "squared_hinge"
     assert args.msvr_gamma_prime == 0.2
     assert args.max_steps == 2  # the command line overrides the file
-    config.write_text(yaml.safe_dump({"model_name_or_path": "x", "target_dataset": "y", "penalty": 3}))
+    config.write_text(yaml.safe_dump({"model_name_or_path": "x", "dataset_name": "y", "penalty": 3}))
     with pytest.raises(ValueError, match=r"unknown keys \['penalty'\]"):
         recipe.parse_arguments(["--config", str(config), "--output_dir", str(tmp_path)])
 
 
 def test_bad_input_is_a_clear_error_before_training(setup, tmp_path):
     recipe = _recipe()
-    argv = ["--model_name_or_path", setup["gpt2"], "--target_dataset", setup["target"],
+    argv = ["--model_name_or_path", setup["gpt2"], "--dataset_name", setup["target"],
             "--output_dir", str(tmp_path), "--use_cpu", "True", "--report_to", "none"]
     with pytest.raises(ValueError, match="no constraint"):
         recipe.main(argv)
@@ -263,19 +265,21 @@ def test_two_process_run(setup, tmp_path):
     assert results["num_processes"] == 2
 
 
-def test_shipped_yaml_config_uses_only_recipe_flags():
+@pytest.mark.parametrize("use_trl", [True, False])
+def test_shipped_yaml_config_uses_only_recipe_flags(use_trl):
     from transformers import HfArgumentParser
 
-    from hf_constrained import ConstrainedTrainingArguments
-
     recipe = _recipe()
-    parser = HfArgumentParser((recipe.ScriptArguments, ConstrainedTrainingArguments))
+    parser = HfArgumentParser(recipe._dataclass_types(use_trl))
     flags = {a.dest for a in parser._actions}
     config = yaml.safe_load((ROOT / "recipes" / "configs" / "llm_non_forgetting_lora.yaml").read_text())
     assert config and sorted(set(config) - flags) == []
     # the values parse with the flags' types (bf16 needs a GPU, so it is left to the run)
     argv = [f"--{k}={v}" for k, v in config.items() if not isinstance(v, list) and k != "bf16"]
-    namespace = parser.parse_args(argv + ["--protected_datasets", *config["protected_datasets"]])
+    namespace = parser.parse_args(argv + ["--protected_datasets", *config["protected_datasets"],
+                                          "--lora_target_modules", *config["lora_target_modules"]])
+    assert namespace.lora_r == 16 and namespace.use_peft is True and namespace.lora_target_modules == ["all-linear"]
+    assert namespace.dataset_name == "data/new_task.jsonl"
     assert namespace.lora_r == 16 and namespace.relative_tolerance == 0.02 and namespace.max_grad_norm == 0.0
     assert namespace.protected_datasets == ["math=data/math.jsonl", "code=data/code.jsonl"]
 
@@ -321,13 +325,13 @@ def test_forgetting_every_answer_is_not_certified_and_keeping_them_is(setup, ans
     recipe = _recipe()
 
     def run(name, lr):
-        argv = ["--model_name_or_path", old, "--target_dataset", setup["target"], "--protected_datasets", data,
+        argv = ["--model_name_or_path", old, "--dataset_name", setup["target"], "--protected_datasets", data,
                 "--output_dir", str(tmp_path / name), "--max_steps", "6", "--learning_rate", str(lr),
                 "--constraint_penalty", "none", "--eval_fraction", "0.5", "--forget_tolerance", "0.3",
                 "--use_cpu", "True", "--report_to", "none", "--save_strategy", "no",
                 "--per_device_train_batch_size", "4", "--disable_tqdm", "True", "--seed", "0"]
         if lora:
-            argv += ["--lora_r", "2", "--lora_target_modules", "c_attn"]
+            argv += ["--use_peft", "--lora_r", "2", "--lora_target_modules", "c_attn"]
         return recipe.main(argv)
 
     forgot = run("forgot", 5e-2)

@@ -20,7 +20,7 @@ def _python_blocks() -> list[str]:
 def test_quick_start_snippet_runs_as_written(tmp_path, monkeypatch):
     snippet = _python_blocks()[0]
     assert "ConstrainedTrainer(" in snippet and "trainer.train()" in snippet
-    monkeypatch.chdir(tmp_path)  # the snippet writes to output_dir="out"
+    monkeypatch.chdir(tmp_path)  # the snippet writes to output_dir="outputs/quickstart"
     train, constraint_data, test = make_splits(0)
     torch.manual_seed(0)
     namespace = {"model": DigitClassifier(), "train_data": train.select(range(160)),
@@ -31,4 +31,4 @@ def test_quick_start_snippet_runs_as_written(tmp_path, monkeypatch):
     metrics = trainer.evaluate()
     # the names the snippet's comment promises
     assert {"eval_constraint/digit7", "eval_constraint_max_violation", "eval_constraints_satisfied"} <= set(metrics)
-    assert len(trainer.constraints) == 10 and (tmp_path / "out").is_dir()
+    assert len(trainer.constraints) == 10 and (tmp_path / "outputs" / "quickstart").is_dir()

@@ -85,3 +85,25 @@ def test_the_readmes_launch_commands_find_their_configs_from_any_folder(tmp_path
             assert isinstance(config, dict) and config
             configs += 1
     assert configs >= 1
+
+
+def test_a_usage_error_prints_the_short_usage_and_the_error(capsys, tmp_path):
+    """Every recipe: a bad flag prints two lines (the usage line and the error), not every flag."""
+    with pytest.raises(SystemExit) as exit_:
+        parse_recipe_args(TYPES, ["--output_dir", str(tmp_path), "--penalti_beta", "2"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2, err
+    assert err[0].startswith("usage: ") and "[--config FILE.yaml]" in err[0]
+    assert "unrecognized arguments: --penalti_beta 2" in err[1]
+
+
+def test_a_replaced_flag_names_its_replacement(capsys, tmp_path):
+    replaced = {"beta": "use --penalty_beta"}
+    with pytest.raises(SystemExit):
+        parse_recipe_args(TYPES, ["--output_dir", str(tmp_path), "--beta", "2"], replaced_flags=replaced)
+    assert "--beta was replaced: use --penalty_beta" in capsys.readouterr().err
+    config = tmp_path / "old.yaml"
+    config.write_text(yaml.safe_dump({"beta": 2}))
+    with pytest.raises(RecipeConfigError, match="key 'beta' was replaced: use --penalty_beta"):
+        parse_recipe_args(TYPES, ["--config", str(config), "--output_dir", str(tmp_path)], replaced_flags=replaced)

@@ -8,7 +8,9 @@ parameters, estimator state, stream positions and the rows of every constraint c
 ``OUT/rank<r>.pt``. ``--extra`` adds a gradient-accumulation run (``rank<r>_ga.pt``) and a
 stop/resume run (``rank<r>_resumed.pt``); ``--fused`` the row-wise constraints through the fused
 step (``rank<r>_fused.pt``); ``--contrastive`` the Setting II trainer
-(``rank<r>_contrastive.pt``).
+(``rank<r>_contrastive.pt``); ``--two-split`` two-split estimation (``constraint_indicator_fraction``
+0.5) straight and stopped/resumed, with the rows this rank scored with and without grad
+(``rank<r>_two_split.pt``).
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
-from scale_tiny import (StopAt, contrastive_snapshot, make_contrastive_trainer, make_rowwise_trainer,  # noqa: E402
-                        make_trainer, record_constraint_calls, snapshot)
+from scale_tiny import (Recorder, StopAt, contrastive_snapshot, disjoint_trainer, indicator_rows,  # noqa: E402
+                        make_contrastive_trainer, make_rowwise_trainer, make_trainer, record_constraint_calls,
+                        snapshot)
 
 
 def _save(out: str, name: str, obj: object) -> None:
@@ -42,6 +45,8 @@ def main() -> None:
                         help="also run the Setting II check (ContrastiveConstrainedTrainer, per-sample estimators)")
     parser.add_argument("--fused", action="store_true",
                         help="also run the row-wise constraints through the fused step (rank<r>_fused.pt)")
+    parser.add_argument("--two-split", action="store_true",
+                        help="also run two-split estimation, straight and stop-at-3 / resume-to-6 (rank<r>_two_split.pt)")
     a = parser.parse_args()
     trainer = make_trainer(os.path.join(a.out, "run"), max_steps=a.steps,
                            per_device_train_batch_size=a.per_device_batch, constraint_batch_size=a.constraint_batch)
@@ -81,6 +86,27 @@ def main() -> None:
         clip_trainer = make_contrastive_trainer(os.path.join(a.out, "clip"), per_device_train_batch_size=4)
         clip_trainer.train()
         _save(a.out, f"rank{rank}_contrastive.pt", contrastive_snapshot(clip_trainer))
+
+    if a.two_split:  # which rows reached a gradient on THIS rank, and exact resume, with indicator rows apart
+        common = dict(max_steps=a.steps, per_device_train_batch_size=a.per_device_batch,
+                      constraint_batch_size=a.constraint_batch, constraint_indicator_fraction=0.5)
+        record = Recorder()
+        straight = disjoint_trainer(os.path.join(a.out, "two_split"), record, **common)
+        straight.train()
+        result = snapshot(straight)
+        result.update(with_grad=record.with_grad, without_grad=record.without_grad,
+                      indicator=indicator_rows(straight, 0.5))
+        resume_args = dict(common, save_strategy="steps", save_steps=3)
+        stopped = disjoint_trainer(os.path.join(a.out, "two_split_stopped"), Recorder(), **resume_args)
+        stopped.add_callback(StopAt(3))
+        stopped.train()
+        stopped.accelerator.wait_for_everyone()  # rank 0 has written checkpoint-3
+        resumed_record = Recorder()
+        resumed = disjoint_trainer(os.path.join(a.out, "two_split_resumed"), resumed_record, **resume_args)
+        resumed.train(resume_from_checkpoint=os.path.join(a.out, "two_split_stopped", "checkpoint-3"))
+        result["resumed"] = snapshot(resumed)
+        result["resumed_with_grad"] = resumed_record.with_grad
+        _save(a.out, f"rank{rank}_two_split.pt", result)
 
 
 if __name__ == "__main__":

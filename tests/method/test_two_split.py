@@ -3,57 +3,11 @@ hinge's indicator, follows rows that no constraint gradient ever uses; resume st
 
 import pytest
 import torch
-from scale_tiny import (NUM_GROUPS, ListDataset, StopAt, TinyClassifier, make_rows, make_rowwise_trainer, per_row_ce,
-                        snapshot, tiny_args)
+from scale_tiny import (Recorder, StopAt, disjoint_trainer, indicator_rows, make_rowwise_trainer, row_key,
+                        snapshot)
 
-from hf_constrained import ConstrainedTrainer, Constraint
 from hf_constrained.constraint import CertifyStatistic
 from hf_constrained.method.engine import split_for_indicator
-
-
-def _key(x: torch.Tensor) -> bytes:
-    return x.detach().cpu().numpy().tobytes()
-
-
-class Recorder:
-    """The shared row_fn, recording which rows it scores with grad enabled and without."""
-
-    def __init__(self) -> None:
-        self.with_grad: set[bytes] = set()
-        self.without_grad: set[bytes] = set()
-        self.no_grad_means: list[float] = []
-        self.grad_means: list[float] = []
-
-    def __call__(self, model, batch):
-        values = per_row_ce(model, batch)
-        rows = {_key(x) for x in batch["x"]}
-        (self.with_grad if torch.is_grad_enabled() else self.without_grad).update(rows)
-        (self.grad_means if torch.is_grad_enabled() else self.no_grad_means).append(float(values.mean()))
-        return values
-
-
-def _indicator_rows(trainer, fraction):
-    _, views = split_for_indicator(trainer.constraints, fraction, trainer.args.constraint_sampling_seed)
-    return {c.name: {_key(views[k].dataset[i]["x"]) for i in range(len(views[k].dataset))}
-            for k, c in enumerate(trainer.constraints)}
-
-
-def disjoint_trainer(output_dir, row_fn, statistic=None, **overrides):
-    """One constraint per group on that group's rows, plus two constraints on ONE dataset object of
-    other rows: they share its split."""
-    torch.manual_seed(1234)
-    train_rows, _ = make_rows(128, 0)
-    c_rows, c_groups = make_rows(96, 1)
-    shared = ListDataset(make_rows(60, 2)[0])  # rows of their own
-    constraints = [Constraint(name=f"group{k}", row_fn=row_fn, tolerance=0.25, certify_statistic=statistic,
-                              dataset=ListDataset([r for r, gk in zip(c_rows, c_groups) if gk == k]))
-                   for k in range(NUM_GROUPS - 1)]
-    constraints += [Constraint(name=f"all{j}", row_fn=row_fn, tolerance=0.3 + 0.1 * j, dataset=shared,
-                               certify_statistic=statistic) for j in range(2)]
-    kw = dict(constraints_per_step=3, max_steps=8)
-    kw.update(overrides)
-    return ConstrainedTrainer(model=TinyClassifier(), args=tiny_args(output_dir, **kw),
-                              train_dataset=ListDataset(train_rows), constraints=constraints)
 
 
 @pytest.mark.parametrize("gamma_prime", [0.0, 0.1])
@@ -61,9 +15,9 @@ def test_no_indicator_row_ever_reaches_a_gradient(tmp_path, gamma_prime):
     record = Recorder()
     trainer = disjoint_trainer(str(tmp_path / "run"), record, constraint_indicator_fraction=0.5,
                                msvr_gamma_prime=gamma_prime)
-    indicator = _indicator_rows(trainer, 0.5)
+    indicator = indicator_rows(trainer, 0.5)
     all_indicator = set().union(*indicator.values())
-    everything = set().union(*({_key(r["x"]) for r in c.dataset} for c in trainer.constraints))
+    everything = set().union(*({row_key(r["x"]) for r in c.dataset} for c in trainer.constraints))
     trainer.train()
     assert record.with_grad and not (record.with_grad & all_indicator)
     # the estimate read indicator rows (the step's and, with gamma' > 0, the look-ahead's)

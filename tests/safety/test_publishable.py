@@ -42,6 +42,55 @@ def test_reproduce_command_drops_secret_flags_and_local_paths(tmp_path, monkeypa
     assert redact_secrets(f"token={FAKE_TOKEN}.") == "token=<redacted>."
 
 
+def test_the_reproduce_program_is_one_that_exists_where_the_command_runs(tmp_path, monkeypatch):
+    """In a clone (recipes/ under the current folder) the script; elsewhere (after pip install) the
+    installed module; started by ``hf-constrained <recipe>``, that command."""
+    from pathlib import Path
+
+    from hf_constrained.publishable import reproduce_program
+
+    root = Path(__file__).resolve().parents[2]
+    monkeypatch.setattr("sys.argv", ["pytest"])
+    monkeypatch.chdir(root)
+    assert reproduce_program("accelerate launch recipes/llm_non_forgetting.py") == \
+        "accelerate launch recipes/llm_non_forgetting.py"
+    monkeypatch.chdir(tmp_path)
+    assert reproduce_program("accelerate launch recipes/llm_non_forgetting.py") == \
+        "accelerate launch -m hf_constrained.recipes.llm_non_forgetting"
+    assert reproduce_program("python recipes/roc_fairness.py") == "python -m hf_constrained.recipes.roc_fairness"
+    assert reproduce_program("python recipes/not_a_recipe.py") == "python recipes/not_a_recipe.py"
+    monkeypatch.setattr("sys.argv", ["hf-constrained llm", "--max_steps", "2"])
+    assert publishable_command("accelerate launch recipes/llm_non_forgetting.py", ["--max_steps", "2"]) == \
+        "hf-constrained llm --max_steps 2"
+
+
+def test_a_config_file_is_saved_with_the_run_without_secrets_or_local_paths(tmp_path, monkeypatch):
+    """``--config FILE``: a copy in the output folder (no secret key, no token, no absolute path), cited by
+    the command relative to the current folder (or as ``<output_dir>/...`` when the run is elsewhere)."""
+    monkeypatch.setattr("sys.argv", ["pytest"])
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    config = tmp_path / "elsewhere" / "run.yaml"
+    config.parent.mkdir()
+    config.write_text(yaml.safe_dump({"hub_token": FAKE_TOKEN, "wandb_api_key": "k", "note": FAKE_TOKEN,
+                                      "dataset_name": "/srv/data/new.jsonl", "output_dir": str(work / "out"),
+                                      "protected_datasets": [f"math={work}/data/math.jsonl"], "max_steps": 3}))
+    command = publishable_command("python recipes/x.py", ["--config", str(config), "--max_steps", "2"],
+                                  output_dir=str(work / "out"))
+    assert command == "python recipes/x.py --config out/recipe_config.yaml --max_steps 2"
+    text = (work / "out" / "recipe_config.yaml").read_text()
+    assert FAKE_TOKEN not in text and "hub_token" not in text and "wandb_api_key" not in text
+    assert str(tmp_path) not in text and "/srv" not in text
+    saved = yaml.safe_load(text)
+    assert saved["dataset_name"] == "<local>/new.jsonl" and saved["protected_datasets"] == ["math=data/math.jsonl"]
+    assert saved["max_steps"] == 3 and saved["note"] == "<redacted>"
+    # a run outside the current folder: the copy by its place in the output folder
+    command = publishable_command("python recipes/x.py", [f"--config={config}"], output_dir=str(tmp_path / "o"))
+    assert command == "python recipes/x.py --config '<output_dir>/recipe_config.yaml'"
+    assert (tmp_path / "o" / "recipe_config.yaml").is_file()
+
+
 def test_training_arguments_pickle_without_token_or_absolute_paths(tmp_path):
     """``training_args.bin`` is a pickle of the arguments; copies in the process keep everything."""
     args = ConstrainedTrainingArguments(output_dir=str(tmp_path / "run"), hub_token=FAKE_TOKEN, use_cpu=True,
@@ -73,7 +122,7 @@ def test_a_recipe_run_writes_no_token_and_no_absolute_path(tmp_path, capsys, cap
     holds the token or the absolute folder, binary files (``training_args.bin``) included."""
     out = tmp_path / "run"
     config = tmp_path / "release.yaml"
-    config.write_text(yaml.safe_dump({"max_steps": 10, "eval_steps": 5, "save_steps": 5}))
+    config.write_text(yaml.safe_dump({"max_steps": 10, "eval_steps": 5, "save_steps": 5, "hub_token": FAKE_TOKEN}))
     assert main(["safe-release", "--config", str(config), "--output_dir", str(out),
                  "--hub_token", FAKE_TOKEN]) == 0
     written = sorted(os.path.relpath(os.path.join(d, f), out) for d, _, fs in os.walk(out) for f in fs)
@@ -81,8 +130,10 @@ def test_a_recipe_run_writes_no_token_and_no_absolute_path(tmp_path, capsys, cap
     assert any(p.endswith("training_args.bin") for p in written) and any(p.endswith(".png") for p in written)
     assert _files_containing(out, [FAKE_TOKEN.encode(), str(tmp_path).encode()]) == []
     card = (out / "README.md").read_text()
-    assert "python recipes/safe_release_digits.py --config '<local>/release.yaml' --output_dir '<output_dir>'" in card
-    assert "hub_token" not in card
+    # started through the command line: reproduced by it, with the copy of the config saved in the run
+    assert "hf-constrained safe-release --config '<output_dir>/recipe_config.yaml' --output_dir '<output_dir>'" in card
+    assert "hub_token" not in card and "hub_token" not in (out / "recipe_config.yaml").read_text()
+    assert yaml.safe_load((out / "recipe_config.yaml").read_text())["max_steps"] == 10
     printed = capsys.readouterr()
     assert FAKE_TOKEN not in printed.out + printed.err + caplog.text
     # the checkpoint's arguments still hold the run's settings

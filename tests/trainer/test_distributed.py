@@ -19,6 +19,10 @@ The same launch also trains with gradient accumulation (2 processes x 2 micro-ba
 rows, against the 1-process run of 8 rows), and stops after step 3's checkpoint and resumes
 to step 6 (bitwise equal to the straight 2-process run on both ranks).
 
+With two-split estimation (``constraint_indicator_fraction``) it checks, on each rank, that no
+indicator row ever reaches a gradient, that the ranks agree bitwise and match one process, and
+that a stopped and resumed 2-process run is bitwise the straight one.
+
 It also trains the CLIP helper's ``ContrastiveConstrainedTrainer`` (Setting
 II: one MSVR estimator per training sample and side) with 4 rows per process against 8
 rows in one process, and checks its per-sample estimators the same way.
@@ -36,8 +40,8 @@ import torch
 from launch_once import launch_once
 
 from scale_tiny import per_row_ce  # noqa: E402  (the shared row_fn)
-from scale_tiny import (TinyClassifier, contrastive_snapshot, make_contrastive_trainer, make_rowwise_trainer,
-                        make_trainer, record_constraint_calls, snapshot)
+from scale_tiny import (Recorder, TinyClassifier, contrastive_snapshot, disjoint_trainer, make_contrastive_trainer,
+                        make_rowwise_trainer, make_trainer, record_constraint_calls, snapshot)
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
@@ -63,7 +67,7 @@ def _launch_two_processes(out: Path) -> None:
         "--main_process_port", str(_free_port()),
         str(HERE / "distributed" / "run_ddp_check.py"),
         "--out", str(out), "--per-device-batch", "4", "--constraint-batch", "3", "--steps", str(STEPS),
-        "--contrastive", "--extra", "--fused",
+        "--contrastive", "--extra", "--fused", "--two-split",
     ]
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
@@ -250,3 +254,45 @@ def test_per_sample_estimators_match_one_process(two_process_contrastive, one_pr
     start = make_contrastive_trainer(str(tmp_path), per_device_train_batch_size=8).model  # untrained
     moved = max((p.detach() - single["params"][n]).abs().max().item() for n, p in start.named_parameters())
     assert moved > 100 * TOL
+
+
+# ------------------------------------------------------------- two-split estimation
+def test_two_split_estimation_across_processes(two_process_run, tmp_path):
+    """Two-split estimation under DDP: each rank scores its slice of the global indicator and
+    gradient batches, and on no rank does an indicator row reach a gradient; the ranks hold
+    identical state, match one process on the same global batches (8 objective and 6 constraint
+    rows) within TOL, and a stop at step 3 / resume to step 6 is bitwise the straight run."""
+    out = Path(two_process_run[0]["out"])
+    r0, r1 = (torch.load(out / f"rank{r}_two_split.pt", weights_only=False) for r in range(2))
+    indicator = set().union(*r0["indicator"].values())
+    assert r0["indicator"] == r1["indicator"]  # one seeded split, the same on every rank
+    for rank in (r0, r1):
+        assert rank["with_grad"] and not (rank["with_grad"] & indicator)
+        assert rank["resumed_with_grad"] and not (rank["resumed_with_grad"] & indicator)
+        assert rank["without_grad"] & indicator  # the estimate read indicator rows on this rank
+    # the ranks scored different rows: each its own slice of the global batches
+    assert r0["with_grad"] != r1["with_grad"]
+    assert torch.equal(r0["estimator_values"], r1["estimator_values"])
+    assert r0["streams"] == r1["streams"]
+    for name, p in r0["params"].items():
+        assert torch.equal(p, r1["params"][name]), name
+    # one process on the same global batches
+    record = Recorder()
+    single = disjoint_trainer(str(tmp_path / "single"), record, max_steps=STEPS, per_device_train_batch_size=8,
+                              constraint_batch_size=6, constraint_indicator_fraction=0.5)
+    single.train()
+    ref = snapshot(single)
+    assert r0["streams"] == ref["streams"]
+    assert torch.equal(r0["estimator_visited"], ref["estimator_visited"])
+    torch.testing.assert_close(r0["estimator_values"], ref["estimator_values"], rtol=0, atol=TOL)
+    for name, p in ref["params"].items():
+        torch.testing.assert_close(r0["params"][name], p, rtol=0, atol=TOL)
+    assert r0["with_grad"] | r1["with_grad"] == record.with_grad  # the two slices make up the global batches
+    # exact resume on both ranks
+    for rank in (r0, r1):
+        resumed = rank["resumed"]
+        assert resumed["global_step"] == STEPS
+        assert torch.equal(resumed["estimator_values"], rank["estimator_values"])
+        assert resumed["streams"] == rank["streams"]
+        for name, p in rank["params"].items():
+            assert torch.equal(resumed["params"][name], p), name

@@ -1,0 +1,35 @@
+"""One output-folder convention: a recipe writes into ``outputs/<module>`` unless ``--output_dir``
+names another folder. Read from each recipe's own ``--help`` (the parser's default), so the test
+sees what a user gets."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from hf_constrained.cli import main
+from hf_constrained.recipes import RECIPES
+
+# the recipes that follow the convention (the others keep theirs until their owners move them)
+FOLLOWING = ("roc_fairness", "clip_non_forgetting", "safe_release_digits", "llm_non_forgetting")
+
+
+def default_output_dir(command: str, capsys: pytest.CaptureFixture) -> str:
+    """The default of ``--output_dir`` as ``hf-constrained <command> --help`` prints it."""
+    with pytest.raises(SystemExit) as exit_:
+        main([command, "--help"])
+    assert exit_.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    option = "--output_dir OUTPUT_DIR, --output-dir OUTPUT_DIR"  # the option's entry, not the usage line
+    assert option in text, f"{command}: no --output_dir"
+    help_ = text.split(option, 1)[1].split(" --", 1)[0]
+    match = re.search(r"\(default: (\S+?)\)", help_)
+    assert match, f"{command}: --output_dir shows no default"
+    return match.group(1)
+
+
+@pytest.mark.parametrize("module", FOLLOWING)
+def test_default_output_dir_is_outputs_slash_module(module, capsys):
+    command = next(r.command for r in RECIPES if r.module == module)
+    assert default_output_dir(command, capsys) == f"outputs/{module}"
