@@ -14,8 +14,9 @@ for the old point rule (every held-out selection value within tolerance):
 
     python benchmarks/certificate_end_to_end.py --recipe safe_release --seeds 100-119 \\
         --out benchmarks/results/certificate_end_to_end_safe_release.json
-    python benchmarks/certificate_end_to_end.py --recipe roc_compas --seeds 100-119 \\
-        --out benchmarks/results/certificate_end_to_end_roc_compas.json
+
+The ROC-fairness recipe's certificate, next to the unconstrained model's on the same splits:
+``benchmarks/roc_certificate.py``.
 """
 
 from __future__ import annotations
@@ -69,31 +70,8 @@ def run_safe_release(seed: int, out_dir: str, extra: list[str]) -> dict[str, Any
     }
 
 
-def run_roc_compas(seed: int, out_dir: str, extra: list[str]) -> dict[str, Any]:
-    import roc_fairness
-
-    argv = ["--dataset", "compas", "--method", "hinge", "--penalty_beta", "20", "--seed", str(seed),
-            "--output_dir", out_dir, "--certify_fraction", "0.5", *extra]
-    with contextlib.redirect_stdout(io.StringIO()):
-        r = roc_fairness.main(argv)
-    cert = r["certificate"]
-    kappa = r["kappa"]
-    return {
-        "seed": seed,
-        "certified": cert["certified"], "certified_bounds": cert["bounds"], "certify_tolerance": kappa,
-        # the test split is the audit: the other half of the test data, read by nothing else; the certificate
-        # bounds the hard gaps |rate_p - rate_u| of 1[s > tau], the point rule the soft ones (the constraints)
-        "audit_certified_statistic": cert["test_values"],
-        "point_rule_passes": r["final"]["validation"]["feasible"], "point_tolerance": kappa,
-        "audit_point_statistic": {k: v + kappa for k, v in r["final"]["test"]["constraints"].items()},
-        "audit_rows": r["certificate"]["audit_rows"],
-        "objective": {"test_auc": r["test_auc"]},
-    }
-
-
 RECIPES: dict[str, Callable[[int, str, list[str]], dict[str, Any]]] = {
     "safe_release": run_safe_release,
-    "roc_compas": run_roc_compas,
 }
 
 

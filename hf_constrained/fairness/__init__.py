@@ -49,6 +49,7 @@ _LAZY = {
     "roc_fairness_values": ".roc",
     "roc_row_scores": ".roc",
     "shift_proof_fairness": ".roc",
+    "smallest_certified_gap": ".roc",
 }
 
 

@@ -50,6 +50,7 @@ from .roc import (
     roc_fairness_constraints,
     roc_fairness_values,
     score_rows,
+    smallest_certified_gap,
 )
 
 logger = logging.getLogger(__name__)
@@ -75,6 +76,9 @@ class ROCFairnessArguments:
                 "largest |threshold|, 1 if all are 0) or 'none' (the plain logit, the paper's model). A bound keeps "
                 "the constraints from being met by moving every score past the thresholds, where the soft rates "
                 "saturate."})
+    rate_temperature: float = field(default=1.0, metadata={
+        "help": "Temperature T of the constraints' soft rates sigmoid((s - tau) / T) (paper: 1). A smaller T brings "
+                "the trained soft rates closer to the hard rates 1[s > tau] that the certificate bounds."})
     lr_decay_at: str = field(default="0.5,0.75",
                              metadata={"help": "Fractions of training at which the learning rate is decayed."})
     lr_decay_factor: float = field(default=0.1, metadata={"help": "Multiplier applied at each decay point."})
@@ -116,6 +120,8 @@ class ROCFairnessArguments:
         self.threshold_list = _floats(self.thresholds, "thresholds")
         self.hidden_list = [int(h) for h in _floats(self.hidden_sizes, "hidden_sizes")]
         self.score_bound_value = _score_bound(self.score_bound, self.threshold_list)
+        if not (math.isfinite(float(self.rate_temperature)) and float(self.rate_temperature) > 0):
+            raise ValueError(f"--rate_temperature must be a finite number > 0, got {self.rate_temperature}")
         self.decay_list = _floats(self.lr_decay_at, "lr_decay_at") if self.lr_decay_at.strip() else []
         if any(not 0 < f < 1 for f in self.decay_list):
             raise ValueError(f"lr_decay_at fractions must be in (0, 1), got {self.decay_list}")
@@ -220,9 +226,11 @@ def run_roc_fairness(args: ROCFairnessArguments, training_args: ConstrainedTrain
     model = MLPForScoring(MLPConfig(input_dim=train.features.shape[1], hidden_sizes=args.hidden_list,
                                     score_bound=args.score_bound_value))
     constraints = roc_fairness_constraints(train, splits["validation"], thresholds=args.threshold_list,
-                                           kappa=args.kappa, seed=training_args.seed, certify_data=certify_split)
+                                           kappa=args.kappa, seed=training_args.seed, certify_data=certify_split,
+                                           temperature=args.rate_temperature)
     objective = objective_pairs(train, seed=training_args.seed)
-    history = ROCHistoryCallback(splits, thresholds=args.threshold_list, kappa=args.kappa)
+    history = ROCHistoryCallback(splits, thresholds=args.threshold_list, kappa=args.kappa,
+                                 temperature=args.rate_temperature)
     epochs = int(math.ceil(training_args.num_train_epochs))
     batch = training_args.per_device_train_batch_size
     # optimizer steps the Trainer will take: the batches are sharded across processes and
@@ -271,7 +279,8 @@ def run_roc_fairness(args: ROCFairnessArguments, training_args: ConstrainedTrain
             cert = certify_models(trainer, delta=args.delta)
             test = splits["test"]
             certificate = {"certified": cert.certified == [0], "delta": args.delta, "bounds": cert.upper_bounds[0],
-                           "values": cert.values[0], "smallest_certified_gap": max(cert.upper_bounds[0].values()),
+                           "values": cert.values[0],
+                           "smallest_certified_gap": smallest_certified_gap(cert.upper_bounds[0]),
                            "certify_rows": len(certify_split), "audit_rows": len(test),
                            # the certified statistic (hard gaps) on the test split, which the certificate never read
                            "test_values": roc_fairness_values(score_rows(model, test), test.label, test.group,
@@ -316,6 +325,7 @@ def run_roc_fairness(args: ROCFairnessArguments, training_args: ConstrainedTrain
         "seed": training_args.seed,
         "kappa": args.kappa,
         "thresholds": args.threshold_list,
+        "rate_temperature": args.rate_temperature,
         "epochs": epochs,
         "batch_size": batch,
         "num_processes": training_args.world_size,

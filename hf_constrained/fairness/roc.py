@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Optional, Protocol
 
 import numpy as np
@@ -272,17 +272,39 @@ class HardRate:
         return f"HardRate(tau={self.tau:g})"
 
 
-class SigmoidRate:
-    """``row_transform`` of the constraint at threshold tau: the soft rate sigmoid(s - tau)."""
+def check_temperature(temperature: float) -> float:
+    """``temperature`` as a float; anything but a finite number > 0 is an error naming it."""
+    try:
+        t = float(temperature)
+    except (TypeError, ValueError):
+        raise ValueError(f"the soft rates' temperature must be a finite number > 0, got {temperature!r}") from None
+    if not (math.isfinite(t) and t > 0):
+        raise ValueError(f"the soft rates' temperature must be a finite number > 0, got {temperature!r}")
+    return t
 
-    def __init__(self, tau: float) -> None:
+
+def soft_rate(scores: np.ndarray, tau: float, temperature: float = 1.0) -> np.ndarray:
+    """The soft rate sigmoid((s - tau) / T) of every score (numpy, float64)."""
+    return 1.0 / (1.0 + np.exp(-(np.asarray(scores, dtype=np.float64) - float(tau)) / float(temperature)))
+
+
+class SigmoidRate:
+    """``row_transform`` of the constraint at threshold tau: the soft rate sigmoid((s - tau) / T).
+
+    T = 1 is the paper's rate. A smaller temperature T brings the soft rate closer to the hard
+    rate 1[s > tau] that the certificate bounds, so a model that meets the soft constraints on
+    scores spread within a few T of the thresholds also has small hard gaps."""
+
+    def __init__(self, tau: float, temperature: float = 1.0) -> None:
         self.tau = float(tau)
+        self.temperature = check_temperature(temperature)
 
     def __call__(self, scores: torch.Tensor) -> torch.Tensor:
-        return torch.sigmoid(scores - self.tau)
+        return torch.sigmoid((scores - self.tau) / self.temperature)
 
     def __repr__(self) -> str:
-        return f"SigmoidRate(tau={self.tau:g})"
+        extra = "" if self.temperature == 1.0 else f", temperature={self.temperature:g}"
+        return f"SigmoidRate(tau={self.tau:g}{extra})"
 
 
 @torch.no_grad()
@@ -311,8 +333,9 @@ class _ExactGap:
 
     _cache: dict[str, Any] = {"key": None, "scores": None}
 
-    def __init__(self, tau: float) -> None:
+    def __init__(self, tau: float, temperature: float = 1.0) -> None:
         self.tau = float(tau)
+        self.temperature = check_temperature(temperature)
 
     @classmethod
     def scores(cls, model: nn.Module, data: PairedRows | GroupRows) -> tuple[np.ndarray, np.ndarray]:
@@ -326,8 +349,8 @@ class _ExactGap:
 
     def __call__(self, model: nn.Module, data: PairedRows | GroupRows) -> float:
         s_a, s_b = self.scores(model, data)
-        sig = lambda s: 1.0 / (1.0 + np.exp(-(s - self.tau)))  # noqa: E731
-        return float(abs(sig(s_a).mean() - sig(s_b).mean()))
+        return float(abs(soft_rate(s_a, self.tau, self.temperature).mean()
+                         - soft_rate(s_b, self.tau, self.temperature).mean()))
 
 
 def group_label_rows(source: RowSource, split: str = "train") -> dict[tuple[int, int], np.ndarray]:
@@ -346,7 +369,8 @@ def group_label_rows(source: RowSource, split: str = "train") -> dict[tuple[int,
 def roc_fairness_constraints(train: RowSource, eval_data: Optional[RowSource] = None, *,
                              thresholds: Sequence[float] = DEFAULT_THRESHOLDS,
                              kappa: float = DEFAULT_KAPPA, seed: int = 0,
-                             certify_data: Optional[RowSource] = None) -> list[Constraint]:
+                             certify_data: Optional[RowSource] = None,
+                             temperature: float = 1.0) -> list[Constraint]:
     """The 2|Gamma| ROC-fairness constraints |gap_tau| <= kappa (paper section 5.1), row-wise.
 
     ``tpr_gap@tau`` uses the positives, ``fpr_gap@tau`` the negatives. All share the
@@ -359,8 +383,9 @@ def roc_fairness_constraints(train: RowSource, eval_data: Optional[RowSource] = 
     dispersion is compared with. ``certify_data``: the certification split (every row once);
     the certificate measures what users check, the hard gap |rate_p - rate_u| of 1[s > tau]
     (:class:`HardRate`), from each group's exact Clopper-Pearson bounds, while training follows
-    the soft rates.
+    the soft rates. ``temperature``: T of the soft rates sigmoid((s - tau) / T) (the paper: 1).
     """
+    temperature = check_temperature(temperature)
     if not kappa >= 0 or not math.isfinite(kappa):
         raise ValueError(f"kappa must be a finite number >= 0, got {kappa}")
     thresholds = [float(t) for t in thresholds]
@@ -380,9 +405,9 @@ def roc_fairness_constraints(train: RowSource, eval_data: Optional[RowSource] = 
                                   name=f"{kind}_certify_rows") if certify_cells is not None else None)
         for tau in thresholds:
             out.append(Constraint(
-                name=constraint_name(kind, tau), row_fn=roc_row_scores, row_transform=SigmoidRate(tau),
+                name=constraint_name(kind, tau), row_fn=roc_row_scores, row_transform=SigmoidRate(tau, temperature),
                 group_key=GROUP_KEY, dataset=data, eval_dataset=eval_rows, tolerance=float(kappa),
-                collate_fn=collate_rows, outer=torch.abs, exact_fn=_ExactGap(tau),
+                collate_fn=collate_rows, outer=torch.abs, exact_fn=_ExactGap(tau, temperature),
                 certify_dataset=certify_rows,
                 # certified: the hard |TPR/FPR gap| at tau (each group's 0/1 rate, exact Clopper-Pearson bounds);
                 # trained: the soft rates' gap (the surrogate)
@@ -390,20 +415,37 @@ def roc_fairness_constraints(train: RowSource, eval_data: Optional[RowSource] = 
                     HardRate(tau), tolerance=float(kappa), value_range=(0.0, 1.0), bound="clopper_pearson",
                     description=f"hard {kind.upper()} gap at {tau:g}", group_key=GROUP_KEY, absolute=True),
                 metadata={"kind": kind, "label": y, "threshold": tau, "kappa": float(kappa),
-                          "noise_scale": float(kappa)},
+                          "noise_scale": float(kappa), "temperature": temperature},
             ))
     return out
 
 
+def smallest_certified_gap(bounds: Mapping[str, float]) -> float:
+    """The smallest tolerance at which the certificate certifies every hard gap, from its upper
+    bounds (constraint name -> bound, e.g. ``results["certificate"]["bounds"]``).
+
+    A constraint is certified when its bound is <= its tolerance, and the bounds (each group's
+    Clopper-Pearson interval on the certification split, at the certificate's delta) do not depend
+    on the tolerance: the smallest certified gap is therefore exactly the largest bound. An empty
+    or non-finite set of bounds is an error."""
+    values = [float(v) for v in bounds.values()]
+    if not values or not all(math.isfinite(v) for v in values):
+        raise ValueError(f"the certificate's bounds must be a non-empty set of finite numbers, got {dict(bounds)}")
+    return max(values)
+
+
 def roc_fairness_values(scores: np.ndarray, label: np.ndarray, group: np.ndarray,
-                        thresholds: Sequence[float] = DEFAULT_THRESHOLDS, *, hard: bool = False) -> dict[str, float]:
+                        thresholds: Sequence[float] = DEFAULT_THRESHOLDS, *, hard: bool = False,
+                        temperature: float = 1.0) -> dict[str, float]:
     """Exact |group-rate gap| of every constraint from one score vector (numpy, float64): of the
-    soft rates sigmoid(s - tau) (the constraints), or with ``hard`` of 1[s > tau] (the certificate)."""
+    soft rates sigmoid((s - tau) / T) (the constraints, T = ``temperature``), or with ``hard`` of
+    1[s > tau] (the certificate)."""
+    temperature = check_temperature(temperature)
     scores = np.asarray(scores, dtype=np.float64)
     out = {}
     for kind, y in (("tpr", 1), ("fpr", 0)):
         for tau in thresholds:
-            rate = (scores > float(tau)).astype(np.float64) if hard else 1.0 / (1.0 + np.exp(-(scores - float(tau))))
+            rate = (scores > float(tau)).astype(np.float64) if hard else soft_rate(scores, tau, temperature)
             a = rate[(group == 1) & (label == y)].mean()
             b = rate[(group == 0) & (label == y)].mean()
             out[constraint_name(kind, float(tau))] = float(abs(a - b))
@@ -497,11 +539,11 @@ def auc_score(scores: np.ndarray, label: np.ndarray) -> float:
 
 
 def evaluate_roc(model: nn.Module, source: RowSource, *, thresholds: Sequence[float] = DEFAULT_THRESHOLDS,
-                 kappa: float = DEFAULT_KAPPA) -> dict[str, Any]:
-    """AUC, every constraint's exact h = |gap| - kappa, the largest one, feasibility, and
-    the shift-proof measures (:func:`shift_proof_fairness`)."""
+                 kappa: float = DEFAULT_KAPPA, temperature: float = 1.0) -> dict[str, Any]:
+    """AUC, every constraint's exact h = |gap| - kappa (soft rates at ``temperature``), the largest
+    one, feasibility, and the shift-proof measures (:func:`shift_proof_fairness`)."""
     scores = score_rows(model, source)
-    gaps = roc_fairness_values(scores, source.label, source.group, thresholds)
+    gaps = roc_fairness_values(scores, source.label, source.group, thresholds, temperature=temperature)
     h = {k: v - kappa for k, v in gaps.items()}
     return {"auc": auc_score(scores, source.label), "constraints": h, "max_violation": max(h.values()),
             "feasible": bool(max(h.values()) <= 0),
@@ -527,10 +569,11 @@ class ROCHistoryCallback(TrainerCallback):
     with ``full=True``), to keep results files small."""
 
     def __init__(self, splits: dict[str, RowSource], *, thresholds: Sequence[float] = DEFAULT_THRESHOLDS,
-                 kappa: float = DEFAULT_KAPPA) -> None:
+                 kappa: float = DEFAULT_KAPPA, temperature: float = 1.0) -> None:
         self.splits = splits
         self.thresholds = list(thresholds)
         self.kappa = kappa
+        self.temperature = check_temperature(temperature)
         self.history: list[dict[str, Any]] = []
         self.train_seconds = 0.0
         self._t0: Optional[float] = None
@@ -538,7 +581,8 @@ class ROCHistoryCallback(TrainerCallback):
     def record(self, model: nn.Module, epoch: float) -> dict[str, Any]:
         entry: dict[str, Any] = {"epoch": epoch, "train_seconds": self.train_seconds}
         for name, source in self.splits.items():
-            entry[name] = evaluate_roc(model, source, thresholds=self.thresholds, kappa=self.kappa)
+            entry[name] = evaluate_roc(model, source, thresholds=self.thresholds, kappa=self.kappa,
+                                       temperature=self.temperature)
         if len(self.history) > 1:  # only the first and the latest entry keep the per-quantile detail
             for name in self.splits:
                 sp = self.history[-1][name]["shift_proof"]

@@ -43,14 +43,3 @@ def test_end_to_end_numbers_are_the_committed_runs():
     assert (cert["failure_rate_on_audit"]["count"], cert["failure_rate_on_audit"]["of"]) == (1, 18)
     assert (point["solution_rate"]["count"], point["failure_rate_on_audit"]["count"]) == (12, 11)
     assert ("| 18 / 20 | 1 / 18 (5.6%; 95% CI 0.1-27%) | 12 / 20; 11 / 12 fail their own claim |" in readme)
-    roc = _load("certificate_end_to_end_roc_compas.json")
-    assert roc["command"].startswith("python benchmarks/certificate_end_to_end.py --recipe roc_compas --seeds 100-119")
-    assert roc["certificate"]["solution_rate"]["count"] == 0 and roc["point_rule"]["solution_rate"]["count"] == 0
-    assert round(roc["certificate"]["tolerance_for_70_percent"], 3) == 0.316
-    at = roc["certificate"]["failure_rate_on_audit_at_that_tolerance"]
-    assert (at["count"], at["of"]) == (0, 14)
-    assert "| ROC fairness, COMPAS, at the hard gap 70% of runs certify (0.316) | 14 / 20 | 0 / 14 | - |" in readme
-    bounds = sorted(max(r["certified_bounds"].values()) for r in roc["per_run"])
-    audit = sorted(max(r["audit_certified_statistic"].values()) for r in roc["per_run"])
-    assert (round(bounds[0], 2), round(bounds[-1], 2), round(audit[0], 2), round(audit[-1], 2)) == (0.19, 0.37, 0.07, 0.22)
-    assert "hard gaps of 0.19-0.37" in readme and "hard gaps of 0.07-0.22" in readme
