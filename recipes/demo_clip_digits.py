@@ -81,6 +81,7 @@ import json
 import logging
 import math
 import os
+import shlex
 import shutil
 import statistics
 import sys
@@ -161,6 +162,9 @@ class DemoConfig:
     select_every: int = 10  # steps between selection evaluations; 0 keeps the last iterate
     forget_tolerance: float = FORGET_TOLERANCE  # certified: at most this share of each protected digit's images forgotten
     delta: float = 0.05  # the certificate's error level
+    indicator_fraction: float = 0.0  # > 0: two-split estimation (constraint_indicator_fraction); 0: off
+    proxy_indicator: bool = False  # with two-split: the hinge's indicator follows the share of D_k's rows forgotten
+    proxy_forget_rate: float = 0.05  # with proxy_indicator: the share forgotten above which the hinge acts
 
 
 # ---------------------------------------------------------------------------------- data
@@ -373,6 +377,9 @@ def build_pools(cfg: DemoConfig, data: dict[str, Any], old_model: torch.nn.Modul
         for c in protected:
             rows = RowDataset(class_rows(data, split, c, copies, cfg))
             out[split][DIGIT_NAMES[c]] = ReferenceLossDataset(rows, reference_losses(old_model, rows, zs, collate))
+            if split == "constraint" and cfg.proxy_indicator:  # the proxy indicator's statistic needs old correctness
+                out[split][DIGIT_NAMES[c]] = ReferenceCorrectDataset(out[split][DIGIT_NAMES[c]], reference_losses(
+                    old_model, rows, ZeroShotCorrect(zs), collate, desc="old model's correctness"))
     test_all = RowDataset([r for c in range(10) for r in class_rows(data, "test", c, cfg.eval_copies, cfg)])
     target_selection = RowDataset(class_rows(data, "selection", cfg.target, cfg.eval_copies, cfg))
     certify = {}
@@ -426,6 +433,23 @@ class FeasibleCheckpointSelection(TrainerCallback):
             self.best_state = copy.deepcopy(trainer.model.state_dict())
 
 
+def check_indicator(cfg: DemoConfig, certify: bool = True) -> None:
+    """Reject indicator settings that would be ignored or contradictory, naming the flag."""
+    if not 0 <= cfg.indicator_fraction < 1:
+        raise ValueError(f"--indicator_fraction must be in [0, 1) (0: one split), got {cfg.indicator_fraction}")
+    if cfg.proxy_indicator:
+        if cfg.indicator_fraction == 0:
+            raise ValueError("--proxy_indicator needs two-split estimation: give --indicator_fraction > 0")
+        if not certify or cfg.certify_fraction == 0:
+            raise ValueError("--proxy_indicator follows the certificate's statistic: it needs --certify_fraction > 0")
+        if not 0 <= cfg.proxy_forget_rate <= cfg.forget_tolerance:
+            raise ValueError(f"--proxy_forget_rate must be in [0, --forget_tolerance={cfg.forget_tolerance:g}], "
+                             f"got {cfg.proxy_forget_rate}")
+        if cfg.confidence > 0:
+            raise ValueError("--confidence sizes a margin from the loss's spread, but with --proxy_indicator the hinge "
+                             "acts on the share forgotten (--proxy_forget_rate): give --confidence 0 with it")
+
+
 def demo_constraints(cfg: DemoConfig, pools: Pools, rows_fn: ForgettingRows, collate: CLIPCollator
                      ) -> list[Constraint]:
     """One non-forgetting constraint per protected class: D_k = the class's constraint pool,
@@ -436,12 +460,17 @@ def demo_constraints(cfg: DemoConfig, pools: Pools, rows_fn: ForgettingRows, col
         raise ValueError(f"--forgetting must be one of {list(FORGETTING)}, got {cfg.forgetting!r}")
     if not (cfg.confidence == 0 or 0.5 <= cfg.confidence < 1):
         raise ValueError(f"--confidence must be in [0.5, 1) (or 0: no calibrated margin), got {cfg.confidence}")
+    check_indicator(cfg, certify=bool(pools.certify))
+    # with a proxy indicator the estimate is a share forgotten (0/1 per row), compared with forget_tolerance: the
+    # fixed margin forget_tolerance - proxy_forget_rate makes the hinge act above proxy_forget_rate; a calibrated
+    # margin from the surrogate's spread would mix two scales, so there is none
     calibrated = cfg.confidence > 0
+    proxy_margin = cfg.forget_tolerance - cfg.proxy_forget_rate if cfg.proxy_indicator else None
     statistic = forgetting_statistic(ZeroShotCorrect(rows_fn.loss), cfg.forget_tolerance) if pools.certify else None
     return [Constraint(name=f"non_forgetting/{name}", row_fn=rows_fn, dataset=pools.constraint[name],
                        eval_dataset=pools.selection[name], tolerance=cfg.tolerance - cfg.margin,
                        row_transform=FORGETTING[cfg.forgetting], collate_fn=collate,
-                       confidence=cfg.confidence if calibrated else None,
+                       confidence=cfg.confidence if calibrated else None, margin=proxy_margin,
                        independent_rows=len(pools.constraint[name]) // cfg.constraint_copies if calibrated else None,
                        certify_dataset=pools.certify.get(name),
                        certify_statistic=statistic if name in pools.certify else None,
@@ -482,6 +511,7 @@ def finetune(cfg: DemoConfig, old_path: str, penalty: str, pools: Optional[Pools
             constraint_batch_size=cfg.constraint_batch_size, constraint_eval_batch_size=512,
             logging_steps=max(cfg.steps // 5, 1), save_strategy="no", report_to=[], seed=cfg.seed, use_cpu=True,
             dataloader_drop_last=True, disable_tqdm=True, remove_unused_columns=False,
+            constraint_indicator_fraction=cfg.indicator_fraction or None, constraint_proxy_indicator=cfg.proxy_indicator,
         )
         trainer = ContrastiveConstrainedTrainer(
             model=model, args=args, train_dataset=RowDataset(target_rows(data, cfg)), data_collator=collate,
@@ -615,35 +645,45 @@ def seed_table(cfg: DemoConfig, old: dict[str, float], runs: list[dict[str, Any]
     return "\n".join(lines)
 
 
-def goals(per_method: dict[str, list[dict[str, Any]]]) -> list[tuple[str, bool, str]]:
-    """The demo's three claims over the seeds, each (claim, met, evidence).
+WITHIN_POINTS = 3.0  # "kept": a protected class within this many points (about one test image) of the old model
+WORST_POINTS = 5.0  # never more than this many points down
 
-    With n seeds: the hinge keeps every protected class within 2 points in at least
-    ceil(0.8 n) seeds, never loses more than 5, and gains at least 10 on the target in
-    every seed; the squared hinge violates some test constraint in at least ceil(0.6 n);
-    unconstrained fine-tuning loses at least 5 points on some protected class in all n.
+
+def goals(per_method: dict[str, list[dict[str, Any]]]) -> list[tuple[str, bool, str]]:
+    """The demo's claims over the seeds, each (claim, met, evidence).
+
+    With n seeds: the hinge's kept model is certified in at least ceil(0.8 n) seeds; it gains at
+    least 10 points on the target in every certified seed and at least 20 at the median seed; it
+    keeps every protected class within ``WITHIN_POINTS`` of the old model's test accuracy in at
+    least ceil(0.8 n) seeds and never loses more than ``WORST_POINTS``. The squared hinge at the
+    same beta and unconstrained fine-tuning each fail to certify in at least ceil(0.6 n) seeds.
     """
     out = []
     if "hinge" in per_method:
         s = per_method["hinge"]
-        n, within = len(s), sum(x["worst_protected_drop"] <= 2.0 for x in s)
-        worst, gain = max(x["worst_protected_drop"] for x in s), min(x["target_gain"] for x in s)
-        need = math.ceil(0.8 * n)
-        out.append((f"hinge: every protected class within 2 points in >= {need} of {n} seeds, never more than "
-                    "5 points down, target +10 points or more in every seed",
-                    within >= need and worst <= 5.0 and gain >= 10.0,
-                    f"within 2 points in {within}/{n}; worst drop {worst:.1f}; smallest target gain {gain:+.1f}"))
-    if "squared_hinge" in per_method:
-        s = per_method["squared_hinge"]
-        n, bad = len(s), sum(x["violated_test"] > 0 for x in s)
-        need = math.ceil(0.6 * n)
-        out.append((f"squared hinge at the same beta violates some test constraint in >= {need} of {n} seeds",
-                    bad >= need, f"violates in {bad}/{n}"))
-    if "none" in per_method:
-        s = per_method["none"]
-        n, forgot = len(s), sum(x["worst_protected_drop"] >= 5.0 for x in s)
-        out.append((f"unconstrained fine-tuning loses >= 5 points on some protected class in {n} of {n} seeds",
-                    forgot == n, f"loses >= 5 points in {forgot}/{n}"))
+        n, need = len(s), math.ceil(0.8 * len(s))
+        certified = [x for x in s if x.get("certified")]
+        out.append((f"hinge certified in >= {need} of {n} seeds", len(certified) >= need,
+                    f"certified in {len(certified)}/{n}"))
+        gains = [x["target_gain"] for x in s]
+        low = min((x["target_gain"] for x in certified), default=None)
+        out.append(("hinge: target +10 points or more in every certified seed, +20 or more at the median seed",
+                    (low is None or low >= 10.0) and statistics.median(gains) >= 20.0,
+                    f"smallest gain of a certified seed {'-' if low is None else f'{low:+.1f}'}; "
+                    f"median {statistics.median(gains):+.1f}"))
+        within = sum(x["worst_protected_drop"] <= WITHIN_POINTS for x in s)
+        worst = max(x["worst_protected_drop"] for x in s)
+        out.append((f"hinge: every protected class within {WITHIN_POINTS:g} points in >= {need} of {n} seeds, "
+                    f"never more than {WORST_POINTS:g} points down",
+                    within >= need and worst <= WORST_POINTS,
+                    f"within {WITHIN_POINTS:g} points in {within}/{n}; worst drop {worst:.1f}"))
+    for method, label in (("squared_hinge", "squared hinge at the same beta"), ("none", "unconstrained fine-tuning")):
+        if method in per_method:
+            s = per_method[method]
+            n, need = len(s), math.ceil(0.6 * len(s))
+            failed = sum(not x.get("certified") for x in s)
+            out.append((f"{label} not certified in >= {need} of {n} seeds", failed >= need,
+                        f"not certified in {failed}/{n}"))
     return out
 
 
@@ -662,8 +702,9 @@ def seeds_table(per_method: dict[str, list[dict[str, Any]]]) -> str:
             v = [x[key] for x in per_method[n]]
             cells.append(f"{fmt.format(statistics.median(v))} / {fmt.format(worst(v))}")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    within = [f"{sum(x['worst_protected_drop'] <= 2.0 for x in per_method[n])}/{len(per_method[n])}" for n in names]
-    lines.append("| seeds with every protected class within 2 points | " + " | ".join(within) + " |")
+    within = [f"{sum(x['worst_protected_drop'] <= WITHIN_POINTS for x in per_method[n])}/{len(per_method[n])}"
+              for n in names]
+    lines.append(f"| seeds with every protected class within {WITHIN_POINTS:g} points | " + " | ".join(within) + " |")
     cells = []
     for n in names:
         v = [x["largest_certified_bound"] for x in per_method[n] if x.get("largest_certified_bound") is not None]
@@ -681,6 +722,14 @@ def seeds_table(per_method: dict[str, list[dict[str, Any]]]) -> str:
 FLAG_NAMES = {"beta": "penalty_beta", "lr": "learning_rate", "steps": "max_steps", "schedule": "lr_scheduler_type"}
 
 
+def _flag_bool(text: str) -> bool:
+    """``true``/``false`` (also 1/0, yes/no) for a boolean flag; anything else is an error, not ``True``."""
+    value = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}.get(str(text).lower())
+    if value is None:
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return value
+
+
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     """The demo's options (every :class:`DemoConfig` field, seeds, penalties, cache and output),
     spelt as the recipes spell them (``--penalty_beta``, ``--learning_rate``, ``--msvr_gamma``);
@@ -692,7 +741,8 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
         legacy = f"--{f.name.replace('_', '-')}"
         if legacy not in flags:
             flags.append(legacy)
-        parser.add_argument(*flags, dest=f.name, type=type(value), default=value, choices=choices)
+        kind = _flag_bool if isinstance(value, bool) else type(value)
+        parser.add_argument(*flags, dest=f.name, type=kind, default=value, choices=choices)
     parser.add_argument("--seeds", default=None,
                         help="comma-separated seeds to run one after the other (e.g. 0,1,2,3,4); overrides --seed")
     parser.add_argument("--penalties", "--constraint_penalty", dest="penalties", default=",".join(PENALTIES),
@@ -714,11 +764,24 @@ def _seeds(ns: argparse.Namespace) -> list[int]:
     return seeds
 
 
-def run_demo(ns: argparse.Namespace, echo: Optional[Callable[[str], None]] = None) -> dict[str, Any]:
+MODULE_COMMAND = "python -m hf_constrained.recipes.demo_clip_digits"
+
+
+def parsed_config(ns: argparse.Namespace) -> dict[str, Any]:
+    """The complete parsed settings a results file records as ``config``: every :class:`DemoConfig`
+    field, the seeds, the penalties and the output path (not the stage-1 cache folder, which changes
+    where the old models are kept, not what they are)."""
+    return {**{f.name: getattr(ns, f.name) for f in fields(DemoConfig)}, "seeds": _seeds(ns),
+            "penalties": [p.strip() for p in ns.penalties.split(",") if p.strip()], "output": ns.output}
+
+
+def run_demo(ns: argparse.Namespace, echo: Optional[Callable[[str], None]] = None,
+             command: Optional[str] = None) -> dict[str, Any]:
     """Run both stages for every seed with the options in ``ns``; ``echo`` (default: the
     module logger) receives the progress lines, the per-seed tables and the summary.
 
-    Writes the results JSON (tmp + rename) and returns it.
+    Writes the results JSON (tmp + rename) with ``command`` (the command line that produced it;
+    default: this process's own) and ``config`` (:func:`parsed_config`), and returns it.
     """
     from transformers.utils import logging as hf_logging
 
@@ -738,7 +801,10 @@ def run_demo(ns: argparse.Namespace, echo: Optional[Callable[[str], None]] = Non
     cfg0 = DemoConfig(**base)
     echo(f"hf_constrained demo: CLIP non-forgetting fine-tuning on digits (target: {DIGIT_NAMES[cfg0.target]}, "
          f"seeds {seeds})")
-    results: dict[str, Any] = {"config": asdict(cfg0), "seeds": seeds, "per_seed": []}
+    check_indicator(cfg0, certify=cfg0.certify_fraction > 0)  # before any model is trained
+    if command is None:
+        command = shlex.join([os.path.basename(sys.argv[0]), *sys.argv[1:]])
+    results: dict[str, Any] = {"command": command, "config": parsed_config(ns), "seeds": seeds, "per_seed": []}
     per_method: dict[str, list[dict[str, Any]]] = {p: [] for p in penalties}
     for seed in seeds:
         cfg = DemoConfig(**{**base, "seed": seed})
@@ -790,7 +856,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         sys.stdout.flush()
 
     try:
-        run_demo(ns, echo=echo)
+        run_demo(ns, echo=echo, command=shlex.join([*MODULE_COMMAND.split(), *(sys.argv[1:] if argv is None else argv)]))
     except ValueError as exc:
         parser.error(str(exc))
     return 0
