@@ -119,6 +119,9 @@ SPLITS = ("pretrain", "constraint", "selection", "test", "certify")
 PENALTIES = ("hinge", "squared_hinge", "none")
 # the per-row value of a non-forgetting constraint from d_i = CE_i(w) - CE_i(w_old)
 FORGETTING: dict[str, Optional[Callable[[torch.Tensor], torch.Tensor]]] = {"mean": None, "increase": torch.relu}
+# what makes a checkpoint feasible on the selection split: every loss constraint h_k <= tolerance, or every
+# protected class's share of selection images forgotten (old model right, new wrong) <= select_forget_rate
+SELECT_ON = ("loss", "forgotten")
 STAGE1_COPIES = 4  # stage 1 sees each image or one of 3 shifted / noised copies of it
 # 18 certification images per protected digit (0.4 of its 44-46 test images): even with none forgotten the
 # Clopper-Pearson bound at delta 0.05 is 1 - 0.05 ** (1 / 18) = 0.153; one forgotten image gives 0.238, two
@@ -165,6 +168,8 @@ class DemoConfig:
     indicator_fraction: float = 0.0  # > 0: two-split estimation (constraint_indicator_fraction); 0: off
     proxy_indicator: bool = False  # with two-split: the hinge's indicator follows the share of D_k's rows forgotten
     proxy_forget_rate: float = 0.05  # with proxy_indicator: the share forgotten above which the hinge acts
+    select_on: str = "loss"  # feasible checkpoint: every h_k <= tolerance ("loss") or share forgotten ("forgotten")
+    select_forget_rate: float = 0.05  # with select_on forgotten: the largest share of a class's selection images forgotten
 
 
 # ---------------------------------------------------------------------------------- data
@@ -410,9 +415,11 @@ class FeasibleCheckpointSelection(TrainerCallback):
     """
 
     def __init__(self, every: int, target_rows: Any, zs: ZeroShotLoss, collate: CLIPCollator,
-                 use_constraints: bool = True, requirement: float = 0.0) -> None:
+                 use_constraints: bool = True, requirement: float = 0.0,
+                 largest_value: Optional[Callable[[torch.nn.Module], float]] = None) -> None:
         self.every, self.target_rows, self.zs, self.collate = every, target_rows, zs, collate
         self.use_constraints, self.requirement = use_constraints, requirement
+        self.largest_value = largest_value  # model -> the largest value to compare with requirement (default: h_k)
         self.trainer: Optional[ContrastiveConstrainedTrainer] = None
         self.records: list[EvaluationRecord] = []
         self.best: Optional[EvaluationRecord] = None
@@ -424,7 +431,9 @@ class FeasibleCheckpointSelection(TrainerCallback):
         trainer = self.trainer
         violation = 0.0
         if self.use_constraints:
-            violation = max(trainer.evaluate_constraints(split="eval").values()) - self.requirement
+            largest = (self.largest_value(trainer.model) if self.largest_value is not None
+                       else max(trainer.evaluate_constraints(split="eval").values()))
+            violation = largest - self.requirement
         record = EvaluationRecord(state.global_step, mean_loss(trainer.model, self.target_rows, self.zs, self.collate),
                                   violation <= 0, violation)
         self.records.append(record)
@@ -435,6 +444,10 @@ class FeasibleCheckpointSelection(TrainerCallback):
 
 def check_indicator(cfg: DemoConfig, certify: bool = True) -> None:
     """Reject indicator settings that would be ignored or contradictory, naming the flag."""
+    if cfg.select_on not in SELECT_ON:
+        raise ValueError(f"--select_on must be one of {list(SELECT_ON)}, got {cfg.select_on!r}")
+    if not 0 <= cfg.select_forget_rate < 1:
+        raise ValueError(f"--select_forget_rate must be in [0, 1), got {cfg.select_forget_rate}")
     if not 0 <= cfg.indicator_fraction < 1:
         raise ValueError(f"--indicator_fraction must be in [0, 1) (0: one split), got {cfg.indicator_fraction}")
     if cfg.proxy_indicator:
@@ -448,6 +461,28 @@ def check_indicator(cfg: DemoConfig, certify: bool = True) -> None:
         if cfg.confidence > 0:
             raise ValueError("--confidence sizes a margin from the loss's spread, but with --proxy_indicator the hinge "
                              "acts on the share forgotten (--proxy_forget_rate): give --confidence 0 with it")
+
+
+def largest_share_forgotten(old_model: torch.nn.Module, pools: dict[str, Any], zs: ZeroShotLoss,
+                            collate: CLIPCollator) -> Callable[[torch.nn.Module], float]:
+    """``model -> max_k`` (share of class k's rows in ``pools`` that ``old_model`` classifies right and
+    ``model`` wrong): the certificate's statistic, on the selection split, as a feasibility check.
+    The old model's predictions are taken now, once."""
+    from hf_constrained.clip.non_forgetting import zero_shot_predictions
+
+    old_right = {}
+    for name, rows in pools.items():
+        pred, label = zero_shot_predictions(old_model, rows, zs, collate, batch_size=512)
+        old_right[name] = pred == label
+
+    def largest(model: torch.nn.Module) -> float:
+        shares = []
+        for name, rows in pools.items():
+            pred, label = zero_shot_predictions(model, rows, zs, collate, batch_size=512)
+            shares.append(float((old_right[name] & (pred != label)).double().mean()))
+        return max(shares)
+
+    return largest
 
 
 def demo_constraints(cfg: DemoConfig, pools: Pools, rows_fn: ForgettingRows, collate: CLIPCollator
@@ -501,8 +536,10 @@ def finetune(cfg: DemoConfig, old_path: str, penalty: str, pools: Optional[Pools
     constraints = demo_constraints(cfg, pools, rows_fn, collate)
     selection = None
     if cfg.select_every > 0:
-        selection = FeasibleCheckpointSelection(cfg.select_every, pools.target_selection, zs, collate,
-                                                use_constraints=penalty != "none", requirement=cfg.tolerance)
+        forgotten = largest_share_forgotten(model, pools.selection, zs, collate) if cfg.select_on == "forgotten" else None
+        selection = FeasibleCheckpointSelection(
+            cfg.select_every, pools.target_selection, zs, collate, use_constraints=penalty != "none",
+            requirement=cfg.select_forget_rate if forgotten is not None else cfg.tolerance, largest_value=forgotten)
     with tempfile.TemporaryDirectory() as out_dir:
         args = ConstrainedTrainingArguments(
             output_dir=out_dir, max_steps=cfg.steps, per_device_train_batch_size=cfg.batch_size,
@@ -736,7 +773,7 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     the earlier hyphenated spellings (``--beta``, ``--msvr-gamma``) are accepted too."""
     for f in fields(DemoConfig):
         value = getattr(DemoConfig(), f.name)
-        choices = list(FORGETTING) if f.name == "forgetting" else None
+        choices = list(FORGETTING) if f.name == "forgetting" else (list(SELECT_ON) if f.name == "select_on" else None)
         flags = [f"--{FLAG_NAMES.get(f.name, f.name)}"]
         legacy = f"--{f.name.replace('_', '-')}"
         if legacy not in flags:
@@ -750,6 +787,8 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache_dir", "--cache-dir", dest="cache_dir",
                         default=os.path.join(os.getcwd(), ".cache", "hf_constrained_demo"))
     parser.add_argument("--output", default=None, help="write the results JSON here")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="seeds run at once, one single-threaded process each (the numbers do not change)")
 
 
 def _seeds(ns: argparse.Namespace) -> list[int]:
@@ -772,7 +811,28 @@ def parsed_config(ns: argparse.Namespace) -> dict[str, Any]:
     field, the seeds, the penalties and the output path (not the stage-1 cache folder, which changes
     where the old models are kept, not what they are)."""
     return {**{f.name: getattr(ns, f.name) for f in fields(DemoConfig)}, "seeds": _seeds(ns),
-            "penalties": [p.strip() for p in ns.penalties.split(",") if p.strip()], "output": ns.output}
+            "penalties": [p.strip() for p in ns.penalties.split(",") if p.strip()], "output": ns.output,
+            "workers": ns.workers}
+
+
+def run_seed(base: dict[str, Any], seed: int, penalties: list[str], cache_dir: str,
+             log: Optional[Callable[[str], None]] = None) -> tuple[dict[str, float], list[dict[str, Any]], list[str]]:
+    """Both stages for one seed: (the old model's test accuracy, one run per penalty, the progress
+    lines not yet passed to ``log``). Top-level, so that ``--workers`` can run seeds in processes."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    torch.set_num_threads(1)
+    lines: list[str] = []
+    log = log or lines.append
+    cfg = DemoConfig(**{**base, "seed": seed})
+    old_path = pretrain_old_model(cfg, cache_dir, log=log)
+    pools = old_pools(cfg, old_path)
+    old = old_accuracy(cfg, old_path, pools)
+    log(f"seed {seed}: stage 2, fine-tuning ({', '.join(penalties)})")
+    runs = [finetune(cfg, old_path, p, pools=pools, log=log) for p in penalties]
+    return old, runs, lines
 
 
 def run_demo(ns: argparse.Namespace, echo: Optional[Callable[[str], None]] = None,
@@ -806,13 +866,22 @@ def run_demo(ns: argparse.Namespace, echo: Optional[Callable[[str], None]] = Non
         command = shlex.join([os.path.basename(sys.argv[0]), *sys.argv[1:]])
     results: dict[str, Any] = {"command": command, "config": parsed_config(ns), "seeds": seeds, "per_seed": []}
     per_method: dict[str, list[dict[str, Any]]] = {p: [] for p in penalties}
-    for seed in seeds:
+    if ns.workers < 1:
+        raise ValueError(f"--workers must be >= 1, got {ns.workers}")
+    jobs = [(base, seed, penalties, ns.cache_dir) for seed in seeds]
+    if ns.workers == 1 or len(seeds) == 1:
+        done = (run_seed(*job, log=echo) for job in jobs)
+    else:  # one process per seed (each single-threaded); the same numbers as one after the other
+        import concurrent.futures
+        import multiprocessing
+
+        pool = concurrent.futures.ProcessPoolExecutor(min(ns.workers, len(seeds)),
+                                                      mp_context=multiprocessing.get_context("spawn"))
+        done = pool.map(run_seed, *zip(*jobs))
+    for seed, (old, runs, lines) in zip(seeds, done):
         cfg = DemoConfig(**{**base, "seed": seed})
-        old_path = pretrain_old_model(cfg, ns.cache_dir, log=echo)
-        pools = old_pools(cfg, old_path)
-        old = old_accuracy(cfg, old_path, pools)
-        echo(f"seed {seed}: stage 2, fine-tuning ({', '.join(penalties)})")
-        runs = [finetune(cfg, old_path, p, pools=pools, log=echo) for p in penalties]
+        for line in lines:  # a worker's progress lines, in seed order
+            echo(line)
         for r in runs:
             per_method[r["penalty"]].append(seed_summary(cfg, old, r))
         echo("")
@@ -820,6 +889,8 @@ def run_demo(ns: argparse.Namespace, echo: Optional[Callable[[str], None]] = Non
         echo("")
         results["per_seed"].append({"seed": seed, "old_accuracy": old, "runs": runs})
         _write_json(out, results)  # after every seed: a long run can be read while it goes on
+    if ns.workers > 1 and len(seeds) > 1:
+        pool.shutdown()
     results["summary"] = per_method
     results["goals"] = [{"goal": g, "met": met, "evidence": ev} for g, met, ev in goals(per_method)]
     echo(f"over {len(seeds)} seed(s), target {DIGIT_NAMES[cfg0.target]}:")

@@ -355,3 +355,32 @@ def test_committed_demo_results_come_from_the_command_shown_beside_them():
         assert ns.output == os.path.relpath(path, root), path  # written where the command says
         assert saved["command"] in shown, path
         assert [s["seed"] for s in saved["per_seed"]] == saved["config"]["seeds"], path
+
+
+def test_a_short_demo_run_at_the_defaults_logs_no_library_warning(tmp_path, caplog):
+    """The demo's defaults do not trip the library's own warnings (gradient clipping that binds at
+    every step, constraint noise that dwarfs the tolerance): a short run logs none."""
+    import logging
+
+    caplog.set_level(logging.WARNING)
+    parser = _demo_parser()
+    ns = parser.parse_args(["--seed", "0", "--stage1_epochs", "2", "--max_steps", "20", "--penalties",
+                            "hinge,squared_hinge", "--cache_dir", str(tmp_path), "--output", str(tmp_path / "r.json")])
+    demo.run_demo(ns, echo=lambda line: None)
+    warned = [f"{r.name}: {r.getMessage()[:200]}" for r in caplog.records
+              if r.levelno >= logging.WARNING and r.name.startswith("hf_constrained")]
+    assert not warned
+
+
+@pytest.mark.slow
+def test_workers_give_the_numbers_of_one_seed_after_the_other(tmp_path):
+    """``--workers 2`` runs the seeds in processes; the results are those of the serial run."""
+    parser = _demo_parser()
+    common = ["--seeds", "0,1", "--stage1_epochs", "1", "--max_steps", "3", "--penalties", "hinge", "--select_every",
+              "0", "--constraint_copies", "1", "--eval_copies", "1", "--cache_dir", str(tmp_path / "cache")]
+    serial = demo.run_demo(parser.parse_args(common + ["--output", str(tmp_path / "a.json")]), echo=lambda s: None)
+    lines = []
+    parallel = demo.run_demo(parser.parse_args(common + ["--output", str(tmp_path / "b.json"), "--workers", "2"]),
+                             echo=lines.append)
+    assert parallel["per_seed"] == serial["per_seed"] and parallel["summary"] == serial["summary"]
+    assert any("seed 1: stage 2" in line for line in lines)  # the workers' progress lines are passed on
