@@ -37,7 +37,15 @@ Making the promise hold on images training never saw takes four things besides t
   constraint exactly on them (``evaluate_constraints``), and the kept checkpoint is the
   one with the best target loss among those feasible there (lexicographic rule of
   :mod:`hf_constrained.safety.selection`; the least violating one when none is feasible).
+  With ``select_on="forgotten"`` a checkpoint is feasible there when every protected class's
+  share of selection images forgotten (old model right, new wrong: the certificate's statistic)
+  is at most ``select_forget_rate``, instead of every h_k <= tolerance.
 * **A separate test split**, never used for anything but the numbers reported.
+
+Opt-in, from the library: two-split estimation (``indicator_fraction``: a share of D_k drives the
+hinge's indicator, the rest its gradient) and, with it, the proxy indicator (``proxy_indicator``:
+the indicator follows the share of D_k's rows forgotten against ``proxy_forget_rate``).
+``--workers`` runs seeds in parallel processes (single-threaded each; the numbers do not change).
 
 The selection, test and constraint pools all hold augmented copies of their own images
 (copies never cross splits), so one held-out image is worth ``1 / eval_copies`` of an
@@ -899,7 +907,10 @@ def run_demo(ns: argparse.Namespace, echo: Optional[Callable[[str], None]] = Non
     for g in results["goals"]:
         echo(f"- {g['goal']}: {'MET' if g['met'] else 'NOT MET'} ({g['evidence']})")
     results["seconds"] = time.time() - t0
-    results["cpu_seconds"] = time.process_time()
+    import resource
+
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)  # --workers: the seeds' processes, once ended
+    results["cpu_seconds"] = time.process_time() + children.ru_utime + children.ru_stime
     echo(f"\ntotal {results['seconds']:.0f}s ({results['cpu_seconds']:.0f}s of CPU) on {os.cpu_count()} CPU core(s), "
          f"torch {torch.__version__}")
     _write_json(out, results)
