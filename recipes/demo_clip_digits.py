@@ -153,17 +153,17 @@ class DemoConfig:
     negatives_per_class: int = 20
     steps: int = 150
     batch_size: int = 64
-    lr: float = 1e-4
+    lr: float = 3e-4
     schedule: str = "cosine"
     warmup_steps: int = 0
     beta: float = 10.0
-    constraint_batch_size: int = 10
+    constraint_batch_size: int = 32
     forgetting: str = "increase"  # per-row value: CE(new) - CE(old) ("mean") or its positive part ("increase")
     tolerance: float = 0.05  # the requirement h_k <= tolerance, checked on the selection and test splits
     margin: float = 0.0  # training enforces h_k <= tolerance - margin on D_k
     confidence: float = 0.9  # > 0: calibrated constraints, margin z_c * s_k / sqrt(originals of D_k); 0: off
-    msvr_gamma: float = 0.8  # the MSVR constraint estimator's weight (Algorithm 2, line 12)
-    max_grad_norm: float = 1.0  # gradient clipping of the fine-tuning runs (0: none)
+    msvr_gamma: float = 0.5  # the MSVR constraint estimator's weight (Algorithm 2, line 12)
+    max_grad_norm: float = 0.0  # gradient clipping of the fine-tuning runs (0: none, as the method expects)
     temperature: float = 0.05
     constraint_copies: int = 8  # copies of each constraint image (the first is the image itself)
     eval_copies: int = 5  # copies of each selection / test image
@@ -173,10 +173,10 @@ class DemoConfig:
     select_every: int = 10  # steps between selection evaluations; 0 keeps the last iterate
     forget_tolerance: float = FORGET_TOLERANCE  # certified: at most this share of each protected digit's images forgotten
     delta: float = 0.05  # the certificate's error level
-    indicator_fraction: float = 0.0  # > 0: two-split estimation (constraint_indicator_fraction); 0: off
+    indicator_fraction: float = 0.3  # > 0: two-split estimation (constraint_indicator_fraction); 0: off
     proxy_indicator: bool = False  # with two-split: the hinge's indicator follows the share of D_k's rows forgotten
     proxy_forget_rate: float = 0.05  # with proxy_indicator: the share forgotten above which the hinge acts
-    select_on: str = "loss"  # feasible checkpoint: every h_k <= tolerance ("loss") or share forgotten ("forgotten")
+    select_on: str = "forgotten"  # feasible checkpoint: every h_k <= tolerance ("loss") or share forgotten ("forgotten")
     select_forget_rate: float = 0.05  # with select_on forgotten: the largest share of a class's selection images forgotten
 
 

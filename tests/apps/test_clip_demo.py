@@ -281,7 +281,8 @@ def test_indicator_flags_are_checked_before_any_training(tmp_path, monkeypatch):
     monkeypatch.setattr(demo, "pretrain_old_model", lambda *a, **k: pytest.fail("trained before the check"))
     parser = _demo_parser()
     base = ["--cache_dir", str(tmp_path), "--output", str(tmp_path / "r.json")]
-    for flags, match in ((["--proxy_indicator", "true", "--confidence", "0"], "--indicator_fraction"),
+    for flags, match in ((["--indicator_fraction", "0", "--proxy_indicator", "true", "--confidence", "0"],
+                          "--indicator_fraction"),
                          (["--indicator_fraction", "0.3", "--proxy_indicator", "true"], "--confidence 0"),
                          (["--indicator_fraction", "1.0"], "--indicator_fraction"),
                          (["--indicator_fraction", "0.3", "--proxy_indicator", "true", "--confidence", "0",
