@@ -75,8 +75,8 @@ stage 1's share instead (27 images, tolerance 0.2) changed the trained models, a
 come from the test images, which leaves every trained model as it was and makes the test
 table coarser (one test image is now about 3.7 points of a digit's accuracy, not 2.2).
 
-``python -m hf_constrained.recipes.demo_clip_digits --seeds 0,1,2,3,4`` repeats everything for several seeds,
-each with its own split and stage-1 old model, and states each goal as met or not over
+``python -m hf_constrained.recipes.demo_clip_digits --seeds 100,101,102,103,104 --workers 5`` repeats
+everything for several seeds, each with its own split and stage-1 old model, and states each goal as met or not over
 the seeds. ``--help`` lists the knobs.
 """
 
@@ -789,7 +789,8 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
         kind = _flag_bool if isinstance(value, bool) else type(value)
         parser.add_argument(*flags, dest=f.name, type=kind, default=value, choices=choices)
     parser.add_argument("--seeds", default=None,
-                        help="comma-separated seeds to run one after the other (e.g. 0,1,2,3,4); overrides --seed")
+                        help="comma-separated seeds (e.g. 100,101,102,103,104), each with its own split and old "
+                        "model; overrides --seed")
     parser.add_argument("--penalties", "--constraint_penalty", dest="penalties", default=",".join(PENALTIES),
                         help="the penalties to run and compare, comma-separated")
     parser.add_argument("--cache_dir", "--cache-dir", dest="cache_dir",

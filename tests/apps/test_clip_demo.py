@@ -365,8 +365,8 @@ def test_a_short_demo_run_at_the_defaults_logs_no_library_warning(tmp_path, capl
 
     caplog.set_level(logging.WARNING)
     parser = _demo_parser()
-    ns = parser.parse_args(["--seed", "0", "--stage1_epochs", "2", "--max_steps", "20", "--penalties",
-                            "hinge,squared_hinge", "--cache_dir", str(tmp_path), "--output", str(tmp_path / "r.json")])
+    ns = parser.parse_args(["--seed", "0", "--stage1_epochs", "2", "--max_steps", "10", "--penalties", "hinge",
+                            "--cache_dir", str(tmp_path), "--output", str(tmp_path / "r.json")])
     demo.run_demo(ns, echo=lambda line: None)
     warned = [f"{r.name}: {r.getMessage()[:200]}" for r in caplog.records
               if r.levelno >= logging.WARNING and r.name.startswith("hf_constrained")]
