@@ -37,7 +37,15 @@ Making the promise hold on images training never saw takes four things besides t
   constraint exactly on them (``evaluate_constraints``), and the kept checkpoint is the
   one with the best target loss among those feasible there (lexicographic rule of
   :mod:`hf_constrained.safety.selection`; the least violating one when none is feasible).
+  With ``select_on="forgotten"`` a checkpoint is feasible there when every protected class's
+  share of selection images forgotten (old model right, new wrong: the certificate's statistic)
+  is at most ``select_forget_rate``, instead of every h_k <= tolerance.
 * **A separate test split**, never used for anything but the numbers reported.
+
+Opt-in, from the library: two-split estimation (``indicator_fraction``: a share of D_k drives the
+hinge's indicator, the rest its gradient) and, with it, the proxy indicator (``proxy_indicator``:
+the indicator follows the share of D_k's rows forgotten against ``proxy_forget_rate``).
+``--workers`` runs seeds in parallel processes (single-threaded each; the numbers do not change).
 
 The selection, test and constraint pools all hold augmented copies of their own images
 (copies never cross splits), so one held-out image is worth ``1 / eval_copies`` of an
@@ -67,8 +75,8 @@ stage 1's share instead (27 images, tolerance 0.2) changed the trained models, a
 come from the test images, which leaves every trained model as it was and makes the test
 table coarser (one test image is now about 3.7 points of a digit's accuracy, not 2.2).
 
-``python -m hf_constrained.recipes.demo_clip_digits --seeds 0,1,2,3,4`` repeats everything for several seeds,
-each with its own split and stage-1 old model, and states each goal as met or not over
+``python -m hf_constrained.recipes.demo_clip_digits --seeds 100,101,102,103,104 --workers 5`` repeats
+everything for several seeds, each with its own split and stage-1 old model, and states each goal as met or not over
 the seeds. ``--help`` lists the knobs.
 """
 
@@ -81,6 +89,7 @@ import json
 import logging
 import math
 import os
+import shlex
 import shutil
 import statistics
 import sys
@@ -118,6 +127,9 @@ SPLITS = ("pretrain", "constraint", "selection", "test", "certify")
 PENALTIES = ("hinge", "squared_hinge", "none")
 # the per-row value of a non-forgetting constraint from d_i = CE_i(w) - CE_i(w_old)
 FORGETTING: dict[str, Optional[Callable[[torch.Tensor], torch.Tensor]]] = {"mean": None, "increase": torch.relu}
+# what makes a checkpoint feasible on the selection split: every loss constraint h_k <= tolerance, or every
+# protected class's share of selection images forgotten (old model right, new wrong) <= select_forget_rate
+SELECT_ON = ("loss", "forgotten")
 STAGE1_COPIES = 4  # stage 1 sees each image or one of 3 shifted / noised copies of it
 # 18 certification images per protected digit (0.4 of its 44-46 test images): even with none forgotten the
 # Clopper-Pearson bound at delta 0.05 is 1 - 0.05 ** (1 / 18) = 0.153; one forgotten image gives 0.238, two
@@ -141,17 +153,17 @@ class DemoConfig:
     negatives_per_class: int = 20
     steps: int = 150
     batch_size: int = 64
-    lr: float = 1e-4
+    lr: float = 3e-4
     schedule: str = "cosine"
     warmup_steps: int = 0
     beta: float = 10.0
-    constraint_batch_size: int = 10
+    constraint_batch_size: int = 32
     forgetting: str = "increase"  # per-row value: CE(new) - CE(old) ("mean") or its positive part ("increase")
     tolerance: float = 0.05  # the requirement h_k <= tolerance, checked on the selection and test splits
     margin: float = 0.0  # training enforces h_k <= tolerance - margin on D_k
     confidence: float = 0.9  # > 0: calibrated constraints, margin z_c * s_k / sqrt(originals of D_k); 0: off
-    msvr_gamma: float = 0.8  # the MSVR constraint estimator's weight (Algorithm 2, line 12)
-    max_grad_norm: float = 1.0  # gradient clipping of the fine-tuning runs (0: none)
+    msvr_gamma: float = 0.5  # the MSVR constraint estimator's weight (Algorithm 2, line 12)
+    max_grad_norm: float = 0.0  # gradient clipping of the fine-tuning runs (0: none, as the method expects)
     temperature: float = 0.05
     constraint_copies: int = 8  # copies of each constraint image (the first is the image itself)
     eval_copies: int = 5  # copies of each selection / test image
@@ -161,6 +173,11 @@ class DemoConfig:
     select_every: int = 10  # steps between selection evaluations; 0 keeps the last iterate
     forget_tolerance: float = FORGET_TOLERANCE  # certified: at most this share of each protected digit's images forgotten
     delta: float = 0.05  # the certificate's error level
+    indicator_fraction: float = 0.3  # > 0: two-split estimation (constraint_indicator_fraction); 0: off
+    proxy_indicator: bool = False  # with two-split: the hinge's indicator follows the share of D_k's rows forgotten
+    proxy_forget_rate: float = 0.05  # with proxy_indicator: the share forgotten above which the hinge acts
+    select_on: str = "forgotten"  # feasible checkpoint: every h_k <= tolerance ("loss") or share forgotten ("forgotten")
+    select_forget_rate: float = 0.05  # with select_on forgotten: the largest share of a class's selection images forgotten
 
 
 # ---------------------------------------------------------------------------------- data
@@ -373,6 +390,9 @@ def build_pools(cfg: DemoConfig, data: dict[str, Any], old_model: torch.nn.Modul
         for c in protected:
             rows = RowDataset(class_rows(data, split, c, copies, cfg))
             out[split][DIGIT_NAMES[c]] = ReferenceLossDataset(rows, reference_losses(old_model, rows, zs, collate))
+            if split == "constraint" and cfg.proxy_indicator:  # the proxy indicator's statistic needs old correctness
+                out[split][DIGIT_NAMES[c]] = ReferenceCorrectDataset(out[split][DIGIT_NAMES[c]], reference_losses(
+                    old_model, rows, ZeroShotCorrect(zs), collate, desc="old model's correctness"))
     test_all = RowDataset([r for c in range(10) for r in class_rows(data, "test", c, cfg.eval_copies, cfg)])
     target_selection = RowDataset(class_rows(data, "selection", cfg.target, cfg.eval_copies, cfg))
     certify = {}
@@ -403,9 +423,11 @@ class FeasibleCheckpointSelection(TrainerCallback):
     """
 
     def __init__(self, every: int, target_rows: Any, zs: ZeroShotLoss, collate: CLIPCollator,
-                 use_constraints: bool = True, requirement: float = 0.0) -> None:
+                 use_constraints: bool = True, requirement: float = 0.0,
+                 largest_value: Optional[Callable[[torch.nn.Module], float]] = None) -> None:
         self.every, self.target_rows, self.zs, self.collate = every, target_rows, zs, collate
         self.use_constraints, self.requirement = use_constraints, requirement
+        self.largest_value = largest_value  # model -> the largest value to compare with requirement (default: h_k)
         self.trainer: Optional[ContrastiveConstrainedTrainer] = None
         self.records: list[EvaluationRecord] = []
         self.best: Optional[EvaluationRecord] = None
@@ -417,13 +439,58 @@ class FeasibleCheckpointSelection(TrainerCallback):
         trainer = self.trainer
         violation = 0.0
         if self.use_constraints:
-            violation = max(trainer.evaluate_constraints(split="eval").values()) - self.requirement
+            largest = (self.largest_value(trainer.model) if self.largest_value is not None
+                       else max(trainer.evaluate_constraints(split="eval").values()))
+            violation = largest - self.requirement
         record = EvaluationRecord(state.global_step, mean_loss(trainer.model, self.target_rows, self.zs, self.collate),
                                   violation <= 0, violation)
         self.records.append(record)
         if select_best([r for r in (self.best, record) if r is not None], greater_is_better=False) is record:
             self.best = record
             self.best_state = copy.deepcopy(trainer.model.state_dict())
+
+
+def check_indicator(cfg: DemoConfig, certify: bool = True) -> None:
+    """Reject indicator settings that would be ignored or contradictory, naming the flag."""
+    if cfg.select_on not in SELECT_ON:
+        raise ValueError(f"--select_on must be one of {list(SELECT_ON)}, got {cfg.select_on!r}")
+    if not 0 <= cfg.select_forget_rate < 1:
+        raise ValueError(f"--select_forget_rate must be in [0, 1), got {cfg.select_forget_rate}")
+    if not 0 <= cfg.indicator_fraction < 1:
+        raise ValueError(f"--indicator_fraction must be in [0, 1) (0: one split), got {cfg.indicator_fraction}")
+    if cfg.proxy_indicator:
+        if cfg.indicator_fraction == 0:
+            raise ValueError("--proxy_indicator needs two-split estimation: give --indicator_fraction > 0")
+        if not certify or cfg.certify_fraction == 0:
+            raise ValueError("--proxy_indicator follows the certificate's statistic: it needs --certify_fraction > 0")
+        if not 0 <= cfg.proxy_forget_rate <= cfg.forget_tolerance:
+            raise ValueError(f"--proxy_forget_rate must be in [0, --forget_tolerance={cfg.forget_tolerance:g}], "
+                             f"got {cfg.proxy_forget_rate}")
+        if cfg.confidence > 0:
+            raise ValueError("--confidence sizes a margin from the loss's spread, but with --proxy_indicator the hinge "
+                             "acts on the share forgotten (--proxy_forget_rate): give --confidence 0 with it")
+
+
+def largest_share_forgotten(old_model: torch.nn.Module, pools: dict[str, Any], zs: ZeroShotLoss,
+                            collate: CLIPCollator) -> Callable[[torch.nn.Module], float]:
+    """``model -> max_k`` (share of class k's rows in ``pools`` that ``old_model`` classifies right and
+    ``model`` wrong): the certificate's statistic, on the selection split, as a feasibility check.
+    The old model's predictions are taken now, once."""
+    from hf_constrained.clip.non_forgetting import zero_shot_predictions
+
+    old_right = {}
+    for name, rows in pools.items():
+        pred, label = zero_shot_predictions(old_model, rows, zs, collate, batch_size=512)
+        old_right[name] = pred == label
+
+    def largest(model: torch.nn.Module) -> float:
+        shares = []
+        for name, rows in pools.items():
+            pred, label = zero_shot_predictions(model, rows, zs, collate, batch_size=512)
+            shares.append(float((old_right[name] & (pred != label)).double().mean()))
+        return max(shares)
+
+    return largest
 
 
 def demo_constraints(cfg: DemoConfig, pools: Pools, rows_fn: ForgettingRows, collate: CLIPCollator
@@ -436,12 +503,17 @@ def demo_constraints(cfg: DemoConfig, pools: Pools, rows_fn: ForgettingRows, col
         raise ValueError(f"--forgetting must be one of {list(FORGETTING)}, got {cfg.forgetting!r}")
     if not (cfg.confidence == 0 or 0.5 <= cfg.confidence < 1):
         raise ValueError(f"--confidence must be in [0.5, 1) (or 0: no calibrated margin), got {cfg.confidence}")
+    check_indicator(cfg, certify=bool(pools.certify))
+    # with a proxy indicator the estimate is a share forgotten (0/1 per row), compared with forget_tolerance: the
+    # fixed margin forget_tolerance - proxy_forget_rate makes the hinge act above proxy_forget_rate; a calibrated
+    # margin from the surrogate's spread would mix two scales, so there is none
     calibrated = cfg.confidence > 0
+    proxy_margin = cfg.forget_tolerance - cfg.proxy_forget_rate if cfg.proxy_indicator else None
     statistic = forgetting_statistic(ZeroShotCorrect(rows_fn.loss), cfg.forget_tolerance) if pools.certify else None
     return [Constraint(name=f"non_forgetting/{name}", row_fn=rows_fn, dataset=pools.constraint[name],
                        eval_dataset=pools.selection[name], tolerance=cfg.tolerance - cfg.margin,
                        row_transform=FORGETTING[cfg.forgetting], collate_fn=collate,
-                       confidence=cfg.confidence if calibrated else None,
+                       confidence=cfg.confidence if calibrated else None, margin=proxy_margin,
                        independent_rows=len(pools.constraint[name]) // cfg.constraint_copies if calibrated else None,
                        certify_dataset=pools.certify.get(name),
                        certify_statistic=statistic if name in pools.certify else None,
@@ -472,8 +544,10 @@ def finetune(cfg: DemoConfig, old_path: str, penalty: str, pools: Optional[Pools
     constraints = demo_constraints(cfg, pools, rows_fn, collate)
     selection = None
     if cfg.select_every > 0:
-        selection = FeasibleCheckpointSelection(cfg.select_every, pools.target_selection, zs, collate,
-                                                use_constraints=penalty != "none", requirement=cfg.tolerance)
+        forgotten = largest_share_forgotten(model, pools.selection, zs, collate) if cfg.select_on == "forgotten" else None
+        selection = FeasibleCheckpointSelection(
+            cfg.select_every, pools.target_selection, zs, collate, use_constraints=penalty != "none",
+            requirement=cfg.select_forget_rate if forgotten is not None else cfg.tolerance, largest_value=forgotten)
     with tempfile.TemporaryDirectory() as out_dir:
         args = ConstrainedTrainingArguments(
             output_dir=out_dir, max_steps=cfg.steps, per_device_train_batch_size=cfg.batch_size,
@@ -482,6 +556,7 @@ def finetune(cfg: DemoConfig, old_path: str, penalty: str, pools: Optional[Pools
             constraint_batch_size=cfg.constraint_batch_size, constraint_eval_batch_size=512,
             logging_steps=max(cfg.steps // 5, 1), save_strategy="no", report_to=[], seed=cfg.seed, use_cpu=True,
             dataloader_drop_last=True, disable_tqdm=True, remove_unused_columns=False,
+            constraint_indicator_fraction=cfg.indicator_fraction or None, constraint_proxy_indicator=cfg.proxy_indicator,
         )
         trainer = ContrastiveConstrainedTrainer(
             model=model, args=args, train_dataset=RowDataset(target_rows(data, cfg)), data_collator=collate,
@@ -615,35 +690,45 @@ def seed_table(cfg: DemoConfig, old: dict[str, float], runs: list[dict[str, Any]
     return "\n".join(lines)
 
 
-def goals(per_method: dict[str, list[dict[str, Any]]]) -> list[tuple[str, bool, str]]:
-    """The demo's three claims over the seeds, each (claim, met, evidence).
+WITHIN_POINTS = 3.0  # "kept": a protected class within this many points (about one test image) of the old model
+WORST_POINTS = 5.0  # never more than this many points down
 
-    With n seeds: the hinge keeps every protected class within 2 points in at least
-    ceil(0.8 n) seeds, never loses more than 5, and gains at least 10 on the target in
-    every seed; the squared hinge violates some test constraint in at least ceil(0.6 n);
-    unconstrained fine-tuning loses at least 5 points on some protected class in all n.
+
+def goals(per_method: dict[str, list[dict[str, Any]]]) -> list[tuple[str, bool, str]]:
+    """The demo's claims over the seeds, each (claim, met, evidence).
+
+    With n seeds: the hinge's kept model is certified in at least ceil(0.8 n) seeds; it gains at
+    least 10 points on the target in every certified seed and at least 20 at the median seed; it
+    keeps every protected class within ``WITHIN_POINTS`` of the old model's test accuracy in at
+    least ceil(0.8 n) seeds and never loses more than ``WORST_POINTS``. The squared hinge at the
+    same beta and unconstrained fine-tuning each fail to certify in at least ceil(0.6 n) seeds.
     """
     out = []
     if "hinge" in per_method:
         s = per_method["hinge"]
-        n, within = len(s), sum(x["worst_protected_drop"] <= 2.0 for x in s)
-        worst, gain = max(x["worst_protected_drop"] for x in s), min(x["target_gain"] for x in s)
-        need = math.ceil(0.8 * n)
-        out.append((f"hinge: every protected class within 2 points in >= {need} of {n} seeds, never more than "
-                    "5 points down, target +10 points or more in every seed",
-                    within >= need and worst <= 5.0 and gain >= 10.0,
-                    f"within 2 points in {within}/{n}; worst drop {worst:.1f}; smallest target gain {gain:+.1f}"))
-    if "squared_hinge" in per_method:
-        s = per_method["squared_hinge"]
-        n, bad = len(s), sum(x["violated_test"] > 0 for x in s)
-        need = math.ceil(0.6 * n)
-        out.append((f"squared hinge at the same beta violates some test constraint in >= {need} of {n} seeds",
-                    bad >= need, f"violates in {bad}/{n}"))
-    if "none" in per_method:
-        s = per_method["none"]
-        n, forgot = len(s), sum(x["worst_protected_drop"] >= 5.0 for x in s)
-        out.append((f"unconstrained fine-tuning loses >= 5 points on some protected class in {n} of {n} seeds",
-                    forgot == n, f"loses >= 5 points in {forgot}/{n}"))
+        n, need = len(s), math.ceil(0.8 * len(s))
+        certified = [x for x in s if x.get("certified")]
+        out.append((f"hinge certified in >= {need} of {n} seeds", len(certified) >= need,
+                    f"certified in {len(certified)}/{n}"))
+        gains = [x["target_gain"] for x in s]
+        low = min((x["target_gain"] for x in certified), default=None)
+        out.append(("hinge: target +10 points or more in every certified seed, +20 or more at the median seed",
+                    (low is None or low >= 10.0) and statistics.median(gains) >= 20.0,
+                    f"smallest gain of a certified seed {'-' if low is None else f'{low:+.1f}'}; "
+                    f"median {statistics.median(gains):+.1f}"))
+        within = sum(x["worst_protected_drop"] <= WITHIN_POINTS for x in s)
+        worst = max(x["worst_protected_drop"] for x in s)
+        out.append((f"hinge: every protected class within {WITHIN_POINTS:g} points in >= {need} of {n} seeds, "
+                    f"never more than {WORST_POINTS:g} points down",
+                    within >= need and worst <= WORST_POINTS,
+                    f"within {WITHIN_POINTS:g} points in {within}/{n}; worst drop {worst:.1f}"))
+    for method, label in (("squared_hinge", "squared hinge at the same beta"), ("none", "unconstrained fine-tuning")):
+        if method in per_method:
+            s = per_method[method]
+            n, need = len(s), math.ceil(0.6 * len(s))
+            failed = sum(not x.get("certified") for x in s)
+            out.append((f"{label} not certified in >= {need} of {n} seeds", failed >= need,
+                        f"not certified in {failed}/{n}"))
     return out
 
 
@@ -662,8 +747,9 @@ def seeds_table(per_method: dict[str, list[dict[str, Any]]]) -> str:
             v = [x[key] for x in per_method[n]]
             cells.append(f"{fmt.format(statistics.median(v))} / {fmt.format(worst(v))}")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    within = [f"{sum(x['worst_protected_drop'] <= 2.0 for x in per_method[n])}/{len(per_method[n])}" for n in names]
-    lines.append("| seeds with every protected class within 2 points | " + " | ".join(within) + " |")
+    within = [f"{sum(x['worst_protected_drop'] <= WITHIN_POINTS for x in per_method[n])}/{len(per_method[n])}"
+              for n in names]
+    lines.append(f"| seeds with every protected class within {WITHIN_POINTS:g} points | " + " | ".join(within) + " |")
     cells = []
     for n in names:
         v = [x["largest_certified_bound"] for x in per_method[n] if x.get("largest_certified_bound") is not None]
@@ -681,25 +767,37 @@ def seeds_table(per_method: dict[str, list[dict[str, Any]]]) -> str:
 FLAG_NAMES = {"beta": "penalty_beta", "lr": "learning_rate", "steps": "max_steps", "schedule": "lr_scheduler_type"}
 
 
+def _flag_bool(text: str) -> bool:
+    """``true``/``false`` (also 1/0, yes/no) for a boolean flag; anything else is an error, not ``True``."""
+    value = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}.get(str(text).lower())
+    if value is None:
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return value
+
+
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     """The demo's options (every :class:`DemoConfig` field, seeds, penalties, cache and output),
     spelt as the recipes spell them (``--penalty_beta``, ``--learning_rate``, ``--msvr_gamma``);
     the earlier hyphenated spellings (``--beta``, ``--msvr-gamma``) are accepted too."""
     for f in fields(DemoConfig):
         value = getattr(DemoConfig(), f.name)
-        choices = list(FORGETTING) if f.name == "forgetting" else None
+        choices = list(FORGETTING) if f.name == "forgetting" else (list(SELECT_ON) if f.name == "select_on" else None)
         flags = [f"--{FLAG_NAMES.get(f.name, f.name)}"]
         legacy = f"--{f.name.replace('_', '-')}"
         if legacy not in flags:
             flags.append(legacy)
-        parser.add_argument(*flags, dest=f.name, type=type(value), default=value, choices=choices)
+        kind = _flag_bool if isinstance(value, bool) else type(value)
+        parser.add_argument(*flags, dest=f.name, type=kind, default=value, choices=choices)
     parser.add_argument("--seeds", default=None,
-                        help="comma-separated seeds to run one after the other (e.g. 0,1,2,3,4); overrides --seed")
+                        help="comma-separated seeds (e.g. 100,101,102,103,104), each with its own split and old "
+                        "model; overrides --seed")
     parser.add_argument("--penalties", "--constraint_penalty", dest="penalties", default=",".join(PENALTIES),
                         help="the penalties to run and compare, comma-separated")
     parser.add_argument("--cache_dir", "--cache-dir", dest="cache_dir",
                         default=os.path.join(os.getcwd(), ".cache", "hf_constrained_demo"))
     parser.add_argument("--output", default=None, help="write the results JSON here")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="seeds run at once, one single-threaded process each (the numbers do not change)")
 
 
 def _seeds(ns: argparse.Namespace) -> list[int]:
@@ -714,11 +812,45 @@ def _seeds(ns: argparse.Namespace) -> list[int]:
     return seeds
 
 
-def run_demo(ns: argparse.Namespace, echo: Optional[Callable[[str], None]] = None) -> dict[str, Any]:
+MODULE_COMMAND = "python -m hf_constrained.recipes.demo_clip_digits"
+
+
+def parsed_config(ns: argparse.Namespace) -> dict[str, Any]:
+    """The complete parsed settings a results file records as ``config``: every :class:`DemoConfig`
+    field, the seeds, the penalties and the output path (not the stage-1 cache folder, which changes
+    where the old models are kept, not what they are)."""
+    return {**{f.name: getattr(ns, f.name) for f in fields(DemoConfig)}, "seeds": _seeds(ns),
+            "penalties": [p.strip() for p in ns.penalties.split(",") if p.strip()], "output": ns.output,
+            "workers": ns.workers}
+
+
+def run_seed(base: dict[str, Any], seed: int, penalties: list[str], cache_dir: str,
+             log: Optional[Callable[[str], None]] = None) -> tuple[dict[str, float], list[dict[str, Any]], list[str]]:
+    """Both stages for one seed: (the old model's test accuracy, one run per penalty, the progress
+    lines not yet passed to ``log``). Top-level, so that ``--workers`` can run seeds in processes."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    torch.set_num_threads(1)
+    lines: list[str] = []
+    log = log or lines.append
+    cfg = DemoConfig(**{**base, "seed": seed})
+    old_path = pretrain_old_model(cfg, cache_dir, log=log)
+    pools = old_pools(cfg, old_path)
+    old = old_accuracy(cfg, old_path, pools)
+    log(f"seed {seed}: stage 2, fine-tuning ({', '.join(penalties)})")
+    runs = [finetune(cfg, old_path, p, pools=pools, log=log) for p in penalties]
+    return old, runs, lines
+
+
+def run_demo(ns: argparse.Namespace, echo: Optional[Callable[[str], None]] = None,
+             command: Optional[str] = None) -> dict[str, Any]:
     """Run both stages for every seed with the options in ``ns``; ``echo`` (default: the
     module logger) receives the progress lines, the per-seed tables and the summary.
 
-    Writes the results JSON (tmp + rename) and returns it.
+    Writes the results JSON (tmp + rename) with ``command`` (the command line that produced it;
+    default: this process's own) and ``config`` (:func:`parsed_config`), and returns it.
     """
     from transformers.utils import logging as hf_logging
 
@@ -738,15 +870,27 @@ def run_demo(ns: argparse.Namespace, echo: Optional[Callable[[str], None]] = Non
     cfg0 = DemoConfig(**base)
     echo(f"hf_constrained demo: CLIP non-forgetting fine-tuning on digits (target: {DIGIT_NAMES[cfg0.target]}, "
          f"seeds {seeds})")
-    results: dict[str, Any] = {"config": asdict(cfg0), "seeds": seeds, "per_seed": []}
+    check_indicator(cfg0, certify=cfg0.certify_fraction > 0)  # before any model is trained
+    if command is None:
+        command = shlex.join([os.path.basename(sys.argv[0]), *sys.argv[1:]])
+    results: dict[str, Any] = {"command": command, "config": parsed_config(ns), "seeds": seeds, "per_seed": []}
     per_method: dict[str, list[dict[str, Any]]] = {p: [] for p in penalties}
-    for seed in seeds:
+    if ns.workers < 1:
+        raise ValueError(f"--workers must be >= 1, got {ns.workers}")
+    jobs = [(base, seed, penalties, ns.cache_dir) for seed in seeds]
+    if ns.workers == 1 or len(seeds) == 1:
+        done = (run_seed(*job, log=echo) for job in jobs)
+    else:  # one process per seed (each single-threaded); the same numbers as one after the other
+        import concurrent.futures
+        import multiprocessing
+
+        pool = concurrent.futures.ProcessPoolExecutor(min(ns.workers, len(seeds)),
+                                                      mp_context=multiprocessing.get_context("spawn"))
+        done = pool.map(run_seed, *zip(*jobs))
+    for seed, (old, runs, lines) in zip(seeds, done):
         cfg = DemoConfig(**{**base, "seed": seed})
-        old_path = pretrain_old_model(cfg, ns.cache_dir, log=echo)
-        pools = old_pools(cfg, old_path)
-        old = old_accuracy(cfg, old_path, pools)
-        echo(f"seed {seed}: stage 2, fine-tuning ({', '.join(penalties)})")
-        runs = [finetune(cfg, old_path, p, pools=pools, log=echo) for p in penalties]
+        for line in lines:  # a worker's progress lines, in seed order
+            echo(line)
         for r in runs:
             per_method[r["penalty"]].append(seed_summary(cfg, old, r))
         echo("")
@@ -754,6 +898,8 @@ def run_demo(ns: argparse.Namespace, echo: Optional[Callable[[str], None]] = Non
         echo("")
         results["per_seed"].append({"seed": seed, "old_accuracy": old, "runs": runs})
         _write_json(out, results)  # after every seed: a long run can be read while it goes on
+    if ns.workers > 1 and len(seeds) > 1:
+        pool.shutdown()
     results["summary"] = per_method
     results["goals"] = [{"goal": g, "met": met, "evidence": ev} for g, met, ev in goals(per_method)]
     echo(f"over {len(seeds)} seed(s), target {DIGIT_NAMES[cfg0.target]}:")
@@ -762,7 +908,10 @@ def run_demo(ns: argparse.Namespace, echo: Optional[Callable[[str], None]] = Non
     for g in results["goals"]:
         echo(f"- {g['goal']}: {'MET' if g['met'] else 'NOT MET'} ({g['evidence']})")
     results["seconds"] = time.time() - t0
-    results["cpu_seconds"] = time.process_time()
+    import resource
+
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)  # --workers: the seeds' processes, once ended
+    results["cpu_seconds"] = time.process_time() + children.ru_utime + children.ru_stime
     echo(f"\ntotal {results['seconds']:.0f}s ({results['cpu_seconds']:.0f}s of CPU) on {os.cpu_count()} CPU core(s), "
          f"torch {torch.__version__}")
     _write_json(out, results)
@@ -790,7 +939,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         sys.stdout.flush()
 
     try:
-        run_demo(ns, echo=echo)
+        run_demo(ns, echo=echo, command=shlex.join([*MODULE_COMMAND.split(), *(sys.argv[1:] if argv is None else argv)]))
     except ValueError as exc:
         parser.error(str(exc))
     return 0
