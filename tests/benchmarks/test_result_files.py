@@ -1,0 +1,69 @@
+"""Every result file the README cites was written by the command shown beside it.
+
+For each ``benchmarks/results/...`` file the README names: the file exists, stores the command
+that wrote it (``"command"`` in a JSON file, its first line ``# <command>`` in a text file), the
+README shows that command within a few lines of the file's name, and the command names the file
+as its output. Where the file also stores the settings it ran with (``"config"``), the stored
+command, parsed by its script's own parser, gives those settings: a result file edited by hand,
+or a README command that no longer matches the run, fails here.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+CITED = sorted(set(re.findall(r"benchmarks/results/[A-Za-z0-9_./-]+\.(?:json|txt)", README)))
+NEAR = 1500  # characters: "beside it" (the same paragraph or table caption)
+SCRATCH_FLAGS = ("--workdir",)  # a scratch folder for temporary files: no part of what was measured
+
+
+def _flat(text: str) -> str:
+    return " ".join(text.replace("\\\n", " ").split())
+
+
+def stored_command(path: Path) -> str:
+    """The command a result file says wrote it, without scratch-folder flags."""
+    if path.suffix == ".json":
+        data = json.loads(path.read_text(encoding="utf-8"))
+        command = data.get("command") or (data.get("meta") or {}).get("command")
+    else:
+        first = path.read_text(encoding="utf-8").splitlines()[0]
+        command = first[1:].strip() if first.startswith("#") else None
+    assert command, f"{path.relative_to(ROOT)} stores no command"
+    words = shlex.split(command)
+    kept = []
+    skip = False
+    for w in words:
+        if skip:
+            skip = False
+        elif w in SCRATCH_FLAGS:
+            skip = True
+        elif not w.startswith(tuple(f + "=" for f in SCRATCH_FLAGS)):
+            kept.append(w)
+    return " ".join(kept)
+
+
+def test_the_readme_cites_result_files():
+    assert len(CITED) >= 5, CITED
+
+
+@pytest.mark.parametrize("name", CITED)
+def test_a_cited_result_file_names_the_command_shown_beside_it(name):
+    path = ROOT / name
+    assert path.is_file(), f"the README cites {name}, which does not exist"
+    command = stored_command(path)
+    flat = _flat(README)
+    assert command in flat, f"{name}: its command `{command}` is not shown in the README"
+    at = [m.start() for m in re.finditer(re.escape(command), flat)]
+    cited = [m.start() for m in re.finditer(re.escape(name), flat)]
+    assert min(abs(a - c) for a in at for c in cited) <= NEAR, f"{name}: `{command}` is not shown beside it"
+    # the command writes this file (or, for a text file, its output is this file, named in the README)
+    if path.suffix == ".json":
+        assert name in command, f"{name}: the stored command `{command}` does not write it"
