@@ -10,7 +10,7 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor, CLIPTokenizer
+from transformers import CLIPConfig, CLIPModel, CLIPProcessor, CLIPTokenizer
 
 BOS, EOS = "<|startoftext|>", "<|endoftext|>"
 
@@ -62,8 +62,19 @@ def tiny_clip(vocab_size: int, *, image_size: int = 8, patch_size: int = 2, num_
     return CLIPModel(config)
 
 
+def _image_processor_class() -> type:
+    """CLIP's image processor: the default (torchvision) backend where torchvision is installed, else the
+    PIL one, named directly: asking transformers for the default without torchvision logs a fallback
+    message at every import, about the environment rather than anything a user set."""
+    import transformers
+
+    from ..extras import has_module
+
+    return transformers.CLIPImageProcessor if has_module("torchvision") else transformers.CLIPImageProcessorPil
+
+
 def tiny_processor(tokenizer: CLIPTokenizer, image_size: int = 8) -> CLIPProcessor:
     """A ``CLIPProcessor``: resize/crop to ``image_size``, CLIP's normalisation, the tokenizer."""
-    image_processor = CLIPImageProcessor(size={"shortest_edge": image_size},
+    image_processor = _image_processor_class()(size={"shortest_edge": image_size},
                                          crop_size={"height": image_size, "width": image_size})
     return CLIPProcessor(image_processor=image_processor, tokenizer=tokenizer)

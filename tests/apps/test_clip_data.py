@@ -139,3 +139,27 @@ def test_csv_of_png_images_loads_through_datasets_and_names_what_is_missing(tmp_
     with pytest.raises(FileNotFoundError, match=r"images.csv: row 2: image not found: .*gone.png \(path\)"):
         load_image_text_csv(str(tmp_path / "images.csv"), image_column="path", caption_column=None,
                             label_column="kind")
+
+
+def test_the_tiny_clip_processor_logs_no_backend_fallback(tmp_path):
+    """Without torchvision, asking transformers for ``CLIPImageProcessor`` logs a fallback message at
+    every demo and recipe start; the library names the PIL processor directly, so a fresh process
+    that builds, saves and reloads the tiny processor logs nothing about it."""
+    import subprocess
+    import sys
+    import textwrap
+
+    from hf_constrained.extras import has_module
+
+    if has_module("torchvision"):
+        pytest.skip("torchvision is installed: transformers uses its default backend and logs no fallback")
+    script = textwrap.dedent(f"""
+        from transformers import CLIPProcessor
+        from hf_constrained.clip.tiny import tiny_processor, word_tokenizer
+        tiny_processor(word_tokenizer(["a photo of a digit"])).save_pretrained({str(tmp_path)!r})
+        print(type(CLIPProcessor.from_pretrained({str(tmp_path)!r}).image_processor).__name__)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "CLIPImageProcessorPil"
+    assert "requires torchvision" not in proc.stderr
