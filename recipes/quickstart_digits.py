@@ -251,7 +251,7 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[QuickstartArguments, C
 def settings(opts: QuickstartArguments, args: ConstrainedTrainingArguments) -> dict[str, Any]:
     """Every parsed setting, as stored in the results JSON under ``"config"`` (paths made publishable):
     what the stored ``"command"`` parses to."""
-    return {"quickstart": dataclasses.asdict(opts),
+    return {"quickstart": publishable_values(dataclasses.asdict(opts), args.output_dir),
             "training": publishable_values(args.to_dict(), args.output_dir)}
 
 

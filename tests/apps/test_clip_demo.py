@@ -3,6 +3,8 @@
 import ast
 
 import numpy as np
+import json
+
 import pytest
 import torch
 
@@ -326,7 +328,9 @@ def test_results_record_the_command_and_the_settings_it_parses_to(tmp_path, monk
     argv = ["--seeds", "3,4", "--penalties", "hinge", "--penalty_beta", "7", "--cache_dir", str(tmp_path),
             "--output", "x.json"]
     assert demo.main(argv) == 0
-    assert written["command"] == demo.MODULE_COMMAND + " " + shlex.join(argv)
+    # the absolute cache folder is no part of what is published: <local>/name in its place
+    assert written["command"] == demo.MODULE_COMMAND + " " + shlex.join(argv[:-3] + ["<local>/" + tmp_path.name] + argv[-2:])
+    assert str(tmp_path) not in json.dumps(written)
     config = written["config"]
     assert (config["seeds"], config["penalties"], config["beta"], config["output"]) == ([3, 4], ["hinge"], 7.0, "x.json")
     assert config == demo.parsed_config(_demo_parser().parse_args(shlex.split(written["command"])[3:]))
