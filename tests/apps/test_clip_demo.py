@@ -2,8 +2,9 @@
 
 import ast
 
-import numpy as np
 import json
+
+import numpy as np
 
 import pytest
 import torch
