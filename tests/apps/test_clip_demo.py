@@ -1,11 +1,9 @@
 """The digits demo: its data design, enlarged pools, row-wise constraints, selection and verdicts."""
 
 import ast
-
 import json
 
 import numpy as np
-
 import pytest
 import torch
 
