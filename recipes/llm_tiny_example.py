@@ -509,7 +509,12 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     if cfg.workers > 1:
         context = multiprocessing.get_context("spawn")
         with concurrent.futures.ProcessPoolExecutor(cfg.workers, mp_context=context) as pool:
-            runs = list(pool.map(_job, jobs))
+            futures = [pool.submit(_job, j) for j in jobs]
+            for done in concurrent.futures.as_completed(futures):  # progress as runs end; results in job order
+                r = done.result()
+                logger.info("finished seed %d %s: new task %.3f", r["seed"], r["penalty"],
+                            r["held_out"][NEW_TASK]["accuracy"])
+            runs = [f.result() for f in futures]
     else:
         runs = [_job(j) for j in jobs]
     for r in runs:

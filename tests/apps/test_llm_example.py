@@ -188,3 +188,29 @@ def test_a_proxy_indicator_sees_the_old_models_exact_match_on_the_constraint_row
         assert isinstance(view.row_fn, ForgottenRows) and view.tolerance == 0.3
         batch = collate([view.dataset[i] for i in range(len(view.dataset))])
         assert float(view.row_fn(model, batch).sum()) == 0.0  # the old model forgets nothing
+
+
+def test_the_committed_results_come_from_the_command_shown_beside_them():
+    """benchmarks/results/llm_example.json stores the command the README and docs show and the settings that
+    command parses to; the docs' per-seed table and the README's certificate line are the file's numbers."""
+    import dataclasses
+    import os
+    import shlex
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "benchmarks", "results", "llm_example.json")) as f:
+        saved = json.load(f)
+    argv = shlex.split(saved["command"])
+    assert argv[:2] == ["python", "recipes/llm_tiny_example.py"]
+    cfg = ex.parse(argv[2:])
+    assert dataclasses.asdict(cfg) == saved["config"]
+    assert cfg.json == "benchmarks/results/llm_example.json" and cfg.seeds == [100, 101, 102, 103, 104]
+    assert cfg.old_model is None  # the old model is trained by the command itself
+    readme = open(os.path.join(root, "README.md")).read()
+    docs = open(os.path.join(root, "docs", "llm.md")).read()
+    assert saved["command"] in readme and saved["command"] in docs
+    assert ex.format_per_seed(saved["summary"], cfg) in docs
+    assert ex.format_table(saved["summary"], cfg) in docs
+    hinge = saved["summary"]["certificate"][cfg.constraint_penalty]
+    assert f"certified in {hinge['seeds_certified']} of 5 seeds" in readme
+    assert saved["old_model_sha256"][:12] in docs
