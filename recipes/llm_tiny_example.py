@@ -19,31 +19,33 @@
    row's text: they are named by their draw, and the claim is about each task's distribution,
    the one the training rows come from too, not about problems never trained on.
 
-   Why ``--forget_tolerance 0.4``: the data supports far less (a rate over 512 rows with
-   nothing forgotten has a bound of 1 - 0.05^(1/512) = 0.006); the model does not. The
-   constraint bounds the loss (0.2 nats per answer token), which lets exact match fall: on
-   seeds 0-4 the hinge run forgot 18% (reverse), 22% (copy) and 5% (add) of the rows, median
-   (worst 23%, 26%, 15%), and its largest bound was 0.23-0.30 (unconstrained: 1.00, every
-   answer forgotten). 0.4 is the round value above those bounds with room for other seeds; a
-   smaller tolerance needs a tighter loss tolerance (which learns less of the new task).
+   The constrained run (defaults, chosen on seeds 0-4): two-split estimation
+   (``--constraint_indicator_fraction 0.5``: half of each old task's 512 constraint rows drive the
+   estimate and the hinge's indicator, the other half the gradient) with a proxy indicator
+   (``--constraint_proxy_indicator``: the indicator follows the certificate's statistic, the share
+   of the indicator rows forgotten, against ``--forget_tolerance`` 0.4 minus ``--constraint_margin``
+   0.1, while the gradient follows the loss change h_k); 300 steps. ``--forget_tolerance 0.4`` is
+   what the model supports, not the data (a rate over 512 rows with nothing forgotten has a bound of
+   1 - 0.05^(1/512) = 0.006): the hinge runs forget 15-30% of an old task's rows.
 
-Goals, over the seeds (median and worst reported): the unconstrained run forgets some
-old task (its held-out h_k exceeds the tolerance), the constrained run keeps every old
-task within its tolerance on held-out rows, both learn the new task (held-out
-exact-match accuracy >= ``--learned_accuracy``), and the constrained run is certified in every
-seed.
+Goals, over the seeds (median and worst reported): the unconstrained run forgets some old task
+(its held-out h_k exceeds ``--tolerance``); the constrained run is certified, and learns the new
+task (held-out exact match >= ``--learned_accuracy``), each in at least 4 of 5 seeds.
 
-    python recipes/llm_tiny_example.py --seeds 0 1 2 --json benchmarks/results/llm_example.json
-    python recipes/llm_tiny_example.py --penalty_beta 10 --max_steps 300 --seeds 0
+    python recipes/llm_tiny_example.py --seeds 100 101 102 103 104 --json benchmarks/results/llm_example.json
+    python recipes/llm_tiny_example.py --penalty_beta 10 --seeds 0
     hf-constrained llm-example --config my_settings.yaml       # any flag below, as YAML
 
 The fine-tuning flags carry the names of ``ConstrainedTrainingArguments``
 (``--constraint_penalty``, ``--penalty_beta``, ``--max_steps``, ``--learning_rate``,
-``--lr_scheduler_type``, ``--msvr_gamma``, ``--constraint_batch_size``); a flag the example
-does not list is an error.
+``--lr_scheduler_type``, ``--msvr_gamma``, ``--constraint_batch_size``,
+``--constraint_indicator_fraction``, ``--constraint_proxy_indicator``, ``--constraint_margin``);
+a flag the example does not list is an error.
 
-The old model is trained once (seed 0); the seeds vary the fine-tuning runs (data order,
-constraint batches) and the new task's training rows.
+The old model is trained by every invocation, deterministically (seed 0, ``--threads`` torch
+threads; its SHA-256 is in the results); the seeds vary the fine-tuning runs (data order,
+constraint batches) and the new task's training rows. Results depend on the thread count: keep
+``--threads 1`` (the default) to reproduce the published table.
 """
 
 from __future__ import annotations
@@ -407,13 +409,14 @@ class ExampleArguments:
     """The example's flags; the fine-tuning ones carry the names of
     :class:`~hf_constrained.ConstrainedTrainingArguments` (``--penalty_beta``, ``--max_steps``, ...)."""
 
-    seeds: list[int] = field(default_factory=lambda: [0, 1, 2], metadata={"help": "fine-tuning seeds"})
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2, 3, 4], metadata={
+        "help": "fine-tuning seeds (0-4 chose the defaults; 100-104 report them)"})
     old_steps: int = field(default=1000, metadata={"help": "training steps of the old model"})
     old_rows: int = field(default=4000, metadata={"help": "training rows per old task"})
     old_lr: float = field(default=3e-3, metadata={"help": "learning rate of the old model"})
     hidden: int = field(default=128, metadata={"help": "width of the GPT-2"})
     layers: int = field(default=2, metadata={"help": "layers of the GPT-2"})
-    max_steps: int = field(default=200, metadata={"help": "fine-tuning steps on the new task"})
+    max_steps: int = field(default=300, metadata={"help": "fine-tuning steps on the new task"})
     learning_rate: float = field(default=2e-3, metadata={"help": "fine-tuning learning rate"})
     lr_scheduler_type: str = field(default="cosine", metadata={"help": "fine-tuning learning-rate schedule"})
     constraint_penalty: str = field(default="hinge", metadata={
@@ -421,13 +424,13 @@ class ExampleArguments:
         "choices": ["hinge", "squared_hinge"]})
     penalty_beta: float = field(default=5.0, metadata={"help": "penalty parameter beta of the constrained run"})
     msvr_gamma: float = field(default=0.8, metadata={"help": "MSVR gamma of the constraint estimates"})
-    constraint_indicator_fraction: Optional[float] = field(default=None, metadata={
+    constraint_indicator_fraction: Optional[float] = field(default=0.5, metadata={
         "help": "two-split estimation of the constrained run: this share of each old task's constraint rows drives "
                 "the estimate and the hinge's indicator, the rest the gradient (in (0, 1); none: one split)"})
-    constraint_proxy_indicator: bool = field(default=False, metadata={
+    constraint_proxy_indicator: bool = field(default=True, metadata={
         "help": "with --constraint_indicator_fraction: the indicator follows the certificate's statistic (the share "
                 "of the indicator rows forgotten) against --forget_tolerance; the gradient follows the loss change"})
-    constraint_margin: Optional[float] = field(default=None, metadata={
+    constraint_margin: Optional[float] = field(default=0.1, metadata={
         "help": "the constrained run's margin: the hinge acts when the estimate exceeds its tolerance minus this "
                 "(with --constraint_proxy_indicator a share of rows, else nats per answer token)"})
     new_rows: int = field(default=2000, metadata={"help": "training rows of the new task"})
