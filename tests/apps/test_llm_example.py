@@ -96,10 +96,10 @@ def test_certification_rows_are_independent_draws_named_by_their_draw():
 
 def test_flags_that_cannot_work_are_errors_naming_the_flag():
     with pytest.raises(ValueError, match="--constraint_proxy_indicator needs --constraint_indicator_fraction"):
-        ex.parse(["--constraint_proxy_indicator", "true"])
+        ex.ExampleArguments(constraint_indicator_fraction=None, constraint_proxy_indicator=True)
     with pytest.raises(ValueError, match="--constraint_proxy_indicator needs --certify_rows"):
-        ex.parse(["--constraint_proxy_indicator", "true", "--constraint_indicator_fraction", "0.5",
-                  "--certify_rows", "0"])
+        ex.parse(["--certify_rows", "0"])  # the default proxy indicator follows the certificate's statistic
+    assert ex.parse(["--certify_rows", "0", "--constraint_proxy_indicator", "false"]).certify_rows == 0
     with pytest.raises(ValueError, match="--constraint_indicator_fraction must be in"):
         ex.parse(["--constraint_indicator_fraction", "1"])
     with pytest.raises(ValueError, match="--constraint_margin"):
@@ -108,9 +108,9 @@ def test_flags_that_cannot_work_are_errors_naming_the_flag():
         ex.parse(["--threads", "0"])
     with pytest.raises(ValueError, match="--workers"):
         ex.parse(["--workers", "0"])
-    cfg = ex.parse(["--constraint_proxy_indicator", "true", "--constraint_indicator_fraction", "0.5"])
-    assert ex._estimation_args(cfg, "hinge") == {"constraint_indicator_fraction": 0.5,
-                                                 "constraint_proxy_indicator": True, "constraint_margin": None}
+    cfg = ex.parse(["--constraint_indicator_fraction", "0.25", "--constraint_margin", "0.05"])
+    assert ex._estimation_args(cfg, "hinge") == {"constraint_indicator_fraction": 0.25,
+                                                 "constraint_proxy_indicator": True, "constraint_margin": 0.05}
     assert ex._estimation_args(cfg, "none") == {}  # the unconstrained run has no estimates
 
 
