@@ -276,7 +276,7 @@ def _estimation_args(cfg: ExampleArguments, penalty: str) -> dict[str, Any]:
     unconstrained run, which has no estimates."""
     if penalty == "none":
         return {}
-    return dict(constraint_indicator_fraction=cfg.constraint_indicator_fraction,
+    return dict(constraint_indicator_fraction=cfg.constraint_indicator_fraction or None,  # 0: one split
                 constraint_proxy_indicator=cfg.constraint_proxy_indicator, constraint_margin=cfg.constraint_margin)
 
 
@@ -426,7 +426,8 @@ class ExampleArguments:
     msvr_gamma: float = field(default=0.8, metadata={"help": "MSVR gamma of the constraint estimates"})
     constraint_indicator_fraction: Optional[float] = field(default=0.5, metadata={
         "help": "two-split estimation of the constrained run: this share of each old task's constraint rows drives "
-                "the estimate and the hinge's indicator, the rest the gradient (in (0, 1); none: one split)"})
+                "the estimate and the hinge's indicator, the rest the gradient (in (0, 1); 0: one split, as in the "
+                "paper)"})
     constraint_proxy_indicator: bool = field(default=True, metadata={
         "help": "with --constraint_indicator_fraction: the indicator follows the certificate's statistic (the share "
                 "of the indicator rows forgotten) against --forget_tolerance; the gradient follows the loss change"})
@@ -461,10 +462,10 @@ class ExampleArguments:
             raise ValueError(f"--forget_tolerance is a share of examples, in [0, 1]; got {self.forget_tolerance}")
         if not 0.0 < self.delta < 1.0:
             raise ValueError(f"--delta must be in (0, 1), got {self.delta}")
-        if self.constraint_indicator_fraction is not None and not 0.0 < self.constraint_indicator_fraction < 1.0:
-            raise ValueError("--constraint_indicator_fraction must be in (0, 1), got "
+        if self.constraint_indicator_fraction is not None and not 0.0 <= self.constraint_indicator_fraction < 1.0:
+            raise ValueError("--constraint_indicator_fraction must be in (0, 1), or 0 for one split; got "
                              f"{self.constraint_indicator_fraction}")
-        if self.constraint_proxy_indicator and self.constraint_indicator_fraction is None:
+        if self.constraint_proxy_indicator and not self.constraint_indicator_fraction:
             raise ValueError("--constraint_proxy_indicator needs --constraint_indicator_fraction (the indicator rows)")
         if self.constraint_proxy_indicator and not self.certify_rows:
             raise ValueError("--constraint_proxy_indicator needs --certify_rows > 0 (its statistic is the "

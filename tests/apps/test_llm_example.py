@@ -112,6 +112,10 @@ def test_flags_that_cannot_work_are_errors_naming_the_flag():
     assert ex._estimation_args(cfg, "hinge") == {"constraint_indicator_fraction": 0.25,
                                                  "constraint_proxy_indicator": True, "constraint_margin": 0.05}
     assert ex._estimation_args(cfg, "none") == {}  # the unconstrained run has no estimates
+    with pytest.raises(ValueError, match="--constraint_proxy_indicator needs --constraint_indicator_fraction"):
+        ex.parse(["--constraint_indicator_fraction", "0"])
+    paper = ex.parse(["--constraint_indicator_fraction", "0", "--constraint_proxy_indicator", "false"])
+    assert ex._estimation_args(paper, "hinge")["constraint_indicator_fraction"] is None  # 0: one split
 
 
 def _run(seed, penalty, certified, new_acc, old_acc=0.9, h=0.1):
