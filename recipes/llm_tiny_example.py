@@ -19,41 +19,45 @@
    row's text: they are named by their draw, and the claim is about each task's distribution,
    the one the training rows come from too, not about problems never trained on.
 
-   Why ``--forget_tolerance 0.4``: the data supports far less (a rate over 512 rows with
-   nothing forgotten has a bound of 1 - 0.05^(1/512) = 0.006); the model does not. The
-   constraint bounds the loss (0.2 nats per answer token), which lets exact match fall: on
-   seeds 0-4 the hinge run forgot 18% (reverse), 22% (copy) and 5% (add) of the rows, median
-   (worst 23%, 26%, 15%), and its largest bound was 0.23-0.30 (unconstrained: 1.00, every
-   answer forgotten). 0.4 is the round value above those bounds with room for other seeds; a
-   smaller tolerance needs a tighter loss tolerance (which learns less of the new task).
+   The constrained run (defaults, chosen on seeds 0-4): two-split estimation
+   (``--constraint_indicator_fraction 0.5``: half of each old task's 512 constraint rows drive the
+   estimate and the hinge's indicator, the other half the gradient) with a proxy indicator
+   (``--constraint_proxy_indicator``: the indicator follows the certificate's statistic, the share
+   of the indicator rows forgotten, against ``--forget_tolerance`` 0.4 minus ``--constraint_margin``
+   0.1, while the gradient follows the loss change h_k); 300 steps. ``--forget_tolerance 0.4`` is
+   what the model supports, not the data (a rate over 512 rows with nothing forgotten has a bound of
+   1 - 0.05^(1/512) = 0.006): the 15 hinge runs on seeds 0-4 had largest bounds of 0.19-0.30.
 
-Goals, over the seeds (median and worst reported): the unconstrained run forgets some
-old task (its held-out h_k exceeds the tolerance), the constrained run keeps every old
-task within its tolerance on held-out rows, both learn the new task (held-out
-exact-match accuracy >= ``--learned_accuracy``), and the constrained run is certified in every
-seed.
+Goals, over the seeds (median and worst reported): the unconstrained run forgets some old task
+(its held-out h_k exceeds ``--tolerance``); the constrained run is certified, and learns the new
+task (held-out exact match >= ``--learned_accuracy``), each in at least 4 of 5 seeds.
 
-    python recipes/llm_tiny_example.py --seeds 0 1 2 --json benchmarks/results/llm_example.json
-    python recipes/llm_tiny_example.py --penalty_beta 10 --max_steps 300 --seeds 0
+    python recipes/llm_tiny_example.py --seeds 100 101 102 103 104 --json benchmarks/results/llm_example.json
+    python recipes/llm_tiny_example.py --penalty_beta 10 --seeds 0
     hf-constrained llm-example --config my_settings.yaml       # any flag below, as YAML
 
 The fine-tuning flags carry the names of ``ConstrainedTrainingArguments``
 (``--constraint_penalty``, ``--penalty_beta``, ``--max_steps``, ``--learning_rate``,
-``--lr_scheduler_type``, ``--msvr_gamma``, ``--constraint_batch_size``); a flag the example
-does not list is an error.
+``--lr_scheduler_type``, ``--msvr_gamma``, ``--constraint_batch_size``,
+``--constraint_indicator_fraction``, ``--constraint_proxy_indicator``, ``--constraint_margin``);
+a flag the example does not list is an error.
 
-The old model is trained once (seed 0); the seeds vary the fine-tuning runs (data order,
-constraint batches) and the new task's training rows.
+The old model is trained by every invocation, deterministically (seed 0, ``--threads`` torch
+threads; its SHA-256 is in the results); the seeds vary the fine-tuning runs (data order,
+constraint batches) and the new task's training rows. Results depend on the thread count: keep
+``--threads 1`` (the default) to reproduce the published table.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import json
 import logging
 import math
 import multiprocessing
 import os
+import platform
 import random
 import resource
 import statistics
@@ -66,12 +70,14 @@ from typing import Any, Optional
 import datasets
 import torch
 from datasets import Dataset, concatenate_datasets
+import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.trainer_callback import PrinterCallback
 
 from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments
 from hf_constrained.non_forgetting import (
     PaddingCollator,
+    ReferenceCorrectDataset,
     causal_lm_per_example_loss,
     non_forgetting_constraints,
     reference_losses,
@@ -168,7 +174,27 @@ def _args(out: str, seed: int, **kw: Any) -> ConstrainedTrainingArguments:
     return ConstrainedTrainingArguments(**base)
 
 
+def model_fingerprint(model: torch.nn.Module) -> str:
+    """SHA-256 of a model's parameters and buffers (names, shapes, dtypes and bytes, in name order).
+
+    The old model is trained by every invocation (it is never downloaded or shipped); its
+    fingerprint in the results shows whether two runs started from the same weights, which is what
+    a reproduction needs first."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        t = tensor.detach().cpu().contiguous()
+        digest.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
+        digest.update(t.numpy().tobytes())
+    return digest.hexdigest()
+
+
 def train_old_model(path: str, cfg: ExampleArguments) -> None:
+    """Train the old model on the three old tasks and save it (with its tokenizer) in ``path``.
+
+    Deterministic: the weights are initialised from seed 0, the rows are drawn from seed 0 and
+    shuffled with seed 0, the Trainer runs with seed 0 on the CPU, with ``--threads`` torch threads
+    (the caller sets them). The same code, thread count and platform give the same weights
+    (the results' ``old_model_sha256``); the fine-tuning seeds do not touch it."""
     tokenizer = char_tokenizer()
     model = tiny_causal_lm(len(tokenizer), "gpt2", hidden_size=cfg.hidden, layers=cfg.layers, heads=4,
                            max_positions=32, seed=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -212,12 +238,14 @@ def finetune(old_path: str, penalty: str, seed: int, cfg: ExampleArguments) -> d
                                              tolerance=cfg.tolerance, batch_size=256, certify_datasets=certify,
                                              correct=causal_lm_per_example_correct,
                                              forget_tolerance=cfg.forget_tolerance)
+    if cfg.constraint_proxy_indicator and penalty != "none":
+        add_old_correctness(model, constraints, collate)
     with tempfile.TemporaryDirectory() as tmp:
         trainer = ConstrainedTrainer(
             model=model, args=_args(tmp, seed, constraint_penalty=penalty, penalty_beta=cfg.penalty_beta,
                                     max_steps=cfg.max_steps, learning_rate=cfg.learning_rate, per_device_train_batch_size=32,
                                     lr_scheduler_type=cfg.lr_scheduler_type, constraint_batch_size=cfg.constraint_batch_size,
-                                    msvr_gamma=cfg.msvr_gamma),
+                                    msvr_gamma=cfg.msvr_gamma, **_estimation_args(cfg, penalty)),
             train_dataset=task_data(NEW_TASK, cfg.new_rows, 100 + seed, tokenizer), data_collator=collate,
             constraints=constraints)
         trainer.remove_callback(PrinterCallback)
@@ -233,8 +261,27 @@ def finetune(old_path: str, penalty: str, seed: int, cfg: ExampleArguments) -> d
             "tolerance": cfg.tolerance, "certificate": cert, "seconds": round(time.time() - t0, 1)}
 
 
+def add_old_correctness(old_model: torch.nn.Module, constraints: list[Any], collate: PaddingCollator) -> None:
+    """Give every constraint row the old model's 0/1 exact match (``reference_correct``), so that a proxy
+    indicator can evaluate the certificate's statistic, the share of rows forgotten, on the constraint's
+    own indicator rows (the rows of ``constraint_indicator_fraction`` that no gradient uses)."""
+    for c in constraints:
+        correct = reference_losses(old_model, c.dataset, causal_lm_per_example_correct, collate, batch_size=256,
+                                   desc=f"old model's exact match {c.name}")
+        c.dataset = ReferenceCorrectDataset(c.dataset, correct)
+
+
+def _estimation_args(cfg: ExampleArguments, penalty: str) -> dict[str, Any]:
+    """The constrained run's estimation settings (two-split, proxy indicator, margin); none for the
+    unconstrained run, which has no estimates."""
+    if penalty == "none":
+        return {}
+    return dict(constraint_indicator_fraction=cfg.constraint_indicator_fraction or None,  # 0: one split
+                constraint_proxy_indicator=cfg.constraint_proxy_indicator, constraint_margin=cfg.constraint_margin)
+
+
 def _job(job: tuple[str, str, int, ExampleArguments]) -> dict[str, Any]:
-    torch.set_num_threads(1)  # one core per run: tiny models gain nothing from more threads
+    torch.set_num_threads(job[3].threads)  # results depend on the thread count: pinned by --threads
     return finetune(*job)
 
 
@@ -248,7 +295,32 @@ def _summary(values: list[float], worst: str) -> dict[str, float]:
     return {"median": statistics.median(values), "worst": (max if worst == "max" else min)(values)}
 
 
+GOAL_SHARE = 0.8
+"""A goal over seeds is met in at least this share of them (4 of 5)."""
+
+
+def seeds_needed(n: int) -> int:
+    """Seeds that must meet a goal out of ``n``: ``ceil(GOAL_SHARE * n)`` (4 of 5, 3 of 3)."""
+    return math.ceil(GOAL_SHARE * n - 1e-9)
+
+
+def per_seed_row(run: dict[str, Any], old: dict[str, dict]) -> dict[str, Any]:
+    """One run's line of the per-seed table: its certificate, the new task's exact match, each old task's
+    exact match and forgotten share, and the worst change of an old task's held-out exact match."""
+    cert = run.get("certificate")
+    changes = {t: run["held_out"][t]["accuracy"] - old[t]["accuracy"] for t in OLD_TASKS}
+    return {"certified": None if cert is None else cert["certified"],
+            "largest_bound": None if cert is None else cert["largest_bound"],
+            "new_task_accuracy": run["held_out"][NEW_TASK]["accuracy"],
+            "old_task_accuracy": {t: run["held_out"][t]["accuracy"] for t in OLD_TASKS},
+            "forgotten": None if cert is None else {t: cert["forgotten"][f"non_forgetting/{t}"] for t in OLD_TASKS},
+            "worst_old_accuracy_change": min(changes.values())}
+
+
 def summarize(old: dict[str, dict], runs: list[dict[str, Any]], cfg: ExampleArguments) -> dict[str, Any]:
+    """Median and worst over the seeds per method and task, the per-seed table, and the goals: the
+    unconstrained run forgets some old task in every seed; the constrained run is certified, and learns
+    the new task (held-out exact match >= ``--learned_accuracy``), each in at least 80% of the seeds."""
     constrained = cfg.constraint_penalty
     by = {p: [r for r in runs if r["penalty"] == p] for p in ("none", constrained)}
     table = {}
@@ -262,15 +334,17 @@ def summarize(old: dict[str, dict], runs: list[dict[str, Any]], cfg: ExampleArgu
     violated = {p: [any(r["h_held_out"][f"non_forgetting/{t}"] > cfg.tolerance for t in OLD_TASKS) for r in rs]
                 for p, rs in by.items()}
     learned = {p: [r["held_out"][NEW_TASK]["accuracy"] >= cfg.learned_accuracy for r in rs] for p, rs in by.items()}
+    n = len(by[constrained])
     goals = {
         "unconstrained_forgets_some_old_task": all(violated["none"]),
-        f"{constrained}_keeps_every_old_task_within_tolerance": not any(violated[constrained]),
-        "both_learn_the_new_task": all(learned["none"]) and all(learned[constrained]),
+        f"{constrained}_learns_the_new_task_in_{seeds_needed(n)}_of_{n}_seeds":
+            sum(learned[constrained]) >= seeds_needed(n),
     }
     certificates = {p: [r["certificate"] for r in rs if r.get("certificate")] for p, rs in by.items()}
     certified = {}
     if all(len(certificates[p]) == len(by[p]) and by[p] for p in by):
-        goals[f"{constrained}_certified_in_every_seed"] = all(c["certified"] for c in certificates[constrained])
+        goals[f"{constrained}_certified_in_{seeds_needed(n)}_of_{n}_seeds"] = \
+            sum(c["certified"] for c in certificates[constrained]) >= seeds_needed(n)
         certified = {p: {"seeds_certified": sum(c["certified"] for c in cs),
                          "per_seed": {str(r["seed"]): c["certified"] for r, c in zip(by[p], cs)},
                          "largest_bound": _summary([c["largest_bound"] for c in cs], "max"),
@@ -278,10 +352,31 @@ def summarize(old: dict[str, dict], runs: list[dict[str, Any]], cfg: ExampleArgu
                          "forgotten": {t: _summary([c["forgotten"][f"non_forgetting/{t}"] for c in cs], "max")
                                        for t in OLD_TASKS}}
                      for p, cs in certificates.items()}
+    per_seed = {p: {str(r["seed"]): per_seed_row(r, old) for r in rs} for p, rs in by.items()}
+    worst_change = {p: _summary([row["worst_old_accuracy_change"] for row in rows.values()], "min")
+                    for p, rows in per_seed.items()}
     return {"old_model": old, "table": table, "goals": goals,
             "seeds_violating": {p: sum(v) for p, v in violated.items()},
             "seeds_learning": {p: sum(v) for p, v in learned.items()},
-            "certificate": certified}
+            "certificate": certified, "per_seed": per_seed, "worst_old_accuracy_change": worst_change}
+
+
+def format_per_seed(summary: dict[str, Any], cfg: ExampleArguments) -> str:
+    """The per-seed table (markdown): certificate, new-task exact match, each old task's exact match and
+    forgotten share (certification rows), the worst change of an old task's held-out exact match."""
+    tasks = " / ".join(OLD_TASKS)
+    lines = [f"| method | seed | certificate (largest bound) | new-task exact match | {tasks} exact match | "
+             f"{tasks} forgotten | worst old-task change |", "|---|---|---|---|---|---|---|"]
+    for p in ("none", cfg.constraint_penalty):
+        for seed, row in summary["per_seed"][p].items():
+            cert = "-" if row["certified"] is None else \
+                f"{'CERTIFIED' if row['certified'] else 'not certified'} ({row['largest_bound']:.3f})"
+            acc = " / ".join(f"{100 * row['old_task_accuracy'][t]:.1f}%" for t in OLD_TASKS)
+            forgot = "-" if row["forgotten"] is None else \
+                " / ".join(f"{100 * row['forgotten'][t]:.1f}%" for t in OLD_TASKS)
+            lines.append(f"| {p} | {seed} | {cert} | {100 * row['new_task_accuracy']:.1f}% | {acc} | {forgot} | "
+                         f"{100 * row['worst_old_accuracy_change']:+.1f} pts |")
+    return "\n".join(lines)
 
 
 def format_table(summary: dict[str, Any], cfg: ExampleArguments) -> str:
@@ -314,13 +409,14 @@ class ExampleArguments:
     """The example's flags; the fine-tuning ones carry the names of
     :class:`~hf_constrained.ConstrainedTrainingArguments` (``--penalty_beta``, ``--max_steps``, ...)."""
 
-    seeds: list[int] = field(default_factory=lambda: [0, 1, 2], metadata={"help": "fine-tuning seeds"})
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2, 3, 4], metadata={
+        "help": "fine-tuning seeds (0-4 chose the defaults; 100-104 report them)"})
     old_steps: int = field(default=1000, metadata={"help": "training steps of the old model"})
     old_rows: int = field(default=4000, metadata={"help": "training rows per old task"})
     old_lr: float = field(default=3e-3, metadata={"help": "learning rate of the old model"})
     hidden: int = field(default=128, metadata={"help": "width of the GPT-2"})
     layers: int = field(default=2, metadata={"help": "layers of the GPT-2"})
-    max_steps: int = field(default=200, metadata={"help": "fine-tuning steps on the new task"})
+    max_steps: int = field(default=300, metadata={"help": "fine-tuning steps on the new task"})
     learning_rate: float = field(default=2e-3, metadata={"help": "fine-tuning learning rate"})
     lr_scheduler_type: str = field(default="cosine", metadata={"help": "fine-tuning learning-rate schedule"})
     constraint_penalty: str = field(default="hinge", metadata={
@@ -328,6 +424,16 @@ class ExampleArguments:
         "choices": ["hinge", "squared_hinge"]})
     penalty_beta: float = field(default=5.0, metadata={"help": "penalty parameter beta of the constrained run"})
     msvr_gamma: float = field(default=0.8, metadata={"help": "MSVR gamma of the constraint estimates"})
+    constraint_indicator_fraction: Optional[float] = field(default=0.5, metadata={
+        "help": "two-split estimation of the constrained run: this share of each old task's constraint rows drives "
+                "the estimate and the hinge's indicator, the rest the gradient (in (0, 1); 0: one split, as in the "
+                "paper)"})
+    constraint_proxy_indicator: bool = field(default=True, metadata={
+        "help": "with --constraint_indicator_fraction: the indicator follows the certificate's statistic (the share "
+                "of the indicator rows forgotten) against --forget_tolerance; the gradient follows the loss change"})
+    constraint_margin: Optional[float] = field(default=0.1, metadata={
+        "help": "the constrained run's margin: the hinge acts when the estimate exceeds its tolerance minus this "
+                "(with --constraint_proxy_indicator a share of rows, else nats per answer token)"})
     new_rows: int = field(default=2000, metadata={"help": "training rows of the new task"})
     constraint_rows: int = field(default=512, metadata={"help": "constraint rows per old task"})
     held_out_rows: int = field(default=512, metadata={"help": "held-out rows per task"})
@@ -341,7 +447,9 @@ class ExampleArguments:
     learned_accuracy: float = field(default=0.9, metadata={"help": "held-out new-task accuracy that counts as learned"})
     old_model: Optional[str] = field(default=None, metadata={"help": "reuse (or create) the old model in this folder"})
     json: Optional[str] = field(default=None, metadata={"help": "write the results here"})
-    workers: int = field(default=2, metadata={"help": "fine-tuning runs in parallel (one CPU core each)"})
+    workers: int = field(default=2, metadata={"help": "fine-tuning runs in parallel (processes)"})
+    threads: int = field(default=1, metadata={
+        "help": "torch threads of the old model's training and of each fine-tuning run (results depend on it)"})
 
     def __post_init__(self) -> None:
         if not self.seeds:
@@ -354,6 +462,21 @@ class ExampleArguments:
             raise ValueError(f"--forget_tolerance is a share of examples, in [0, 1]; got {self.forget_tolerance}")
         if not 0.0 < self.delta < 1.0:
             raise ValueError(f"--delta must be in (0, 1), got {self.delta}")
+        if self.constraint_indicator_fraction is not None and not 0.0 <= self.constraint_indicator_fraction < 1.0:
+            raise ValueError("--constraint_indicator_fraction must be in (0, 1), or 0 for one split; got "
+                             f"{self.constraint_indicator_fraction}")
+        if self.constraint_proxy_indicator and not self.constraint_indicator_fraction:
+            raise ValueError("--constraint_proxy_indicator needs --constraint_indicator_fraction (the indicator rows)")
+        if self.constraint_proxy_indicator and not self.certify_rows:
+            raise ValueError("--constraint_proxy_indicator needs --certify_rows > 0 (its statistic is the "
+                             "certificate's share of rows forgotten, against --forget_tolerance)")
+        if self.constraint_margin is not None and not (math.isfinite(self.constraint_margin)
+                                                       and self.constraint_margin >= 0):
+            raise ValueError(f"--constraint_margin must be a finite number >= 0, got {self.constraint_margin}")
+        if self.workers < 1:
+            raise ValueError(f"--workers must be >= 1, got {self.workers}")
+        if self.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {self.threads}")
 
 
 def parse(argv: Optional[list[str]] = None) -> ExampleArguments:
@@ -362,11 +485,18 @@ def parse(argv: Optional[list[str]] = None) -> ExampleArguments:
     return cfg
 
 
+def environment(cfg: ExampleArguments) -> dict[str, Any]:
+    """What the numbers depend on besides the flags: library versions, platform, threads."""
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "datasets": datasets.__version__,
+            "python": platform.python_version(), "machine": platform.machine(), "system": platform.system(),
+            "torch_threads": cfg.threads, "dtype": str(torch.get_default_dtype())}
+
+
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     cfg = parse(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     _quiet()
-    torch.set_num_threads(1)
+    torch.set_num_threads(cfg.threads)
     t0 = time.time()
     tmp = tempfile.TemporaryDirectory()
     old_path = cfg.old_model or tmp.name
@@ -375,12 +505,20 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     logger.info("old model ready (%.0fs)", time.time() - t0)
     tokenizer = AutoTokenizer.from_pretrained(old_path)
     held_out, _ = data_splits(tokenizer, cfg)
-    old = evaluate(AutoModelForCausalLM.from_pretrained(old_path), held_out, PaddingCollator(tokenizer))
+    old_model = AutoModelForCausalLM.from_pretrained(old_path)
+    old_sha256 = model_fingerprint(old_model)
+    old = evaluate(old_model, held_out, PaddingCollator(tokenizer))
+    logger.info("old model sha256 %s: %s", old_sha256[:12], {t: round(m["accuracy"], 3) for t, m in old.items()})
     jobs = [(old_path, penalty, seed, cfg) for seed in cfg.seeds for penalty in ("none", cfg.constraint_penalty)]
     if cfg.workers > 1:
         context = multiprocessing.get_context("spawn")
         with concurrent.futures.ProcessPoolExecutor(cfg.workers, mp_context=context) as pool:
-            runs = list(pool.map(_job, jobs))
+            futures = [pool.submit(_job, j) for j in jobs]
+            for done in concurrent.futures.as_completed(futures):  # progress as runs end; results in job order
+                r = done.result()
+                logger.info("finished seed %d %s: new task %.3f", r["seed"], r["penalty"],
+                            r["held_out"][NEW_TASK]["accuracy"])
+            runs = [f.result() for f in futures]
     else:
         runs = [_job(j) for j in jobs]
     for r in runs:
@@ -395,10 +533,12 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     usage = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
     result = {"command": publishable_command("python recipes/llm_tiny_example.py",
                                              sys.argv[1:] if argv is None else argv),
-              "config": asdict(cfg), "summary": summary, "runs": runs, "seconds": round(time.time() - t0, 1),
+              "config": asdict(cfg), "old_model_sha256": old_sha256, "environment": environment(cfg),
+              "summary": summary, "runs": runs, "seconds": round(time.time() - t0, 1),
               "cpu_seconds": round(sum(u.ru_utime + u.ru_stime for u in usage), 1),
               "os_cpu_count": os.cpu_count()}
     print(format_table(summary, cfg))
+    print(format_per_seed(summary, cfg))
     print("goals:", json.dumps(summary["goals"]))
     print(f"total {result['seconds']:.0f}s wall, {result['cpu_seconds']:.0f}s CPU")
     if cfg.json:
