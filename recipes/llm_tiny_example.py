@@ -84,7 +84,7 @@ from hf_constrained.non_forgetting import (
 )
 from hf_constrained.per_sample_loss import IGNORE_INDEX, causal_lm_per_example_correct
 from hf_constrained.safety.evaluation import certify_models
-from hf_constrained.publishable import publishable_command
+from hf_constrained.publishable import publishable_command, publishable_values
 from hf_constrained.recipe_args import parse_recipe_args
 from hf_constrained.text_data import tokenize_sft
 from hf_constrained.recipes.tiny_lm import char_tokenizer, tiny_causal_lm
@@ -533,7 +533,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     usage = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
     result = {"command": publishable_command("python recipes/llm_tiny_example.py",
                                              sys.argv[1:] if argv is None else argv),
-              "config": asdict(cfg), "old_model_sha256": old_sha256, "environment": environment(cfg),
+              "config": publishable_values(asdict(cfg)), "old_model_sha256": old_sha256, "environment": environment(cfg),
               "summary": summary, "runs": runs, "seconds": round(time.time() - t0, 1),
               "cpu_seconds": round(sum(u.ru_utime + u.ru_stime for u in usage), 1),
               "os_cpu_count": os.cpu_count()}
