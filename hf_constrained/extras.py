@@ -11,7 +11,7 @@ extra            packages                    what needs it
 ``fairness``     scikit-learn, pandas,       :mod:`hf_constrained.fairness` (ROC recipe,
                  pillow                      Adult / COMPAS / CSV / CheXpert data)
 ``clip``         pillow                      decoding image files (CLIP recipe, CSV images)
-``peft``         peft                        LoRA adapters (``--lora_r``)
+``peft``         peft                        LoRA adapters (``--use_peft``, ``--lora_r``)
 ``tensorboard``  tensorboard                 ``--report_to tensorboard``
 ``trl``          trl                         :mod:`hf_constrained.integrations.trl`
 ``recipes``      all of the above but trl    every shipped recipe and example
