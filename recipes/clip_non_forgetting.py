@@ -43,7 +43,8 @@ from typing import Optional
 import torch
 from transformers import CLIPModel, CLIPProcessor, set_seed
 
-from hf_constrained import ConstrainedTrainingArguments, UnsafeModelError, finish_run
+from hf_constrained import ConstrainedTrainingArguments, finish_run
+from hf_constrained.safety.finish import push_last
 from hf_constrained.callbacks import PeriodicMetricsCallback
 from hf_constrained.errors import check_model_path
 from hf_constrained.extras import require_extra
@@ -350,13 +351,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
                 print(f"{c:>20}: accuracy {100 * accuracy_old[c]:5.1f} -> {100 * accuracy_new.get(c, float('nan')):5.1f}")
         print(f"constraints satisfied (exact, eval data): {bool(metrics.get('eval_constraints_satisfied', 0.0))}")
         print(report.summary())
-    results["exit_status"] = 0
-    if args.push_to_hub:
-        try:  # last, after the model, results, report and card are written: a refusal loses nothing
-            trainer.push_to_hub(allow_unsafe=script.allow_unsafe_push)
-        except UnsafeModelError as err:
-            logger.error("%s", str(err).splitlines()[0])
-            results["exit_status"] = 1  # the gate refused: the command fails
+    # last, after every local file is written: a refusal uploads nothing, loses nothing and fails the command
+    results["exit_status"] = push_last(trainer, script.allow_unsafe_push) if args.push_to_hub else 0
     return results
 
 

@@ -73,7 +73,8 @@ import torch
 
 from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, set_seed
 
-from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments, UnsafeModelError, finish_run
+from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments, finish_run
+from hf_constrained.safety.finish import push_last
 from hf_constrained.errors import check_model_path
 from hf_constrained.extras import MissingExtraError, has_module, install_hint
 from hf_constrained.non_forgetting import (
@@ -565,13 +566,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         logger.info("saved the model, tokenizer and %s to %s", RESULTS_FILE, args.output_dir)
         if report is not None:
             logger.info(report.summary())
-    results["exit_status"] = 0
-    if args.push_to_hub:
-        try:  # every local file is complete by now: a refusal uploads nothing and loses nothing
-            trainer.push_to_hub(allow_unsafe=data.allow_unsafe_push)
-        except UnsafeModelError as err:
-            logger.error("%s", str(err).splitlines()[0])
-            results["exit_status"] = 1  # the gate refused: the command fails
+    # last, after every local file is written: a refusal uploads nothing, loses nothing and fails the command
+    results["exit_status"] = push_last(trainer, data.allow_unsafe_push) if args.push_to_hub else 0
     return results
 
 

@@ -35,8 +35,7 @@ from ..config import ConstrainedTrainingArguments
 from ..extras import require_extra
 from ..safety.evaluation import certify_models
 from ..publishable import publishable_command
-from ..safety.finish import finish_run
-from ..safety.report import UnsafeModelError
+from ..safety.finish import finish_run, push_last
 from .data import TABULAR_LOADERS, TabularSplit, load_tabular_csv
 from .icppac import ICPPACConfig, ICPPACTrainer
 from .model import MLPConfig, MLPForScoring
@@ -363,13 +362,8 @@ def run_roc_fairness(args: ROCFairnessArguments, training_args: ConstrainedTrain
         _write_json(path, results)
         if args.method == "icppac" and args.save_model:
             model.save_pretrained(training_args.output_dir)
-    results["exit_status"] = 0
-    if training_args.push_to_hub:
-        try:  # every local file is complete by now: a refusal uploads nothing and loses nothing
-            trainer.push_to_hub(allow_unsafe=args.allow_unsafe_push)
-        except UnsafeModelError as err:
-            logger.error("%s", str(err).splitlines()[0])
-            results["exit_status"] = 1  # the gate refused: the command fails
+    # last, after every local file is written: a refusal uploads nothing, loses nothing and fails the command
+    results["exit_status"] = push_last(trainer, args.allow_unsafe_push) if training_args.push_to_hub else 0
     return results
 
 

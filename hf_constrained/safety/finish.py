@@ -27,7 +27,7 @@ from ..checkpointing import checkpoint_folders, is_complete_checkpoint
 from .certify import Certificate, best_certified
 from .evaluation import certify_models, checkpoint_step
 from .fingerprint import weights_fingerprint
-from .report import DEFAULT_SAFETY_RULE, SafetyReport, check_safety_rule
+from .report import DEFAULT_SAFETY_RULE, SafetyReport, UnsafeModelError, check_safety_rule
 from .selection import evaluation_records, metric_key
 
 logger = logging.getLogger(__name__)
@@ -221,4 +221,16 @@ def certify_checkpoints(trainer: Any, delta: float) -> tuple[Optional[Certificat
     return certificate, release, folders[release]
 
 
-__all__ = ["FinishableTrainer", "certify_checkpoints", "finish_run"]
+def push_last(trainer: Any, allow_unsafe: bool = False) -> int:
+    """A recipe's last step: ``trainer.push_to_hub()`` through the gate, called after the model, results,
+    report and card are written, so a refusal uploads nothing and loses nothing. Returns the command's
+    exit status: 0 pushed, 1 refused (the refusal's first line is logged as an error)."""
+    try:
+        trainer.push_to_hub(allow_unsafe=allow_unsafe)
+    except UnsafeModelError as err:
+        logger.error("%s", str(err).splitlines()[0])
+        return 1
+    return 0
+
+
+__all__ = ["FinishableTrainer", "certify_checkpoints", "finish_run", "push_last"]

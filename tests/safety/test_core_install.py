@@ -19,10 +19,9 @@ ROOT = Path(__file__).resolve().parents[2]
 # the import names of every optional distribution (and what they would pull in)
 HIDDEN = ("matplotlib", "sklearn", "PIL", "peft", "tensorboard", "tensorboardX", "trl", "mapie")
 
-SCRIPT = textwrap.dedent('''
+# a process that cannot find the packages named in HIDDEN (set before this preamble runs)
+HIDE_PREAMBLE = textwrap.dedent('''
     import importlib.machinery, json, os, sys
-
-    HIDDEN = set(sys.argv[2].split(","))
 
     class Hide:
         """Answers 'not installed' for the hidden packages, to import and to find_spec alike."""
@@ -37,7 +36,9 @@ SCRIPT = textwrap.dedent('''
 
     # replace the path finder, so nothing finds the hidden packages
     sys.meta_path[:] = [Hide() if f is importlib.machinery.PathFinder else f for f in sys.meta_path]
+''')
 
+SCRIPT = "import sys\nHIDDEN = set(sys.argv[2].split(','))\n" + HIDE_PREAMBLE + textwrap.dedent('''
     import numpy as np
     import torch
     from datasets import Dataset
@@ -150,20 +151,7 @@ def test_extras_in_pyproject_match_the_library():
     assert {"matplotlib", "scikit-learn", "pillow", "peft"}.isdisjoint(core)
 
 
-RECIPE_SCRIPT = textwrap.dedent('''
-    import importlib.machinery, sys
-
-    class Hide:
-        def find_spec(self, name, path=None, target=None):
-            if name.split(".")[0] == "sklearn":
-                return None
-            return importlib.machinery.PathFinder.find_spec(name, path, target)
-        def find_distributions(self, *args, **kwargs):
-            return importlib.machinery.PathFinder.find_distributions(*args, **kwargs)
-        def invalidate_caches(self):
-            importlib.machinery.PathFinder.invalidate_caches()
-
-    sys.meta_path[:] = [Hide() if f is importlib.machinery.PathFinder else f for f in sys.meta_path]
+RECIPE_SCRIPT = "HIDDEN = {'sklearn'}\n" + HIDE_PREAMBLE + textwrap.dedent('''
     from hf_constrained.cli import main
     sys.exit(main(sys.argv[1:]))
 ''')
