@@ -776,6 +776,10 @@ def _flag_bool(text: str) -> bool:
     return value
 
 
+DEMO_FOLDER = "demo_clip_digits"
+"""The demo writes into ``outputs/demo_clip_digits`` by default, as every recipe writes into ``outputs/<module>``."""
+
+
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     """The demo's options (every :class:`DemoConfig` field, seeds, penalties, cache and output),
     spelt as the recipes spell them (``--penalty_beta``, ``--learning_rate``, ``--msvr_gamma``);
@@ -794,9 +798,10 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
                         "model; overrides --seed")
     parser.add_argument("--penalties", "--constraint_penalty", dest="penalties", default=",".join(PENALTIES),
                         help="the penalties to run and compare, comma-separated")
-    parser.add_argument("--cache_dir", "--cache-dir", dest="cache_dir",
-                        default=os.path.join(os.getcwd(), ".cache", "hf_constrained_demo"))
-    parser.add_argument("--output", default=None, help="write the results JSON here")
+    parser.add_argument("--cache_dir", "--cache-dir", dest="cache_dir", default=os.path.join("outputs", DEMO_FOLDER),
+                        help="the demo's folder: the old models (reused by later runs with the same stage-1 settings) "
+                             "and, without --output, demo_results.json")
+    parser.add_argument("--output", default=None, help="write the results JSON here (default: <cache_dir>/demo_results.json)")
     parser.add_argument("--workers", type=int, default=1,
                         help="seeds run at once, one single-threaded process each (the numbers do not change)")
 

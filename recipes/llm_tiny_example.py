@@ -446,7 +446,8 @@ class ExampleArguments:
     tolerance: float = field(default=0.2, metadata={"help": "h_k <= tolerance (nats per answer token)"})
     learned_accuracy: float = field(default=0.9, metadata={"help": "held-out new-task accuracy that counts as learned"})
     old_model: Optional[str] = field(default=None, metadata={"help": "reuse (or create) the old model in this folder"})
-    json: Optional[str] = field(default=None, metadata={"help": "write the results here"})
+    json: Optional[str] = field(default="outputs/llm_tiny_example/results.json",
+                                metadata={"help": "write the results here (the recipes' folder convention: outputs/<module>)"})
     workers: int = field(default=2, metadata={"help": "fine-tuning runs in parallel (processes)"})
     threads: int = field(default=1, metadata={
         "help": "torch threads of the old model's training and of each fine-tuning run (results depend on it)"})

@@ -33,3 +33,16 @@ def default_output_dir(command: str, capsys: pytest.CaptureFixture) -> str:
 def test_default_output_dir_is_outputs_slash_module(module, capsys):
     command = next(r.command for r in RECIPES if r.module == module)
     assert default_output_dir(command, capsys) == f"outputs/{module}"
+
+
+def test_the_examples_write_into_outputs_slash_module_too():
+    """The demo (its folder of old models and results) and the offline LLM example (its results JSON)
+    follow the same convention, read from their own parsers."""
+    import argparse
+
+    from hf_constrained.recipes import demo_clip_digits, llm_tiny_example
+
+    parser = argparse.ArgumentParser()
+    demo_clip_digits.add_demo_arguments(parser)
+    assert parser.parse_args([]).cache_dir == "outputs/demo_clip_digits"
+    assert llm_tiny_example.parse([]).json == "outputs/llm_tiny_example/results.json"
