@@ -26,6 +26,7 @@ from typing import Any, Optional, Sequence
 
 from .checkpointing import checkpoint_folders, checkpoint_problem
 from .extras import MissingExtraError, extra_for_module, install_hint
+from .errors import RecipeConfigError
 from .recipes import RECIPES, Recipe, shipped_recipe_files
 from .safety.figures import plot_log_history
 from .safety.report import SAFETY_REPORT_NAME, SAFETY_RULES, SafetyReport, format_number
@@ -217,7 +218,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # only a missing optional package is a one-line error naming the extra
         try:
             return run_recipe(args.recipe, rest)
-        except MissingExtraError as exc:
+        except (MissingExtraError, RecipeConfigError) as exc:  # settings, found before anything loads
             print(f"hf-constrained {args.recipe.command}: error: {exc}", file=sys.stderr)
             return 2
         except ModuleNotFoundError as err:  # an optional package a recipe imports late

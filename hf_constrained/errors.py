@@ -8,6 +8,11 @@ from huggingface_hub import constants, try_to_load_from_cache
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 
+class RecipeConfigError(ValueError):
+    """A recipe's settings that cannot be used (a ``--config`` file, a flag, a combination of flags),
+    found before anything loads: ``hf-constrained <recipe>`` shows it as a one-line error (status 2)."""
+
+
 def check_model_path(name_or_path: str, flag: str = "--model_name_or_path") -> str:
     """``name_or_path`` if it can be loaded with ``from_pretrained``; otherwise an error
     naming ``flag`` and the value, before a hub client reports it as a malformed repo id.
@@ -35,4 +40,4 @@ def check_model_path(name_or_path: str, flag: str = "--model_name_or_path") -> s
     return name_or_path
 
 
-__all__ = ["check_model_path"]
+__all__ = ["RecipeConfigError", "check_model_path"]

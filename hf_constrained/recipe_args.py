@@ -24,6 +24,8 @@ from typing import Any, Optional
 import yaml
 from transformers import HfArgumentParser
 
+from .errors import RecipeConfigError
+
 logger = logging.getLogger(__name__)
 
 SHORT_USAGE = "%(prog)s [--config FILE.yaml] [--FLAG VALUE ...]  (--help lists every flag)"
@@ -50,8 +52,6 @@ def _user_settings_first(parser: argparse.ArgumentParser, dataclass_types: Seque
     parser._action_groups.insert(1, group)  # after the positionals
 
 
-class RecipeConfigError(ValueError):
-    """A ``--config`` file that cannot be used."""
 
 
 def resolve_config_path(path: str) -> str:

@@ -74,6 +74,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, set_seed
 
 from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments, finish_run
+from hf_constrained.recipe_args import RecipeConfigError
 from hf_constrained.safety.finish import push_last
 from hf_constrained.errors import check_model_path
 from hf_constrained.extras import MissingExtraError, has_module, install_hint
@@ -244,11 +245,11 @@ def parse_arguments(argv: Optional[list[str]] = None, use_trl: Optional[bool] = 
     argv = list(sys.argv[1:] if argv is None else argv)
     given = given_flags(argv)
     for flag in sorted(given & set(NOT_USED_FLAGS)):
-        raise ValueError(f"--{flag} is not used by this recipe: {NOT_USED_FLAGS[flag]}")
+        raise RecipeConfigError(f"--{flag} is not used by this recipe: {NOT_USED_FLAGS[flag]}")
     if not use_trl:
         trl_only = sorted(given & TRL_ONLY_FLAGS)
         if trl_only:
-            raise ValueError(f"{', '.join('--' + f for f in trl_only)}: implemented by TRL, which is not installed; "
+            raise RecipeConfigError(f"{', '.join('--' + f for f in trl_only)}: implemented by TRL, which is not installed; "
                              f"{TRL_EXTRA}")
     parser_class = HfArgumentParser
     if use_trl:
@@ -262,9 +263,9 @@ def parse_arguments(argv: Optional[list[str]] = None, use_trl: Optional[bool] = 
                                  "lora_target_parameters", "lora_modules_to_save", "use_rslora", "use_dora"})
     if lora_flags and not model.use_peft:
         if "lora_r" in lora_flags and model.lora_r == 0:
-            raise ValueError("--lora_r 0: full fine-tuning is the default; drop --lora_r 0 (LoRA is turned on "
+            raise RecipeConfigError("--lora_r 0: full fine-tuning is the default; drop --lora_r 0 (LoRA is turned on "
                              "by --use_peft)")
-        raise ValueError(f"{', '.join('--' + f for f in lora_flags)} without --use_peft: LoRA is turned on by "
+        raise RecipeConfigError(f"{', '.join('--' + f for f in lora_flags)} without --use_peft: LoRA is turned on by "
                          "--use_peft (TRL's ModelConfig); add --use_peft true")
     return RecipeArguments(dataset, training, model, data, use_trl)
 
@@ -335,9 +336,9 @@ def _named_sources(entries: list[str]) -> dict[str, str]:
             source = entry
             name = os.path.splitext(os.path.basename(entry.rstrip("/")))[0] or entry
         if not name or not source:
-            raise ValueError(f"--protected_datasets entry {entry!r}: expected NAME=SOURCE or SOURCE")
+            raise RecipeConfigError(f"--protected_datasets entry {entry!r}: expected NAME=SOURCE or SOURCE")
         if name in out:
-            raise ValueError(f"--protected_datasets: two datasets named {name!r}; name them with NAME=SOURCE")
+            raise RecipeConfigError(f"--protected_datasets: two datasets named {name!r}; name them with NAME=SOURCE")
         out[name] = source
     return out
 
@@ -346,14 +347,14 @@ def check_arguments(config: RecipeArguments) -> None:
     """Every check that needs no model: a clear error naming the flag before anything heavy loads."""
     data, args, model = config.data, config.training, config.model
     if not config.dataset.dataset_name:
-        raise ValueError("no target data: pass --dataset_name (a Hub dataset id or a local JSON/CSV/parquet file)")
+        raise RecipeConfigError("no target data: pass --dataset_name (a Hub dataset id or a local JSON/CSV/parquet file)")
     if not model.model_name_or_path:
-        raise ValueError("no model: pass --model_name_or_path (a Hub id or a local folder)")
+        raise RecipeConfigError("no model: pass --model_name_or_path (a Hub id or a local folder)")
     if not data.protected_datasets and not data.safety_dataset and args.constraint_penalty != "none":
-        raise ValueError("no constraint: pass --protected_datasets and/or --safety_dataset "
+        raise RecipeConfigError("no constraint: pass --protected_datasets and/or --safety_dataset "
                          "(or --constraint_penalty none for plain SFT)")
     if not 0.0 <= data.eval_fraction < 1.0:
-        raise ValueError(f"--eval_fraction must be in [0, 1), got {data.eval_fraction}")
+        raise RecipeConfigError(f"--eval_fraction must be in [0, 1), got {data.eval_fraction}")
     if model.use_peft and model.lora_r < 1:
         raise ValueError(f"--lora_r must be >= 1 with --use_peft, got {model.lora_r}")
     if model.use_peft and not has_module("peft"):

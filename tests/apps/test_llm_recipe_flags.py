@@ -297,3 +297,13 @@ def test_the_documented_commands_parse(use_trl, tmp_path, monkeypatch):
         parsed = _recipe().parse_arguments(argv + ["--bf16", "false"], use_trl=use_trl)
         assert parsed.dataset.dataset_name and parsed.model.model_name_or_path and parsed.data.protected_datasets
         assert parsed.model.use_peft and _recipe().lora_targets(parsed.model.lora_target_modules) == "all-linear"
+
+
+def test_a_setting_the_recipe_refuses_is_one_line_from_the_command(capsys):
+    """A flag the recipe cannot honour, found before anything loads, is one error line naming it
+    (status 2), as argparse's own usage errors are, not a traceback."""
+    from hf_constrained.cli import main
+
+    assert main(["llm", "--dataset_test_split", "test"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("hf-constrained llm: error: --dataset_test_split is not used")
