@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import torch
 
+from fairness_tiny import biased_split
 from hf_constrained import ConstrainedTrainingArguments
 from hf_constrained.fairness import (
     AUCConstrainedTrainer,
     MLPConfig,
     MLPForScoring,
     SigmoidRate,
-    TabularSplit,
     collate_pairs,
     evaluate_roc,
     objective_pairs,
@@ -30,15 +30,6 @@ from hf_constrained.safety.evaluation import certify_models
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 THRESHOLDS = (-1.0, 0.0, 1.0)
-
-
-def biased_split(n: int, seed: int) -> TabularSplit:
-    rng = np.random.default_rng(seed)
-    group = (rng.random(n) < 0.5).astype(np.int64)
-    label = (rng.random(n) < np.where(group == 1, 0.6, 0.3)).astype(np.int64)
-    x0 = label * 1.5 + group * 1.0 + rng.normal(size=n)
-    feats = np.stack([x0, rng.normal(size=n), group * 2.0 - 1.0, rng.normal(size=n)], axis=1).astype(np.float32)
-    return TabularSplit(feats, label, group)
 
 
 @pytest.fixture(scope="module")
