@@ -138,6 +138,12 @@ class ConstrainedTrainingArguments(TrainingArguments):
                   "ever reaches a gradient, so the penalty acts on an estimate of rows the model is not fitted to. "
                   "In (0, 1); one extra forward without grad per step."},
     )
+    constraint_indicator_batch_size: Optional[int] = field(
+        default=None,
+        metadata={"help": "With two-split estimation: rows of the indicator part per sampled constraint and step, per "
+                  "device (default: constraint_batch_size). They are evaluated without grad, so a larger batch costs "
+                  "a forward and no activations, and lowers the noise the estimate keeps (constraint_std)."},
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -168,6 +174,12 @@ class ConstrainedTrainingArguments(TrainingArguments):
                 raise ValueError("give one of constraint_certificate_delta, constraint_confidence and constraint_margin")
         if self.constraint_indicator_fraction is not None and not 0.0 < float(self.constraint_indicator_fraction) < 1:
             raise ValueError(f"constraint_indicator_fraction must be in (0, 1), got {self.constraint_indicator_fraction}")
+        if self.constraint_indicator_batch_size is not None:
+            if self.constraint_indicator_batch_size < 1:
+                raise ValueError(f"constraint_indicator_batch_size must be >= 1, got {self.constraint_indicator_batch_size}")
+            if self.constraint_indicator_fraction is None:
+                raise ValueError("constraint_indicator_batch_size sizes the indicator part's batches of two-split "
+                                 "estimation: give constraint_indicator_fraction too")
         if self.max_steps == 0:
             # the Trainer checks its bound after a step: max_steps=0 would train one step
             raise ValueError("max_steps=0 trains nothing; give max_steps >= 1, or -1 (the default) to train "
@@ -222,7 +234,8 @@ class ConstrainedTrainingArguments(TrainingArguments):
 # fields that must hold Python numbers when set from Python (the command line converts them already)
 _REAL_FIELDS = ("penalty_beta", "msvr_gamma", "objective_msvr_gamma")
 _INT_FIELDS = ("constraint_batch_size", "log_constraint_estimates_max")
-_OPTIONAL_INT_FIELDS = ("constraints_per_step", "constraint_eval_batch_size", "constraint_seed")
+_OPTIONAL_INT_FIELDS = ("constraints_per_step", "constraint_eval_batch_size", "constraint_seed",
+                        "constraint_indicator_batch_size")
 
 
 def _check_types(args: ConstrainedTrainingArguments) -> None:

@@ -128,8 +128,8 @@ class ConstrainedTrainer(SafetyMixin, TrainerInternals):
             share_constraint_batches=self.args.share_constraint_batches,
             check_finite=self.args.check_constraint_finite, confidence=self.args.constraint_confidence,
             margin=self.args.constraint_margin, indicator_fraction=self.args.constraint_indicator_fraction,
-            certificate_delta=self.args.constraint_certificate_delta,
-            proxy_indicator=self.args.constraint_proxy_indicator)
+            certificate_delta=self.args.constraint_certificate_delta, proxy_indicator=self.args.constraint_proxy_indicator,
+            indicator_batch_size=self.args.constraint_indicator_batch_size)
         self.in_training_step = False  # True inside training_step (subclasses' objectives read it)
         self._constraint_step = -1  # global step whose constraint part has run (once per accumulation window)
         self._eval_constraint_metrics: dict[str, float] = {}

@@ -43,8 +43,9 @@ Making the promise hold on images training never saw takes four things besides t
 * **A separate test split**, never used for anything but the numbers reported.
 
 Opt-in, from the library: two-split estimation (``indicator_fraction``: a share of D_k drives the
-hinge's indicator, the rest its gradient) and, with it, the proxy indicator (``proxy_indicator``:
-the indicator follows the share of D_k's rows forgotten against ``proxy_forget_rate``).
+hinge's indicator, the rest its gradient; ``indicator_batch_size`` rows per indicator batch) and,
+with it, the proxy indicator (``proxy_indicator``: the indicator follows the share of D_k's rows
+forgotten against ``proxy_forget_rate``).
 ``--workers`` runs seeds in parallel processes (single-threaded each; the numbers do not change).
 
 The selection, test and constraint pools all hold augmented copies of their own images
@@ -175,6 +176,7 @@ class DemoConfig:
     forget_tolerance: float = FORGET_TOLERANCE  # certified: at most this share of each protected digit's images forgotten
     delta: float = 0.05  # the certificate's error level
     indicator_fraction: float = 0.3  # > 0: two-split estimation (constraint_indicator_fraction); 0: off
+    indicator_batch_size: int = 0  # with two-split: rows per indicator batch, no grad (constraint_indicator_batch_size); 0: |B_k|
     proxy_indicator: bool = False  # with two-split: the hinge's indicator follows the share of D_k's rows forgotten
     proxy_forget_rate: float = 0.05  # with proxy_indicator: the share forgotten above which the hinge acts
     select_on: str = "forgotten"  # feasible checkpoint: every h_k <= tolerance ("loss") or share forgotten ("forgotten")
@@ -459,6 +461,8 @@ def check_indicator(cfg: DemoConfig, certify: bool = True) -> None:
         raise ValueError(f"--select_forget_rate must be in [0, 1), got {cfg.select_forget_rate}")
     if not 0 <= cfg.indicator_fraction < 1:
         raise ValueError(f"--indicator_fraction must be in [0, 1) (0: one split), got {cfg.indicator_fraction}")
+    if cfg.indicator_batch_size < 0:
+        raise ValueError(f"--indicator_batch_size must be >= 0 (0: --constraint_batch_size), got {cfg.indicator_batch_size}")
     if cfg.proxy_indicator:
         if cfg.indicator_fraction == 0:
             raise ValueError("--proxy_indicator needs two-split estimation: give --indicator_fraction > 0")
@@ -470,6 +474,9 @@ def check_indicator(cfg: DemoConfig, certify: bool = True) -> None:
         if cfg.confidence > 0:
             raise ValueError("--confidence sizes a margin from the loss's spread, but with --proxy_indicator the hinge "
                              "acts on the share forgotten (--proxy_forget_rate): give --confidence 0 with it")
+    if cfg.indicator_batch_size and cfg.indicator_fraction == 0:
+        raise ValueError(f"--indicator_batch_size {cfg.indicator_batch_size} sizes the batches of two-split estimation, "
+                         "which --indicator_fraction 0 turns off: give --indicator_batch_size 0 with it")
 
 
 def largest_share_forgotten(old_model: torch.nn.Module, pools: dict[str, Any], zs: ZeroShotLoss,
@@ -558,6 +565,7 @@ def finetune(cfg: DemoConfig, old_path: str, penalty: str, pools: Optional[Pools
             logging_steps=max(cfg.steps // 5, 1), save_strategy="no", report_to=[], seed=cfg.seed, use_cpu=True,
             dataloader_drop_last=True, disable_tqdm=True, remove_unused_columns=False,
             constraint_indicator_fraction=cfg.indicator_fraction or None, constraint_proxy_indicator=cfg.proxy_indicator,
+            constraint_indicator_batch_size=cfg.indicator_batch_size or None,
         )
         trainer = ContrastiveConstrainedTrainer(
             model=model, args=args, train_dataset=RowDataset(target_rows(data, cfg)), data_collator=collate,

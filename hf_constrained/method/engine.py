@@ -17,7 +17,8 @@ constraint's rows are split once, by a seeded permutation, into an *indicator* p
 indicator part, evaluated without grad; line 9's gradient follows batches of the gradient part.
 No indicator row ever reaches a gradient, so u_k estimates the constraint on rows the model is
 not fitted to (Cotter et al., ICML 2019: the constraint side on an independent split). Each step
-then evaluates both parts' batches: one extra forward without grad. With ``proxy_indicator`` the
+then evaluates both parts' batches: one extra forward without grad, over ``indicator_batch_size``
+rows (default |B_k|; the larger, the less noise u_k keeps). With ``proxy_indicator`` the
 estimate of a constraint that declares a certification statistic (``Constraint.certify_statistic``)
 tracks that statistic on the indicator rows (e.g. the share of a class's examples forgotten), against
 the statistic's tolerance, while the gradient still follows the differentiable surrogate: a proxy
@@ -151,6 +152,11 @@ class ConstraintEngine:
             host sync per step).
         confidence, margin: the run's calibrated-constraint settings (see
             :class:`~hf_constrained.method.margins.RowSpread`).
+        indicator_fraction, proxy_indicator: two-split estimation (module docstring).
+        indicator_batch_size: rows per process of each indicator-part batch (default
+            ``batch_size``); no grad flows through them, so a larger one buys a less noisy u_k
+            for a forward pass.
+        certificate_delta: size margins to the certificate's bound (``RowSpread``).
     """
 
     def __init__(self, constraints: Sequence[Constraint], penalty: Penalty, batches: BatchMaker, *, gamma: float,
@@ -160,7 +166,7 @@ class ConstraintEngine:
                  share_constraint_batches: bool = False, check_finite: bool = True,
                  confidence: Optional[float] = None, margin: Optional[float] = None,
                  indicator_fraction: Optional[float] = None, certificate_delta: Optional[float] = None,
-                 proxy_indicator: bool = False) -> None:
+                 proxy_indicator: bool = False, indicator_batch_size: Optional[int] = None) -> None:
         self.constraints = list(constraints)
         m = len(self.constraints)
         self.penalty, self.batches, self.check_finite = penalty, batches, check_finite
@@ -170,6 +176,8 @@ class ConstraintEngine:
                                        device=device, dtype=dtype)
         if proxy_indicator and not indicator_fraction:
             raise ValueError("constraint_proxy_indicator needs two-split estimation (constraint_indicator_fraction)")
+        if indicator_batch_size is not None and not indicator_fraction:
+            raise ValueError("constraint_indicator_batch_size needs two-split estimation (constraint_indicator_fraction)")
         grad_views, ind_views = (self.constraints, None) if not indicator_fraction else \
             split_for_indicator(self.constraints, indicator_fraction, seed, proxy=proxy_indicator)
         # what each estimate u_k tracks: the constraint, or with proxy indicators its certification statistic
@@ -184,12 +192,15 @@ class ConstraintEngine:
         if ind_views is not None:
             self.indicator_streams = [None if c.data_free else ConstraintBatchStream(len(c.dataset), seed, m + k)
                                       for k, c in enumerate(ind_views)]
-            self.indicator_values = DrawValues(ind_views, batches, batch_size=batch_size, device=device, world=world,
-                                               rank=rank, reduce_sum=reduce_sum)
+            self.indicator_values = DrawValues(ind_views, batches, batch_size=indicator_batch_size or batch_size,
+                                               device=device, world=world, rank=rank, reduce_sum=reduce_sum)
         if share_constraint_batches:
             self.values.stream_owner = self._shared_stream_owners()
+        sampled = ind_views if ind_views is not None else grad_views  # the rows u_k's batches come from
         self.spread = RowSpread(self.constraints, confidence=confidence, margin=margin, device=device,
-                                dtype=stats_dtype(device), certificate_delta=certificate_delta)
+                                dtype=stats_dtype(device), certificate_delta=certificate_delta,
+                                sampled_rows=[None if c.data_free else len(c.dataset) for c in sampled],
+                                two_split=ind_views is not None)
         self.tolerances = torch.tensor([c.tolerance for c in self.estimated], dtype=stats_dtype(device), device=device)
         self.next_draw: Optional[ConstraintDraw] = None
         self.step_metrics: dict[str, list[torch.Tensor]] = defaultdict(list)
@@ -217,7 +228,7 @@ class ConstraintEngine:
 
     def _rows(self, ids: torch.Tensor, streams: list[Optional[ConstraintBatchStream]], values: DrawValues
               ) -> list[Optional[list[int]]]:
-        global_b = self.batch_size * self.world
+        global_b = values.batch_size * self.world
         drawn: dict[int, list[int]] = {}
         rows: list[Optional[list[int]]] = []
         for k in ids.tolist():
@@ -352,8 +363,19 @@ class ConstraintEngine:
             logs["constraint/max_estimate"] = h.max().item()
             logs["constraint/active_fraction"] = (h > 0).float().mean().item()
             logs["constraint/penalty"] = self.penalty.value(h).sum().item() / len(self.constraints)
-        logs.update(self.spread.log_metrics(per_constraint, self.estimator.gamma))
+        logs.update(self.spread.log_metrics(per_constraint, self.estimator.gamma, self.threshold_distances()))
         return logs
+
+    def threshold_distances(self) -> dict[str, float]:
+        """``|outer(u_k) + margin - tol_k|`` of each visited constraint: how far its estimate is from
+        where line 9's indicator switches (the noise warning asks whether noise can flip it)."""
+        if not self.constraints:
+            return {}
+        ids = torch.arange(len(self.constraints))
+        margin = self.spread.margin_values(ids.to(self.device)) if self.spread.has_margins else None
+        violation, _ = self.violations(ids, self.estimator.values.detach(), margin)
+        visited = self.estimator.visited.cpu().tolist()
+        return {c.name: abs(float(v)) for c, v, seen in zip(self.constraints, violation.cpu().tolist(), visited) if seen}
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

@@ -4,9 +4,14 @@ For row-wise constraints every step yields the per-row values of B_k^t, hence th
 variance. :class:`RowSpread` keeps a running variance s_k^2 (per group of a ``group_key``
 constraint) and the rows per batch, and from them
 
-* the standard error of the mini-batch value h_k(w; B_k) (``constraint_std/<name>``), noise
-  to compare with the tolerance, with ONE warning per run when the estimate keeps more noise
-  than the constraint's scale;
+* the standard error of the mini-batch value h_k(w; B_k) as an estimate of h_k(w; D_k)
+  (``constraint_std/<name>``), noise to compare with the tolerance, with ONE warning per run
+  when the estimate keeps more noise than the constraint's scale while it sits within that noise
+  of its threshold (where the noise decides the hinge's indicator). B_k is drawn without
+  replacement from the N rows the estimate reads (one shuffled pass after another), so the
+  finite-population correction applies (:func:`without_replacement_factor`): ``s_k^2 / n``
+  times ``1 - n/N`` for a batch inside one pass, more for one that runs into the next, 0 when n
+  is a multiple of N (every batch IS D_k);
 * the margin of a calibrated constraint, ``z_c * s_k / sqrt(n_k)`` with n_k = |D_k| (or
   ``Constraint.independent_rows``), or an explicit margin: the hinge then acts on
   ``u_k + margin > tol_k``, so the constraint also holds on unseen data of the same population
@@ -46,6 +51,33 @@ SPREAD_DECAY = 0.1
 (a running mean over the first 10 visits, then an exponential average over about 10)."""
 
 
+def without_replacement_factor(n: torch.Tensor, population: torch.Tensor) -> torch.Tensor:
+    """``Var(mean of B) / (s^2 / n)`` for a batch of n rows cut from consecutive shuffled passes
+    over N rows (:class:`~hf_constrained.method.sampling.ConstraintBatchStream`); 1 where N is
+    unknown (0). Both are rounded to whole rows.
+
+    A batch is a piece of one pass or pieces of several; a piece of L rows drawn without
+    replacement adds ``phi(L) = L (N - L) / N`` to ``n^2 Var / s^2`` (a whole pass adds 0) and
+    pieces of different passes are independent. Batches start at the offsets 0, g, 2g, ...
+    (g = gcd(n, N)) in turn, so the factor is the mean of that sum over the K = N / g offsets:
+    with a the rows left in the pass where a batch starts, ``phi(n)`` or ``phi(a) + phi(n - a)``
+    for n < N, ``phi(a) + phi(|r - a|)`` for n >= N (r = n mod N). Sums of ``phi`` over
+    multiples of g have the closed form ``P(m) = sum_{i<=m} phi(i g)``."""
+    n_rows = n.round().clamp(min=1).long()
+    big = population.round().clamp(min=1).long()
+    g = torch.gcd(n_rows, big)
+    nf, bf, gf = n_rows.to(n.dtype), big.to(n.dtype), g.to(n.dtype)
+    k_off, k, j = bf / gf, nf / gf, torch.remainder(n_rows, big).to(n.dtype) / gf
+
+    def partial(m: torch.Tensor) -> torch.Tensor:  # sum of phi(i g) for i = 0..m
+        return gf * m * (m + 1) / 2 - gf * gf * m * (m + 1) * (2 * m + 1) / (6 * bf)
+
+    below = 2 * partial(k) + (k_off - 1 - k) * nf * (bf - nf) / bf
+    above = partial(k_off - 1) + partial(j) + partial(k_off - 1 - j)
+    factor = torch.where(n_rows < big, below, above) / (k_off * nf)
+    return torch.where(population > 0, factor.clamp(min=0.0), torch.ones_like(factor))
+
+
 class RowSpread:
     """Running per-row spread of the row-wise constraints, and the margins it gives.
 
@@ -54,13 +86,24 @@ class RowSpread:
         confidence: the run's ``constraint_confidence`` (``Constraint.confidence`` overrides it).
         margin: the run's ``constraint_margin`` (``Constraint.margin`` overrides it).
         device, dtype: where and in which precision the running sums live.
+        sampled_rows: per constraint, the number of rows its estimate's batches are drawn from
+            (the indicator part under two-split estimation); default ``len(c.dataset)``. Only the
+            noise (``constraint_std``) uses it: margins and certificate widths are about unseen
+            data, not about the sampling.
     """
 
     def __init__(self, constraints: Sequence["Constraint"], *, confidence: Optional[float] = None,
                  margin: Optional[float] = None, device: Any = None, dtype: torch.dtype = torch.float64,
-                 certificate_delta: Optional[float] = None) -> None:
+                 certificate_delta: Optional[float] = None,
+                 sampled_rows: Optional[Sequence[Optional[int]]] = None, two_split: bool = False) -> None:
         self.constraints = list(constraints)
         m = len(self.constraints)
+        if sampled_rows is not None and len(sampled_rows) != m:
+            raise ValueError(f"sampled_rows has {len(sampled_rows)} entries for {m} constraints")
+        population = torch.zeros(m, dtype=torch.float64)  # 0: unknown (no correction)
+        for k, c in enumerate(self.constraints):
+            size = sampled_rows[k] if sampled_rows is not None else (None if c.data_free else len(c.dataset))
+            population[k] = float(size or 0)
         z, fixed = torch.zeros(m, dtype=torch.float64), torch.zeros(m, dtype=torch.float64)
         rows = torch.ones(m, dtype=torch.float64)
         no_rows = []
@@ -103,12 +146,15 @@ class RowSpread:
         self.cert_rows = cert_rows.to(device, dtype)
         z = torch.where(cert_log > 0, torch.zeros_like(z), z)
         self.z, self.fixed, self.data_rows = z.to(device, dtype), fixed.to(device, dtype), rows.to(device, dtype)
+        self.population = population.to(device, dtype)
         self.configured = (z > 0) | (fixed > 0) | (cert_log > 0)
         self.has_margins = bool(self.configured.any())
         self.var = torch.zeros(2 * m, dtype=dtype, device=device)
         self.rows = torch.zeros(2 * m, dtype=dtype, device=device)
         self.visits = torch.zeros(m, dtype=dtype, device=device)
         self.noise_warned = False
+        # the batch size the warning points to: the indicator part's under two-split estimation
+        self.batch_setting = "constraint_indicator_batch_size" if two_split else "constraint_batch_size"
 
     @torch.no_grad()
     def observe(self, ids: torch.Tensor, stats: torch.Tensor) -> None:
@@ -131,10 +177,13 @@ class RowSpread:
         return self.var[owner].view(-1, 2), self.rows[owner].view(-1, 2)
 
     def batch_std_error(self, ids: torch.Tensor) -> torch.Tensor:
-        """Standard error of h_k(w; B_k): ``s_k / sqrt(|B_k|)``, or ``sqrt(s_0^2 / n_0 + s_1^2 / n_1)``
-        for a group difference."""
+        """Standard error of h_k(w; B_k) around h_k(w; D_k): ``s_k / sqrt(|B_k|)`` times the
+        finite-population factor (module docstring), or ``sqrt(v_0 + v_1)`` for a group
+        difference, each group's v_g with its running share of the batch and of the N rows."""
         var, rows = self._at(ids)
-        return torch.where(rows > 0, var / rows.clamp(min=1e-12), torch.zeros_like(var)).sum(dim=1).sqrt()
+        share = rows / rows.sum(dim=1, keepdim=True).clamp(min=1e-12)
+        fpc = without_replacement_factor(rows, self.population[ids].unsqueeze(1) * share)
+        return torch.where(rows > 0, var / rows.clamp(min=1e-12) * fpc, torch.zeros_like(var)).sum(dim=1).sqrt()
 
     def margin_values(self, ids: torch.Tensor) -> torch.Tensor:
         """The margin in force per constraint: the explicit one, or ``z_c * s_k / sqrt(n_k)`` (for a
@@ -163,23 +212,26 @@ class RowSpread:
         return {c.name: float(v) for c, v, on in zip(self.constraints, values, self.configured.tolist()) if on}
 
     def noise(self) -> dict[str, float]:
-        """Standard error of each visited row-wise constraint's mini-batch value."""
+        """Standard error of each visited row-wise constraint's mini-batch value, as an estimate
+        of its value on the rows it is drawn from (:meth:`batch_std_error`)."""
         if not self.constraints:
             return {}
         se = self.batch_std_error(torch.arange(len(self.constraints), device=self.var.device)).cpu().tolist()
         visited = (self.visits > 0).cpu().tolist()
         return {c.name: float(v) for c, v, seen in zip(self.constraints, se, visited) if seen}
 
-    def log_metrics(self, per_constraint: bool, msvr_gamma: float) -> dict[str, float]:
+    def log_metrics(self, per_constraint: bool, msvr_gamma: float,
+                    distances: Optional[Mapping[str, float]] = None) -> dict[str, float]:
         """``constraint_std/<name>`` and ``constraint_margin/<name>`` (with ``per_constraint``) and
-        their maxima; warns once when the noise an estimate keeps dwarfs a constraint's scale."""
+        their maxima; warns once when the noise an estimate keeps dwarfs a constraint's scale
+        while the estimate is within that noise of its threshold (``distances``, by name)."""
         logs: dict[str, float] = {}
         noise = self.noise()
         if noise:
             if per_constraint:
                 logs.update({f"constraint_std/{n}": v for n, v in noise.items()})
             logs["constraint_std/max"] = max(noise.values())
-            self._maybe_warn_noise(noise, msvr_gamma)
+            self._maybe_warn_noise(noise, msvr_gamma, distances)
         margins = self.margins()
         if margins:
             if per_constraint:
@@ -196,18 +248,25 @@ class RowSpread:
             scale = abs(float(c.tolerance))
         return None if scale is None or not scale > 0 else float(scale)
 
-    def _maybe_warn_noise(self, noise: dict[str, float], gamma: float) -> None:
-        """With independent batch noise of standard error se, an exponential average with weight
-        gamma keeps a standard deviation of ``se * sqrt(gamma / (2 - gamma))``; when that exceeds
-        the scale the hinge's indicator 1[u_k > 0] is close to a coin flip."""
+    def _maybe_warn_noise(self, noise: dict[str, float], gamma: float,
+                          distances: Optional[Mapping[str, float]] = None) -> None:
+        """With independent batch noise of standard error se (finite-population corrected), an
+        exponential average with weight gamma keeps ``se * sqrt(gamma / (2 - gamma))``. When that
+        exceeds the constraint's scale AND the estimate is within it of the threshold
+        (``distances``: ``|u_k + margin - tol_k|``), the indicator 1[u_k > 0] is close to a coin flip;
+        an estimate further away than its noise switches the same way whatever the noise (a
+        constraint clearly violated or clearly met), so it is not counted."""
         if self.noise_warned:
             return
         keep = math.sqrt(gamma / (2.0 - gamma))
         bad = []
         for c in self.constraints:
             scale = self._noise_scale(c)
-            if scale is not None and c.name in noise and noise[c.name] * keep > scale:
-                bad.append((noise[c.name] * keep / scale, c.name, noise[c.name], scale))
+            if scale is None or c.name not in noise or not noise[c.name] * keep > scale:
+                continue
+            if distances is not None and not distances.get(c.name, math.inf) < noise[c.name] * keep:
+                continue
+            bad.append((noise[c.name] * keep / scale, c.name, noise[c.name], scale))
         if not bad:
             return
         self.noise_warned = True
@@ -215,11 +274,11 @@ class RowSpread:
         ratio, name, se, scale = bad[0]
         logger.warning(
             "constraint noise: the mini-batch value of %r has standard error %.3g; with msvr_gamma=%g its estimate "
-            "keeps about %.3g of it, %.1fx the constraint's scale %.3g (metadata['noise_scale'] or |tolerance|), so the "
-            "hinge acts on noise. %d of %d constraints are in this state (worst: %s). Lower msvr_gamma (e.g. 0.1; the "
-            "estimate then averages about 2/gamma batches) or raise constraint_batch_size (the noise falls as "
-            "1/sqrt(|B_k|)).", name, se, gamma, se * keep, ratio, scale, len(bad), len(self.constraints),
-            [b[1] for b in bad[:5]])
+            "keeps about %.3g of it, %.1fx the constraint's scale %.3g (metadata['noise_scale'] or |tolerance|), and the "
+            "estimate is within that noise of its threshold, so the hinge acts on noise. %d of %d constraints are in this state (worst: %s). Raise %s (the noise falls "
+            "as 1/sqrt(|B_k|), faster as a batch nears all of the constraint's rows) or lower msvr_gamma (e.g. 0.1; "
+            "the estimate then averages about 2/gamma batches).", name, se, gamma, se * keep, ratio, scale, len(bad),
+            len(self.constraints), [b[1] for b in bad[:5]], self.batch_setting)
 
     def state_dict(self) -> dict[str, Any]:
         return {"var": self.var.cpu(), "rows": self.rows.cpu(), "visits": self.visits.cpu(),
@@ -232,4 +291,4 @@ class RowSpread:
         self.noise_warned = bool(state["noise_warned"])
 
 
-__all__ = ["RowSpread", "SPREAD_DECAY"]
+__all__ = ["RowSpread", "SPREAD_DECAY", "without_replacement_factor"]

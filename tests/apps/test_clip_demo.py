@@ -289,7 +289,10 @@ def test_indicator_flags_are_checked_before_any_training(tmp_path, monkeypatch):
                          (["--indicator_fraction", "0.3", "--proxy_indicator", "true", "--confidence", "0",
                            "--proxy_forget_rate", "0.3"], "--proxy_forget_rate"),
                          (["--indicator_fraction", "0.3", "--proxy_indicator", "true", "--confidence", "0",
-                           "--certify_fraction", "0"], "--certify_fraction")):
+                           "--certify_fraction", "0"], "--certify_fraction"),
+                         (["--indicator_fraction", "0", "--indicator_batch_size", "64"],
+                          "give --indicator_batch_size 0 with it"),
+                         (["--indicator_batch_size", "-1"], "--indicator_batch_size must be >= 0")):
         with pytest.raises(ValueError, match=match):
             demo.run_demo(parser.parse_args(base + flags), echo=lambda line: None)
     assert parser.parse_args(["--proxy_indicator", "false"]).proxy_indicator is False  # not bool("false")

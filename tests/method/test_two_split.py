@@ -3,8 +3,8 @@ hinge's indicator, follows rows that no constraint gradient ever uses; resume st
 
 import pytest
 import torch
-from scale_tiny import (Recorder, StopAt, disjoint_trainer, indicator_rows, make_rowwise_trainer, row_key,
-                        snapshot)
+from scale_tiny import (Recorder, StopAt, disjoint_trainer, indicator_rows, make_rowwise_trainer, per_row_ce,
+                        row_key, snapshot)
 
 from hf_constrained.constraint import CertifyStatistic
 from hf_constrained.method.engine import split_for_indicator
@@ -100,3 +100,37 @@ def test_a_proxy_indicator_tracks_the_certification_statistic(tmp_path):
     assert float(trainer.engine.current_weights()[k]) == 0.0
     with pytest.raises(ValueError, match="constraint_proxy_indicator needs two-split estimation"):
         disjoint_trainer(str(tmp_path / "b"), surrogate, statistic=stat, constraint_proxy_indicator=True)
+
+
+def test_the_indicator_batch_has_its_own_size(tmp_path):
+    """``constraint_indicator_batch_size``: the no-grad batches of the indicator part hold that many
+    rows, all from the indicator part (the gradient's keep ``constraint_batch_size``)."""
+    sizes: dict[bool, list[int]] = {True: [], False: []}
+    record, holder = Recorder(), {}
+
+    def row_fn(model, batch):
+        if holder["trainer"].in_training_step:  # the step's calls, not the checks and evaluations
+            sizes[torch.is_grad_enabled()].append(len(batch["x"]))
+            return record(model, batch)
+        return per_row_ce(model, batch)
+
+    trainer = disjoint_trainer(str(tmp_path / "run"), row_fn, constraint_indicator_fraction=0.5, msvr_gamma=1.0,
+                               msvr_gamma_prime=0.0, constraints_per_step=1, max_steps=3,
+                               constraint_indicator_batch_size=20)
+    holder["trainer"] = trainer
+    trainer.train()
+    assert sizes[True] and set(sizes[True]) == {6}
+    assert sizes[False] and set(sizes[False]) == {20}
+    assert record.without_grad <= set().union(*indicator_rows(trainer, 0.5).values())
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(constraint_indicator_batch_size=8), "give constraint_indicator_fraction"),
+    (dict(constraint_indicator_fraction=0.5, constraint_indicator_batch_size=0), "must be >= 1"),
+    (dict(constraint_indicator_fraction=0.5, constraint_indicator_batch_size=2.5), "must be an integer"),
+])
+def test_indicator_batch_size_needs_two_split(tmp_path, kw, match):
+    from hf_constrained import ConstrainedTrainingArguments
+
+    with pytest.raises((ValueError, TypeError), match=match):
+        ConstrainedTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], **kw)
