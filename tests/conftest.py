@@ -7,9 +7,10 @@ The tests mirror the package: ``method/`` (Algorithm 1 and its parts, no Trainer
 processes or train for long (``pytest -m "not slow"`` skips them).
 """
 
+import importlib
 import os
 import sys
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 
 import pytest
 import torch
@@ -20,6 +21,17 @@ from hf_constrained import ConstrainedTrainingArguments
 
 # test helper modules (scale_tiny, clip_synthetic, safety_tiny) import by name
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def import_script(folder: str, name: str) -> ModuleType:
+    """``<repo>/<folder>/<name>.py`` (a recipe or benchmark script, not part of the package)
+    imported by name, as ``python <folder>/<name>.py`` would see its own folder."""
+    sys.path.insert(0, os.path.join(REPO_ROOT, folder))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.pop(0)
 
 
 @pytest.fixture(autouse=True, scope="session")

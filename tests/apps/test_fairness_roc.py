@@ -2,12 +2,12 @@
 
 import json
 import os
-import sys
 
 import numpy as np
 import pytest
 import torch
 
+from conftest import import_script
 from fairness_tiny import biased_split
 from hf_constrained.batches import collate_examples
 from transformers import AutoModel
@@ -195,12 +195,7 @@ def _csv_recipe_flags(splits, tmp_path) -> list[str]:
 
 
 def _roc_recipe():
-    sys.path.insert(0, os.path.join(ROOT, "recipes"))
-    try:
-        import roc_fairness
-    finally:
-        sys.path.pop(0)
-    return roc_fairness
+    return import_script("recipes", "roc_fairness")
 
 
 def test_recipe_on_a_csv_writes_results_and_a_loadable_model(splits, tmp_path):

@@ -4,12 +4,12 @@ benchmark that compares the hinge's certificate with the unconstrained model's."
 import json
 import os
 import shlex
-import sys
 
 import numpy as np
 import pytest
 import torch
 
+from conftest import import_script
 from fairness_tiny import biased_split
 from hf_constrained import ConstrainedTrainingArguments
 from hf_constrained.fairness import (
@@ -98,12 +98,7 @@ def test_the_temperature_reaches_the_trained_rates_the_exact_values_and_the_hist
 
 
 def _benchmark():
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    try:
-        import roc_certificate
-    finally:
-        sys.path.pop(0)
-    return roc_certificate
+    return import_script("benchmarks", "roc_certificate")
 
 
 def _run(seed, method, gap, test_gap=0.1):
@@ -161,12 +156,7 @@ def test_stored_roc_certificate_results_name_their_real_command(name):
 
 
 def _recipe():
-    sys.path.insert(0, os.path.join(ROOT, "recipes"))
-    try:
-        import roc_fairness
-    finally:
-        sys.path.pop(0)
-    return roc_fairness
+    return import_script("recipes", "roc_fairness")
 
 
 @pytest.mark.parametrize("flags, beta, temperature", [
