@@ -1,7 +1,6 @@
 """ROC-fairness constraints, objective, methods (hinge / squared hinge / none / ICPPAC), recipe, FRVP."""
 
 import json
-import os
 
 import numpy as np
 import pytest
@@ -27,7 +26,6 @@ from hf_constrained.fairness import (
 from hf_constrained.fairness.frvp import constraint_jacobian, frvp_report, min_singular_value
 from hf_constrained.fairness.icppac import ICPPACConfig, ICPPACTrainer
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 THRESHOLDS = (-1.0, 0.0, 1.0)
 
 
