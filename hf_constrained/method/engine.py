@@ -196,11 +196,9 @@ class ConstraintEngine:
                                                device=device, world=world, rank=rank, reduce_sum=reduce_sum)
         if share_constraint_batches:
             self.values.stream_owner = self._shared_stream_owners()
-        sampled = ind_views if ind_views is not None else grad_views  # the rows u_k's batches come from
         self.spread = RowSpread(self.constraints, confidence=confidence, margin=margin, device=device,
                                 dtype=stats_dtype(device), certificate_delta=certificate_delta,
-                                sampled_rows=[None if c.data_free else len(c.dataset) for c in sampled],
-                                two_split=ind_views is not None)
+                                indicator_views=ind_views)
         self.tolerances = torch.tensor([c.tolerance for c in self.estimated], dtype=stats_dtype(device), device=device)
         self.next_draw: Optional[ConstraintDraw] = None
         self.step_metrics: dict[str, list[torch.Tensor]] = defaultdict(list)
@@ -313,10 +311,14 @@ class ConstraintEngine:
     def current_weights(self) -> torch.Tensor:
         """``weight(u_k) * outer'(u_k)`` of every constraint at the current estimates, margins
         included (0 for constraints not visited yet): line 9's weights with B_c = all m."""
+        violation, slope = self._violations_at_estimates()
+        return (self.penalty.weight(violation) * slope * self.estimator.visited).cpu()
+
+    def _violations_at_estimates(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`violations` of all m constraints at their current estimates, margins included."""
         ids = torch.arange(len(self.constraints))
         margin = self.spread.margin_values(ids.to(self.device)) if self.spread.has_margins else None
-        violation, slope = self.violations(ids, self.estimator.values.detach(), margin)
-        return (self.penalty.weight(violation) * slope * self.estimator.visited).cpu()
+        return self.violations(ids, self.estimator.values.detach(), margin)
 
     def _check_finite(self, ids: torch.Tensor, current: torch.Tensor, previous: Optional[torch.Tensor],
                       step: int) -> None:
@@ -363,7 +365,8 @@ class ConstraintEngine:
             logs["constraint/max_estimate"] = h.max().item()
             logs["constraint/active_fraction"] = (h > 0).float().mean().item()
             logs["constraint/penalty"] = self.penalty.value(h).sum().item() / len(self.constraints)
-        logs.update(self.spread.log_metrics(per_constraint, self.estimator.gamma, self.threshold_distances()))
+        distances = None if self.spread.noise_warned else self.threshold_distances()  # only the warning reads them
+        logs.update(self.spread.log_metrics(per_constraint, self.estimator.gamma, distances))
         return logs
 
     def threshold_distances(self) -> dict[str, float]:
@@ -371,9 +374,7 @@ class ConstraintEngine:
         where line 9's indicator switches (the noise warning asks whether noise can flip it)."""
         if not self.constraints:
             return {}
-        ids = torch.arange(len(self.constraints))
-        margin = self.spread.margin_values(ids.to(self.device)) if self.spread.has_margins else None
-        violation, _ = self.violations(ids, self.estimator.values.detach(), margin)
+        violation, _ = self._violations_at_estimates()
         visited = self.estimator.visited.cpu().tolist()
         return {c.name: abs(float(v)) for c, v, seen in zip(self.constraints, violation.cpu().tolist(), visited) if seen}
 

@@ -86,24 +86,23 @@ class RowSpread:
         confidence: the run's ``constraint_confidence`` (``Constraint.confidence`` overrides it).
         margin: the run's ``constraint_margin`` (``Constraint.margin`` overrides it).
         device, dtype: where and in which precision the running sums live.
-        sampled_rows: per constraint, the number of rows its estimate's batches are drawn from
-            (the indicator part under two-split estimation); default ``len(c.dataset)``. Only the
-            noise (``constraint_std``) uses it: margins and certificate widths are about unseen
-            data, not about the sampling.
+        indicator_views: under two-split estimation, the constraints' indicator parts: the rows
+            the estimates' batches are drawn from (else each constraint's dataset). Only the noise
+            (``constraint_std``) counts those rows: margins and certificate widths are about
+            unseen data, not about the sampling; and the warning then names
+            ``constraint_indicator_batch_size``.
     """
 
     def __init__(self, constraints: Sequence["Constraint"], *, confidence: Optional[float] = None,
                  margin: Optional[float] = None, device: Any = None, dtype: torch.dtype = torch.float64,
                  certificate_delta: Optional[float] = None,
-                 sampled_rows: Optional[Sequence[Optional[int]]] = None, two_split: bool = False) -> None:
+                 indicator_views: Optional[Sequence["Constraint"]] = None) -> None:
         self.constraints = list(constraints)
         m = len(self.constraints)
-        if sampled_rows is not None and len(sampled_rows) != m:
-            raise ValueError(f"sampled_rows has {len(sampled_rows)} entries for {m} constraints")
-        population = torch.zeros(m, dtype=torch.float64)  # 0: unknown (no correction)
-        for k, c in enumerate(self.constraints):
-            size = sampled_rows[k] if sampled_rows is not None else (None if c.data_free else len(c.dataset))
-            population[k] = float(size or 0)
+        sampled = self.constraints if indicator_views is None else list(indicator_views)
+        # rows each estimate's batches are drawn from; 0: none (no correction)
+        population = torch.tensor([0.0 if c.data_free else float(len(c.dataset)) for c in sampled],
+                                  dtype=torch.float64)
         z, fixed = torch.zeros(m, dtype=torch.float64), torch.zeros(m, dtype=torch.float64)
         rows = torch.ones(m, dtype=torch.float64)
         no_rows = []
@@ -154,7 +153,7 @@ class RowSpread:
         self.visits = torch.zeros(m, dtype=dtype, device=device)
         self.noise_warned = False
         # the batch size the warning points to: the indicator part's under two-split estimation
-        self.batch_setting = "constraint_indicator_batch_size" if two_split else "constraint_batch_size"
+        self.batch_setting = "constraint_batch_size" if indicator_views is None else "constraint_indicator_batch_size"
 
     @torch.no_grad()
     def observe(self, ids: torch.Tensor, stats: torch.Tensor) -> None:
