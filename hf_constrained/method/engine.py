@@ -365,8 +365,7 @@ class ConstraintEngine:
             logs["constraint/max_estimate"] = h.max().item()
             logs["constraint/active_fraction"] = (h > 0).float().mean().item()
             logs["constraint/penalty"] = self.penalty.value(h).sum().item() / len(self.constraints)
-        distances = None if self.spread.noise_warned else self.threshold_distances()  # only the warning reads them
-        logs.update(self.spread.log_metrics(per_constraint, self.estimator.gamma, distances))
+        logs.update(self.spread.log_metrics(per_constraint, self.estimator.gamma, self.threshold_distances))
         return logs
 
     def threshold_distances(self) -> dict[str, float]:

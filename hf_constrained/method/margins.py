@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -220,10 +220,11 @@ class RowSpread:
         return {c.name: float(v) for c, v, seen in zip(self.constraints, se, visited) if seen}
 
     def log_metrics(self, per_constraint: bool, msvr_gamma: float,
-                    distances: Optional[Mapping[str, float]] = None) -> dict[str, float]:
+                    distances: Callable[[], Mapping[str, float]]) -> dict[str, float]:
         """``constraint_std/<name>`` and ``constraint_margin/<name>`` (with ``per_constraint``) and
         their maxima; warns once when the noise an estimate keeps dwarfs a constraint's scale
-        while the estimate is within that noise of its threshold (``distances``, by name)."""
+        while the estimate is within that noise of its threshold (``distances()``, by name, asked
+        only when some constraint's noise exceeds its scale)."""
         logs: dict[str, float] = {}
         noise = self.noise()
         if noise:
@@ -248,24 +249,25 @@ class RowSpread:
         return None if scale is None or not scale > 0 else float(scale)
 
     def _maybe_warn_noise(self, noise: dict[str, float], gamma: float,
-                          distances: Optional[Mapping[str, float]] = None) -> None:
+                          distances: Callable[[], Mapping[str, float]]) -> None:
         """With independent batch noise of standard error se (finite-population corrected), an
         exponential average with weight gamma keeps ``se * sqrt(gamma / (2 - gamma))``. When that
         exceeds the constraint's scale AND the estimate is within it of the threshold
-        (``distances``: ``|u_k + margin - tol_k|``), the indicator 1[u_k > 0] is close to a coin flip;
+        (``distances()``: ``|u_k + margin - tol_k|``), the indicator 1[u_k > 0] is close to a coin flip;
         an estimate further away than its noise switches the same way whatever the noise (a
         constraint clearly violated or clearly met), so it is not counted."""
         if self.noise_warned:
             return
         keep = math.sqrt(gamma / (2.0 - gamma))
-        bad = []
+        noisy = []
         for c in self.constraints:
             scale = self._noise_scale(c)
-            if scale is None or c.name not in noise or not noise[c.name] * keep > scale:
-                continue
-            if distances is not None and not distances.get(c.name, math.inf) < noise[c.name] * keep:
-                continue
-            bad.append((noise[c.name] * keep / scale, c.name, noise[c.name], scale))
+            if scale is not None and c.name in noise and noise[c.name] * keep > scale:
+                noisy.append((noise[c.name] * keep / scale, c.name, noise[c.name], scale))
+        if not noisy:
+            return
+        distance = distances()
+        bad = [b for b in noisy if distance.get(b[1], math.inf) < b[2] * keep]
         if not bad:
             return
         self.noise_warned = True

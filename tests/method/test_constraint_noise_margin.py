@@ -156,7 +156,6 @@ def test_without_replacement_factor_matches_the_sampler(n):
     else:
         assert means.var() == pytest.approx(expected, rel=0.08)
         assert abs(means.var() - s2 / n) > 0.2 * s2 / n  # far from the with-replacement value
-    assert float(without_replacement_factor(torch.tensor(8.0), torch.tensor(0.0))) == 1.0  # N unknown
 
 
 def test_without_replacement_factor_closed_form():
@@ -165,6 +164,7 @@ def test_without_replacement_factor_closed_form():
     got = without_replacement_factor(torch.tensor([float(n) for n, _ in grid], dtype=torch.float64),
                                      torch.tensor([float(b) for _, b in grid], dtype=torch.float64))
     np.testing.assert_allclose(got.numpy(), [pieces_factor(n, b) for n, b in grid], atol=1e-12)
+    assert float(without_replacement_factor(torch.tensor(8.0), torch.tensor(0.0))) == 1.0  # N unknown
 
 
 def test_no_noise_warning_when_the_batch_is_the_whole_constraint_set(tmp_path, caplog):
@@ -199,6 +199,25 @@ def test_noise_warning_under_two_split_names_the_indicator_batch(tmp_path, caplo
         trainer.train()
     (warning,) = [r.getMessage() for r in caplog.records if "constraint noise" in r.getMessage()]
     assert "Raise constraint_indicator_batch_size" in warning
+
+
+def test_under_two_split_the_noise_is_counted_over_the_indicator_part(tmp_path):
+    """Constraints of 30 rows split in half: indicator batches of 15 rows hold all of the indicator
+    part every step, so its estimate has no sampling noise; the same 15-row batches over all 30
+    rows (one split) do."""
+    data = make_data(90, 0)
+    cons = [Constraint(f"part{j}", row_fn=per_row_ce, dataset=data.select(range(30 * j, 30 * j + 30)), **NEAR)
+            for j in range(3)]
+
+    def noise(**kw) -> dict:
+        args = make_args(tmp_path, f"s{len(kw)}", max_steps=4, constraints_per_step=None, constraint_batch_size=15,
+                         **kw)
+        trainer = ConstrainedTrainer(model=Net64(), train_dataset=make_data(32, 1), constraints=cons, args=args)
+        trainer.train()
+        return trainer.constraint_noise()
+
+    assert max(noise(constraint_indicator_fraction=0.5).values()) < 1e-9
+    assert min(noise().values()) > 0.01
 
 
 def test_no_noise_warning_for_estimates_far_from_their_threshold(tmp_path, caplog):
