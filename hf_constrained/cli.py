@@ -106,7 +106,7 @@ def _demo(args: argparse.Namespace) -> int:
     # make every other command (and --help) take seconds to start
     from .recipes import DEMO_MODULE, __name__ as recipes_package
 
-    demo = import_recipe(f"{recipes_package}.{DEMO_MODULE}", "demo")
+    demo = import_recipe(f"{recipes_package}.{DEMO_MODULE}")
     parser = argparse.ArgumentParser(prog="hf-constrained demo", description=DEMO_HELP,
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
     demo.add_demo_arguments(parser)
@@ -130,18 +130,11 @@ def _recipes(args: argparse.Namespace) -> int:
     return 0
 
 
-def import_recipe(module_name: str, command: str) -> Any:
+def import_recipe(module_name: str) -> Any:
     """Import a recipe's module; a missing optional package (scikit-learn for the digits examples,
-    pillow for CLIP, ...) is a :class:`MissingExtraError` that names the extra to install."""
-    try:
-        return importlib.import_module(module_name)
-    except ModuleNotFoundError as err:
-        extra = extra_for_module(err.name or "")
-        if extra is None:
-            raise
-        raise MissingExtraError(f"hf-constrained {command} needs the optional package {err.name!r}, which is not "
-                                f"installed: {install_hint('recipes')} (what every recipe needs) or "
-                                f"{install_hint(extra)}") from err
+    pillow for CLIP, ...) propagates as :class:`ModuleNotFoundError`, which :func:`main` turns
+    into one line naming the extra to install."""
+    return importlib.import_module(module_name)
 
 
 def run_recipe(recipe: Recipe, argv: Sequence[str]) -> int:
@@ -149,7 +142,7 @@ def run_recipe(recipe: Recipe, argv: Sequence[str]) -> int:
     and errors name the command (``hf-constrained <recipe>``)."""
     # imported here, not at the top: a recipe imports torch and transformers, which would make
     # every other command (and --help) take seconds to start
-    module = import_recipe(recipe.module_name, recipe.command)
+    module = import_recipe(recipe.module_name)
     saved, sys.argv = sys.argv, [f"hf-constrained {recipe.command}", *argv]  # argparse's prog
     try:
         result = module.main(list(argv))

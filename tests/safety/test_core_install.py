@@ -168,4 +168,5 @@ def test_a_recipe_without_its_extra_is_a_one_line_error_naming_it(argv, tmp_path
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     assert f"hf-constrained {command}: error:" in proc.stderr and "'sklearn'" in proc.stderr
+    assert proc.stderr.count(f"hf-constrained {command}") == 1, proc.stderr  # the command named once
     assert "pip install 'hf_constrained[recipes]'" in proc.stderr
