@@ -3,9 +3,9 @@
 The second application of Yang et al. (TMLR 2026, section 5) in miniature, on
 scikit-learn's digits:
 
-1. **Old model** (stage 1, cached under ``--cache_dir``, ``outputs/demo_clip_digits``): a small CLIP built from a config is
-   pre-trained as a zero-shot classifier over the prompts "a photo of the digit {name}"
-   on part of the digits, with the target digit held out almost entirely, so it is weak
+1. **Old model** (stage 1, cached under ``--cache_dir``, by default ``outputs/demo_clip_digits``):
+   a small CLIP built from a config is pre-trained as a zero-shot classifier over the prompts
+   "a photo of the digit {name}" on part of the digits, with the target digit held out almost entirely, so it is weak
    on the target.
 2. **Target data**: image-caption pairs of the target digit (positives) and of other
    digits (negatives). Like web retrievals it is noisy: part of the "positives" are images
