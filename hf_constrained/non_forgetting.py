@@ -277,7 +277,8 @@ class NonForgettingConstraint(Constraint):
                        row_fn: Optional[ReferenceGap] = None, name: str = "non_forgetting/{task}",
                        use_base_of_adapter: bool = True, certify_dataset: Optional[Any] = None,
                        correct: Optional[PerSampleCorrect] = None,
-                       forget_tolerance: Optional[float] = None) -> "NonForgettingConstraint":
+                       forget_tolerance: Optional[float] = None,
+                       old_correct_on_rows: bool = False) -> "NonForgettingConstraint":
         """Run the reference pass of ``old_model`` on ``dataset`` (and ``eval_dataset``) and
         return the constraint over those rows.
 
@@ -297,6 +298,9 @@ class NonForgettingConstraint(Constraint):
             certify_dataset: the task's certification rows (read only by the certificate); the
                 certificate then bounds the share of them forgotten (:class:`ForgottenRows`):
                 needs ``correct`` (per-row 0/1 correctness) and ``forget_tolerance``.
+            old_correct_on_rows: with ``certify_dataset``, also give the training rows the old
+                model's correctness, so that a proxy indicator (``constraint_proxy_indicator``)
+                can evaluate the certificate's statistic on them (one more old-model pass).
         """
         if relative_tolerance < 0:
             raise ValueError(f"protected task {task!r}: relative_tolerance must be >= 0, got {relative_tolerance}")
@@ -319,6 +323,13 @@ class NonForgettingConstraint(Constraint):
                     desc=f"old model's correctness {task} (certification)"))
             statistic = forgetting_statistic(correct, forget_tolerance)
         old_loss = train.mean_loss
+        if old_correct_on_rows:
+            if statistic is None:
+                raise ValueError(f"protected task {task!r}: old_correct_on_rows serves the certificate's statistic: "
+                                 "give certify_dataset, correct and forget_tolerance")
+            with old_model_context(old_model, use_base_of_adapter):
+                train = ReferenceCorrectDataset(train, reference_losses(
+                    old_model, dataset, correct, collate_fn, batch_size, desc=f"old model's correctness {task}"))
         tol = float(tolerance) + float(relative_tolerance) * old_loss
         metadata = {"task": task, "old_loss": old_loss, "absolute_tolerance": float(tolerance),
                     "relative_tolerance": float(relative_tolerance)}
@@ -336,7 +347,8 @@ def non_forgetting_constraints(old_model: nn.Module, loss: Union[PerSampleLoss, 
                                name: str = "non_forgetting/{task}", row_fn: Optional[ReferenceGap] = None,
                                use_base_of_adapter: bool = True, certify_datasets: Optional[Mapping[str, Any]] = None,
                                correct: Optional[PerSampleCorrect] = None,
-                               forget_tolerance: Optional[Tolerance] = None) -> list[NonForgettingConstraint]:
+                               forget_tolerance: Optional[Tolerance] = None,
+                               old_correct_on_rows: bool = False) -> list[NonForgettingConstraint]:
     """One :class:`NonForgettingConstraint` per protected task, all sharing one row function.
 
     Args:
@@ -357,6 +369,8 @@ def non_forgetting_constraints(old_model: nn.Module, loss: Union[PerSampleLoss, 
             :func:`~hf_constrained.per_sample_loss.causal_lm_per_example_correct`) and
             ``forget_tolerance`` (one for all or per task): the certificate bounds the share of
             each task's examples forgotten.
+        old_correct_on_rows: the old model's correctness on the training rows too, for
+            ``constraint_proxy_indicator`` (see :meth:`NonForgettingConstraint.from_old_model`).
     """
     if not datasets:
         raise ValueError("no protected tasks: pass at least one task's data")
@@ -380,7 +394,8 @@ def non_forgetting_constraints(old_model: nn.Module, loss: Union[PerSampleLoss, 
             batch_size=batch_size, row_fn=row_fn, name=name, use_base_of_adapter=use_base_of_adapter,
             certify_dataset=None if certify_datasets is None else certify_datasets.get(task), correct=correct,
             forget_tolerance=None if forget_tolerance is None or certify_datasets is None
-            or task not in certify_datasets else _for_task(forget_tolerance, task, "forget_tolerance"))
+            or task not in certify_datasets else _for_task(forget_tolerance, task, "forget_tolerance"),
+            old_correct_on_rows=old_correct_on_rows)
         out.append(constraint)
         logger.info("non-forgetting constraint %s: %d rows, old loss %.4f, tolerance %.4g", constraint.name,
                     len(data), constraint.metadata["old_loss"], constraint.tolerance)

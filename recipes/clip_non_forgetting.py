@@ -276,7 +276,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
                                                  tolerance=script.constraint_tolerance,
                                                  batch_size=script.reference_batch_size,
                                                  certify_datasets=certify_sets,
-                                                 forget_tolerance=script.forget_tolerance if certify_sets else None)
+                                                 forget_tolerance=script.forget_tolerance if certify_sets else None,
+                                                 old_correct_on_rows=bool(certify_sets)
+                                                 and args.constraint_proxy_indicator)
     report_split = data["held_out"] if data["held_out"] is not None else data["train"]
     report_rows = RowDataset([row for c in classes for row in report_split.get(c, [])])
     accuracy_old = zero_shot_accuracy(model, report_rows, loss, collate, classes)

@@ -471,6 +471,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     # the certificate: per protected task, the share of its certification rows the old model (with LoRA: the
     # adapter-disabled base) answers exactly and the new one does not (teacher-forced exact match of the answer)
     certifying = data.certify_fraction > 0
+    # a proxy indicator evaluates the certificate's statistic on the constraint rows: they need the old correctness
     constraints = []
     if protected:
         constraints += non_forgetting_constraints(
@@ -479,14 +480,16 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
             tolerance=data.constraint_tolerance, relative_tolerance=data.relative_tolerance,
             batch_size=data.reference_batch_size, row_fn=gap,
             certify_datasets={k: v.certify for k, v in protected.items()} if certifying else None,
-            correct=causal_lm_per_example_correct, forget_tolerance=data.forget_tolerance)
+            correct=causal_lm_per_example_correct, forget_tolerance=data.forget_tolerance,
+            old_correct_on_rows=certifying and args.constraint_proxy_indicator)
     if safety is not None:
         constraints += non_forgetting_constraints(
             model, causal_lm_per_example_loss, {"refusals": safety.train}, collate,
             eval_datasets=None if safety.held_out is None else {"refusals": safety.held_out},
             tolerance=data.safety_tolerance, batch_size=data.reference_batch_size, name="safety/{task}",
             row_fn=gap, certify_datasets={"refusals": safety.certify} if certifying else None,
-            correct=causal_lm_per_example_correct, forget_tolerance=data.forget_tolerance)
+            correct=causal_lm_per_example_correct, forget_tolerance=data.forget_tolerance,
+            old_correct_on_rows=certifying and args.constraint_proxy_indicator)
     certification = {c.name: {"rows": len(c.certify_dataset), "fraction_of_held_out": data.certify_fraction,
                               "seed": args.seed} for c in constraints if c.certify_dataset is not None}
     for name, split in certification.items():

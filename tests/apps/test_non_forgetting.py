@@ -237,3 +237,39 @@ def test_certification_rows_measure_the_share_of_examples_forgotten(causal_lm, l
     assert float(ForgottenRows(causal_lm_per_example_correct)(causal_lm, batch).sum()) == 0.0  # the old model forgets nothing
     with pytest.raises(ValueError, match="certify_dataset needs correct="):
         non_forgetting_constraints(causal_lm, causal_lm_per_example_loss, data, collate, certify_datasets=certify)
+
+
+def test_old_correctness_on_the_training_rows_lets_a_proxy_indicator_train(causal_lm, lm_rows, tokenizer, tmp_path):
+    """``old_correct_on_rows``: the training rows carry the old model's exact match, as the
+    certification rows do, so ``constraint_proxy_indicator`` can evaluate the share forgotten on
+    the indicator rows; without it the statistic finds no old correctness and training stops."""
+    from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments
+    from hf_constrained.non_forgetting import CORRECT_KEY
+    from hf_constrained.per_sample_loss import causal_lm_per_example_correct
+
+    collate = PaddingCollator(tokenizer)
+    data, certify = {"reverse": lm_rows.select(range(6))}, {"reverse": lm_rows.select(range(6, 8))}
+
+    def build(old_correct_on_rows: bool) -> list:
+        return non_forgetting_constraints(causal_lm, causal_lm_per_example_loss, data, collate, batch_size=3,
+                                          certify_datasets=certify, correct=causal_lm_per_example_correct,
+                                          forget_tolerance=0.5, old_correct_on_rows=old_correct_on_rows)
+
+    (c,) = build(True)
+    batch = collate([c.dataset[i] for i in range(6)])
+    torch.testing.assert_close(batch[CORRECT_KEY].double(), causal_lm_per_example_correct(causal_lm, batch))
+    torch.testing.assert_close(batch["reference_loss"].float(), causal_lm_per_example_loss(causal_lm, batch).float())
+
+    def train(constraints: list, name: str) -> None:
+        args = ConstrainedTrainingArguments(
+            output_dir=str(tmp_path / name), max_steps=2, per_device_train_batch_size=4, report_to=[], use_cpu=True,
+            save_strategy="no", constraint_batch_size=2, constraint_indicator_fraction=0.5,
+            constraint_proxy_indicator=True, disable_tqdm=True, remove_unused_columns=False)
+        ConstrainedTrainer(model=copy.deepcopy(causal_lm), args=args, train_dataset=lm_rows.select(range(6)),
+                           data_collator=collate, constraints=constraints).train()
+
+    train([c], "with")  # trains
+    with pytest.raises(KeyError, match=CORRECT_KEY):
+        train(build(False), "without")
+    with pytest.raises(ValueError, match="old_correct_on_rows serves the certificate's statistic"):
+        non_forgetting_constraints(causal_lm, causal_lm_per_example_loss, data, collate, old_correct_on_rows=True)
