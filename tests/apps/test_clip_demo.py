@@ -351,7 +351,7 @@ def test_committed_demo_results_come_from_the_command_shown_beside_them():
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     files = sorted(glob.glob(os.path.join(root, "benchmarks", "results", "demo_seeds*.json")))
     assert files
-    shown = open(os.path.join(root, "README.md")).read() + open(os.path.join(root, "docs", "demo.md")).read()
+    shown = open(os.path.join(root, "docs", "benchmarks.md")).read() + open(os.path.join(root, "docs", "demo.md")).read()
     for path in files:
         with open(path) as f:
             saved = json.load(f)

@@ -18,8 +18,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-README = (ROOT / "README.md").read_text(encoding="utf-8")
-CITED = sorted(set(re.findall(r"benchmarks/results/[A-Za-z0-9_./-]+\.(?:json|txt)", README)))
+# the README links to docs/benchmarks.md, which holds every measurement with its command
+PUBLISHED = {name: (ROOT / name).read_text(encoding="utf-8") for name in ("README.md", "docs/benchmarks.md")}
+CITED = sorted({(doc, f) for doc, text in PUBLISHED.items()
+                for f in re.findall(r"benchmarks/results/[A-Za-z0-9_./-]+\.(?:json|txt)", text)})
 NEAR = 1500  # characters: "beside it" (the same paragraph or table caption)
 SCRATCH_FLAGS = ("--workdir",)  # a scratch folder for temporary files: no part of what was measured
 
@@ -50,17 +52,17 @@ def stored_command(path: Path) -> str:
     return " ".join(kept)
 
 
-def test_the_readme_cites_result_files():
+def test_the_docs_cite_result_files():
     assert len(CITED) >= 5, CITED
 
 
-@pytest.mark.parametrize("name", CITED)
-def test_a_cited_result_file_names_the_command_shown_beside_it(name):
+@pytest.mark.parametrize("doc, name", CITED, ids=lambda x: x)
+def test_a_cited_result_file_names_the_command_shown_beside_it(doc, name):
     path = ROOT / name
-    assert path.is_file(), f"the README cites {name}, which does not exist"
+    assert path.is_file(), f"{doc} cites {name}, which does not exist"
     command = stored_command(path)
-    flat = _flat(README)
-    assert command in flat, f"{name}: its command `{command}` is not shown in the README"
+    flat = _flat(PUBLISHED[doc])
+    assert command in flat, f"{name}: its command `{command}` is not shown in {doc}"
     at = [m.start() for m in re.finditer(re.escape(command), flat)]
     cited = [m.start() for m in re.finditer(re.escape(name), flat)]
     assert min(abs(a - c) for a in at for c in cited) <= NEAR, f"{name}: `{command}` is not shown beside it"
