@@ -40,7 +40,8 @@ from .preflight import preflight_constraints
 from .safety.gate import SafetyMixin
 from .safety.splits import check_certification_splits
 from .statistics import ConstraintStatistic
-from .trainer_internals import TrainerInternals, trainer_load_checkpoint, trainer_prepare_input, trainer_run_dir
+from .trainer_internals import (TrainerInternals, trainer_load_checkpoint, trainer_prepare_input,
+                                trainer_restore_batch_size, trainer_run_dir)
 
 logger = logging.getLogger(__name__)
 
@@ -395,6 +396,7 @@ class ConstrainedTrainer(SafetyMixin, TrainerInternals):
         logger.info("checkpoint %s is at step %d, max_steps is %d: nothing to train", checkpoint,
                     state.global_step, self.args.max_steps)
         trainer_load_checkpoint(self, checkpoint, self.model)
+        trainer_restore_batch_size(self, state.train_batch_size)  # what Trainer.train restores on resume
         self.state = state
         return True
 
