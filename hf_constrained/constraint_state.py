@@ -15,6 +15,8 @@ checkpoint to resume from by the rule of :mod:`hf_constrained.checkpointing`.
 
 from __future__ import annotations
 
+import logging
+import math
 import os
 from typing import TYPE_CHECKING, Any, Optional, Union
 
@@ -24,6 +26,8 @@ from .checkpointing import CheckpointError, check_named_checkpoint, latest_compl
 
 if TYPE_CHECKING:
     from .trainer import ConstrainedTrainer
+
+logger = logging.getLogger(__name__)
 
 
 def atomic_torch_save(obj: Any, path: str) -> None:
@@ -62,6 +66,64 @@ def load_constraint_state(path: str) -> dict[str, Any]:
     if missing:
         raise CheckpointError(f"{path} lacks {missing}: not a constraint state written by ConstrainedTrainer. {advice}")
     return state
+
+
+def _non_finite_paths(value: Any, path: str) -> list[str]:
+    if isinstance(value, torch.Tensor):
+        return [path] if value.is_floating_point() and not bool(torch.isfinite(value).all()) else []
+    if isinstance(value, float):
+        return [] if math.isfinite(value) else [path]
+    if isinstance(value, dict):
+        return [p for k, v in value.items() for p in _non_finite_paths(v, f"{path}.{k}" if path else str(k))]
+    if isinstance(value, (list, tuple)):
+        return [p for i, v in enumerate(value) for p in _non_finite_paths(v, f"{path}[{i}]")]
+    return []
+
+
+def non_finite_state(state: dict[str, Any]) -> list[str]:
+    """What in a constraint state is NaN or infinite, named for a person: the look-ahead value
+    h_k(w_t; B_k^(t+1)) of the drawn next step (Algorithm 1, line 6's previous-iterate term) and the
+    estimate u_k by constraint name, anything else by its key. Empty when all is finite.
+
+    A checkpoint holding such a value is not marked complete: the step that reads it would stop
+    with a :class:`~hf_constrained.constraint.ConstraintValueError`, so resuming from it could only
+    fail again."""
+    names = list(state.get("names") or [])
+    found: list[str] = []
+    draw = state.get("next_draw")
+    while draw is not None:  # the draw, or its indicator part under two-split estimation
+        previous = draw.get("previous")
+        if isinstance(previous, torch.Tensor) and previous.is_floating_point():
+            ids = draw["constraint_ids"].tolist()
+            for k, v in zip(ids, previous.tolist()):
+                if not math.isfinite(v):
+                    name = names[k] if 0 <= k < len(names) else f"#{k}"
+                    found.append(f"constraint {name!r}: look-ahead value {v} for step {draw.get('step')}")
+        draw = draw.get("indicator")
+    estimator = state.get("estimator")
+    if isinstance(estimator, dict) and isinstance(estimator.get("values"), torch.Tensor):
+        for k, v in enumerate(estimator["values"].tolist()):
+            if not math.isfinite(v):
+                found.append(f"constraint {names[k] if k < len(names) else f'#{k}'!r}: estimate u_k {v}")
+    rest = {k: v for k, v in state.items() if k not in ("next_draw", "names")}
+    if isinstance(estimator, dict):
+        rest["estimator"] = {k: v for k, v in estimator.items() if k != "values"}
+    found += [f"{p} is not finite" for p in _non_finite_paths(rest, "")]
+    return found
+
+
+def checkpoint_state_is_finite(state: dict[str, Any], folder: str) -> bool:
+    """Whether the constraint state saved into ``folder`` may mark it complete: every value is
+    finite (:func:`non_finite_state`). Otherwise an error is logged naming the constraint and the
+    folder, which stays incomplete (``resume_from_checkpoint=True`` skips it, and old checkpoints are
+    not rotated away in its favour)."""
+    bad = non_finite_state(state)
+    if not bad:
+        return True
+    logger.error("%s is left incomplete (not resumable): its constraint state holds a non-finite value: %s. "
+                 "resume_from_checkpoint=True resumes from the newest complete checkpoint before it",
+                 folder, "; ".join(bad))
+    return False
 
 
 class ConstraintStateMissingError(CheckpointError, FileNotFoundError):
@@ -115,4 +177,5 @@ def prepare_resume(trainer: "ConstrainedTrainer", resume_from_checkpoint: Option
 
 
 __all__ = ["BASE_STATE_KEYS", "CONSTRAINT_STATE_KEYS", "ConstraintStateMissingError", "atomic_torch_save",
-           "library_state", "load_constraint_state", "prepare_resume"]
+           "checkpoint_state_is_finite",
+           "library_state", "load_constraint_state", "non_finite_state", "prepare_resume"]

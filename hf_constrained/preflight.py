@@ -1,7 +1,9 @@
 """Every constraint run once on a few of its rows, before the first optimizer step.
 
 Catches non-scalar values, values without grad, NaN/inf, batches that lack a key the
-constraint reads and rows that cannot be collated, without advancing any data stream.
+constraint reads, rows that cannot be collated and any error the constraint's function raises
+(a :class:`~hf_constrained.constraint.ConstraintValueError` naming the constraint, the
+original error chained), without advancing any data stream.
 Every constraint is checked (not each distinct function once): constraints that share one
 function differ in their data. Row-wise constraints of one group are checked together, up to
 :data:`PREFLIGHT_CHUNK` per no-grad ``row_fn`` call (the group's first constraint also runs
@@ -63,8 +65,10 @@ def _chunk_passes(model: nn.Module, values: DrawValues, group: RowGroup, chunk: 
 def _check_one(model: nn.Module, values: DrawValues, k: int, b: int, context: Callable[[], Any]) -> None:
     c = values.constraints[k]
     batch = None
+    where = ""
     if not c.data_free:
         rows = list(range(min(len(c.dataset), b)))
+        where = f" on rows {rows[0]}..{rows[-1]} of its dataset" if rows else ""
         try:
             batch = values.batches.constraint_rows(c, rows)
         except (KeyError, ValueError, TypeError, RuntimeError) as e:
@@ -84,6 +88,11 @@ def _check_one(model: nn.Module, values: DrawValues, k: int, b: int, context: Ca
             f"constraint {c.name!r}: {what} (batch keys: {keys}); check the constraint's dataset "
             "columns or its collate_fn"
         ) from e
+    except ConstraintValueError:
+        raise  # already names the constraint
+    except Exception as e:  # noqa: BLE001 - a user's function failed: say which constraint, keep the cause chained
+        why = " ".join(f"{type(e).__name__}: {e}".split())
+        raise ConstraintValueError(f"constraint {c.name!r} failed{where} before training: {why}") from e
     if not torch.isfinite(value.detach()).item():
         raise ConstraintValueError(f"constraint {c.name!r} is {value.item()} before training")
 

@@ -40,19 +40,30 @@ OUTPUT_DIR_PLACEHOLDER = "<output_dir>"
 LOCAL_PLACEHOLDER = "<local>"
 # a Hugging Face user access token
 HF_TOKEN_PATTERN = re.compile(r"hf_[A-Za-z0-9]{30,}")
-_SECRET_WORDS = frozenset({"token", "password", "passwd", "secret"})
-_KEY_WORDS = frozenset({"api", "access", "private", "secret"})  # <word>_key
+_SECRET_WORDS = frozenset({"token", "password", "passwd", "pwd", "secret", "secrets", "credential", "credentials"})
+# flags with "key" or "token" in a word that hold no secret: names of columns and a tokenizer's special tokens
+_NOT_SECRET = frozenset({"group_key", "metric_key_prefix", "label_key", "text_key", "sort_key",
+                         "pad_token", "eos_token", "bos_token", "unk_token", "sep_token", "cls_token", "mask_token"})
 
 
 def is_secret_flag(flag: str) -> bool:
-    """Whether a command-line flag (``--hub_token``, ``--api-key``, ``--wandb_api_key``) carries
-    a secret: a word of its name is ``token``, ``password``, ``passwd``, ``secret``, or a
-    ``key`` after ``api`` / ``access`` / ``private`` / ``secret`` (or ``apikey``).
-    ``--include_num_input_tokens_seen`` is not one (``tokens`` is a count)."""
-    words = [w for w in re.split(r"[_\-.]+", flag.lstrip("-").lower()) if w]
-    if _SECRET_WORDS & set(words) or "apikey" in words:
-        return True
-    return any(w == "key" and i > 0 and words[i - 1] in _KEY_WORDS for i, w in enumerate(words))
+    """Whether a command-line flag (``--hub_token``, ``--api-key``, ``--wandb_api_key``, ``--my_secret``)
+    or an environment variable (``HF_TOKEN``) carries a secret: a word of its name is or contains
+    ``key`` (``apikey``; not ``keys``, a list of names), ends with ``token`` (``hftoken``; not ``tokens``,
+    a count, nor ``tokenizer``), or contains ``password``, ``passwd``, ``secret`` or ``credential``.
+    The names of columns and special tokens (``--group_key``, ``--pad_token``) are not secrets.
+    A flag whose name is unknown and looks like a secret is treated as one: a reproduce command
+    that lacks a flag can be completed, a published secret cannot be taken back."""
+    name = flag.lstrip("-").lower()
+    words = [w for w in re.split(r"[_\-.]+", name) if w]
+    if "_".join(words) in _NOT_SECRET:
+        return False
+    for word in words:
+        if word in _SECRET_WORDS or word.endswith("token") or ("key" in word and word != "keys"):
+            return True
+        if any(part in word for part in ("password", "passwd", "secret", "credential")):
+            return True
+    return False
 
 
 def redact_secrets(text: str) -> str:

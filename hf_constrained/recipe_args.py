@@ -22,9 +22,10 @@ from collections.abc import Sequence
 from typing import Any, Optional
 
 import yaml
-from transformers import HfArgumentParser
+from transformers import HfArgumentParser, TrainingArguments
 
 from .errors import RecipeConfigError
+from .launch import check_multi_process_launch
 
 logger = logging.getLogger(__name__)
 
@@ -189,4 +190,7 @@ def parse_recipe_args(dataclass_types: Sequence[type], argv: Optional[Sequence[s
                      "(not a flag of this recipe; --help lists them)")
     _check_bf16(parser, namespace, rest, given, known.config)
     outputs = parser.parse_args_into_dataclasses(args=list(rest))
+    for parsed in outputs[: len(dataclass_types)]:
+        if isinstance(parsed, TrainingArguments):  # before any model or data loads
+            check_multi_process_launch(parsed, parser.error)
     return tuple(outputs[: len(dataclass_types)])  # the last entry is the namespace holding --config

@@ -27,11 +27,14 @@ recipe lets TRL prepare the objective's rows and uses :func:`tokenize_sft` for t
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 from typing import Any, Optional
 
 import datasets
+from tqdm.auto import tqdm
 from transformers import DataCollatorForSeq2Seq
 
 from .batches import collate_examples
@@ -43,12 +46,48 @@ _FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".tsv": "csv
                   ".txt": "text"}
 
 
-def load_text_dataset(source: str, split: str = "train", config_name: Optional[str] = None) -> datasets.Dataset:
+def drop_repeated_rows(dataset: datasets.Dataset, source: str) -> datasets.Dataset:
+    """``dataset`` without the rows that repeat an earlier row exactly (every column equal), with a
+    warning naming ``source``, the count and the first repeat; unchanged (no copy) when none repeats.
+
+    Why: the recipes split every dataset into training, held-out and certification rows, and the
+    trainer refuses a certification row that also appears in training (the certificate would test
+    rows the model was fitted to). A row written twice in a file could land on both sides; dropped
+    here, before any split, it cannot."""
+    seen: dict[bytes, int] = {}
+    keep: list[int] = []
+    first: Optional[tuple[int, int]] = None
+    for i, row in enumerate(tqdm(dataset, desc=f"checking {os.path.basename(source) or source} for repeated rows",
+                                 disable=len(dataset) < 100_000, leave=False)):
+        key = hashlib.sha256(json.dumps(row, sort_keys=True, default=str).encode()).digest()
+        if key in seen:
+            first = first or (i, seen[key])
+            continue
+        seen[key] = i
+        keep.append(i)
+    if len(keep) == len(dataset):
+        return dataset
+    assert first is not None
+    logger.warning("%s: %d repeated row(s) dropped before splitting (row %d repeats row %d, counting from 1; "
+                   "%d rows left): a row present twice could otherwise be both trained on and certified on",
+                   source, len(dataset) - len(keep), first[0] + 1, first[1] + 1, len(keep))
+    return dataset.select(keep)
+
+
+def load_text_dataset(source: str, split: str = "train", config_name: Optional[str] = None, *,
+                      drop_repeats: bool = True) -> datasets.Dataset:
     """Load ``source``: a local file (JSON/JSONL, CSV/TSV, parquet, text), a local data folder
     or a Hub dataset id, as one ``datasets.Dataset`` split.
 
-    A local file is one split whatever ``split`` says (``datasets`` names it ``train``).
+    A local file is one split whatever ``split`` says (``datasets`` names it ``train``). With
+    ``drop_repeats`` (default) rows that repeat an earlier row exactly are dropped with a warning
+    (:func:`drop_repeated_rows`).
     """
+    raw = _load_text_dataset(source, split, config_name)
+    return drop_repeated_rows(raw, source) if drop_repeats else raw
+
+
+def _load_text_dataset(source: str, split: str, config_name: Optional[str]) -> datasets.Dataset:
     if not source:
         raise ValueError("empty dataset source: give a Hub dataset id or a local JSON/CSV/parquet file")
     if os.path.isfile(source):

@@ -28,7 +28,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, IntervalStrategy, 
 from . import exact
 from .batches import BatchMaker, pinned_to
 from .checkpointing import mark_complete, mark_incomplete
-from .constraint_state import atomic_torch_save, library_state, prepare_resume
+from .constraint_state import atomic_torch_save, checkpoint_state_is_finite, library_state, prepare_resume
 from .clipping import PENALTY_GRAD_NORM_KEY, ClipMonitor
 from .config import ConstrainedTrainingArguments
 from .constraint import Constraint, ConstraintValueError  # noqa: F401  (ConstraintValueError: re-exported)
@@ -40,7 +40,8 @@ from .preflight import preflight_constraints
 from .safety.gate import SafetyMixin
 from .safety.splits import check_certification_splits
 from .statistics import ConstraintStatistic
-from .trainer_internals import TrainerInternals, trainer_load_checkpoint, trainer_prepare_input, trainer_run_dir
+from .trainer_internals import (TrainerInternals, trainer_load_checkpoint, trainer_prepare_input,
+                                trainer_restore_batch_size, trainer_run_dir)
 
 logger = logging.getLogger(__name__)
 
@@ -365,6 +366,8 @@ class ConstrainedTrainer(SafetyMixin, TrainerInternals):
         if state is not None and self.args.should_save:  # subclasses may keep objective estimators here
             atomic_torch_save(state, os.path.join(folder, CONSTRAINT_STATE_NAME))
         self.accelerator.wait_for_everyone()  # every rank's files (RNG states, shards) are written
+        if state is not None and not checkpoint_state_is_finite(state, folder):
+            return  # left incomplete, nothing pushed, nothing rotated: the previous complete checkpoint stays
         if state is not None and self.args.should_save:
             mark_complete(folder, self.state.global_step)
         if push:
@@ -393,6 +396,7 @@ class ConstrainedTrainer(SafetyMixin, TrainerInternals):
         logger.info("checkpoint %s is at step %d, max_steps is %d: nothing to train", checkpoint,
                     state.global_step, self.args.max_steps)
         trainer_load_checkpoint(self, checkpoint, self.model)
+        trainer_restore_batch_size(self, state.train_batch_size)  # what Trainer.train restores on resume
         self.state = state
         return True
 

@@ -38,6 +38,11 @@ Why no public hook serves, per member:
 - ``_load_from_checkpoint`` (call, :func:`trainer_load_checkpoint`): loads a checkpoint's
   weights in every format the Trainer saves (safetensors, sharded, adapters, FSDP) into a
   given model; ``from_pretrained`` knows only some of them.
+- ``_update_auto_batch_size`` (call, :func:`trainer_restore_batch_size`): a run resumed at
+  ``max_steps`` trains nothing (the Trainer would take one more step), so the Trainer's own
+  restore of the batch size ``auto_find_batch_size`` found (read from the checkpoint's
+  ``trainer_state.json`` in ``train``) must be done by the package; the Trainer sets it only
+  through this member.
 
 This module imports only ``transformers`` and ``torch``; the trainer and the safety gate
 import it, never the reverse.
@@ -64,6 +69,7 @@ PRIVATE_MEMBERS = (
     "_prepare_inputs",
     "_get_num_items_in_batch",
     "_load_from_checkpoint",
+    "_update_auto_batch_size",
 )
 """The private ``Trainer`` members this package overrides or calls (all of them: see the module docstring)."""
 
@@ -168,6 +174,14 @@ def trainer_load_checkpoint(trainer: Trainer, checkpoint: str, model: nn.Module)
     trainer._load_from_checkpoint(checkpoint, model=model)
 
 
+def trainer_restore_batch_size(trainer: Trainer, batch_size: Optional[int]) -> None:
+    """Restore the train batch size a checkpoint's ``trainer_state.json`` records, as ``Trainer.train``
+    does on resume: only with ``auto_find_batch_size`` and a recorded size
+    (``Trainer._update_auto_batch_size``)."""
+    if batch_size is not None and trainer.args.auto_find_batch_size:
+        trainer._update_auto_batch_size(batch_size)
+
+
 __all__ = [
     "PRIVATE_MEMBERS",
     "TrainerInternals",
@@ -175,5 +189,6 @@ __all__ = [
     "trainer_num_items_in_batch",
     "trainer_prepare_input",
     "trainer_prepare_inputs",
+    "trainer_restore_batch_size",
     "trainer_run_dir",
 ]

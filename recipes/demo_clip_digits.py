@@ -117,6 +117,7 @@ from hf_constrained.config import ConstrainedTrainingArguments
 from hf_constrained.constraint import Constraint
 from hf_constrained.non_forgetting import ReferenceCorrectDataset, forgetting_statistic
 from hf_constrained.publishable import publishable_values
+from hf_constrained.redact import redact_command
 from hf_constrained.safety.evaluation import certify_models
 from hf_constrained.safety.selection import EvaluationRecord, select_best
 from hf_constrained.statistics import constraint_statistic
@@ -887,8 +888,8 @@ def run_demo(ns: argparse.Namespace, echo: Optional[Callable[[str], None]] = Non
     check_indicator(cfg0, certify=cfg0.certify_fraction > 0)  # before any model is trained
     if command is None:
         command = shlex.join([os.path.basename(sys.argv[0]), *sys.argv[1:]])
-    # no local path in a results file: an absolute --output or cache folder becomes <local>/name
-    command = shlex.join(publishable_values(shlex.split(command)))
+    # no secret and no local path in a results file: an absolute --output or cache folder becomes <local>/name
+    command = redact_command(command)
     results: dict[str, Any] = {"command": command, "config": publishable_values(parsed_config(ns)), "seeds": seeds,
                                "per_seed": []}
     per_method: dict[str, list[dict[str, Any]]] = {p: [] for p in penalties}

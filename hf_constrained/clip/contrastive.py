@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from ..config import ConstrainedTrainingArguments
-from ..method.estimators import MSVREstimator, resolve_gamma_prime, run_precision
+from ..method.estimators import MSVREstimator, parse_gamma_prime, resolve_gamma_prime, run_precision
 from ..trainer import ConstrainedTrainer
 from ..trainer_internals import trainer_num_items_in_batch, trainer_prepare_inputs
 from .encode import clip_embeddings
@@ -253,22 +253,46 @@ class ContrastiveConstrainedTrainer(ConstrainedTrainer):
         # the previous-iterate values of the window being trained on, one entry per batch, in order
         self._window_previous: deque[Optional[PreviousIterate]] = deque()
         if self.train_dataset is not None:
-            n = len(self.train_dataset)
-            global_batch = self.args.per_device_train_batch_size * max(self.args.world_size, 1)
-            gamma_prime = resolve_gamma_prime(self.args.objective_msvr_gamma_prime, n, min(global_batch, n),
-                                              self.args.objective_msvr_gamma)
+            n = len(self.train_dataset)  # one estimator slot per row (indexed by sample_index)
+            configured = parse_gamma_prime(self.args.objective_msvr_gamma_prime, "objective_msvr_gamma_prime")
+            # the theory value counts the anchors (positives); a number needs no count
+            counts = self._anchor_counts() if configured == "theory" else (n, min(n, 1))
+            gamma_prime = resolve_gamma_prime(configured, *counts, self.args.objective_msvr_gamma)
             for side in ("image", "text"):
                 self.objective_estimators[side] = MSVREstimator(n, self.args.objective_msvr_gamma, gamma_prime,
                                                                 device=self.args.device,
                                                                 dtype=run_precision(self.model))
+
+    def _positive_flags(self, data: Any) -> list[bool]:
+        column = data.column("is_positive") if hasattr(data, "column") else [data[i]["is_positive"]
+                                                                             for i in range(len(data))]
+        return [bool(x) for x in column]
+
+    def _anchor_counts(self) -> tuple[int, float]:
+        """(n, |B|) of Algorithm 2's theory value of gamma' (Appendix E:
+        ``gamma' = (n - |B|) / (|B| (1 - gamma)) + 1 - gamma``): F averages over the n anchors i,
+        which are the positive pairs, and B^t is the set of anchors of one step's global batch: half
+        of it with ``half_positive_batches``, else its expected share of positives (at least one; then
+        n / |B| equals rows / batch, so counting rows gave the same value). Counting every row
+        (negatives too) misstates n / |B| with half-positive batches unless half the rows are positive."""
+        positives = sum(self._positive_flags(self.train_dataset))
+        if positives == 0:
+            raise ValueError("objective_msvr_gamma_prime='theory': the train dataset has no positive rows "
+                             "(is_positive), so the contrastive objective has no anchors to count")
+        global_batch = self.args.per_device_train_batch_size * max(self.args.world_size, 1)
+        if self.half_positive_batches:
+            anchors = float(global_batch // 2)
+        else:
+            anchors = global_batch * positives / len(self.train_dataset)
+        return positives, min(max(anchors, 1.0), float(positives))
 
     # ------------------------------------------------------------------ data plumbing
     def train_sampler(self, train_dataset: Any = None) -> Any:
         if not self.half_positive_batches:
             return super().train_sampler(train_dataset)
         data = self.train_dataset if train_dataset is None else train_dataset
-        flags = data.column("is_positive") if hasattr(data, "column") else [data[i]["is_positive"] for i in range(len(data))]
-        return HalfPositiveSampler(flags, seed=self.args.data_seed if self.args.data_seed is not None else self.args.seed)
+        seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
+        return HalfPositiveSampler(self._positive_flags(data), seed=seed)
 
     def drop_unused_columns(self, dataset: Any, description: Optional[str] = None) -> Any:
         return dataset  # the collator needs the raw columns (image, caption, is_positive, ...)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 from typing import Any, Optional
 
 import torch
@@ -79,7 +80,13 @@ class CLIPWithClassTextHeads(nn.Module):
         with open(os.path.join(path, HEADS_CONFIG)) as f:
             cfg = json.load(f)
         model = cls(CLIPModel.from_pretrained(path, **kwargs), cfg["num_classes"], cfg["rank"])
-        state = torch.load(os.path.join(path, HEADS_FILE), map_location="cpu")
+        heads_file = os.path.join(path, HEADS_FILE)
+        try:
+            # tensors only: torch < 2.6 (which the package allows) would otherwise run any code the pickle holds
+            state = torch.load(heads_file, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as exc:
+            raise ValueError(f"{heads_file} holds more than tensors and is not loaded (torch.load with "
+                             f"weights_only=True refused it: {str(exc).splitlines()[0]})") from None
         with torch.no_grad():
             model.head_a.copy_(state["head_a"])
             model.head_b.copy_(state["head_b"])

@@ -298,8 +298,8 @@ def load_tabular_csv(path: str, *, label_column: str, group_column: str, positiv
     """
     checks = dict(label_column=label_column, group_column=group_column, categorical_columns=categorical_columns,
                   drop_columns=drop_columns)
-    train_df = _read_checked_csv(path, **checks)
-    test_df = _read_checked_csv(test_path, **checks) if test_path else None
+    train_df = _read_checked_csv(path, flag="--csv_path", **checks)
+    test_df = _read_checked_csv(test_path, flag="--csv_test_path", **checks) if test_path else None
     for name, df in (("", train_df), (" (test)", test_df)):
         if df is None or label_column not in df or group_column not in df:
             continue  # build_tabular_splits names the missing column
@@ -320,13 +320,22 @@ def _lines(rows: Sequence[int], limit: int = 5) -> str:
 
 
 def _read_checked_csv(path: str, *, label_column: str, group_column: str,
-                      categorical_columns: Optional[Sequence[str]], drop_columns: Sequence[str]) -> pd.DataFrame:
-    """Read ``path`` and check it column by column (see :func:`load_tabular_csv`)."""
+                      categorical_columns: Optional[Sequence[str]], drop_columns: Sequence[str],
+                      flag: str = "--csv_path") -> pd.DataFrame:
+    """Read ``path`` and check it column by column (see :func:`load_tabular_csv`); ``flag`` is the
+    recipe flag that names the file (``--csv_path``, ``--csv_test_path``), for the error messages."""
     if not os.path.exists(path):
-        raise FileNotFoundError(f"CSV file {path!r} does not exist")
-    df = pd.read_csv(path)
+        raise FileNotFoundError(f"CSV file {path!r} ({flag}) does not exist")
+    try:
+        df = pd.read_csv(path)
+    except pd.errors.EmptyDataError:
+        raise ValueError(f"CSV file {path!r} ({flag}) is empty: it needs a header line naming the columns "
+                         f"(at least {label_column!r} and {group_column!r}) and data rows") from None
+    except (pd.errors.ParserError, UnicodeDecodeError) as exc:
+        why = " ".join(str(exc).split())
+        raise ValueError(f"CSV file {path!r} ({flag}) cannot be read as CSV: {why}") from None
     if df.empty:
-        raise ValueError(f"CSV file {path!r} has no data rows")
+        raise ValueError(f"CSV file {path!r} ({flag}) has a header but no data rows")
     skip = set(drop_columns)
     declared_categorical = set(categorical_columns or ())
     empty = [c for c in df.columns if df[c].isna().all() and c not in skip]

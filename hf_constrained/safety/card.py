@@ -37,6 +37,7 @@ from typing import Any, Optional
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from ..publishable import redact_secrets
+from ..redact import redact_command
 from ..recipes import RECIPES
 from .report import SafetyReport, format_number
 from .selection import FeasibleSelection
@@ -433,7 +434,7 @@ def render_model_card(
         checkpoint_name=checkpoint,
         method=method,
         dataset_description=info.dataset_description,
-        reproduce_command=info.reproduce_command,
+        reproduce_command=redact_command(info.reproduce_command),  # set by a caller: no secret, no local path
         citation=CITATION,
         paper_title=PAPER_TITLE,
         paper_url=PAPER_URL,

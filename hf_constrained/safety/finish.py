@@ -24,6 +24,7 @@ from .evaluation import DEFAULT_CONFIDENCE, ReportableTrainer, build_safety_repo
 from ..extras import install_hint
 from .figures import figures_available, plot_log_history, require_figures
 from ..checkpointing import checkpoint_folders, is_complete_checkpoint
+from ..redact import redact_command
 from .certify import Certificate, best_certified
 from .evaluation import certify_models, checkpoint_step
 from .fingerprint import weights_fingerprint
@@ -145,7 +146,7 @@ def finish_run(
     if eval_dataset is not None:
         info.eval_dataset = eval_dataset
     if reproduce_command is not None:
-        info.reproduce_command = reproduce_command
+        info.reproduce_command = redact_command(reproduce_command, trainer.args.output_dir)  # no secret, no path
     if license is not None:
         info.license = license
     if task is not None:

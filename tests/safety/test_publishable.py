@@ -151,7 +151,8 @@ def test_cards_and_reports_never_hold_a_token(tmp_path, caplog):
     report = SafetyReport([ConstraintResult("c", 0.1, 0.2)], model_name=f"run-{FAKE_TOKEN}", safety_rule="point")
     report.save(str(tmp_path))
     card = render_model_card(report, model_name="m",
-                             info=ModelCardInfo(reproduce_command=f"python x.py --hub_token {FAKE_TOKEN}"))
+                             info=ModelCardInfo(reproduce_command=f"python x.py --hub_token {FAKE_TOKEN}",
+                                                               dataset_description=f"rows from {FAKE_TOKEN}"))
     write_model_card(str(tmp_path), card)
     assert _files_containing(tmp_path, [FAKE_TOKEN.encode()]) == []
     assert "<redacted>" in (tmp_path / "README.md").read_text()

@@ -279,3 +279,39 @@ def test_crafted_constraint_state_is_refused_without_running_its_payload(tmp_pat
     with pytest.raises(CheckpointError, match=f"{CONSTRAINT_STATE_NAME}.*cannot be read.*weights_only"):
         make_trainer(str(tmp_path / "b"), max_steps=4).train(resume_from_checkpoint=ckpt)
     assert not os.path.exists(marker), "the checkpoint's payload ran"
+
+
+def test_a_non_finite_look_ahead_value_never_marks_a_checkpoint_complete(tmp_path, monkeypatch, caplog):
+    """The look-ahead value of the next draw (the engine's step 4, 0-based: the fifth optimizer step)
+    comes out NaN in the fourth step, whose checkpoint is saved before the fifth step reads it and stops. That checkpoint must stay incomplete (an error names the constraint),
+    the step-2 checkpoint must survive ``save_total_limit=1``, and ``resume_from_checkpoint=True``
+    must resume from it and finish as an uninterrupted run does."""
+    from hf_constrained.constraint import ConstraintValueError
+    from hf_constrained.method.engine import ConstraintEngine
+
+    original = ConstraintEngine.look_ahead
+
+    def nan_for_step_4(self, model, step):
+        original(self, model, step)
+        if step == 4:
+            self.next_draw.estimate_draw.previous[0] = float("nan")
+
+    out = str(tmp_path / "run")
+    monkeypatch.setattr(ConstraintEngine, "look_ahead", nan_for_step_4)
+    with caplog.at_level("ERROR", logger="hf_constrained.constraint_state"), \
+            pytest.raises(ConstraintValueError, match="look-ahead"):
+        make_trainer(out, save_total_limit=1, **COMMON).train()
+    monkeypatch.setattr(ConstraintEngine, "look_ahead", original)
+
+    c2, c4 = os.path.join(out, "checkpoint-2"), os.path.join(out, "checkpoint-4")
+    assert not is_complete_checkpoint(c4) and is_complete_checkpoint(c2)
+    assert "checkpoint-4 is left incomplete" in caplog.text and "look-ahead value nan for step 4" in caplog.text
+    name = caplog.text.split("constraint '", 1)[1].split("'", 1)[0]
+    assert name in {c.name for c in make_data(0)[1]}
+    assert latest_complete_checkpoint(out) == c2
+
+    straight = make_trainer(str(tmp_path / "straight"), **COMMON)
+    straight.train()
+    resumed = make_trainer(out, save_total_limit=1, **COMMON)
+    resumed.train(resume_from_checkpoint=True)
+    _assert_same(snapshot(straight), snapshot(resumed))
