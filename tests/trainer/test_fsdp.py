@@ -35,8 +35,6 @@ from safetensors.torch import load_file
 from hf_constrained.safety import finish_run
 from scale_tiny import TinyClassifier, make_trainer, snapshot
 
-pytestmark = pytest.mark.slow  # starts processes
-
 HERE = Path(__file__).resolve().parents[1]  # tests/
 CONFIGS = HERE.parent / "recipes" / "accelerate_configs"
 STEPS = 6
@@ -82,6 +80,7 @@ def _close(got: dict, want: dict) -> None:
         torch.testing.assert_close(got["params"][name], p, rtol=0, atol=TOL)
 
 
+@pytest.mark.slow  # starts processes
 def test_the_run_was_sharded(ranks):
     for r in ranks:
         s = r["straight"]
@@ -91,6 +90,7 @@ def test_the_run_was_sharded(ranks):
         assert s["sharded"] and all(s["sharded"].values()), s["sharded"]
 
 
+@pytest.mark.slow  # starts processes
 def test_fsdp_matches_one_process_on_the_same_global_batch(ranks, one_process):
     r0, r1 = (r["straight"] for r in ranks)
     assert torch.equal(r0["estimator_values"], r1["estimator_values"])
@@ -103,6 +103,7 @@ def test_fsdp_matches_one_process_on_the_same_global_batch(ranks, one_process):
     assert moved > 100 * TOL
 
 
+@pytest.mark.slow  # starts processes
 def test_resume_from_a_sharded_checkpoint_is_exact(ranks):
     files = ranks[0]["checkpoint_files"]
     assert any(f.startswith("pytorch_model_fsdp_0/") and f.endswith(".distcp") for f in files), files
@@ -118,6 +119,7 @@ def test_resume_from_a_sharded_checkpoint_is_exact(ranks):
             assert torch.equal(resumed["params"][name], p), name
 
 
+@pytest.mark.slow  # starts processes
 def test_certificate_report_and_gate_on_the_gathered_model(ranks, tmp_path):
     out = ranks[0]["out"]
     c0, c1 = (r["certified"] for r in ranks)
@@ -145,3 +147,13 @@ def test_certificate_report_and_gate_on_the_gathered_model(ranks, tmp_path):
     got = {row["name"]: row for row in c0["report"]["constraints"]}
     for row in report.to_dict()["constraints"]:
         assert got[row["name"]]["value"] == pytest.approx(row["value"], abs=TOL), row["name"]
+
+
+@pytest.mark.parametrize("version", ["1", "2"])
+def test_fsdp_on_one_cpu_process_is_refused(tmp_path, monkeypatch, version):
+    """One CPU process cannot shard: an FSDP request of either version is refused before training
+    instead of training an unsharded model (version 2 shards only with several processes)."""
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", version)
+    with pytest.raises(ValueError, match="FSDP was requested .* without FSDP .*fsdp_version: 2"):
+        make_trainer(str(tmp_path / "fsdp"))
