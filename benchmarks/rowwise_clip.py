@@ -56,15 +56,47 @@ def prompts(model_name: str, num_classes: int, seed: int = 3) -> torch.Tensor:
 
 
 class NonForgettingRows:
-    """The shared ``row_fn``: per-image zero-shot CE now minus the stored reference CE."""
+    """The shared ``row_fn``: per-image zero-shot CE now minus the stored reference CE.
+
+    The image bank is read from the model at every call, not kept at construction: the
+    Trainer moves the model (and with it the bank buffer) to its device after this object
+    exists, and a bank kept here would stay on the host, indexed with device indices."""
 
     def __init__(self, model: ZeroShotBankedCLIP, prompt_ids: torch.Tensor) -> None:
-        self.bank = model.bank
+        self.model = model  # the unwrapped module that owns the bank buffer
         self.loss = ZeroShotLoss(prompt_ids, temperature=0.05)
 
+    @property
+    def bank(self) -> torch.Tensor:
+        return self.model.bank
+
     def __call__(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        rows = {"pixel_values": self.bank[batch["pixel_index"]], "label": batch["label"]}
-        return self.loss.per_sample(model, rows) - batch["reference_loss"].to(self.bank.dtype)
+        bank = self.bank
+        rows = {"pixel_values": bank[batch["pixel_index"].to(bank.device)], "label": batch["label"]}
+        return self.loss.per_sample(model, rows) - batch["reference_loss"].to(device=bank.device, dtype=bank.dtype)
+
+
+def reference_losses(model: ZeroShotBankedCLIP, loss: ZeroShotLoss, pixel_index: torch.Tensor, device: torch.device,
+                     batch_size: int = 64) -> torch.Tensor:
+    """The old model's zero-shot CE of every (image, class) pair the rows can ask for: a
+    ``(bank_size, num_classes)`` table (``nan`` for bank images no row uses).
+
+    Each distinct image is encoded ONCE, on ``device`` (the run's device), and its CE for every
+    class comes from the same logits: CE(image, c) = -log_softmax(logits(image))[c], the value
+    :meth:`ZeroShotLoss.per_sample` gives for label c. (Encoding each image once per class on
+    the host made one build at ViT-B/16 size take about 50 minutes.)"""
+    model.to(device)
+    images = torch.unique(pixel_index).to(device)
+    table = torch.full((model.bank.shape[0], loss.num_classes), float("nan"), device=device)
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        for i in range(0, images.numel(), batch_size):
+            ids = images[i:i + batch_size]
+            logits = loss.logits(model, model.bank[ids]).float()
+            table[ids] = -torch.log_softmax(logits, dim=1)
+    model.train(was_training)
+    return table.cpu()
 
 
 def make_rowwise_constrained(model_name: str, output_dir: str, *, batch: int, steps: int, bf16: bool, cpu: bool,
@@ -81,22 +113,21 @@ def make_rowwise_constrained(model_name: str, output_dir: str, *, batch: int, st
     reads all sampled rows in one column read)."""
     if data not in ("rows", "dataset"):
         raise ValueError(f"data must be 'rows' or 'dataset', got {data!r}")
+    args = ConstrainedTrainingArguments(
+        **base_args(output_dir, batch=batch, steps=steps, bf16=bf16, cpu=cpu),
+        constraint_penalty="hinge", penalty_beta=10.0, msvr_gamma=0.8, msvr_gamma_prime=gamma_prime,
+        constraints_per_step=per_step, constraint_batch_size=constraint_batch, check_constraint_finite=True,
+        share_constraint_batches=share,
+    )
     model = ZeroShotBankedCLIP(model_name, bank_size)
     row_fn = NonForgettingRows(model, prompts(model_name, num_classes))
     pool_size = max(1024, rows_per_constraint)
     g = torch.Generator().manual_seed(5)
     pool_pixels = torch.randint(0, bank_size, (pool_size,), generator=g)
     constraints = []
-    # the reference values: the model before training, per image and label (computed once)
-    with torch.no_grad():
-        model.eval()
-        refs = {}
-        for c in range(min(num_classes, m)):
-            label = torch.full((pool_size,), c, dtype=torch.long)
-            refs[c] = torch.cat([row_fn.loss.per_sample(model, {"pixel_values": model.bank[pool_pixels[i:i + 256]],
-                                                                "label": label[i:i + 256]})
-                                 for i in range(0, pool_size, 256)])
-        model.train()
+    # the reference values: the model before training, each image encoded once on the run's device
+    table = reference_losses(model, row_fn.loss, pool_pixels, args.device)
+    refs = {c: table[pool_pixels, c] for c in range(min(num_classes, m))}
     if form not in ("rowwise", "scalar"):
         raise ValueError(f"form must be 'rowwise' or 'scalar', got {form!r}")
     columns: dict[str, list] = {"pixel_index": [], "label": [], "reference_loss": [], "constraint": []}
@@ -117,15 +148,9 @@ def make_rowwise_constrained(model_name: str, output_dir: str, *, batch: int, st
             constraints.append(Constraint(name=f"class{k}", fn=lambda mdl, b: row_fn(mdl, b).mean(), dataset=rows,
                                           tolerance=0.0))
     if data == "dataset":
-        table = Dataset.from_dict(columns).with_format("torch")
+        rows_table = Dataset.from_dict(columns).with_format("torch")
         kind = dict(row_fn=row_fn) if form == "rowwise" else dict(fn=lambda mdl, b: row_fn(mdl, b).mean())
-        constraints = constraints_per_value(table, "constraint", name="class{value}", **kind)
-    args = ConstrainedTrainingArguments(
-        **base_args(output_dir, batch=batch, steps=steps, bf16=bf16, cpu=cpu),
-        constraint_penalty="hinge", penalty_beta=10.0, msvr_gamma=0.8, msvr_gamma_prime=gamma_prime,
-        constraints_per_step=per_step, constraint_batch_size=constraint_batch, check_constraint_finite=True,
-        share_constraint_batches=share,
-    )
+        constraints = constraints_per_value(rows_table, "constraint", name="class{value}", **kind)
     return ConstrainedTrainer(model=model, args=args,
                               train_dataset=make_train_rows(model_name, max(4 * batch, 512), bank_size),
                               constraints=constraints)

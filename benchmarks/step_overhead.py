@@ -13,7 +13,9 @@ for ``--rounds`` rounds; each ratio is of the median step times:
   constraint and per look-ahead): the path every constraint took before the fused step;
 * ``fused_gp0``: row-wise, gamma' = 0 (no look-ahead call).
 
-The look-ahead runs after the step's backward (the library's one placement).
+The look-ahead runs after the step's backward (the library's one placement). ``--variants``
+picks the constrained variants (the plain step always runs). On CUDA each variant's peak
+``torch.cuda.max_memory_allocated`` during training is recorded.
 
 It also counts the aten operators one step dispatches (``torch.profiler``, CPU), for the
 plain step and both constrained paths.
@@ -59,6 +61,9 @@ class CountOps(TrainerCallback):
             self.prof = None
 
 
+VARIANTS = ("fused_gp0.1", "per_constraint_gp0.1", "fused_gp0")
+
+
 def build(key: str, a: argparse.Namespace, steps: int):
     cpu = a.device == "cpu"
     out = os.path.join(a.workdir, f"overhead_{key}")
@@ -87,21 +92,37 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--op-steps", type=int, default=5,
-                        help="steps profiled (one at a time) for the aten operator counts; the median is reported")
+                        help="steps profiled (one at a time) for the aten operator counts; the median is reported "
+                        "(0: no operator counts)")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"comma-separated constrained variants, of {', '.join(VARIANTS)} (the plain step always "
+                        "runs; fused_gp0.1 is the library's default step)")
     a = parser.parse_args()
     setup_threads(a.threads)
     clock = default_clock(a.device, a.threads) if a.clock == "auto" else a.clock
-    keys = ["plain", "fused_gp0.1", "per_constraint_gp0.1", "fused_gp0"]
+    unknown = sorted(set(a.variants.split(",")) - set(VARIANTS))
+    if unknown:
+        raise SystemExit(f"--variants: unknown {unknown}; choose from {', '.join(VARIANTS)}")
+    keys = ["plain"] + [k for k in VARIANTS if k in a.variants.split(",")]
     times: dict[str, list[float]] = {k: [] for k in keys}
+    peak: dict[str, int] = {}
+    cuda = a.device == "cuda"
     for r in range(a.rounds):
         for key in keys:
             trainer = build(key, a, a.steps)
+            if cuda:  # this variant's peak: the model, its optimizer state and the step's activations
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
             times[key] += timed_train(trainer, a.warmup, clock)
+            if cuda:
+                peak[key] = max(peak.get(key, 0), torch.cuda.max_memory_allocated())
             print(f"round {r} {key}: median so far {summary(times[key])['median_s']:.4f} s", file=sys.stderr)
             del trainer
             gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
     ops: dict[str, float] = {}
-    for key in ["plain", "fused_gp0.1", "per_constraint_gp0.1"]:
+    for key in [k for k in ["plain", "fused_gp0.1", "per_constraint_gp0.1"] if k in keys and a.op_steps > 0]:
         trainer = build(key, a, a.warmup + a.op_steps + 1)
         counter = CountOps(a.warmup, a.op_steps)
         trainer.add_callback(counter)
@@ -123,6 +144,8 @@ def main() -> None:
         "ratio_to_plain": {k: stats[k]["median_s"] / plain for k in keys if k != "plain"},
         "min_ratio_to_plain": {k: stats[k]["min_s"] / stats["plain"]["min_s"] for k in keys if k != "plain"},
         "target_ratio": 1.15,
+        "peak_allocated_bytes": peak or None,  # CUDA only
+        "peak_ratio_to_plain": {k: v / peak["plain"] for k, v in peak.items() if k != "plain"} or None,
         "aten_ops_per_step": ops,
         "aten_ops_ratio_to_plain": {k: v / ops["plain"] for k, v in ops.items() if k != "plain"},
         "target_aten_ops_ratio": 1.25,

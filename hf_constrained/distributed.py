@@ -17,12 +17,21 @@ for ``DistributedDataParallel``:
 
 ``ddp_static_graph=True`` is refused: the sampled constraints change the graph from step
 to step.
+
+FSDP2 (``torch.distributed.fsdp.fully_shard``) runs on CPU processes with the gloo backend,
+but Accelerate sets up FSDP only for accelerator devices: with ``use_cpu`` it falls back to
+unsharded multi-CPU training. :func:`fsdp2_on_cpu` (used by the trainer while it builds its
+Accelerator) turns an FSDP2 request on CPU into FSDP, so the launch users take on GPUs
+(``accelerate launch --config_file recipes/accelerate_configs/fsdp.yaml``) also shards on a
+CPU machine, where the tests check it (``tests/trainer/test_fsdp.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+from collections.abc import Iterator
 from typing import Any
 
 from torch import nn
@@ -41,6 +50,70 @@ def uses_ddp(args: TrainingArguments) -> bool:
 def fsdp_requested(args: TrainingArguments) -> bool:
     """FSDP asked for through the arguments (``--fsdp``) or an Accelerate config / environment."""
     return bool(args.fsdp) or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("true", "1")
+
+
+def _fsdp_version_requested(args: TrainingArguments) -> int:
+    """The FSDP version asked for: ``fsdp_config["version"]`` (``--fsdp``) or ``FSDP_VERSION`` (Accelerate config)."""
+    config = getattr(args, "fsdp_config", None) or {}
+    version = config.get("version", config.get("fsdp_version")) if args.fsdp else None
+    return int(version if version is not None else os.environ.get("FSDP_VERSION", "1"))
+
+
+@contextlib.contextmanager
+def fsdp2_on_cpu(args: TrainingArguments) -> Iterator[None]:
+    """While the Trainer builds its ``Accelerator``: a multi-process CPU run with FSDP version 2
+    requested becomes an FSDP run (Accelerate itself leaves it as unsharded multi-CPU).
+
+    The FSDP plugin is the one the Trainer passes (``--fsdp`` / ``fsdp_config``) or, from an
+    Accelerate config, the one its environment describes, as Accelerate builds it on GPUs; with
+    ``mixed_precision`` set it is applied to the plugin as Accelerate does. FSDP version 1 on CPU
+    is left alone (the trainer then refuses the run)."""
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    if not (fsdp_requested(args) and args.use_cpu and _fsdp_version_requested(args) == 2):
+        yield
+        return
+    original = AcceleratorState.__init__
+
+    def init(state: Any, *a: Any, **kw: Any) -> None:
+        original(state, *a, **kw)
+        if state.distributed_type == DistributedType.MULTI_CPU:
+            plugin = kw.get("fsdp_plugin") or FullyShardedDataParallelPlugin()
+            if plugin.fsdp_version == 2:
+                if state.mixed_precision != "no":
+                    plugin.set_mixed_precision(state.mixed_precision)
+                state.distributed_type = DistributedType.FSDP
+                state.fsdp_plugin = plugin
+                # as Accelerate does for FSDP on GPUs: later AcceleratorState() calls copy PartialState's type
+                PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+                logger.info("FSDP2 on %d CPU processes (gloo)", state.num_processes)
+
+    AcceleratorState.__init__ = init
+    try:
+        yield
+    finally:
+        AcceleratorState.__init__ = original
+
+
+@contextlib.contextmanager
+def full_state_dict_save(trainer: Any, enabled: bool = True) -> Iterator[None]:
+    """Within it, ``Trainer.save_model`` under FSDP2 with a sharded state dict writes the full
+    (gathered) weights, as with ``FULL_STATE_DICT``; without it the Trainer writes no weights at
+    all there, so the released model, its fingerprint and the gated push would have none.
+    Checkpoints are unaffected (they are saved sharded by ``_save_checkpoint``). Every process
+    must enter it: gathering the shards is a collective."""
+    plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None) if trainer.is_fsdp_enabled else None
+    if not enabled or plugin is None or plugin.fsdp_version != 2 or "FULL_STATE_DICT" in str(plugin.state_dict_type):
+        yield
+        return
+    from torch.distributed.fsdp import StateDictType
+
+    sharded, plugin.state_dict_type = plugin.state_dict_type, StateDictType.FULL_STATE_DICT
+    try:
+        yield
+    finally:
+        plugin.state_dict_type = sharded
 
 
 def configure_ddp_for_constraints(args: TrainingArguments) -> None:
@@ -87,4 +160,5 @@ class GradientCoverageCallback(TrainerCallback):
             )
 
 
-__all__ = ["GradientCoverageCallback", "configure_ddp_for_constraints", "fsdp_requested", "uses_ddp"]
+__all__ = ["GradientCoverageCallback", "configure_ddp_for_constraints", "fsdp2_on_cpu", "fsdp_requested",
+           "full_state_dict_save", "uses_ddp"]

@@ -32,7 +32,8 @@ from .constraint_state import atomic_torch_save, checkpoint_state_is_finite, lib
 from .clipping import PENALTY_GRAD_NORM_KEY, ClipMonitor
 from .config import ConstrainedTrainingArguments
 from .constraint import Constraint, ConstraintValueError  # noqa: F401  (ConstraintValueError: re-exported)
-from .distributed import GradientCoverageCallback, configure_ddp_for_constraints, fsdp_requested, uses_ddp
+from .distributed import (GradientCoverageCallback, configure_ddp_for_constraints, fsdp2_on_cpu, fsdp_requested,
+                          full_state_dict_save, uses_ddp)
 from .method.engine import ConstraintEngine
 from .method.estimators import run_precision
 from .method.penalties import make_penalty
@@ -111,8 +112,9 @@ class ConstrainedTrainer(SafetyMixin, TrainerInternals):
         if fsdp_requested(self.args) and not self.is_fsdp_enabled:
             raise ValueError(
                 "FSDP was requested (an Accelerate FSDP config, ACCELERATE_USE_FSDP or --fsdp), but Accelerate set up "
-                f"{self.accelerator.distributed_type} without FSDP (FSDP runs on GPUs; use_cpu/--use_cpu turns it off), "
-                "so the model would not be sharded. On CPU use recipes/accelerate_configs/multi_gpu.yaml (DDP)."
+                f"{self.accelerator.distributed_type} without FSDP (on CPU only FSDP version 2 with several processes "
+                "runs: fsdp_version: 2 in the Accelerate config), so the model would not be sharded. On CPU use "
+                "recipes/accelerate_configs/fsdp.yaml with --use_cpu true, or multi_gpu.yaml (DDP)."
             )
         if self.penalty.active and uses_ddp(self.args):
             self.add_callback(GradientCoverageCallback())
@@ -139,6 +141,17 @@ class ConstrainedTrainer(SafetyMixin, TrainerInternals):
         # the exact values of the latest evaluation, all m of them (logs hold them only for small m)
         self.last_constraint_values: dict[str, float] = {}
         self.last_constraint_values_step: Optional[int] = None
+
+    def create_accelerator_and_postprocess(self) -> None:
+        """The Trainer's Accelerator; an FSDP2 request on CPU processes shards too (:func:`fsdp2_on_cpu`)."""
+        with fsdp2_on_cpu(self.args):
+            super().create_accelerator_and_postprocess()
+
+    def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
+        """Under FSDP2 with a sharded state dict, the model a user saves (the release) gets its full, gathered
+        weights (:func:`full_state_dict_save`); checkpoints stay sharded. Call it on every process."""
+        with full_state_dict_save(self, enabled=not _internal_call):
+            super().save_model(output_dir, _internal_call)
 
     def _to_device(self, batch: Any) -> Any:
         """A collated constraint batch on the device. On CUDA the tensors are pinned and copied with
