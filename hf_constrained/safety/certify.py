@@ -33,6 +33,7 @@ training; the trainer (``finish_run``) calls the same function. Plain numpy/scip
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -40,7 +41,7 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
-from .ledger import CertificationLedger, look_key
+from .ledger import CertificationLedger, GeometricSpending, Spending, look_key
 
 from .bounds import (
     DEFAULT_BOUND,
@@ -50,9 +51,12 @@ from .bounds import (
     check_delta,
     difference_upper_bound,
     new_order_seed,
+    smallest_certifiable,
     unit_values,
     upper_bound,
 )
+
+logger = logging.getLogger(__name__)
 
 PROCEDURES = ("fixed_sequence", "bonferroni")
 DEFAULT_DELTA = 0.05
@@ -372,6 +376,112 @@ def _identity(value: RowValues) -> list[Any]:
     return [v, np.asarray(grouped.groups).reshape(-1).astype(np.int64), bool(grouped.absolute)]
 
 
+# ---------------------------------------------------------------------- before training: can the split ever certify?
+def first_look_delta(delta: float = DEFAULT_DELTA, spending: Optional[Spending] = None) -> float:
+    """The delta a split's first certificate spends (``delta / 2`` under the default ledger schedule)."""
+    level = (spending if spending is not None else GeometricSpending()).level(check_delta(delta), 1)
+    if level is None:
+        raise ValueError("the spending schedule refuses the first look")
+    return float(level)
+
+
+@dataclass(frozen=True)
+class Certifiability:
+    """Whether a tolerance can be certified on a certification split of a given size, whatever the model.
+
+    Attributes:
+        name: the constraint.
+        rows: the certification rows (per group for a difference of group means).
+        tolerance: the certified statistic's tolerance.
+        delta: the level of the split's first look.
+        floor: the smallest bound the split can give (every row at the statistic's best value:
+            nothing forgotten); ``None`` when there is none (the asymptotic CLT, or a one-sided
+            group difference, which can go down to ``low - high``).
+        rows_needed: the fewest rows (per group) at which ``floor <= tolerance`` (``None`` if not computed).
+        never: no number of rows can certify the tolerance (e.g. a share forgotten of 0: every
+            bound of a rate is above 0).
+    """
+
+    name: str
+    rows: tuple[int, ...]
+    tolerance: float
+    delta: float
+    floor: Optional[float]
+    rows_needed: Optional[int] = None
+    never: bool = False
+
+    @property
+    def possible(self) -> bool:
+        return self.floor is None or self.floor <= self.tolerance
+
+    def message(self) -> str:
+        if self.never:
+            return (f"constraint {self.name!r}: tolerance {self.tolerance:g} can never be certified, on any number of "
+                    "certification rows (the bound stays above it even with every row at its best value): state a "
+                    "tolerance above the statistic's best value")
+        rows = " and ".join(str(n) for n in self.rows) + (" rows per group" if len(self.rows) > 1 else " rows")
+        need = "" if self.rows_needed is None else (
+            f"; it needs at least {self.rows_needed}{' per group' if len(self.rows) > 1 else ''}")
+        return (f"constraint {self.name!r}: its certification split ({rows}) can never certify tolerance "
+                f"{self.tolerance:g} at delta {self.delta:.3g} (the first look's share of the budget), whatever the "
+                f"model: even with every row at its best value (nothing forgotten) the bound is {self.floor:.4g}"
+                f"{need}. Give it more certification rows or a larger tolerance")
+
+
+def _rows_needed(bound: str, value_range: tuple[float, float], tolerance: float, delta: float) -> Optional[int]:
+    """The fewest rows whose best-case bound is within ``tolerance`` (doubling, then bisection)."""
+    if bound == "betting":
+        return None  # each evaluation is a full betting pass: not worth a search
+    def fits(n: int) -> bool:
+        floor = smallest_certifiable(bound, value_range, n, delta)
+        return floor is None or floor <= tolerance
+    hi = 1
+    while not fits(hi):
+        hi *= 2
+        if hi > 1 << 30:
+            return None
+    lo = hi // 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def certifiability(name: str, bound: str, value_range: tuple[float, float], tolerance: float,
+                   rows: Sequence[int], delta: float, *, absolute: bool = False) -> Certifiability:
+    """:class:`Certifiability` of one statistic; a tolerance the statistic cannot express (below the
+    range's low end, or above its high end) is a ``ValueError`` naming the constraint.
+
+    ``rows``: one count, or two (the groups of a difference of group means, ``absolute`` for
+    ``|mean_0 - mean_1|``; each group's bound is taken at ``delta/4``, as the certificate does)."""
+    low, high = float(value_range[0]), float(value_range[1])
+    tol = float(tolerance)
+    grouped = len(rows) == 2
+    lowest, highest = ((0.0 if absolute else low - high), high - low) if grouped else (low, high)
+    if not (math.isfinite(tol) and lowest <= tol <= highest):
+        raise ValueError(f"constraint {name!r}: tolerance {tol:g} cannot be expressed by its certified statistic, whose "
+                         f"value lies in [{lowest:g}, {highest:g}] (value_range ({low:g}, {high:g})"
+                         f"{', a difference of group means' if grouped else ''}): state the tolerance in the "
+                         "statistic's units (e.g. 0.02 for at most 2 points of accuracy or 2% of the examples)")
+    bound = check_bound(bound)
+    if grouped and not absolute:
+        return Certifiability(name, tuple(int(n) for n in rows), tol, delta, None)
+    level = delta / 4.0 if grouped else delta
+    floors = [smallest_certifiable(bound, value_range, int(n), level) for n in rows]
+    if any(f is None for f in floors):
+        return Certifiability(name, tuple(int(n) for n in rows), tol, delta, None)
+    floor = max(floors) - (low if grouped else 0.0)
+    needed = None
+    if floor > tol:
+        needed = _rows_needed(bound, value_range, tol + (low if grouped else 0.0), level)
+        return Certifiability(name, tuple(int(n) for n in rows), tol, delta, floor, needed,
+                              never=needed is None and bound != "betting")
+    return Certifiability(name, tuple(int(n) for n in rows), tol, delta, floor, needed)
+
+
 def best_certified(certificate: Certificate, objective: Sequence[Optional[float]],
                    greater_is_better: bool = False) -> Optional[int]:
     """The certified candidate with the best objective (``objective[j]`` per candidate, measured
@@ -393,11 +503,14 @@ __all__ = [
     "DEFAULT_BOUND",
     "DEFAULT_DELTA",
     "PROCEDURES",
+    "Certifiability",
     "Certificate",
     "GroupRows",
     "RowValues",
     "best_certified",
+    "certifiability",
     "certify",
+    "first_look_delta",
     "point_value",
     "statistic_upper_bound",
 ]
