@@ -52,7 +52,8 @@ class CertifyStatistic:
         tolerance: the statistic must be <= tolerance on the population.
         value_range: (low, high) every per-row value lies in (a value outside is an error).
         bound: the finite-sample bound (:data:`hf_constrained.safety.bounds.BOUNDS`):
-            ``"betting"`` by default, ``"clopper_pearson"`` for 0/1 rates.
+            ``"hoeffding_bentkus"`` by default (any values in the range), ``"clopper_pearson"``
+            for 0/1 rates, ``"paired_change"`` for changes in {-1, 0, 1}.
         description: how reports and cards name the statistic.
         group_key: the statistic is a difference of two group means (group 0 minus group 1,
             each row's group in ``batch[group_key]``), e.g. a TPR gap between two groups.
@@ -62,7 +63,7 @@ class CertifyStatistic:
     row_fn: RowFn
     tolerance: float
     value_range: tuple[float, float]
-    bound: str = "betting"
+    bound: str = "hoeffding_bentkus"
     description: str = ""
     group_key: Optional[str] = None
     absolute: bool = False
@@ -263,7 +264,7 @@ class Constraint:
 
     def certification_bound(self) -> str:
         stat = self.certify_statistic
-        return stat.bound if stat is not None else "betting"
+        return stat.bound if stat is not None else "hoeffding_bentkus"  # bounds.DEFAULT_BOUND
 
     def apply_outer(self, inner: torch.Tensor) -> torch.Tensor:
         return inner if self.outer is None else self.outer(inner)

@@ -18,6 +18,26 @@ batched, with a progress bar; :func:`reference_losses`), and stored with the row
 estimator tracks (Algorithm 1, line 6) is then h_k(w; B_k) = mean over B_k of
 l(w, x) - l(w_old, x), computed without the old model.
 
+**Certificates in the user's units.** With certification rows, the user states the loss they
+accept before training, at ``delta``, in one of two units:
+
+* ``accuracy_drop_tolerance=0.02``: "each old task loses at most 2 points of accuracy", the mean
+  of the paired change ``old_correct - new_correct`` per row (in {-1, 0, 1}; rows newly right
+  count against rows forgotten), bounded by the ``"paired_change"`` bound
+  (:func:`points_lost_statistic`);
+* ``forget_tolerance=0.02``: "at most 2% of the task's examples are forgotten" (right under the
+  old model, wrong now), a 0/1 rate with an exact Clopper-Pearson bound
+  (:func:`forgetting_statistic`).
+
+A tolerance the statistic cannot express (a negative share, a drop above 100 points) is an
+error naming the task; a certification split too small to certify it even with nothing
+forgotten is a warning before training (:func:`hf_constrained.safety.splits.check_certifiable`,
+run when the trainer starts). With ``old_correct_on_rows`` (the proxy indicator, whose estimate
+tracks the statistic on training rows) the training margin is sized from the statement: the
+hinge aims at the largest value of the statistic that the certificate's bound, on the
+certification split's size at the first look's delta, would still certify
+(:func:`certifiable_target`), so a run that meets its training target is one the split can certify.
+
 All constraints built by one :func:`non_forgetting_constraints` call share ONE row function
 (:class:`ReferenceGap`: ``l(w, x) - reference_loss`` per row) and one collate function, so a
 trainer that fuses row-wise constraints evaluates every sampled protected task in one model
@@ -32,12 +52,15 @@ import logging
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Callable, Optional, Union
 
+import numpy as np
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
 from .batches import collate_examples, fetch_rows
 from .constraint import CertifyStatistic, Constraint
+from .safety.bounds import clopper_pearson_upper_bounds, paired_change_upper_bounds
+from .safety.certify import DEFAULT_DELTA, certifiability, first_look_delta
 from .per_sample_loss import (
     PaddingCollator,
     causal_lm_per_example_loss,
@@ -59,6 +82,9 @@ PerSampleCorrect = Callable[[nn.Module, Any], torch.Tensor]
 __all__ = [
     "CORRECT_KEY",
     "ForgottenRows",
+    "PairedChange",
+    "certifiable_target",
+    "points_lost_statistic",
     "NonForgettingConstraint",
     "PerSampleCorrect",
     "ReferenceCorrectDataset",
@@ -226,6 +252,46 @@ def forgetting_statistic(correct: PerSampleCorrect, tolerance: float) -> Certify
                             bound="clopper_pearson", description="share of the task's examples forgotten")
 
 
+class PairedChange(ForgottenRows):
+    """Per row, ``old_correct - new_correct`` in {-1, 0, 1}: 1 forgotten, -1 newly right, 0 unchanged.
+    Its mean is the accuracy lost on the task (old accuracy minus new accuracy, on the same rows)."""
+
+    def __call__(self, model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
+        if CORRECT_KEY not in batch:
+            raise KeyError(f"certification batch has no {CORRECT_KEY!r}: wrap the rows in ReferenceCorrectDataset "
+                           "(non_forgetting_constraints(certify_datasets=...) does)")
+        now = self.correct(model, batch).double()
+        return torch.as_tensor(batch[CORRECT_KEY]).to(now) - now
+
+    def __repr__(self) -> str:
+        return f"PairedChange({getattr(self.correct, '__name__', type(self.correct).__name__)})"
+
+
+def points_lost_statistic(correct: PerSampleCorrect, tolerance: float) -> CertifyStatistic:
+    """The certification statistic "the task loses at most ``tolerance`` of accuracy" (0.02 = 2
+    points): the mean paired change ``old_correct - new_correct``, value range (-1, 1), with the
+    ``"paired_change"`` bound."""
+    return CertifyStatistic(PairedChange(correct), tolerance=float(tolerance), value_range=(-1.0, 1.0),
+                            bound="paired_change",
+                            description="accuracy lost on the task (old correct - new correct per example)")
+
+
+def certifiable_target(statistic: CertifyStatistic, rows: int, delta: float = DEFAULT_DELTA) -> Optional[float]:
+    """The largest value of a non-forgetting statistic (share forgotten, or accuracy lost with no row
+    newly right) that its bound on ``rows`` certification rows, at the first look's delta, still
+    certifies: ``k / rows`` for the largest count ``k`` of forgotten rows whose bound is within the
+    tolerance. ``None`` when not even ``k = 0`` certifies."""
+    level = first_look_delta(delta)
+    k = np.arange(rows + 1)
+    if statistic.bound == "clopper_pearson":
+        ok = clopper_pearson_upper_bounds(k, rows, level) <= statistic.tolerance
+    elif statistic.bound == "paired_change":
+        ok = paired_change_upper_bounds(k, np.zeros_like(k), rows, level) <= statistic.tolerance
+    else:
+        raise ValueError(f"certifiable_target: no target for bound {statistic.bound!r}")
+    return None if not ok[0] else float(np.flatnonzero(ok)[-1]) / rows
+
+
 class ReferenceGap:
     """The shared row function of non-forgetting constraints: ``l(w, x) - l(w_old, x)`` per row.
 
@@ -278,7 +344,9 @@ class NonForgettingConstraint(Constraint):
                        use_base_of_adapter: bool = True, certify_dataset: Optional[Any] = None,
                        correct: Optional[PerSampleCorrect] = None,
                        forget_tolerance: Optional[float] = None,
-                       old_correct_on_rows: bool = False) -> "NonForgettingConstraint":
+                       old_correct_on_rows: bool = False,
+                       accuracy_drop_tolerance: Optional[float] = None,
+                       delta: float = DEFAULT_DELTA) -> "NonForgettingConstraint":
         """Run the reference pass of ``old_model`` on ``dataset`` (and ``eval_dataset``) and
         return the constraint over those rows.
 
@@ -295,12 +363,18 @@ class NonForgettingConstraint(Constraint):
             relative_tolerance: added tolerance as a fraction of the old model's mean loss
                 on ``dataset``: tol_k = tolerance + relative_tolerance * L_k(w_old, D_k).
             row_fn: a :class:`ReferenceGap` to share with other constraints (default: a new one).
-            certify_dataset: the task's certification rows (read only by the certificate); the
-                certificate then bounds the share of them forgotten (:class:`ForgottenRows`):
-                needs ``correct`` (per-row 0/1 correctness) and ``forget_tolerance``.
+            certify_dataset: the task's certification rows (read only by the certificate); needs
+                ``correct`` (per-row 0/1 correctness) and the user's statement, one of:
+                ``forget_tolerance`` (the certificate bounds the share of the rows forgotten,
+                :class:`ForgottenRows`) or ``accuracy_drop_tolerance`` (it bounds the accuracy
+                lost, :class:`PairedChange`; 0.02 = 2 points).
             old_correct_on_rows: with ``certify_dataset``, also give the training rows the old
                 model's correctness, so that a proxy indicator (``constraint_proxy_indicator``)
-                can evaluate the certificate's statistic on them (one more old-model pass).
+                can evaluate the certificate's statistic on them (one more old-model pass). The
+                constraint's ``margin`` is then sized from the statement (module docstring), in
+                the statistic's units: use it with ``constraint_proxy_indicator``.
+            delta: the certificate's error level the statement is made at (the margin is sized
+                for the first look at the split, :func:`~hf_constrained.safety.certify.first_look_delta`).
         """
         if relative_tolerance < 0:
             raise ValueError(f"protected task {task!r}: relative_tolerance must be >= 0, got {relative_tolerance}")
@@ -313,15 +387,25 @@ class NonForgettingConstraint(Constraint):
                 held_out = ReferenceLossDataset(eval_dataset, reference_losses(
                     old_model, eval_dataset, loss, collate_fn, batch_size, desc=f"reference losses {task} (eval)"))
         certify_rows, statistic = None, None
+        if forget_tolerance is not None and accuracy_drop_tolerance is not None:
+            raise ValueError(f"protected task {task!r}: give forget_tolerance or accuracy_drop_tolerance, not both (the "
+                             "certificate bounds one statistic per constraint)")
         if certify_dataset is not None:
-            if correct is None or forget_tolerance is None:
+            if correct is None or (forget_tolerance is None and accuracy_drop_tolerance is None):
                 raise ValueError(f"protected task {task!r}: certify_dataset needs correct= (per-row 0/1 correctness) "
-                                 "and forget_tolerance= (the largest share of examples that may be forgotten)")
+                                 "and forget_tolerance= (the largest share of examples that may be forgotten) or "
+                                 "accuracy_drop_tolerance= (the most accuracy the task may lose, 0.02 = 2 points)")
+            statistic = (forgetting_statistic(correct, forget_tolerance) if forget_tolerance is not None
+                         else points_lost_statistic(correct, accuracy_drop_tolerance))
+            # a tolerance the statistic cannot express is an error now, before the old model's passes
+            check = certifiability(name.format(task=task), statistic.bound, statistic.value_range,
+                                   statistic.tolerance, [len(certify_dataset)], first_look_delta(delta))
+            if check.never:
+                raise ValueError(check.message())
             with old_model_context(old_model, use_base_of_adapter):
                 certify_rows = ReferenceCorrectDataset(certify_dataset, reference_losses(
                     old_model, certify_dataset, correct, collate_fn, batch_size,
                     desc=f"old model's correctness {task} (certification)"))
-            statistic = forgetting_statistic(correct, forget_tolerance)
         old_loss = train.mean_loss
         if old_correct_on_rows:
             if statistic is None:
@@ -335,9 +419,15 @@ class NonForgettingConstraint(Constraint):
                     "relative_tolerance": float(relative_tolerance)}
         if held_out is not None:
             metadata["old_eval_loss"] = held_out.mean_loss
+        margin = None
+        if old_correct_on_rows:
+            # the proxy indicator tracks the statistic: aim it at what the certification split can still certify
+            target = certifiable_target(statistic, len(certify_rows), delta)
+            margin = statistic.tolerance - (0.0 if target is None else target)
+            metadata.update(certifiable_target=target, statement_delta=float(delta))
         return cls(name=name.format(task=task), row_fn=row_fn if row_fn is not None else ReferenceGap(loss),
                    dataset=train, tolerance=tol, eval_dataset=held_out, collate_fn=collate_fn, metadata=metadata,
-                   certify_dataset=certify_rows, certify_statistic=statistic)
+                   certify_dataset=certify_rows, certify_statistic=statistic, margin=margin)
 
 
 def non_forgetting_constraints(old_model: nn.Module, loss: Union[PerSampleLoss, Any], datasets: Mapping[str, Any],
@@ -348,7 +438,9 @@ def non_forgetting_constraints(old_model: nn.Module, loss: Union[PerSampleLoss, 
                                use_base_of_adapter: bool = True, certify_datasets: Optional[Mapping[str, Any]] = None,
                                correct: Optional[PerSampleCorrect] = None,
                                forget_tolerance: Optional[Tolerance] = None,
-                               old_correct_on_rows: bool = False) -> list[NonForgettingConstraint]:
+                               old_correct_on_rows: bool = False,
+                               accuracy_drop_tolerance: Optional[Tolerance] = None,
+                               delta: float = DEFAULT_DELTA) -> list[NonForgettingConstraint]:
     """One :class:`NonForgettingConstraint` per protected task, all sharing one row function.
 
     Args:
@@ -366,11 +458,14 @@ def non_forgetting_constraints(old_model: nn.Module, loss: Union[PerSampleLoss, 
             elsewhere (e.g. a safety set), so that all form one group.
         certify_datasets: task name -> certification rows (read only by the certificate), with
             ``correct`` (per-row 0/1 correctness, e.g.
-            :func:`~hf_constrained.per_sample_loss.causal_lm_per_example_correct`) and
-            ``forget_tolerance`` (one for all or per task): the certificate bounds the share of
-            each task's examples forgotten.
+            :func:`~hf_constrained.per_sample_loss.causal_lm_per_example_correct`) and the user's
+            statement (one for all or per task): ``forget_tolerance`` (the certificate bounds the
+            share of each task's examples forgotten) or ``accuracy_drop_tolerance`` (the accuracy
+            each task loses, paired per example; 0.02 = 2 points).
         old_correct_on_rows: the old model's correctness on the training rows too, for
-            ``constraint_proxy_indicator`` (see :meth:`NonForgettingConstraint.from_old_model`).
+            ``constraint_proxy_indicator``, with the training margin sized from the statement
+            (see :meth:`NonForgettingConstraint.from_old_model`).
+        delta: the certificate's error level of the statement.
     """
     if not datasets:
         raise ValueError("no protected tasks: pass at least one task's data")
@@ -395,7 +490,9 @@ def non_forgetting_constraints(old_model: nn.Module, loss: Union[PerSampleLoss, 
             certify_dataset=None if certify_datasets is None else certify_datasets.get(task), correct=correct,
             forget_tolerance=None if forget_tolerance is None or certify_datasets is None
             or task not in certify_datasets else _for_task(forget_tolerance, task, "forget_tolerance"),
-            old_correct_on_rows=old_correct_on_rows)
+            accuracy_drop_tolerance=None if accuracy_drop_tolerance is None or certify_datasets is None
+            or task not in certify_datasets else _for_task(accuracy_drop_tolerance, task, "accuracy_drop_tolerance"),
+            old_correct_on_rows=old_correct_on_rows, delta=delta)
         out.append(constraint)
         logger.info("non-forgetting constraint %s: %d rows, old loss %.4f, tolerance %.4g", constraint.name,
                     len(data), constraint.metadata["old_loss"], constraint.tolerance)

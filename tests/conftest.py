@@ -44,6 +44,13 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture(autouse=True)
+def own_certification_ledger(tmp_path_factory, monkeypatch):
+    """Each test counts certificate looks in a ledger of its own (never the user's, never another test's):
+    the user-level ledger of hf_constrained.safety.ledger is read from $HF_CONSTRAINED_LEDGER."""
+    monkeypatch.setenv("HF_CONSTRAINED_LEDGER", str(tmp_path_factory.mktemp("ledger") / "certification_ledger.json"))
+
+
 # ---------------------------------------------------------------------- a float32 classifier
 class TinyNet(nn.Module):
     def __init__(self, dropout: float = 0.0) -> None:

@@ -137,7 +137,8 @@ def non_forgetting_constraints(old_model: nn.Module, loss: Any, datasets: Mappin
     takes: ``eval_datasets``, ``tolerance``, ``relative_tolerance``, ``batch_size``, ...).
 
     With ``certify_datasets`` (class name -> certification rows, read only by the certificate)
-    and ``forget_tolerance`` (one for all classes or per class), each constraint gets those rows,
+    and ``forget_tolerance`` (one for all classes or per class; or ``accuracy_drop_tolerance``,
+    the points of accuracy each class may lose), each constraint gets those rows,
     with the old model's zero-shot correctness stored as ``reference_correct``, and the
     forgetting statistic: the certificate bounds the share of class k's certification images
     that the old model classified right and the new one gets wrong. ``correct`` defaults to
@@ -146,9 +147,10 @@ def non_forgetting_constraints(old_model: nn.Module, loss: Any, datasets: Mappin
     if certify_datasets is not None:
         if correct is None and isinstance(loss, ZeroShotLoss):
             correct = ZeroShotCorrect(loss)
-        if forget_tolerance is None:
+        if forget_tolerance is None and kwargs.get("accuracy_drop_tolerance") is None:
             raise ValueError("certify_datasets needs forget_tolerance= (the largest share of each protected class's "
-                             "images that may be forgotten)")
+                             "images that may be forgotten) or accuracy_drop_tolerance= (the most zero-shot accuracy "
+                             "each class may lose, 0.02 = 2 points)")
     return generic_non_forgetting_constraints(old_model, loss, datasets, collate_fn, certify_datasets=certify_datasets,
                                               correct=correct, forget_tolerance=forget_tolerance, **kwargs)
 

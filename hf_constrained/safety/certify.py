@@ -11,6 +11,15 @@ gives an upper confidence bound ``U_jk``; ``H_j`` is rejected, i.e. candidate ``
 - **Several constraints at once (intersection-union).** ``H_j`` is a union of the
   per-constraint nulls, so each bound is taken at the candidate's full level: no correction
   across constraints (MAPIE's multi-risk LTT takes the largest p-value likewise).
+- **Several looks at one split (a ledger).** With a
+  :class:`~hf_constrained.safety.ledger.CertificationLedger`, each call is one look at each
+  certification split it reads (known by its fingerprint), and each constraint is tested at
+  the ``delta_j`` its split's spending schedule gives that look (``delta * 2^-j`` by default;
+  a schedule may refuse a look instead): summed over every look ever taken at a split, the
+  error stays at most ``delta``. The certificate records each constraint's look and the delta
+  it spent. Without a ledger the call is taken to be the split's only look.
+- **Row order.** An order-dependent bound (``"betting"``) reads the rows in a random order
+  drawn from a seed that is independent of the data (``row_order_seed``, recorded).
 - **Several candidates (family-wise).** ``procedure="fixed_sequence"`` tests the candidates in
   the order given, which must be fixed before the certification data is read (training order,
   or a ranking made on other data), each at level ``delta``, and stops at the first one not
@@ -24,6 +33,7 @@ training; the trainer (``finish_run``) calls the same function. Plain numpy/scip
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -31,11 +41,25 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
-from .bounds import bound_is_asymptotic, check_bound, check_delta, difference_upper_bound, upper_bound
+from .ledger import CertificationLedger, GeometricSpending, Spending, look_key
+
+from .bounds import (
+    DEFAULT_BOUND,
+    ORDER_DEPENDENT_BOUNDS,
+    bound_is_asymptotic,
+    check_bound,
+    check_delta,
+    difference_upper_bound,
+    new_order_seed,
+    smallest_certifiable,
+    unit_values,
+    upper_bound,
+)
+
+logger = logging.getLogger(__name__)
 
 PROCEDURES = ("fixed_sequence", "bonferroni")
 DEFAULT_DELTA = 0.05
-DEFAULT_BOUND = "betting"
 
 
 @dataclass(frozen=True)
@@ -73,13 +97,17 @@ def point_value(value: RowValues) -> float:
 
 
 def statistic_upper_bound(value: RowValues, value_range: tuple[float, float], delta: float,
-                          bound: str = DEFAULT_BOUND, *, name: str = "constraint") -> float:
-    """Upper confidence bound at ``1 - delta`` of one constraint's certification statistic."""
+                          bound: str = DEFAULT_BOUND, *, name: str = "constraint",
+                          order_seed: Optional[int] = None) -> float:
+    """Upper confidence bound at ``1 - delta`` of one constraint's certification statistic
+    (``order_seed``: the random row order of an order-dependent bound, see
+    :func:`~hf_constrained.safety.bounds.upper_bound`)."""
     v, grouped = _rows(value)
     what = f"constraint {name!r}"
     if grouped is None:
-        return upper_bound(v, value_range, delta, bound, what=what)
-    return difference_upper_bound(v, grouped.groups, value_range, delta, bound, absolute=grouped.absolute, what=what)
+        return upper_bound(v, value_range, delta, bound, what=what, order_seed=order_seed)
+    return difference_upper_bound(v, grouped.groups, value_range, delta, bound, absolute=grouped.absolute, what=what,
+                                  order_seed=order_seed)
 
 
 @dataclass
@@ -95,7 +123,17 @@ class Certificate:
         num_rows: per constraint, the certification rows behind each bound.
         delta, procedure: the family-wise error level and how candidates were tested.
         num_candidates: how many candidates were in the family (all count, tested or not).
-        level: the level each candidate was tested at (``delta``, or ``delta / J`` for Bonferroni).
+        level: the strictest level a candidate's constraint was tested at (``levels``' smallest).
+        split_fingerprints: per constraint, the fingerprint of its certification rows.
+        row_order_seed: the seed of the random row order of order-dependent bounds (``None``
+            when every bound is order-free).
+        looks: per constraint, which look at its split this certificate was (1 = the first;
+            empty without a ledger: the only look).
+        delta_spent: per constraint, the share of its split's budget this look spent (``delta``
+            without a ledger).
+        levels: per constraint, the level each candidate was tested at (``delta_spent``, divided
+            by the number of candidates for Bonferroni).
+        spending: the ledger's spending schedule, in words (``None`` without a ledger).
     """
 
     certified: list[int]
@@ -110,6 +148,11 @@ class Certificate:
     num_candidates: int
     level: float
     split_fingerprints: dict[str, str] = field(default_factory=dict)
+    row_order_seed: Optional[int] = None
+    looks: dict[str, int] = field(default_factory=dict)
+    delta_spent: dict[str, float] = field(default_factory=dict)
+    levels: dict[str, float] = field(default_factory=dict)
+    spending: Optional[str] = None
 
     @property
     def tested(self) -> int:
@@ -138,10 +181,14 @@ class Certificate:
     def statement(self) -> str:
         """The guarantee in words, as reports and cards state it."""
         kind = "asymptotic (CLT) " if self.asymptotic else ""
+        looks = ""
+        if self.looks:
+            spent = ", ".join(f"{k}: look {self.looks[k]}, delta {self.delta_spent[k]:.3g}" for k in self.looks)
+            looks = f"; looks at the certification splits counted by a ledger ({self.spending}): {spent}"
         return (f"Certified at delta = {self.delta:g}: with probability at least {1 - self.delta:g} over the "
                 f"certification sample, every constraint holds on the population it was drawn from "
                 f"({kind}upper bounds; {self.num_candidates} candidate(s) tested by "
-                f"{self.procedure.replace('_', '-')} testing).")
+                f"{self.procedure.replace('_', '-')} testing{looks}).")
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -157,6 +204,11 @@ class Certificate:
             "num_candidates": self.num_candidates,
             "level": self.level,
             "split_fingerprints": dict(self.split_fingerprints),
+            "row_order_seed": self.row_order_seed,
+            "looks": dict(self.looks),
+            "delta_spent": dict(self.delta_spent),
+            "levels": dict(self.levels),
+            "spending": self.spending,
         }
 
     @classmethod
@@ -174,6 +226,11 @@ class Certificate:
             num_candidates=int(data["num_candidates"]),
             level=float(data["level"]),
             split_fingerprints=dict(data.get("split_fingerprints") or {}),
+            row_order_seed=None if data.get("row_order_seed") is None else int(data["row_order_seed"]),
+            looks={k: int(x) for k, x in (data.get("looks") or {}).items()},
+            delta_spent={k: float(x) for k, x in (data.get("delta_spent") or {}).items()},
+            levels={k: float(x) for k, x in (data.get("levels") or {}).items()},
+            spending=data.get("spending"),
         )
 
     def recomputed_certified(self) -> list[int]:
@@ -201,7 +258,9 @@ def certify(candidates: Sequence[Mapping[str, RowValues]], tolerance: Mapping[st
             value_range: Union[tuple[float, float], Mapping[str, tuple[float, float]]],
             delta: float = DEFAULT_DELTA, *, bound: Union[str, Mapping[str, str]] = DEFAULT_BOUND,
             procedure: str = "fixed_sequence",
-            split_fingerprints: Optional[Mapping[str, str]] = None) -> Certificate:
+            split_fingerprints: Optional[Mapping[str, str]] = None,
+            ledger: Optional[CertificationLedger] = None,
+            row_order_seed: Optional[int] = None) -> Certificate:
     """Certify candidates from per-row values on a certification split.
 
     Args:
@@ -214,12 +273,19 @@ def certify(candidates: Sequence[Mapping[str, RowValues]], tolerance: Mapping[st
             name; a value outside it is an error naming the constraint (never clipped).
         delta: the family-wise error level: with probability >= 1 - delta every certified
             candidate satisfies every constraint.
-        bound: one of :data:`~hf_constrained.safety.bounds.BOUNDS` (``"betting"`` by default;
-            ``"clopper_pearson"`` for 0/1 rates; ``"clt"`` is asymptotic), or one per name.
+        bound: one of :data:`~hf_constrained.safety.bounds.BOUNDS` (``"hoeffding_bentkus"`` by
+            default; ``"clopper_pearson"`` for 0/1 rates, ``"paired_change"`` for changes in
+            {-1, 0, 1}; ``"clt"`` is asymptotic), or one per name.
         procedure: ``"fixed_sequence"`` (each candidate at ``delta``, stopping at the first
             not certified) or ``"bonferroni"`` (each at ``delta / len(candidates)``).
         split_fingerprints: recorded in the certificate (constraint name -> fingerprint of its
-            certification rows).
+            certification rows); the ledger counts looks by them.
+        ledger: counts this call as one look at each certification split and tests each
+            constraint at the delta its split's schedule gives the look (module docstring); may
+            raise :class:`~hf_constrained.safety.ledger.LookRefused`. ``None``: this is the
+            splits' only look (the caller's responsibility).
+        row_order_seed: the seed of the random row order of order-dependent bounds; ``None``
+            draws one from the operating system (a repeated look of a ledger reuses its seed).
 
     Returns:
         a :class:`Certificate` (``certified``: the certified candidate indices;
@@ -242,13 +308,36 @@ def certify(candidates: Sequence[Mapping[str, RowValues]], tolerance: Mapping[st
     ranges = {n: (float(r[0]), float(r[1])) for n, r in _per_constraint(value_range, names, "value_range").items()}
     bounds = {n: check_bound(b) for n, b in _per_constraint(bound, names, "bound").items()}
     tol = {n: float(tolerance[n]) for n in names}
-    level = delta if procedure == "fixed_sequence" else delta / len(candidates)
+    for j, cand in enumerate(candidates):  # bad values are errors before any look is spent
+        for n in names:
+            _check_rows(cand[n], ranges[n], bounds[n], n)
+    fingerprints = dict(split_fingerprints or {})
+    ordered = any(b in ORDER_DEPENDENT_BOUNDS for b in bounds.values())
+    seed = row_order_seed if row_order_seed is not None or not ordered else new_order_seed()
+    spent = {n: delta for n in names}
+    looks: dict[str, int] = {}
+    if ledger is not None:
+        splits: dict[str, list[str]] = {}
+        for n in names:  # a constraint without a fingerprint is counted under its name
+            splits.setdefault(fingerprints.get(n) or f"constraint:{n}", []).append(n)
+        key = look_key([procedure, delta, len(candidates)]
+                       + [x for n in names for x in (n, tol[n], ranges[n], bounds[n], fingerprints.get(n))]
+                       + [x for cand in candidates for n in names for x in _identity(cand[n])])
+        taken = ledger.spend(splits, key, delta, seed)
+        for fp, members in splits.items():
+            for n in members:
+                looks[n], spent[n] = taken[fp].look, taken[fp].delta_spent
+        seeds = {taken[fp].order_seed for fp in splits}
+        if ordered and len(seeds) == 1 and None not in seeds:
+            seed = seeds.pop()  # the same look again: the same row order, so the same answer
+    levels = {n: spent[n] if procedure == "fixed_sequence" else spent[n] / len(candidates) for n in names}
     certified: list[int] = []
     upper_bounds: list[dict[str, float]] = []
     values: list[dict[str, float]] = []
     num_rows: dict[str, int] = {}
     for j, cand in enumerate(candidates):
-        ub = {n: statistic_upper_bound(cand[n], ranges[n], level, bounds[n], name=n) for n in names}
+        ub = {n: statistic_upper_bound(cand[n], ranges[n], levels[n], bounds[n], name=n, order_seed=seed)
+              for n in names}
         upper_bounds.append(ub)
         values.append({n: point_value(cand[n]) for n in names})
         for n in names:
@@ -259,8 +348,138 @@ def certify(candidates: Sequence[Mapping[str, RowValues]], tolerance: Mapping[st
             break  # the candidates after the first failure are never tested
     return Certificate(certified=certified, upper_bounds=upper_bounds, values=values, tolerance=tol,
                        value_range=ranges, bound=bounds, num_rows=num_rows, delta=delta, procedure=procedure,
-                       num_candidates=len(candidates), level=level,
-                       split_fingerprints=dict(split_fingerprints or {}))
+                       num_candidates=len(candidates), level=min(levels.values()),
+                       split_fingerprints=fingerprints, row_order_seed=seed if ordered else None,
+                       looks=looks, delta_spent=spent if ledger is not None else {}, levels=levels,
+                       spending=None if ledger is None else ledger.spending.name)
+
+
+def _check_rows(value: RowValues, value_range: tuple[float, float], bound: str, name: str) -> None:
+    """The errors :func:`statistic_upper_bound` would raise on these values, without computing a bound."""
+    v, grouped = _rows(value)
+    what = f"constraint {name!r}"
+    unit = unit_values(v, value_range[0], value_range[1], what)
+    if grouped is not None:
+        g = np.asarray(grouped.groups).reshape(-1)
+        if g.shape != v.shape or not np.all((g == 0) | (g == 1)) or not (np.any(g == 0) and np.any(g == 1)):
+            difference_upper_bound(v, g, value_range, 0.5, "clt", absolute=grouped.absolute, what=what)
+    allowed = {"clopper_pearson": (0.0, 1.0), "paired_change": (0.0, 0.5, 1.0)}.get(bound)
+    if allowed is not None and not np.all(np.isin(unit, allowed)):
+        upper_bound(v, value_range, 0.5, bound, what=what)  # raises the bound's own message
+
+
+def _identity(value: RowValues) -> list[Any]:
+    """What of a constraint's per-row values decides its bound (for a look's key)."""
+    v, grouped = _rows(value)
+    if grouped is None:
+        return [v]
+    return [v, np.asarray(grouped.groups).reshape(-1).astype(np.int64), bool(grouped.absolute)]
+
+
+# ---------------------------------------------------------------------- before training: can the split ever certify?
+def first_look_delta(delta: float = DEFAULT_DELTA, spending: Optional[Spending] = None) -> float:
+    """The delta a split's first certificate spends (``delta / 2`` under the default ledger schedule)."""
+    level = (spending if spending is not None else GeometricSpending()).level(check_delta(delta), 1)
+    if level is None:
+        raise ValueError("the spending schedule refuses the first look")
+    return float(level)
+
+
+@dataclass(frozen=True)
+class Certifiability:
+    """Whether a tolerance can be certified on a certification split of a given size, whatever the model.
+
+    Attributes:
+        name: the constraint.
+        rows: the certification rows (per group for a difference of group means).
+        tolerance: the certified statistic's tolerance.
+        delta: the level of the split's first look.
+        floor: the smallest bound the split can give (every row at the statistic's best value:
+            nothing forgotten); ``None`` when there is none (the asymptotic CLT, or a one-sided
+            group difference, which can go down to ``low - high``).
+        rows_needed: the fewest rows (per group) at which ``floor <= tolerance`` (``None`` if not computed).
+        never: no number of rows can certify the tolerance (e.g. a share forgotten of 0: every
+            bound of a rate is above 0).
+    """
+
+    name: str
+    rows: tuple[int, ...]
+    tolerance: float
+    delta: float
+    floor: Optional[float]
+    rows_needed: Optional[int] = None
+    never: bool = False
+
+    @property
+    def possible(self) -> bool:
+        return self.floor is None or self.floor <= self.tolerance
+
+    def message(self) -> str:
+        if self.never:
+            return (f"constraint {self.name!r}: tolerance {self.tolerance:g} can never be certified, on any number of "
+                    "certification rows (the bound stays above it even with every row at its best value): state a "
+                    "tolerance above the statistic's best value")
+        rows = " and ".join(str(n) for n in self.rows) + (" rows per group" if len(self.rows) > 1 else " rows")
+        need = "" if self.rows_needed is None else (
+            f"; it needs at least {self.rows_needed}{' per group' if len(self.rows) > 1 else ''}")
+        return (f"constraint {self.name!r}: its certification split ({rows}) can never certify tolerance "
+                f"{self.tolerance:g} at delta {self.delta:.3g} (the first look's share of the budget), whatever the "
+                f"model: even with every row at its best value (nothing forgotten) the bound is {self.floor:.4g}"
+                f"{need}. Give it more certification rows or a larger tolerance")
+
+
+def _rows_needed(bound: str, value_range: tuple[float, float], tolerance: float, delta: float) -> Optional[int]:
+    """The fewest rows whose best-case bound is within ``tolerance`` (doubling, then bisection)."""
+    if bound == "betting":
+        return None  # each evaluation is a full betting pass: not worth a search
+    def fits(n: int) -> bool:
+        floor = smallest_certifiable(bound, value_range, n, delta)
+        return floor is None or floor <= tolerance
+    hi = 1
+    while not fits(hi):
+        hi *= 2
+        if hi > 1 << 30:
+            return None
+    lo = hi // 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def certifiability(name: str, bound: str, value_range: tuple[float, float], tolerance: float,
+                   rows: Sequence[int], delta: float, *, absolute: bool = False) -> Certifiability:
+    """:class:`Certifiability` of one statistic; a tolerance the statistic cannot express (below the
+    range's low end, or above its high end) is a ``ValueError`` naming the constraint.
+
+    ``rows``: one count, or two (the groups of a difference of group means, ``absolute`` for
+    ``|mean_0 - mean_1|``; each group's bound is taken at ``delta/4``, as the certificate does)."""
+    low, high = float(value_range[0]), float(value_range[1])
+    tol = float(tolerance)
+    grouped = len(rows) == 2
+    lowest, highest = ((0.0 if absolute else low - high), high - low) if grouped else (low, high)
+    if not (math.isfinite(tol) and lowest <= tol <= highest):
+        raise ValueError(f"constraint {name!r}: tolerance {tol:g} cannot be expressed by its certified statistic, whose "
+                         f"value lies in [{lowest:g}, {highest:g}] (value_range ({low:g}, {high:g})"
+                         f"{', a difference of group means' if grouped else ''}): state the tolerance in the "
+                         "statistic's units (e.g. 0.02 for at most 2 points of accuracy or 2% of the examples)")
+    bound = check_bound(bound)
+    if grouped and not absolute:
+        return Certifiability(name, tuple(int(n) for n in rows), tol, delta, None)
+    level = delta / 4.0 if grouped else delta
+    floors = [smallest_certifiable(bound, value_range, int(n), level) for n in rows]
+    if any(f is None for f in floors):
+        return Certifiability(name, tuple(int(n) for n in rows), tol, delta, None)
+    floor = max(floors) - (low if grouped else 0.0)
+    needed = None
+    if floor > tol:
+        needed = _rows_needed(bound, value_range, tol + (low if grouped else 0.0), level)
+        return Certifiability(name, tuple(int(n) for n in rows), tol, delta, floor, needed,
+                              never=needed is None and bound != "betting")
+    return Certifiability(name, tuple(int(n) for n in rows), tol, delta, floor, needed)
 
 
 def best_certified(certificate: Certificate, objective: Sequence[Optional[float]],
@@ -284,11 +503,14 @@ __all__ = [
     "DEFAULT_BOUND",
     "DEFAULT_DELTA",
     "PROCEDURES",
+    "Certifiability",
     "Certificate",
     "GroupRows",
     "RowValues",
     "best_certified",
+    "certifiability",
     "certify",
+    "first_look_delta",
     "point_value",
     "statistic_upper_bound",
 ]

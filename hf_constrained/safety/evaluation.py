@@ -21,6 +21,7 @@ from typing import Any, Optional, Protocol, runtime_checkable
 
 from .certify import DEFAULT_DELTA, Certificate, certify
 from .fingerprint import weights_fingerprint
+from .ledger import CertificationLedger
 from .report import (
     DEFAULT_SAFETY_RULE,
     EVAL_CONSTRAINT_PREFIX,
@@ -226,7 +227,8 @@ def certify_models(trainer: ReportableTrainer, models: Iterable[Any] = (None,), 
     return certify(candidates, {c.name: c.certification_tolerance() for c in certifiable},
                    {c.name: c.certification_range() for c in certifiable}, delta,
                    bound={c.name: c.certification_bound() for c in certifiable}, procedure=procedure,
-                   split_fingerprints=getattr(trainer, "certification_fingerprints", None))
+                   split_fingerprints=getattr(trainer, "certification_fingerprints", None),
+                   ledger=CertificationLedger.for_run(trainer.args.output_dir))
 
 
 # ---------------------------------------------------------------------- reports

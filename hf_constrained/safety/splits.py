@@ -12,12 +12,16 @@ the card.
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Optional
 
 import numpy as np
 
-from ..constraint import fetch_rows
+from ..constraint import collate_examples, fetch_rows
+from .certify import DEFAULT_DELTA, Certifiability, certifiability, first_look_delta
+
+logger = logging.getLogger(__name__)
 
 _CHUNK = 512  # rows fetched per call
 
@@ -96,9 +100,57 @@ def split_fingerprint(hashes: Iterable[bytes]) -> str:
     return "sha256:" + digest.hexdigest()
 
 
+def _group_counts(c: Any, group_key: str) -> Optional[tuple[int, int]]:
+    """Rows of group 0 and group 1 of a constraint's certification split (its collated rows'
+    ``group_key``), or ``None`` when they cannot be read without the model."""
+    data, collate = c.certify_dataset, c.collate_fn or collate_examples
+    counts = [0, 0]
+    try:
+        for start in range(0, len(data), _CHUNK):
+            batch = collate(fetch_rows(data, range(start, min(start + _CHUNK, len(data)))))
+            g = np.asarray(batch[group_key]).reshape(-1)
+            counts[0] += int(np.sum(g == 0))
+            counts[1] += int(np.sum(g == 1))
+    except Exception:  # noqa: BLE001 - a collate that needs more than the rows: no per-group count
+        return None
+    return counts[0], counts[1]
+
+
+def check_certifiable(constraints: Sequence[Any], delta: float = DEFAULT_DELTA) -> list[Certifiability]:
+    """Before training: can each constraint's certification split ever certify its tolerance?
+
+    A tolerance the certified statistic cannot express (outside its range) is a ``ValueError``
+    naming the constraint; a split too small to certify the tolerance even with every row at its
+    best value (nothing forgotten), at the first look's delta of the ledger
+    (:func:`~hf_constrained.safety.certify.first_look_delta`), gets a warning naming the constraint,
+    its split size and the rows it would need. Constraints without a declared range are left to
+    the certificate's own error."""
+    level = first_look_delta(delta)
+    out = []
+    for c in constraints:
+        if getattr(c, "certify_dataset", None) is None or c.certification_range() is None:
+            continue
+        stat = c.certify_statistic
+        group_key = stat.group_key if stat is not None else c.group_key
+        absolute = bool(stat.absolute) if stat is not None else c.outer is not None
+        rows: tuple[int, ...] = (len(c.certify_dataset),)
+        if group_key is not None:
+            counts = _group_counts(c, group_key)
+            if counts is None:
+                continue
+            rows = counts
+        check = certifiability(c.name, c.certification_bound(), c.certification_range(), c.certification_tolerance(),
+                               rows, level, absolute=absolute)
+        if not check.possible:
+            logger.warning("%s", check.message())
+        out.append(check)
+    return out
+
+
 def check_certification_splits(constraints: Sequence[Any], others: Optional[Mapping[str, Any]] = None, *,
                                train_dataset: Any = None, eval_dataset: Any = None) -> dict[str, str]:
-    """Refuse certification rows that also appear in training or selection rows.
+    """Refuse certification rows that also appear in training or selection rows, and check that each
+    split can certify its tolerance at all (:func:`check_certifiable`, at the default delta).
 
     Args:
         constraints: the run's constraints; those with a ``certify_dataset`` are checked
@@ -115,6 +167,7 @@ def check_certification_splits(constraints: Sequence[Any], others: Optional[Mapp
     certifying = [c for c in constraints if getattr(c, "certify_dataset", None) is not None]
     if not certifying:
         return {}
+    check_certifiable(certifying)
     others = dict(others or {})
     others["the objective's train_dataset"] = train_dataset
     evals = eval_dataset if isinstance(eval_dataset, Mapping) else {"": eval_dataset}
@@ -155,4 +208,4 @@ def check_certification_splits(constraints: Sequence[Any], others: Optional[Mapp
     return fingerprints
 
 
-__all__ = ["check_certification_splits", "row_hash", "row_hashes", "split_fingerprint"]
+__all__ = ["check_certifiable", "check_certification_splits", "row_hash", "row_hashes", "split_fingerprint"]

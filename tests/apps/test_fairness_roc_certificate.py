@@ -58,7 +58,9 @@ def test_smallest_certified_gap_is_the_tolerance_where_the_same_bounds_start_to_
     assert not cert.certified  # an untrained, unfair scorer: not at kappa = 0.01
     rows = trainer.constraint_row_values(split="certify")
     names = list(cert.upper_bounds[0])
-    kwargs = dict(value_range={n: (0.0, 1.0) for n in names}, delta=0.05,
+    # the same level as the certificate: the delta its look at the split spent (the ledger's first look)
+    assert set(cert.levels.values()) == {cert.level}
+    kwargs = dict(value_range={n: (0.0, 1.0) for n in names}, delta=cert.level,
                   bound={n: "clopper_pearson" for n in names})
     at = certify([rows], {n: gap for n in names}, **kwargs)
     below = certify([rows], {n: gap - 1e-9 for n in names}, **kwargs)

@@ -273,3 +273,105 @@ def test_old_correctness_on_the_training_rows_lets_a_proxy_indicator_train(causa
         train(build(False), "without")
     with pytest.raises(ValueError, match="old_correct_on_rows serves the certificate's statistic"):
         non_forgetting_constraints(causal_lm, causal_lm_per_example_loss, data, collate, old_correct_on_rows=True)
+
+
+# ---------------------------------------------------------------------- the statement in the user's units
+def _greedy_rows(causal_lm, lm_rows):
+    """Rows whose answer is the old model's own greedy continuation: the old model gets each right."""
+    greedy = []
+    with torch.no_grad():
+        for r in lm_rows:
+            prompt = [t for t, lab in zip(r["input_ids"], r["labels"]) if lab == -100]
+            ids = list(prompt)
+            for _ in range(2):
+                ids.append(int(causal_lm(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+            greedy.append({"input_ids": ids, "attention_mask": [1] * len(ids),
+                           "labels": [-100] * len(prompt) + ids[len(prompt):]})
+    return Dataset.from_list(greedy)
+
+
+def test_points_lost_is_the_paired_change_with_its_own_bound(causal_lm, lm_rows, tokenizer):
+    from hf_constrained.non_forgetting import PairedChange
+    from hf_constrained.per_sample_loss import causal_lm_per_example_correct
+
+    collate = PaddingCollator(tokenizer)
+    rows = _greedy_rows(causal_lm, lm_rows)
+    (c,) = non_forgetting_constraints(causal_lm, causal_lm_per_example_loss, {"reverse": lm_rows.select(range(4))},
+                                      collate, certify_datasets={"reverse": rows}, correct=causal_lm_per_example_correct,
+                                      accuracy_drop_tolerance=0.3)
+    stat = c.certify_statistic
+    assert isinstance(stat.row_fn, PairedChange) and stat.bound == "paired_change" and stat.value_range == (-1.0, 1.0)
+    assert stat.tolerance == 0.3 and c.certification_tolerance() == 0.3
+    batch = collate([c.certify_dataset[i] for i in range(len(rows))])
+    new = _perturbed(causal_lm, scale=0.5)
+    change = stat.row_fn(new, batch)
+    old_right, new_right = _direct_exact_match(causal_lm, list(rows)), _direct_exact_match(new, list(rows))
+    torch.testing.assert_close(change, old_right - new_right)  # accuracy lost, per row
+    assert float(stat.row_fn(causal_lm, batch).abs().sum()) == 0.0
+
+
+@pytest.mark.parametrize("statement, match", [
+    (dict(forget_tolerance=-0.1), "'non_forgetting/reverse': tolerance -0.1 cannot be expressed"),
+    (dict(accuracy_drop_tolerance=1.5), "'non_forgetting/reverse': tolerance 1.5 cannot be expressed"),
+    (dict(forget_tolerance=0.0), "'non_forgetting/reverse': tolerance 0 can never be certified"),
+    (dict(forget_tolerance=0.1, accuracy_drop_tolerance=0.1), "not both"),
+])
+def test_a_statement_the_statistic_cannot_express_is_an_error_naming_the_task(causal_lm, lm_rows, tokenizer,
+                                                                             statement, match):
+    from hf_constrained.per_sample_loss import causal_lm_per_example_correct
+
+    with pytest.raises(ValueError, match=match):
+        non_forgetting_constraints(causal_lm, causal_lm_per_example_loss, {"reverse": lm_rows.select(range(4))},
+                                   PaddingCollator(tokenizer), certify_datasets={"reverse": lm_rows.select(range(4, 8))},
+                                   correct=causal_lm_per_example_correct, **statement)
+
+
+def test_the_certifiable_target_is_the_largest_value_the_split_certifies():
+    from hf_constrained.non_forgetting import certifiable_target, forgetting_statistic, points_lost_statistic
+    from hf_constrained.safety.bounds import clopper_pearson_upper_bound, paired_change_upper_bounds
+
+    correct = lambda model, batch: None  # noqa: E731 - never called
+    n, tol = 1000, 0.02
+    share = certifiable_target(forgetting_statistic(correct, tol), n, 0.05)
+    k = round(share * n)
+    # at the first look (delta / 2): k forgotten of n still certify, k + 1 do not
+    assert clopper_pearson_upper_bound(k, n, 0.025) <= tol < clopper_pearson_upper_bound(k + 1, n, 0.025)
+    points = certifiable_target(points_lost_statistic(correct, tol), n, 0.05)
+    k = round(points * n)
+    assert paired_change_upper_bounds([k], [0], n, 0.025)[0] <= tol < paired_change_upper_bounds([k + 1], [0], n, 0.025)[0]
+    assert 0 < points < share < tol  # the paired bound spends part of delta on rows newly right
+    assert certifiable_target(forgetting_statistic(correct, tol), 100, 0.05) is None  # 100 rows cannot certify 2%
+
+
+def test_the_proxy_margin_is_sized_from_the_statement_and_a_small_split_warns_before_training(
+        causal_lm, lm_rows, tokenizer, tmp_path, caplog):
+    from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments
+    from hf_constrained.non_forgetting import certifiable_target
+    from hf_constrained.per_sample_loss import causal_lm_per_example_correct
+
+    collate = PaddingCollator(tokenizer)
+    certify = Dataset.from_list([lm_rows[i] for i in range(6, 8)] * 100)  # 200 certification rows
+    (c,) = non_forgetting_constraints(causal_lm, causal_lm_per_example_loss, {"reverse": lm_rows.select(range(6))},
+                                      collate, batch_size=8, certify_datasets={"reverse": certify},
+                                      correct=causal_lm_per_example_correct, accuracy_drop_tolerance=0.05,
+                                      old_correct_on_rows=True)
+    target = certifiable_target(c.certify_statistic, 200, 0.05)
+    assert target is not None and c.margin == pytest.approx(0.05 - target) and c.margin > 0
+    assert c.metadata["certifiable_target"] == target
+    # without the proxy (no old correctness on the training rows) the loss constraint keeps its own units
+    (plain,) = non_forgetting_constraints(causal_lm, causal_lm_per_example_loss, {"reverse": lm_rows.select(range(6))},
+                                          collate, batch_size=8, certify_datasets={"reverse": certify},
+                                          correct=causal_lm_per_example_correct, accuracy_drop_tolerance=0.05)
+    assert plain.margin is None
+    # 2 certification rows cannot certify 5 points even with nothing forgotten: the trainer says so before training
+    (small,) = non_forgetting_constraints(causal_lm, causal_lm_per_example_loss, {"reverse": lm_rows.select(range(6))},
+                                          collate, batch_size=8, certify_datasets={"reverse": lm_rows.select(range(6, 8))},
+                                          correct=causal_lm_per_example_correct, accuracy_drop_tolerance=0.05)
+    args = ConstrainedTrainingArguments(output_dir=str(tmp_path / "run"), max_steps=1, report_to=[], use_cpu=True,
+                                        save_strategy="no", disable_tqdm=True, remove_unused_columns=False)
+    with caplog.at_level("WARNING", logger="hf_constrained.safety.splits"):
+        ConstrainedTrainer(model=copy.deepcopy(causal_lm), args=args, train_dataset=lm_rows.select(range(6)),
+                           data_collator=collate, constraints=[small])
+    text = caplog.text
+    assert "'non_forgetting/reverse'" in text and "(2 rows) can never certify tolerance 0.05" in text
+    assert "it needs at least" in text
