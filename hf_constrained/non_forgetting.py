@@ -59,13 +59,13 @@ from tqdm.auto import tqdm
 
 from .batches import collate_examples, fetch_rows
 from .constraint import CertifyStatistic, Constraint
-from .safety.bounds import clopper_pearson_upper_bounds, paired_change_upper_bounds
-from .safety.certify import DEFAULT_DELTA, certifiability, first_look_delta
 from .per_sample_loss import (
     PaddingCollator,
     causal_lm_per_example_loss,
     sequence_classification_per_example_loss,
 )
+from .safety.bounds import clopper_pearson_upper_bounds, paired_change_upper_bounds
+from .safety.certify import DEFAULT_DELTA, certifiability, first_look_delta
 
 logger = logging.getLogger(__name__)
 
@@ -388,8 +388,8 @@ class NonForgettingConstraint(Constraint):
                     old_model, eval_dataset, loss, collate_fn, batch_size, desc=f"reference losses {task} (eval)"))
         certify_rows, statistic = None, None
         if forget_tolerance is not None and accuracy_drop_tolerance is not None:
-            raise ValueError(f"protected task {task!r}: give forget_tolerance or accuracy_drop_tolerance, not both (the "
-                             "certificate bounds one statistic per constraint)")
+            raise ValueError(f"protected task {task!r}: give forget_tolerance or accuracy_drop_tolerance, not both "
+                             "(the certificate bounds one statistic per constraint)")
         if certify_dataset is not None:
             if correct is None or (forget_tolerance is None and accuracy_drop_tolerance is None):
                 raise ValueError(f"protected task {task!r}: certify_dataset needs correct= (per-row 0/1 correctness) "

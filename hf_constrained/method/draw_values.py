@@ -22,8 +22,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
-from collections.abc import Iterator
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
@@ -31,8 +30,15 @@ from torch import nn
 
 from ..batches import BatchMaker, RowUnit, shallow_copy
 from ..constraint import Constraint, ConstraintValueError
-from .rows import (RowGroup, inner_values, local_contribution, plan_row_groups, row_values_and_owners, segment_sums,
-                   stats_dtype)
+from .rows import (
+    RowGroup,
+    inner_values,
+    local_contribution,
+    plan_row_groups,
+    row_values_and_owners,
+    segment_sums,
+    stats_dtype,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from .engine import ConstraintDraw

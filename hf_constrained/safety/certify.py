@@ -41,8 +41,6 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
-from .ledger import CertificationLedger, GeometricSpending, Spending, look_key
-
 from .bounds import (
     DEFAULT_BOUND,
     ORDER_DEPENDENT_BOUNDS,
@@ -55,6 +53,7 @@ from .bounds import (
     unit_values,
     upper_bound,
 )
+from .ledger import CertificationLedger, GeometricSpending, Spending, look_key
 
 logger = logging.getLogger(__name__)
 
@@ -462,8 +461,8 @@ def certifiability(name: str, bound: str, value_range: tuple[float, float], tole
     grouped = len(rows) == 2
     lowest, highest = ((0.0 if absolute else low - high), high - low) if grouped else (low, high)
     if not (math.isfinite(tol) and lowest <= tol <= highest):
-        raise ValueError(f"constraint {name!r}: tolerance {tol:g} cannot be expressed by its certified statistic, whose "
-                         f"value lies in [{lowest:g}, {highest:g}] (value_range ({low:g}, {high:g})"
+        raise ValueError(f"constraint {name!r}: tolerance {tol:g} cannot be expressed by its certified statistic, "
+                         f"whose value lies in [{lowest:g}, {highest:g}] (value_range ({low:g}, {high:g})"
                          f"{', a difference of group means' if grouped else ''}): state the tolerance in the "
                          "statistic's units (e.g. 0.02 for at most 2 points of accuracy or 2% of the examples)")
     bound = check_bound(bound)

@@ -114,8 +114,11 @@ def test_certification_rows_shared_with_training_or_selection_are_refused_before
 def test_certification_needs_a_declared_range_and_never_clips(tmp_path):
     with pytest.raises(ValueError, match="constraint 'rate': certify_dataset needs value_range"):
         Constraint("rate", row_fn=scaled_rate, dataset=rows(1, 5), certify_dataset=rows(3, 5))
+    # a tolerance above the declared range says nothing: an error naming the constraint before training
+    with pytest.raises(ValueError, match="constraint 'rate': tolerance 0.2 cannot be expressed"):
+        make(tmp_path, tolerance=0.2, value_range=(0.0, 0.05))
     # a range the values leave is an error naming the constraint, not a clipped bound
-    trainer = make(tmp_path, value_range=(0.0, 0.05))
+    trainer = make(tmp_path, tolerance=0.04, value_range=(0.0, 0.05))
     with pytest.raises(ValueError, match="constraint 'rate'.*outside the declared value_range"):
         finish_run(trainer, plots=False)
 
