@@ -73,6 +73,7 @@ def finish_run(
     confidence: float = DEFAULT_CONFIDENCE,
     delta: float = DEFAULT_DELTA,
     extra_columns: Optional[Mapping[str, Mapping[str, Any]]] = None,
+    show: bool = True,
 ) -> SafetyReport:
     """End a run: safety report, model card, trainer state and figures in the output directory.
 
@@ -128,6 +129,9 @@ def finish_run(
             ``{column: {constraint name: value}}``, e.g. ``{"old accuracy": {...},
             "new accuracy": {...}}`` for a non-forgetting run (zero-one accuracy per
             protected class beside the loss-based constraint value).
+        show: log the verdict (:meth:`SafetyReport.render`: its line, its table, the diagnostics)
+            once, at INFO when it passes and WARNING when not; ``False`` when the caller shows
+            ``report.render()`` itself, so that it appears once.
     """
     safety_rule = check_safety_rule(safety_rule if safety_rule is not None
                                     else getattr(trainer, "safety_rule", DEFAULT_SAFETY_RULE))
@@ -185,7 +189,8 @@ def finish_run(
             except ValueError as exc:  # nothing to plot must not lose the report written above
                 logger.warning("no training-curve figures: %s", exc)
         # the verdict, shown once: its line, the verdict table and the diagnostics
-        (logger.info if report.all_satisfied else logger.warning)("%s", report.render())
+        if show:
+            (logger.info if report.all_satisfied else logger.warning)("%s", report.render())
     return report
 
 

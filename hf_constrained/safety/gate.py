@@ -412,12 +412,18 @@ class SafetyMixin:
             return
         self._saved_weights[key] = SavedWeights(self.current_weights_fingerprint(), files, signature)
 
-    def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
+    def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False, *,
+                   push: Optional[bool] = None) -> None:
         """``Trainer.save_model`` plus the model card (and safety report) next to the weights.
 
         The card is written before the Trainer's own push of a user-called ``save_model``
-        (``args.push_to_hub``), which goes through the gated :meth:`push_to_hub`.
+        (``args.push_to_hub``), which goes through the gated :meth:`push_to_hub`; ``push=False``
+        saves without that push (a recipe that pushes last, after its results are written).
+        The files saved here are recorded, so a report written next to them names them
+        (``hf-constrained report --check`` compares them).
         """
+        if push is False:
+            _internal_call = True
         super().save_model(output_dir, _internal_call=True)
         if self.args.should_save:
             if getattr(self, "constraints", None):

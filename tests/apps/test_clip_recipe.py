@@ -8,9 +8,11 @@ import os
 import sys
 
 import pytest
+import torch
 from transformers import CLIPModel
 
 from clip_synthetic import make_bdd100k, make_csv, save_tiny_clip
+from recipe_outputs import assert_report_checks, run_card_snippet
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -61,7 +63,8 @@ def test_recipe_bdd100k_hinge_saves_model_and_results(assets, tmp_path):
     with open(os.path.join(out, "safety_report.json")) as f:
         report = json.load(f)
     # the point values agree with the evaluation; the verdict (certified by default) is the recipe's "safe"
-    assert all(c["satisfied"] for c in report["constraints"]) == bool(results["eval_metrics"]["eval_constraints_satisfied"])
+    assert all(c["value"] <= c["tolerance"] for c in report["constraints"]) == bool(
+        results["eval_metrics"]["eval_constraints_satisfied"])
     assert report["all_satisfied"] == results["safe"]
     # 2 certification images per class (0.5 of 3 held-out) cannot certify the default 0.05: even with none
     # forgotten the Clopper-Pearson bound is 1 - 0.05 ** (1 / 2) = 0.78
@@ -83,6 +86,14 @@ def test_recipe_bdd100k_hinge_saves_model_and_results(assets, tmp_path):
     assert "nan" not in table.lower()
     head = card.split("\n---", 2)[-1][:400]
     assert ("UNSAFE" in head or "NOT CERTIFIED" in head) != report["all_satisfied"]
+    assert "fine-tuned for the target class 'foggy'" in card
+    assert "%" not in card.split("## Data")[1].split("\n## ")[0]  # fractions, the unit of every number here
+    # the recipe's own output passes `report --check`, and the card's snippet loads model and processor
+    assert_report_checks(out, certified=False)
+    loaded = run_card_snippet(out)
+    assert type(loaded["model"]).__name__ == "CLIPModel" and type(loaded["processor"]).__name__ == "CLIPProcessor"
+    for key, value in CLIPModel.from_pretrained(out).state_dict().items():
+        assert torch.equal(loaded["model"].state_dict()[key], value), key
 
 
 def test_recipe_csv_lora_squared_hinge(assets, tmp_path):
@@ -102,6 +113,9 @@ def test_recipe_csv_lora_squared_hinge(assets, tmp_path):
     assert results["accuracy_split"] == "constraint data"
     assert os.path.exists(os.path.join(out, "adapter_config.json"))  # a LoRA adapter was saved
     assert os.path.exists(os.path.join(out, "safety_report.json")) and os.path.exists(os.path.join(out, "README.md"))
+    assert_report_checks(out)
+    loaded = run_card_snippet(out)  # the base model, with the adapters, and the processor
+    assert type(loaded["model"]).__name__ == "PeftModel" and type(loaded["processor"]).__name__ == "CLIPProcessor"
     with pytest.raises(ValueError, match="prompt_template"):
         _recipe().main(["--model_name_or_path", clip, "--data", "csv", "--target_class", "foggy",
                         "--protected_classes", "clear", "--output_dir", out, *COMMON])
