@@ -594,7 +594,8 @@ def guarantee_sentence(delta: float, statistics: Mapping[str, str], bounds: Mapp
     n = len(statistics)
     descriptions = sorted(set(statistics.values()))
     what = descriptions[0] if len(descriptions) == 1 else "its certified statistic (see the table)"
-    subject = f"for each of the {n} constraints, {what}" if n > 1 else f"for constraint {next(iter(statistics))}, {what}"
+    subject = (f"for each of the {n} constraints, {what}" if n > 1
+               else f"for constraint {next(iter(statistics))}, {what}")
     kinds = sorted(set(bounds.values()))
     asymptotic = " (asymptotic: no finite-sample guarantee)" if "clt" in kinds else ""
     rows = sorted(int(r) for r in num_rows.values())

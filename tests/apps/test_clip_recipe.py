@@ -141,7 +141,6 @@ def test_recipe_certifies_on_held_out_images_nothing_else_reads(assets, tmp_path
     """--certify_fraction sets part of each protected class's held-out images aside; the certified bound
     is the exact Clopper-Pearson bound of the share of them forgotten, recomputed here from the old and
     new models' zero-shot predictions."""
-    import torch
     from transformers import CLIPProcessor
 
     from hf_constrained.clip import ZeroShotLoss

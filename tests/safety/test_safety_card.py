@@ -5,7 +5,6 @@ relative paths only."""
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -13,7 +12,7 @@ import pytest
 import torch
 from huggingface_hub import ModelCard, metadata_load
 from huggingface_hub.repocard_data import model_index_to_eval_results
-from safety_tiny import ThetaConfig, ThetaModel, make_trainer
+from safety_tiny import make_trainer
 from test_safety_gate import hub  # noqa: F401 (fixture)
 
 from hf_constrained.safety.card import PAPER_URL, ModelCardInfo, describe_model, render_model_card, usage_snippet
