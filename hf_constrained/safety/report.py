@@ -244,9 +244,10 @@ class SafetyReport:
         for c in self.constraints:
             if c.data == "data-free":
                 out.append(ConstraintVerdict(c.name, c.satisfied, EXACT_HOLDS if c.satisfied else EXACT_FAILS))
-            elif cert is None or c.name in self.not_certifiable or c.name not in tolerance:
+            elif (c.name in self.not_certifiable or (cert is None and c.name not in self.statistics)
+                  or (cert is not None and c.name not in tolerance)):
                 out.append(ConstraintVerdict(c.name, False, NO_CERTIFICATION_SPLIT))
-            elif c.name not in bounds:
+            elif c.name not in bounds:  # certifiable, but these weights were not tested (yet)
                 out.append(ConstraintVerdict(c.name, False, NOT_TESTED))
             else:
                 ok = bounds[c.name] is not None and bounds[c.name] <= tolerance[c.name]
@@ -463,7 +464,7 @@ class SafetyReport:
                     rows.append([c.name, self.statistic_description(c.name), format_number(stat.get("old_value")),
                                  format_number(values.get(c.name)),
                                  format_number(bound) + (f" ({cert['bound'][c.name]})" if bound is not None else ""),
-                                 format_number(cert["tolerance"][c.name]),
+                                 format_number(cert.get("tolerance", {}).get(c.name)),
                                  format_number(cert.get("num_rows", {}).get(c.name)), word])
             return rows
         show_bound = any(c.upper_bound is not None for c in self.constraints)
@@ -526,6 +527,9 @@ class SafetyReport:
         """One line on the certificate: CERTIFIED at delta (the guarantee: which statistic, which
         bound, delta, n, the population) or NOT CERTIFIED (why)."""
         cert = self.certificate
+        if cert is None and self.statistics:
+            return ("NOT CERTIFIED: these weights were evaluated, not certified (an evaluation during training); "
+                    "finish_run or trainer.build_safety_report() certifies them on the certification rows")
         if cert is None:
             return ("NOT CERTIFIED: no constraint has a certification split (certify_dataset), so nothing was tested "
                     "on data that training and selection never touched")

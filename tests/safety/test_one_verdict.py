@@ -160,3 +160,17 @@ def test_no_report_contradicts_itself(bound, held_out, tested, rule):
         word = CERTIFIED if tested and bound <= 0.2 else (NOT_CERTIFIED if tested else NOT_TESTED)
         assert [v.word for v in report.verdicts()] == [word, EXACT_HOLDS]
     assert SafetyReport.from_dict(json.loads(json.dumps(report.to_dict()))).to_dict() == report.to_dict()
+
+
+def test_an_evaluation_during_training_is_not_called_uncertifiable(tmp_path):
+    """A checkpoint's report from an evaluation during training has no certificate yet: its line says
+    that, not that the constraints lack certification rows (they have them)."""
+    from hf_constrained.safety.evaluation import report_from_metrics
+
+    trainer = make(tmp_path)
+    report = report_from_metrics(trainer, trainer.evaluate())
+    assert report.summary().startswith("NOT CERTIFIED: these weights were evaluated, not certified")
+    assert_one_verdict(report)
+    assert [v.word for v in report.verdicts()] == [NOT_TESTED]
+    assert "| rate | the constraint's own value (mean of its per-row values) | n/a | n/a | n/a | n/a | n/a | not tested |" \
+        in report.format_table(markdown=True)
