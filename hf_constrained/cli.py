@@ -73,15 +73,14 @@ def _report(args: argparse.Namespace) -> int:
             where += f", weights from {report.checkpoint}"
         print(f"Safety report: {os.path.join(args.run_dir, SAFETY_REPORT_NAME)} ({report.split} data, {where})")
         print()
-        print(report.format_table())
+        print(report.render())  # the verdict line, its table and the diagnostics, once
         print()
         if report.objective_metrics:
             print("Objective metrics (held-out): " + ", ".join(
                 f"{k} = {format_number(v)}" for k, v in report.objective_metrics.items()))
         if report.selection:
             known = {k: v for k, v in report.selection.items() if k in FeasibleSelection.__dataclass_fields__}
-            print("Checkpoint selection: " + FeasibleSelection(**known).message())
-        print(report.summary())
+            print("Checkpoint selection (diagnostic, validation data): " + FeasibleSelection(**known).message())
     if check is not None:
         print(f"--check: {check.message}", file=sys.stderr if args.json else sys.stdout)
         return check.exit_code

@@ -58,6 +58,9 @@ class CertifyStatistic:
         group_key: the statistic is a difference of two group means (group 0 minus group 1,
             each row's group in ``batch[group_key]``), e.g. a TPR gap between two groups.
         absolute: with ``group_key``, the statistic is the absolute difference.
+        old_model_value: the old model's value of the statistic when it is fixed by construction
+            (0 for the share of examples forgotten, which is relative to the old model's answers);
+            reports show it in the old model's column.
     """
 
     row_fn: RowFn
@@ -67,6 +70,7 @@ class CertifyStatistic:
     description: str = ""
     group_key: Optional[str] = None
     absolute: bool = False
+    old_model_value: Optional[float] = None
 
 
 class ConstraintValueError(RuntimeError):

@@ -249,7 +249,8 @@ def forgetting_statistic(correct: PerSampleCorrect, tolerance: float) -> Certify
     """The certification statistic of a non-forgetting constraint: the share of its certification
     rows the old model got right and the new one gets wrong, at most ``tolerance``."""
     return CertifyStatistic(ForgottenRows(correct), tolerance=float(tolerance), value_range=(0.0, 1.0),
-                            bound="clopper_pearson", description="share of the task's examples forgotten")
+                            bound="clopper_pearson", description="share of the task's examples forgotten",
+                            old_model_value=0.0)
 
 
 class PairedChange(ForgottenRows):

@@ -311,21 +311,24 @@ def main(argv: Optional[list[str]] = None) -> dict:
         "log_history": trainer.state.log_history,
         "script_args": publishable_values(asdict(script), args.output_dir),
     }
+    # through the trainer, which records the weight files it writes: the report written next to them
+    # names them, so `hf-constrained report --check` can vouch for this folder (the push comes last)
+    trainer.save_model(args.output_dir, push=False)
     if trainer.is_world_process_zero():
-        os.makedirs(args.output_dir, exist_ok=True)
-        unwrapped = trainer.accelerator.unwrap_model(trainer.model)
-        unwrapped.save_pretrained(args.output_dir)
         processor.save_pretrained(args.output_dir)
     # safety report + model card (after save_pretrained: a PEFT save writes its own README.md);
     # a non-forgetting constraint is 0 at the old model by definition
     report = finish_run(
         trainer, old_model_values={c.name: 0.0 for c in constraints}, base_model_name=script.model_name_or_path,
-        dataset_description=f"target class {target!r}; protected classes {results['protected_classes']}; "
+        dataset_description=f"fine-tuned for the target class {target!r}; protected classes "
+                            f"{results['protected_classes']}; "
                             f"accuracies on {results['accuracy_split']} data; "
                             + (f"certified on {script.certify_fraction:g} of each protected class's {certify_from} "
                                f"images (read by nothing else) as 'at most {script.forget_tolerance:g} of the "
                                "class's images forgotten'" if certify_sets else "no certification split"),
         delta=script.delta, eval_dataset=dataset_id(script),
+        population=f"the {certify_from} images of each protected class, each constraint its own class"
+        if certify_sets else None,
         reproduce_command=publishable_command("accelerate launch recipes/clip_non_forgetting.py",
                                               sys.argv[1:] if argv is None else argv,
                                               output_dir=args.output_dir),
@@ -348,11 +351,10 @@ def main(argv: Optional[list[str]] = None) -> dict:
             json.dump(results, f, indent=2, default=str)
         os.replace(path + ".tmp", path)
         logger.info("saved model and %s to %s", RESULTS_FILE, args.output_dir)
+        # accuracies as fractions, the unit of the report and the card; the verdict is finish_run's, shown once
         for c in classes:
             if c in accuracy_old:
-                print(f"{c:>20}: accuracy {100 * accuracy_old[c]:5.1f} -> {100 * accuracy_new.get(c, float('nan')):5.1f}")
-        print(f"constraints satisfied (exact, eval data): {bool(metrics.get('eval_constraints_satisfied', 0.0))}")
-        print(report.summary())
+                print(f"{c:>20}: accuracy {accuracy_old[c]:.3f} -> {accuracy_new.get(c, float('nan')):.3f}")
     # last, after every local file is written: a refusal uploads nothing, loses nothing and fails the command
     results["exit_status"] = push_last(trainer, script.allow_unsafe_push) if args.push_to_hub else 0
     return results

@@ -529,8 +529,9 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
             dataset_description=(f"SFT on {publishable_path(target_source)}; "
                                  f"protected: {sorted(protected) or 'none'}"
                                  f"{'; safety set ' + publishable_path(data.safety_dataset) if data.safety_dataset else ''}; "
-                                 f"{data.eval_fraction:.0%} of every dataset held out"
-                                 + (f", {data.certify_fraction:.0%} of each protected / safety set's held-out rows "
+                                 f"a fraction {data.eval_fraction:g} of every dataset held out"
+                                 + (f", a fraction {data.certify_fraction:g} of each protected / safety set's "
+                                    "held-out rows "
                                     "set aside as its certification split (read only by the certificate: the "
                                     "share of the set's examples forgotten, teacher-forced exact match, at most "
                                     f"{data.forget_tolerance:g})" if certifying else "; no certification split")),
@@ -568,8 +569,6 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
             json.dump(results, f, indent=2, default=str)
         os.replace(path + ".tmp", path)
         logger.info("saved the model, tokenizer and %s to %s", RESULTS_FILE, args.output_dir)
-        if report is not None:
-            logger.info(report.summary())
     # last, after every local file is written: a refusal uploads nothing, loses nothing and fails the command
     results["exit_status"] = push_last(trainer, data.allow_unsafe_push) if args.push_to_hub else 0
     return results

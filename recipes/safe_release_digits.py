@@ -186,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     trainer = ConstrainedTrainer(model=model, args=training_args, constraints=constraints,
                                  train_dataset=new_train, eval_dataset=new_heldout)
     trainer.train()
+    # the released weights next to their report and card (recorded, so `hf-constrained report --check`
+    # vouches for the folder); the push, if any, comes after the gate below
+    trainer.save_model(training_args.output_dir, push=False)
     # no secrets (--hub_token) and no local paths: the command is published in the card
     command = publishable_command("python recipes/safe_release_digits.py", argv if argv is not None else sys.argv[1:],
                                   output_dir=training_args.output_dir)
@@ -197,14 +200,14 @@ def main(argv: list[str] | None = None) -> int:
         f"(read only by the certificate). One non-forgetting constraint per old digit 0-7, trained as "
         f"CE_k(w) - CE_k(w_old) <= {opts.tolerance} and certified as 'at most {opts.forget_tolerance} of digit k's "
         "images forgotten'.",
-        eval_dataset="digits", reproduce_command=command, delta=opts.delta,
+        eval_dataset="digits", reproduce_command=command, delta=opts.delta, show=False,  # printed below, once
+        population="scikit-learn 8x8 digits images of digits 0-7, each constraint the images of its own digit",
     )
     results = release_results(trainer, report, rows.get("audit"), opts)
     if trainer.is_world_process_zero():
         with open(os.path.join(training_args.output_dir, "results.json"), "w", encoding="utf-8") as f:
             json.dump(results, f, indent=1)
-    print(report.format_table())
-    print(report.summary())
+    print(report.render())
     try:
         trainer.check_safe_to_push(allow_unsafe=opts.allow_unsafe)
         print("push gate: open" + (" (override)" if not report.all_satisfied else ""))

@@ -132,6 +132,36 @@ def split_for_indicator(constraints: Sequence[Constraint], fraction: float, seed
     return grad_views, ind_views
 
 
+@dataclass(frozen=True)
+class EngineSettings:
+    """The constraint side's settings as this engine runs them, resolved (``constraints_per_step``
+    is |B_c| even when configured as "all", ``msvr_gamma_prime`` the number line 6 uses even when
+    configured as ``"theory"``); field names are those of
+    :class:`~hf_constrained.ConstrainedTrainingArguments`. Reports record this value, never
+    attributes read by name."""
+
+    constraint_penalty: str
+    penalty_beta: float
+    num_constraints: int
+    constraints_per_step: int  # |B_c|, Algorithm 1 line 3
+    constraint_batch_size: int  # |B_k| per process, line 5
+    msvr_gamma: float  # line 6
+    msvr_gamma_prime: float  # line 6, resolved
+    msvr_gamma_prime_rule: str  # as configured: a number or "theory"
+    constraint_seed: int  # the sampling seed in force (a resumed run continues its checkpoint's)
+    share_constraint_batches: bool
+    check_constraint_finite: bool
+    constraint_confidence: Optional[float]
+    constraint_margin: Optional[float]
+    constraint_certificate_delta: Optional[float]
+    constraint_indicator_fraction: Optional[float]
+    constraint_indicator_batch_size: Optional[int]  # resolved: |B_k| when not set, with two-split estimation
+    constraint_proxy_indicator: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
 class ConstraintEngine:
     """The constraint side of Algorithm 1 for m constraints.
 
@@ -169,6 +199,11 @@ class ConstraintEngine:
                  proxy_indicator: bool = False, indicator_batch_size: Optional[int] = None) -> None:
         self.constraints = list(constraints)
         m = len(self.constraints)
+        self._configured = dict(
+            gamma_prime_rule=str(gamma_prime), share_constraint_batches=bool(share_constraint_batches),
+            confidence=confidence, margin=margin, certificate_delta=certificate_delta,
+            indicator_fraction=indicator_fraction, proxy_indicator=bool(proxy_indicator),
+            indicator_batch_size=(indicator_batch_size or batch_size) if indicator_fraction else None)
         self.penalty, self.batches, self.check_finite = penalty, batches, check_finite
         self.batch_size, self.world, self.device = batch_size, world, device
         self.sampler = ConstraintSampler(m, num_sampled, seed)
@@ -202,6 +237,19 @@ class ConstraintEngine:
         self.tolerances = torch.tensor([c.tolerance for c in self.estimated], dtype=stats_dtype(device), device=device)
         self.next_draw: Optional[ConstraintDraw] = None
         self.step_metrics: dict[str, list[torch.Tensor]] = defaultdict(list)
+
+    def settings(self) -> EngineSettings:
+        """The settings this engine runs with (:class:`EngineSettings`), read from its parts."""
+        c = self._configured
+        return EngineSettings(
+            constraint_penalty=self.penalty.name, penalty_beta=self.penalty.beta, num_constraints=len(self.constraints),
+            constraints_per_step=self.sampler.num_per_step, constraint_batch_size=self.batch_size,
+            msvr_gamma=self.estimator.gamma, msvr_gamma_prime=self.estimator.gamma_prime,
+            msvr_gamma_prime_rule=c["gamma_prime_rule"], constraint_seed=self.sampler.seed,
+            share_constraint_batches=c["share_constraint_batches"], check_constraint_finite=bool(self.check_finite),
+            constraint_confidence=c["confidence"], constraint_margin=c["margin"],
+            constraint_certificate_delta=c["certificate_delta"], constraint_indicator_fraction=c["indicator_fraction"],
+            constraint_indicator_batch_size=c["indicator_batch_size"], constraint_proxy_indicator=c["proxy_indicator"])
 
     def _shared_stream_owners(self) -> list[int]:
         """The first member of each row group on the same dataset object draws for all of them."""
@@ -457,4 +505,4 @@ class ConstraintEngine:
                 stream.reseed(int(seed))
 
 
-__all__ = ["ConstraintDraw", "ConstraintEngine"]
+__all__ = ["ConstraintDraw", "ConstraintEngine", "EngineSettings"]

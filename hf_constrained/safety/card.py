@@ -39,7 +39,7 @@ from huggingface_hub import EvalResult, ModelCard, ModelCardData
 from ..publishable import redact_secrets
 from ..redact import redact_command
 from ..recipes import RECIPES
-from .report import SafetyReport, format_number
+from .report import SafetyReport, format_number, format_rows
 from .selection import FeasibleSelection
 
 logger = logging.getLogger(__name__)
@@ -56,10 +56,17 @@ CITATION = f"""@article{{yang2026singleloop,
   url     = {{{PAPER_URL}}}
 }}"""
 
-CONSTRAINT_METRIC_TYPE = "constraint_value"  # a constraint's value h_k on its held-out (or training) rows
-CERTIFIED_METRIC_TYPE = "certified_upper_bound"  # the certificate's bound on the certification split
-UNNAMED_DATASET = "custom"  # model-index dataset.type when the caller names no data
-DEFAULT_TASK = "other"  # model-index needs a task; ModelCardInfo.task or create_model_card(tasks=...) names it
+# the Hub's task ids (pipeline tags) a model-index may name; another task gives no model-index
+HUB_TASKS = frozenset({
+    "audio-classification", "automatic-speech-recognition", "feature-extraction", "fill-mask", "image-classification",
+    "image-segmentation", "image-text-to-text", "image-to-text", "object-detection", "question-answering",
+    "sentence-similarity", "summarization", "tabular-classification", "tabular-regression", "text-classification",
+    "text-generation", "text2text-generation", "token-classification", "translation", "zero-shot-classification",
+    "zero-shot-image-classification"})
+# the Hub's metric ids (the evaluate library's) a model-index may carry; other metrics stay in the card's text
+HUB_METRICS = frozenset({"accuracy", "bleu", "cer", "exact_match", "f1", "mae", "matthews_correlation", "mse",
+                         "pearsonr", "perplexity", "precision", "recall", "roc_auc", "rouge", "spearmanr", "wer"})
+HUB_METRIC_ALIASES = {"auc": "roc_auc", "auroc": "roc_auc", "acc": "accuracy"}
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 _VERSIONED = ("hf_constrained", "transformers", "torch", "huggingface_hub", "datasets", "accelerate")
@@ -101,7 +108,10 @@ class ModelCardInfo:
             task of the model-index results.
         eval_dataset: the identifier of the data the constraints and objective were evaluated
             on, the model-index ``dataset.type``: a Hub dataset id or a short name of the data
-            (``"digits"``, ``"adult"``); default: the first of ``datasets``.
+            (``"digits"``, ``"adult"``); default: the first of ``datasets``. Only a Hub id of
+            ``datasets`` reaches the model-index (:func:`eval_dataset_id`).
+        population: who the certified statistics are about (the population the certification
+            rows were drawn from, e.g. "the scikit-learn digits images of digits 0-7"); the card names it.
     """
 
     base_model: Optional[str] = None
@@ -113,6 +123,7 @@ class ModelCardInfo:
     tags: list[str] = field(default_factory=list)
     task: Optional[str] = None
     eval_dataset: Optional[str] = None
+    population: Optional[str] = None
 
     def with_trainer_card_arguments(self, *, language: Optional[str] = None, license: Optional[str] = None,
                                     tags: Any = None, finetuned_from: Optional[str] = None, tasks: Any = None,
@@ -149,6 +160,7 @@ class ModelSource:
     from_pretrained: bool = True
     base_class_name: Optional[str] = None
     no_argument_constructor: bool = False
+    processor_class: Optional[str] = None  # the transformers Auto class that loads the saved processor/tokenizer
 
     @property
     def is_adapter(self) -> bool:
@@ -181,51 +193,82 @@ def _no_argument_constructor(cls: type) -> bool:
                for p in parameters)
 
 
-def describe_model(model: Any) -> ModelSource:
+# the Auto class that loads a processing class, by the base classes transformers gives it (no import needed)
+_PROCESSOR_LOADERS = (("ProcessorMixin", "AutoProcessor"), ("PreTrainedTokenizerBase", "AutoTokenizer"),
+                      ("BaseImageProcessor", "AutoImageProcessor"), ("ImageProcessingMixin", "AutoImageProcessor"),
+                      ("FeatureExtractionMixin", "AutoFeatureExtractor"))
+# the same from the files a save_pretrained wrote (first match wins)
+_PROCESSOR_FILES = (("processor_config.json", "AutoProcessor"), ("tokenizer_config.json", "AutoTokenizer"),
+                    ("preprocessor_config.json", "AutoImageProcessor"))
+
+
+def processor_loader(processing_class: Any = None, folder: Optional[str] = None) -> Optional[str]:
+    """The ``transformers`` Auto class that loads the run's processor or tokenizer: from the
+    trainer's ``processing_class`` (by its base classes), else from the files saved in ``folder``
+    (a tokenizer and an image processor saved side by side are a processor); ``None`` when none."""
+    if processing_class is not None:
+        bases = {cls.__name__ for cls in type(processing_class).__mro__}
+        for base, loader in _PROCESSOR_LOADERS:
+            if base in bases:
+                return loader
+    if folder and os.path.isdir(folder):
+        names = set(os.listdir(folder))
+        if "tokenizer_config.json" in names and "preprocessor_config.json" in names:
+            return "AutoProcessor"
+        for name, loader in _PROCESSOR_FILES:
+            if name in names:
+                return loader
+    return None
+
+
+def describe_model(model: Any, processing_class: Any = None, folder: Optional[str] = None) -> ModelSource:
     """:class:`ModelSource` of a model, by duck typing (no import of peft or transformers):
-    a ``peft`` model has ``peft_config`` (its adapters) and ``get_base_model()``."""
+    a ``peft`` model has ``peft_config`` (its adapters) and ``get_base_model()``; the processor or
+    tokenizer is found from ``processing_class`` or the files in ``folder`` (:func:`processor_loader`)."""
+    processor = processor_loader(processing_class, folder)
     peft_config = getattr(model, "peft_config", None)
     if isinstance(peft_config, Mapping) and peft_config:
         config = next(iter(peft_config.values()))
         base = model.get_base_model() if hasattr(model, "get_base_model") else None
         return ModelSource("peft", "PeftModel", None if base is None else _custom_module(type(base)),
                            getattr(config, "base_model_name_or_path", None),
-                           base_class_name=None if base is None else type(base).__name__)
+                           base_class_name=None if base is None else type(base).__name__, processor_class=processor)
     cls = type(model)
     if not hasattr(cls, "from_pretrained"):
         return ModelSource(None, cls.__name__, _custom_module(cls) or cls.__module__, from_pretrained=False,
-                           no_argument_constructor=_no_argument_constructor(cls))
-    return ModelSource("transformers", cls.__name__, _custom_module(cls))
+                           no_argument_constructor=_no_argument_constructor(cls), processor_class=processor)
+    return ModelSource("transformers", cls.__name__, _custom_module(cls), processor_class=processor)
 
 
 def usage_snippet(source: ModelSource, repo_id: str) -> str:
-    """Python that loads the published model."""
-    lines = []
+    """Python that loads the published model, and its processor or tokenizer when the run saved
+    one; ``repo_id`` is named once, on the first line after the imports."""
+    imports, lines = [], [f'repo_id = "{repo_id}"  # the Hub repository', ""]
     if source.is_adapter:
         # PeftModel.from_pretrained picks the PEFT class of the adapter's task type (AutoPeftModel
         # refuses a task type, e.g. a causal-LM adapter, and base models AutoModel does not map)
         base_class = source.base_class_name or "AutoModel"
         where = source.module or "transformers"
         comment = "  # the base model's architecture" if source.module else ""
-        lines += ["from peft import PeftConfig, PeftModel",
-                  f"from {where} import {base_class}{comment}", "",
-                  f'config = PeftConfig.from_pretrained("{repo_id}")',
+        imports += ["from peft import PeftConfig, PeftModel", f"from {where} import {base_class}{comment}"]
+        lines += ["config = PeftConfig.from_pretrained(repo_id)",
                   f"base = {base_class}.from_pretrained(config.base_model_name_or_path)",
-                  f'model = PeftModel.from_pretrained(base, "{repo_id}")  # the base model, with the adapters']
+                  "model = PeftModel.from_pretrained(base, repo_id)  # the base model, with the adapters"]
     elif not source.from_pretrained:
         build = (f"model = {source.class_name}()" if source.no_argument_constructor
                  else f"model = {source.class_name}(...)  # the constructor arguments used for training")
-        lines += [f"from {source.module} import {source.class_name}",
-                  "from huggingface_hub import hf_hub_download",
-                  "from safetensors.torch import load_model", "",
-                  build,
-                  f'load_model(model, hf_hub_download("{repo_id}", "model.safetensors"))']
+        imports += ["from huggingface_hub import hf_hub_download", "from safetensors.torch import load_model",
+                    f"from {source.module} import {source.class_name}"]
+        lines += [build, 'load_model(model, hf_hub_download(repo_id, "model.safetensors"))']
     else:
         where = source.module or "transformers"
         comment = "  # the architecture is defined there, not in transformers" if source.module else ""
-        lines += [f"from {where} import {source.class_name}{comment}", "",
-                  f'model = {source.class_name}.from_pretrained("{repo_id}")']
-    return "\n".join(lines)
+        imports += [f"from {where} import {source.class_name}{comment}"]
+        lines += [f"model = {source.class_name}.from_pretrained(repo_id)"]
+    if source.processor_class:
+        imports.append(f"from transformers import {source.processor_class}")
+        lines.append(f"processor = {source.processor_class}.from_pretrained(repo_id)  # what the inputs go through")
+    return "\n".join(imports + [""] + lines)
 
 
 def framework_versions(with_peft: bool = False) -> dict[str, str]:
@@ -281,69 +324,45 @@ def _readable(key: str) -> str:
     return words[:1].upper() + words[1:] if words else key
 
 
-def eval_dataset_id(info: ModelCardInfo) -> str:
-    """The model-index ``dataset.type`` of the run: ``info.eval_dataset`` (a Hub dataset id or a
-    short name of the data, e.g. ``"digits"``), else the first of ``info.datasets``, else
-    :data:`UNNAMED_DATASET` (pass ``finish_run(eval_dataset=...)`` to name it)."""
-    name = info.eval_dataset or (info.datasets[0] if info.datasets else None)
-    if not name:
-        return UNNAMED_DATASET
-    return _display_name(name) or UNNAMED_DATASET
+def eval_dataset_id(info: ModelCardInfo) -> Optional[str]:
+    """The model-index ``dataset.type``: a Hub dataset id the caller declared (``info.datasets``):
+    ``info.eval_dataset`` when it is one of them, else the first of them; ``None`` (no
+    model-index) when no Hub dataset is named: a short name such as ``"digits"`` is no Hub id."""
+    if not info.datasets:
+        return None
+    name = info.eval_dataset if info.eval_dataset in info.datasets else info.datasets[0]
+    return _hub_id(name)
+
+
+def hub_metric_type(key: str) -> Optional[str]:
+    """The Hub metric id of an objective metric (``eval_accuracy`` -> ``accuracy``, ``test_auc`` ->
+    ``roc_auc``), ``None`` for a metric the Hub does not know (a loss, a per-class score)."""
+    _, metric = _objective_split(key)
+    slug = metric_id(metric)
+    slug = HUB_METRIC_ALIASES.get(slug, slug)
+    return slug if slug in HUB_METRICS else None
 
 
 def eval_results(report: SafetyReport, *, model_name: str, info: ModelCardInfo) -> list[EvalResult]:
-    """The ``model-index`` results, as the Hub's model-index spec defines them.
-
-    Per constraint (``dataset.config`` is the constraint's name, ``dataset.type`` the data's
-    identifier, :func:`eval_dataset_id`):
-
-    - its value on the split it was evaluated on (``dataset.split`` ``validation`` for its
-      held-out rows, ``train`` without them), metric type :data:`CONSTRAINT_METRIC_TYPE`, with
-      its tolerance, verdict, CLT upper bound and old-model value as ``metric.args``;
-    - when the run has a certificate: the certified upper bound on the ``certification``
-      split, metric type :data:`CERTIFIED_METRIC_TYPE`, with ``delta``, ``n`` (the split's
-      rows), ``tolerance``, the bound's method and whether it certifies as ``metric.args``.
-
-    Then each objective metric, on the split its key names (``eval_accuracy`` -> metric type
-    ``accuracy`` on ``validation``, ``test_auc`` -> ``auc`` on ``test``; no prefix: ``validation``).
-    Every result has ``verified: false`` (the Hub did not compute it).
-    """
+    """The ``model-index`` results, with real types only: a Hub task (:data:`HUB_TASKS`, from
+    ``info.task``), a Hub dataset (:func:`eval_dataset_id`) and, per objective metric the Hub
+    knows (:func:`hub_metric_type`), its value on the split its key names (``eval_accuracy`` ->
+    ``accuracy`` on ``validation``, ``test_auc`` -> ``roc_auc`` on ``test``). Empty (the card
+    then has no model-index) when the task or the dataset is not named: invented types would
+    fill the Hub's results panel with noise. Constraint values and certified bounds are in the
+    card's tables and ``safety_report.json``, not here (the Hub has no metric type for them).
+    Every result has ``verified: false`` (the Hub did not compute it)."""
     dataset_id = eval_dataset_id(info)
-    task = info.task or DEFAULT_TASK
-    cert = report.certificate
-    bounds = report.certified_bounds()
+    if info.task not in HUB_TASKS or dataset_id is None:
+        return []
     results = []
-    for c in report.constraints:
-        args: dict[str, Any] = {"tolerance": c.tolerance, "satisfied": c.satisfied, "verdict": c.verdict}
-        if c.upper_bound is not None:
-            args.update(upper_bound=c.upper_bound, confidence=c.confidence, bound_method=c.bound_method)
-        if c.old_value is not None:
-            args["old_model_value"] = c.old_value
-        split = {"held-out": "validation", "training": "train"}.get(c.data)  # data-free: no split
-        where = {"validation": "held-out", "train": "training"}.get(split or "", "data-free")
-        # one result per constraint and split: the Hub groups results by task, dataset, config and split
-        results.append(EvalResult(
-            task_type=task, dataset_type=dataset_id, dataset_name=f"{dataset_id}: {c.name} constraint data",
-            dataset_config=c.name, dataset_split=split, metric_type=CONSTRAINT_METRIC_TYPE,
-            metric_name=f"{c.name} constraint value ({where})", metric_value=c.value, metric_args=args,
-            verified=False,
-        ))
-        if cert is not None and c.name in bounds and c.name in cert.get("tolerance", {}):
-            cert_args: dict[str, Any] = {
-                "delta": cert["delta"], "n": cert["num_rows"].get(c.name),
-                "tolerance": cert["tolerance"][c.name], "bound_method": cert["bound"][c.name],
-                "certified": c.name not in report.failed, "procedure": cert.get("procedure"),
-                "split_fingerprint": cert.get("split_fingerprints", {}).get(c.name)}
-            results.append(EvalResult(
-                task_type=task, dataset_type=dataset_id, dataset_name=f"{dataset_id}: {c.name} constraint data",
-                dataset_config=c.name, dataset_split="certification", metric_type=CERTIFIED_METRIC_TYPE,
-                metric_name=f"{c.name} certified upper bound (delta {cert['delta']:g})", metric_value=bounds[c.name],
-                metric_args={k: v for k, v in cert_args.items() if v is not None}, verified=False,
-            ))
     for key, value in report.objective_metrics.items():
+        metric_type = hub_metric_type(key)
+        if metric_type is None:
+            continue
         split, metric = _objective_split(key)
-        results.append(EvalResult(task_type=task, dataset_type=dataset_id, dataset_name=f"{dataset_id}: objective data",
-                                  dataset_split=split, metric_type=metric_id(metric),
+        results.append(EvalResult(task_type=info.task, dataset_type=dataset_id, dataset_name=dataset_id,
+                                  dataset_split=split, metric_type=metric_type,
                                   metric_name=f"{_readable(metric)} ({split})", metric_value=value, verified=False))
     return results
 
@@ -402,8 +421,8 @@ def render_model_card(
         pipeline_tag=info.task,
         tags=list(dict.fromkeys(tags)),
         model_name=model_name,
-        eval_results=eval_results(report, model_name=model_name, info=info) if report is not None and report.checked
-        else None,
+        eval_results=(eval_results(report, model_name=model_name, info=info) or None)
+        if report is not None and report.checked else None,
     )
     selection = report.selection if report is not None else None
     selection_message = None
@@ -411,8 +430,6 @@ def render_model_card(
         known = {k: v for k, v in selection.items() if k in FeasibleSelection.__dataclass_fields__}
         selection_message = FeasibleSelection(**known).message()
     checkpoint = None if report is None or not report.checkpoint else os.path.basename(os.path.normpath(report.checkpoint))
-    bounds = report is not None and any(c.upper_bound is not None and c.bound_method != "exact"
-                                        for c in report.constraints)
     return ModelCard.from_template(
         card_data,
         template_path=template_path(),
@@ -427,19 +444,26 @@ def render_model_card(
         usage=usage_snippet(source, repo_id or model_name),
         versions=dict(versions if versions is not None else framework_versions(source.is_adapter)),
         constraint_table=report.format_table(markdown=True) if report is not None else "",
-        bounds=bounds,
+        diagnostics_table=_diagnostics_table(report),
         objective_metrics=report.objective_metrics if report is not None else {},
         selection=selection,
         selection_message=selection_message,
         checkpoint_name=checkpoint,
         method=method,
         dataset_description=info.dataset_description,
+        population=info.population,
         reproduce_command=redact_command(info.reproduce_command),  # set by a caller: no secret, no local path
         citation=CITATION,
         paper_title=PAPER_TITLE,
         paper_url=PAPER_URL,
         fmt=format_number,
     )
+
+
+def _diagnostics_table(report: Optional[SafetyReport]) -> str:
+    """The diagnostics table in Markdown (no caption: the template gives it its section)."""
+    rows = report.diagnostic_rows() if report is not None else []
+    return format_rows(rows, markdown=True) if rows else ""
 
 
 def write_model_card(directory: str, card: ModelCard) -> str:
@@ -460,7 +484,7 @@ def write_model_card(directory: str, card: ModelCard) -> str:
     return path
 
 
-__all__ = ["CERTIFIED_METRIC_TYPE", "CITATION", "CONSTRAINT_METRIC_TYPE", "ModelCardInfo", "ModelSource",
-           "PAPER_TITLE", "PAPER_URL", "TEMPLATE_NAME", "UNNAMED_DATASET", "card_status", "describe_model",
-           "eval_dataset_id", "eval_results", "framework_versions", "metric_id", "render_model_card",
-           "template_path", "usage_snippet", "write_model_card"]
+__all__ = ["CITATION", "HUB_METRICS", "HUB_TASKS", "ModelCardInfo", "ModelSource", "PAPER_TITLE", "PAPER_URL",
+           "TEMPLATE_NAME", "card_status", "describe_model", "eval_dataset_id", "eval_results", "framework_versions",
+           "hub_metric_type", "metric_id", "processor_loader", "render_model_card", "template_path", "usage_snippet",
+           "write_model_card"]

@@ -177,17 +177,19 @@ class Certificate:
         ub = self.upper_bounds[candidate]
         return [k for k in self.tolerance if not ub[k] <= self.tolerance[k]]
 
-    def statement(self) -> str:
-        """The guarantee in words, as reports and cards state it."""
-        kind = "asymptotic (CLT) " if self.asymptotic else ""
+    def statement(self, statistics: Optional[Mapping[str, str]] = None) -> str:
+        """The guarantee in words (:func:`~hf_constrained.safety.report.guarantee_sentence`, the one
+        copy), with ``statistics`` (constraint name -> what its rows measure) when known."""
+        from .report import CONSTRAINT_ITSELF, guarantee_sentence
+
+        described = {k: (statistics or {}).get(k, CONSTRAINT_ITSELF) for k in self.tolerance}
         looks = ""
-        if self.looks:
+        if self.looks:  # the ledger's count of certificates on each split, and the level each look was tested at
             spent = ", ".join(f"{k}: look {self.looks[k]}, delta {self.delta_spent[k]:.3g}" for k in self.looks)
             looks = f"; looks at the certification splits counted by a ledger ({self.spending}): {spent}"
-        return (f"Certified at delta = {self.delta:g}: with probability at least {1 - self.delta:g} over the "
-                f"certification sample, every constraint holds on the population it was drawn from "
-                f"({kind}upper bounds; {self.num_candidates} candidate(s) tested by "
-                f"{self.procedure.replace('_', '-')} testing{looks}).")
+        return (f"Certified at delta = {self.delta:g}: "
+                + guarantee_sentence(self.delta, described, self.bound, self.num_rows, self.num_candidates,
+                                     self.procedure) + looks + ".")
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -12,6 +12,7 @@ Algorithm 1, line 6 (Yang et al., TMLR 2026).
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import logging
@@ -19,10 +20,11 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Optional, Protocol, runtime_checkable
 
-from .certify import DEFAULT_DELTA, Certificate, certify
+from .certify import DEFAULT_DELTA, Certificate, certify, point_value
 from .fingerprint import weights_fingerprint
 from .ledger import CertificationLedger
 from .report import (
+    CONSTRAINT_ITSELF,
     DEFAULT_SAFETY_RULE,
     EVAL_CONSTRAINT_PREFIX,
     ConstraintResult,
@@ -47,8 +49,10 @@ class ReportableTrainer(Protocol):
     (name -> :class:`~hf_constrained.statistics.ConstraintStatistic`: the upper confidence
     bounds), ``constraint_margins()`` (name -> the margin in force), ``feasible_selection()``,
     ``weights_origin()`` (the step and checkpoint the current weights come from),
-    ``reference_constraint_values`` (the old model's values), ``estimator``, ``num_sampled``.
+    ``reference_constraint_values`` (the old model's values).
     """
+
+    engine: Any  # the ConstraintEngine (None without constraints): its settings() are what reports record
 
     constraints: Sequence[Any]
     args: Any
@@ -63,38 +67,45 @@ class ReportableTrainer(Protocol):
 
 
 # ---------------------------------------------------------------------- settings and values
+METHOD_NAMES = {
+    "hinge": "single-loop hinge exact penalty with MSVR constraint estimators (Algorithm 1)",
+    "squared_hinge": "squared-hinge penalty (Li et al. 2024 baseline) with MSVR estimators",
+    "none": "no penalty (unconstrained Trainer)",
+}
+# the Trainer's own settings a report records beside the method's
+TRAINER_SETTINGS = ("learning_rate", "optim", "weight_decay", "lr_scheduler_type", "per_device_train_batch_size",
+                    "gradient_accumulation_steps", "num_train_epochs", "max_steps", "seed")
+
+
+def library_option_names() -> list[str]:
+    """The options :class:`~hf_constrained.ConstrainedTrainingArguments` adds to ``TrainingArguments``."""
+    from transformers import TrainingArguments
+
+    from ..config import ConstrainedTrainingArguments
+
+    trainer_fields = {f.name for f in dataclasses.fields(TrainingArguments)}
+    return [f.name for f in dataclasses.fields(ConstrainedTrainingArguments) if f.name not in trainer_fields]
+
+
+def _plain(value: Any) -> Any:
+    value = getattr(value, "value", value)  # enums (optim, lr_scheduler_type) as their strings
+    return value if value is None or isinstance(value, (bool, int, float, str)) else str(value)
+
+
 def method_settings(trainer: ReportableTrainer) -> dict[str, Any]:
-    """The method and its settings as recorded in reports and cards (Algorithm 1 and its parameters, section 4)."""
+    """The method and its settings as recorded in reports and cards (Algorithm 1 and its parameters,
+    section 4): the engine's :meth:`~hf_constrained.method.engine.ConstraintEngine.settings` (what
+    the run used, resolved), then every other option of the library's arguments as configured,
+    then the Trainer's optimisation settings."""
     args = trainer.args
-    m = len(trainer.constraints)
-    estimator = getattr(trainer, "estimator", None)
-    settings: dict[str, Any] = {
-        "method": "single-loop hinge exact penalty with MSVR constraint estimators (Algorithm 1)"
-        if args.constraint_penalty == "hinge" else
-        ("squared-hinge penalty (Li et al. 2024 baseline) with MSVR estimators"
-         if args.constraint_penalty == "squared_hinge" else "no penalty (unconstrained Trainer)"),
-        "constraint_penalty": args.constraint_penalty,
-        "penalty_beta": args.penalty_beta,
-        "num_constraints": m,
-        "msvr_gamma": args.msvr_gamma,
-        "msvr_gamma_prime": args.msvr_gamma_prime,
-        "constraints_per_step": getattr(trainer, "num_sampled", m),
-        "constraint_batch_size": args.constraint_batch_size,
-        "constraint_seed": args.constraint_sampling_seed,
-        "objective_msvr_gamma": args.objective_msvr_gamma,
-        "objective_msvr_gamma_prime": args.objective_msvr_gamma_prime,
-        "learning_rate": args.learning_rate,
-        "optimizer": str(getattr(args.optim, "value", args.optim)),
-        "weight_decay": args.weight_decay,
-        "lr_scheduler_type": str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)),
-        "per_device_train_batch_size": args.per_device_train_batch_size,
-        "gradient_accumulation_steps": args.gradient_accumulation_steps,
-        "num_train_epochs": args.num_train_epochs,
-        "max_steps": args.max_steps,
-        "seed": args.seed,
-    }
-    if estimator is not None and settings["msvr_gamma_prime"] == "theory":
-        settings["msvr_gamma_prime"] = f"theory ({estimator.gamma_prime:.6g})"
+    engine = getattr(trainer, "engine", None)
+    settings: dict[str, Any] = {"method": METHOD_NAMES.get(args.constraint_penalty, args.constraint_penalty)}
+    if engine is not None:
+        settings.update(engine.settings().to_dict())
+    else:
+        settings["num_constraints"] = len(trainer.constraints)
+    for name in library_option_names() + list(TRAINER_SETTINGS):
+        settings.setdefault(name, _plain(getattr(args, name)))
     return settings
 
 
@@ -231,6 +242,30 @@ def certify_models(trainer: ReportableTrainer, models: Iterable[Any] = (None,), 
                    ledger=CertificationLedger.for_run(trainer.args.output_dir))
 
 
+def certified_statistics(trainer: ReportableTrainer, old_model: Optional[Any] = None) -> dict[str, dict[str, Any]]:
+    """Per certifiable constraint, what its certificate measures (``SafetyReport.statistics``): the
+    statistic's description (its unit), whether it is a proxy of the trained constraint, and the old
+    model's value of it: measured on the certification rows when ``old_model`` is given (a reading
+    that decides nothing, so it spends no error budget), else the value the statistic declares for
+    the old model by construction (``CertifyStatistic.old_model_value``, e.g. 0 for a share forgotten)."""
+    certifiable = [c for c in trainer.constraints if getattr(c, "certify_dataset", None) is not None]
+    old_values: dict[str, float] = {}
+    if old_model is not None and certifiable:
+        old_model.to(trainer.args.device)
+        rows = getattr(trainer, "constraint_row_values")(model=old_model, split="certify")
+        old_values = {k: point_value(v) for k, v in rows.items()}
+    out = {}
+    for c in certifiable:
+        stat = c.certify_statistic
+        old = old_values.get(c.name)
+        if old is None and stat is not None:
+            old = getattr(stat, "old_model_value", None)
+        out[c.name] = {"description": (stat.description if stat is not None and stat.description
+                                       else CONSTRAINT_ITSELF),
+                       "proxy": stat is not None, "old_value": None if old is None else float(old)}
+    return out
+
+
 # ---------------------------------------------------------------------- reports
 def _old_values(trainer: ReportableTrainer, old_model: Any, old_model_values: Optional[Mapping[str, float]]
                 ) -> Optional[dict[str, float]]:
@@ -252,6 +287,7 @@ def build_safety_report(
     delta: float = DEFAULT_DELTA,
     certificate: Optional[Certificate] = None,
     certificate_candidate: int = 0,
+    statistics: Optional[Mapping[str, Mapping[str, Any]]] = None,
 ) -> SafetyReport:
     """Evaluate ``trainer.model`` on held-out data and build its :class:`SafetyReport`.
 
@@ -281,6 +317,8 @@ def build_safety_report(
         extra_columns: caller-supplied per-constraint columns, ``{column: {name: value}}``
             (e.g. zero-one accuracy of the old and new model per protected class), shown in
             the table, the JSON and the card.
+        statistics: what each certificate measures (:func:`certified_statistics`; computed,
+            with ``old_model``, when not given).
     """
     if not trainer.constraints:
         raise ValueError("a safety report needs constraints: this trainer has none")
@@ -316,6 +354,8 @@ def build_safety_report(
         certificate=None if certificate is None else certificate.to_dict(),
         certificate_candidate=certificate_candidate,
         not_certifiable=not_certifiable(trainer),
+        statistics={k: dict(v) for k, v in (statistics if statistics is not None
+                                            else certified_statistics(trainer, old_model)).items()},
         constraints=constraint_results(trainer, values, old, statistics=constraint_statistics(trainer, confidence),
                                        margins=constraint_margins(trainer), extra_columns=extras,
                                        confidence=confidence),
@@ -330,8 +370,7 @@ def build_safety_report(
         safety_rule=safety_rule,
         extra_columns=list(extras),
     )
-    logger.info("%s", report.summary())
-    return report
+    return report  # finish_run shows it, once
 
 
 def report_from_metrics(trainer: ReportableTrainer, metrics: Mapping[str, Any], *,
@@ -355,6 +394,7 @@ def report_from_metrics(trainer: ReportableTrainer, metrics: Mapping[str, Any], 
         weights_fingerprint=fingerprint,
         safety_rule=getattr(trainer, "safety_rule", DEFAULT_SAFETY_RULE),
         not_certifiable=not_certifiable(trainer),
+        statistics=certified_statistics(trainer),
     )
 
 
@@ -402,6 +442,7 @@ def checkpoint_safety_report(trainer: ReportableTrainer, checkpoint: str, model:
     return SafetyReport(
         certificate=None if certificate is None else certificate.to_dict(),
         not_certifiable=not_certifiable(trainer),
+        statistics=certified_statistics(trainer, old_model),
         constraints=constraint_results(trainer, values, _old_values(trainer, old_model, old_model_values),
                                        statistics=constraint_statistics(trainer, confidence, model),
                                        confidence=confidence),
@@ -424,6 +465,8 @@ __all__ = [
     "constraint_statistics",
     "build_safety_report",
     "certify_models",
+    "certified_statistics",
+    "library_option_names",
     "checkpoint_safety_report",
     "not_certifiable",
     "checkpoint_step",

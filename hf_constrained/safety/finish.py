@@ -26,7 +26,7 @@ from .figures import figures_available, plot_log_history, require_figures
 from ..checkpointing import checkpoint_folders, is_complete_checkpoint
 from ..redact import redact_command
 from .certify import Certificate, best_certified
-from .evaluation import certify_models, checkpoint_step
+from .evaluation import certified_statistics, certify_models, checkpoint_step
 from .fingerprint import weights_fingerprint
 from .report import DEFAULT_SAFETY_RULE, SafetyReport, UnsafeModelError, check_safety_rule
 from .selection import evaluation_records, metric_key
@@ -66,6 +66,7 @@ def finish_run(
     reproduce_command: Optional[str] = None,
     license: Optional[str] = None,
     task: Optional[str] = None,
+    population: Optional[str] = None,
     objective_metrics: Optional[Mapping[str, float]] = None,
     plots: Optional[bool] = None,
     candidates: str = "final",
@@ -73,6 +74,7 @@ def finish_run(
     confidence: float = DEFAULT_CONFIDENCE,
     delta: float = DEFAULT_DELTA,
     extra_columns: Optional[Mapping[str, Mapping[str, Any]]] = None,
+    show: bool = True,
 ) -> SafetyReport:
     """End a run: safety report, model card, trainer state and figures in the output directory.
 
@@ -96,6 +98,8 @@ def finish_run(
         license: the card's license (a Hub license id, e.g. ``"apache-2.0"``).
         task: the Hub task id (e.g. ``"text-generation"``): the card's ``pipeline_tag`` and the
             task of its model-index results.
+        population: who the certified statistics are about (the population the certification rows
+            were drawn from), named in the card.
         objective_metrics: held-out objective metrics, if ``trainer.evaluate()`` is not
             the right way to get them.
         plots: also write the training-curve figures: ``True`` needs matplotlib (the ``figures``
@@ -126,6 +130,9 @@ def finish_run(
             ``{column: {constraint name: value}}``, e.g. ``{"old accuracy": {...},
             "new accuracy": {...}}`` for a non-forgetting run (zero-one accuracy per
             protected class beside the loss-based constraint value).
+        show: log the verdict (:meth:`SafetyReport.render`: its line, its table, the diagnostics)
+            once, at INFO when it passes and WARNING when not; ``False`` when the caller shows
+            ``report.render()`` itself, so that it appears once.
     """
     safety_rule = check_safety_rule(safety_rule if safety_rule is not None
                                     else getattr(trainer, "safety_rule", DEFAULT_SAFETY_RULE))
@@ -151,6 +158,8 @@ def finish_run(
         info.license = license
     if task is not None:
         info.task = task
+    if population is not None:
+        info.population = population
     trainer.model_card_info = info
     old = old_model_constraint_values(trainer, old_model, old_model_values)
     if old is not None:
@@ -162,7 +171,8 @@ def finish_run(
                                         else (None, 0, None))
     report = build_safety_report(trainer, objective_metrics=objective_metrics, confidence=confidence,
                                  safety_rule=safety_rule, extra_columns=extra_columns, delta=delta,
-                                 certificate=certificate, certificate_candidate=candidate, checkpoint=released)
+                                 certificate=certificate, certificate_candidate=candidate, checkpoint=released,
+                                 statistics=certified_statistics(trainer, old_model))
     if released is not None:
         report.global_step = checkpoint_step(released)
     trainer.set_safety_report(report)
@@ -179,7 +189,9 @@ def finish_run(
                                  title=report.model_name)
             except ValueError as exc:  # nothing to plot must not lose the report written above
                 logger.warning("no training-curve figures: %s", exc)
-        (logger.info if report.all_satisfied else logger.warning)("%s\n%s", report.summary(), report.format_table())
+        # the verdict, shown once: its line, the verdict table and the diagnostics
+        if show:
+            (logger.info if report.all_satisfied else logger.warning)("%s", report.render())
     return report
 
 

@@ -65,6 +65,8 @@ from .trainer_state import TRAINER_STATE_NAME, best_checkpoint_restored
 
 logger = logging.getLogger(__name__)
 
+HUB_OWNER_PLACEHOLDER = "your-username"  # the owner in a card's repo id when the run named none
+
 
 @dataclass
 class WeightsEvaluation:
@@ -362,9 +364,12 @@ class SafetyMixin:
             language=language, license=license, tags=tags, finetuned_from=finetuned_from, tasks=tasks,
             dataset_tags=dataset_tags, dataset=dataset)
         model = self.accelerator.unwrap_model(self.model)
+        repo_id = self.hub_model_id or self.args.hub_model_id or name
+        if "/" not in repo_id:  # the Hub adds the owner; the card's snippet needs it written out
+            repo_id = f"{HUB_OWNER_PLACEHOLDER}/{repo_id}"
+        source = describe_model(model, getattr(self, "processing_class", None), directory)
         card = render_model_card(report, model_name=name, method=method_settings(self), info=info,
-                                 allow_unsafe=self._push_allow_unsafe, source=describe_model(model),
-                                 repo_id=self.hub_model_id or self.args.hub_model_id or name)
+                                 allow_unsafe=self._push_allow_unsafe, source=source, repo_id=repo_id)
         if report is not None:
             self.save_safety_report(report, directory)
         return write_model_card(directory, card)
@@ -407,12 +412,18 @@ class SafetyMixin:
             return
         self._saved_weights[key] = SavedWeights(self.current_weights_fingerprint(), files, signature)
 
-    def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
+    def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False, *,
+                   push: Optional[bool] = None) -> None:
         """``Trainer.save_model`` plus the model card (and safety report) next to the weights.
 
         The card is written before the Trainer's own push of a user-called ``save_model``
-        (``args.push_to_hub``), which goes through the gated :meth:`push_to_hub`.
+        (``args.push_to_hub``), which goes through the gated :meth:`push_to_hub`; ``push=False``
+        saves without that push (a recipe that pushes last, after its results are written).
+        The files saved here are recorded, so a report written next to them names them
+        (``hf-constrained report --check`` compares them).
         """
+        if push is False:
+            _internal_call = True
         super().save_model(output_dir, _internal_call=True)
         if self.args.should_save:
             if getattr(self, "constraints", None):

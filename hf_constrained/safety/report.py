@@ -38,11 +38,26 @@ EVAL_CONSTRAINT_PREFIX = "eval_constraint/"
 # :mod:`hf_constrained.safety.certify`), or the uncertified rules of :meth:`ConstraintResult.holds`
 SAFETY_RULES = ("certified", "point", "upper_bound")
 DEFAULT_SAFETY_RULE = "certified"
+# the per-constraint verdict words (one set, from SafetyReport.verdicts)
 CERTIFIED = "certified"
 NOT_CERTIFIED = "not certified"
-HOLDS_WITH_CONFIDENCE = "holds with confidence"
-HOLDS_ON_POINT_ESTIMATE = "holds on the point estimate only"
+NOT_TESTED = "not tested"
+NO_CERTIFICATION_SPLIT = "no certification split"
+EXACT_HOLDS = "holds (exact, data-free)"
+EXACT_FAILS = "fails (exact, data-free)"
+HOLDS = "holds"
 FAILS = "fails"
+# what a certified statistic is when the constraint declares no certify_statistic
+CONSTRAINT_ITSELF = "the constraint's own value (mean of its per-row values)"
+
+
+@dataclass(frozen=True)
+class ConstraintVerdict:
+    """One constraint's verdict under a report's rule: whether it passes and the word shown for it."""
+
+    name: str
+    passes: bool
+    word: str
 
 
 def check_safety_rule(rule: str) -> str:
@@ -123,14 +138,6 @@ class ConstraintResult:
             return None
         return math.isfinite(self.upper_bound) and self.upper_bound <= self.tolerance
 
-    @property
-    def verdict(self) -> str:
-        """``"holds with confidence"`` (the upper bound is within tolerance), ``"holds on the
-        point estimate only"`` (the value is, the bound is not or there is none) or ``"fails"``."""
-        if not self.satisfied:
-            return FAILS
-        return HOLDS_WITH_CONFIDENCE if self.bound_satisfied else HOLDS_ON_POINT_ESTIMATE
-
     def holds(self, rule: str = "point") -> bool:
         """Whether the constraint passes under ``rule``: ``"point"``, the value is within
         tolerance; ``"upper_bound"``, the upper confidence bound is (a constraint without a
@@ -142,7 +149,8 @@ class ConstraintResult:
         return self.satisfied
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "violation": self.violation, "satisfied": self.satisfied, "verdict": self.verdict}
+        """The stored fields; no verdict of its own (a report adds the one of :meth:`SafetyReport.verdicts`)."""
+        return {**asdict(self), "violation": self.violation}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "ConstraintResult":
@@ -186,6 +194,10 @@ class SafetyReport:
         certificate_candidate: which candidate of the certificate these weights are.
         not_certifiable: constraints without a certification split (``certify_dataset``): a
             run with any is not certified.
+        statistics: per certifiable constraint, what the certificate measures: ``description``
+            (the statistic and its unit, e.g. "share of the task's examples forgotten"), ``proxy``
+            (whether it differs from the trained constraint) and ``old_value`` (the old model's
+            value of the statistic, when known).
         weights_files_fingerprint: when the report is saved next to the evaluated weights,
             :func:`~hf_constrained.safety.fingerprint.weights_files_fingerprint` of those files
             (``hf-constrained report --check`` compares it with the files); ``None`` otherwise.
@@ -206,22 +218,51 @@ class SafetyReport:
     certificate_candidate: int = 0
     not_certifiable: list[str] = field(default_factory=list)
     weights_files_fingerprint: Optional[str] = None
+    statistics: dict[str, dict[str, Any]] = field(default_factory=dict)
     created_at: str = field(default_factory=lambda: _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
 
     # ------------------------------------------------------------------ verdict
     def __post_init__(self) -> None:
         check_safety_rule(self.safety_rule)
 
+    def verdicts(self) -> list["ConstraintVerdict"]:
+        """THE verdict loop: one :class:`ConstraintVerdict` per constraint under :attr:`safety_rule`.
+
+        Every verdict the report shows (its JSON, tables, card, ``report --check``, the gate)
+        comes from here. Under ``"certified"`` a constraint passes when the certificate tested
+        these weights and its certified bound is within the certified tolerance (a data-free
+        constraint, which has no sampling error, when its exact value is within tolerance);
+        under the uncertified rules, by :meth:`ConstraintResult.holds`.
+        """
+        if self.safety_rule != "certified":
+            return [ConstraintVerdict(c.name, c.holds(self.safety_rule),
+                                      HOLDS if c.holds(self.safety_rule) else FAILS) for c in self.constraints]
+        cert = self.certificate
+        bounds = self.certified_bounds()
+        tolerance = (cert or {}).get("tolerance", {})
+        out = []
+        for c in self.constraints:
+            if c.data == "data-free":
+                out.append(ConstraintVerdict(c.name, c.satisfied, EXACT_HOLDS if c.satisfied else EXACT_FAILS))
+            elif (c.name in self.not_certifiable or (cert is None and c.name not in self.statistics)
+                  or (cert is not None and c.name not in tolerance)):
+                out.append(ConstraintVerdict(c.name, False, NO_CERTIFICATION_SPLIT))
+            elif c.name not in bounds:  # certifiable, but these weights were not tested (yet)
+                out.append(ConstraintVerdict(c.name, False, NOT_TESTED))
+            else:
+                ok = bounds[c.name] is not None and bounds[c.name] <= tolerance[c.name]
+                out.append(ConstraintVerdict(c.name, ok, CERTIFIED if ok else NOT_CERTIFIED))
+        return out
+
     @property
     def certified(self) -> bool:
-        """Certified at the certificate's delta: every constraint has a certification split
-        and these weights are among the certified candidates (data-free constraints, which
-        have no sampling error, must hold exactly)."""
-        cert = self.certificate
-        if not self.constraints or cert is None or self.not_certifiable:
+        """Certified at the certificate's delta: every constraint has a certification split,
+        these weights are among the certified candidates (recomputed from the stored bounds) and
+        data-free constraints, which have no sampling error, hold exactly."""
+        if not self.constraints or self.certificate is None or self.not_certifiable:
             return False
-        exact_ok = all(c.satisfied for c in self.constraints if c.data == "data-free")
-        return exact_ok and self.certificate_candidate in certified_candidates(cert)
+        passes = all(v.passes for v in self.with_rule("certified").verdicts())
+        return passes and self.certificate_candidate in certified_candidates(self.certificate)
 
     def certified_bounds(self) -> dict[str, float]:
         """Constraint name -> the certificate's upper bound for these weights (empty when untested)."""
@@ -230,6 +271,15 @@ class SafetyReport:
             return {}
         return dict(cert["upper_bounds"][self.certificate_candidate])
 
+    def certified_values(self) -> dict[str, float]:
+        """Constraint name -> the certified statistic's sample value on the certification rows for
+        these weights (empty when untested)."""
+        cert = self.certificate
+        values = (cert or {}).get("values") or []
+        if self.certificate_candidate >= len(values):
+            return {}
+        return {k: v for k, v in values[self.certificate_candidate].items() if v is not None}
+
     @property
     def all_satisfied(self) -> bool:
         """True when the verdict under :attr:`safety_rule` passes: certified (the default rule),
@@ -237,7 +287,7 @@ class SafetyReport:
         (vacuously true with no constraints: see :attr:`checked`)."""
         if self.safety_rule == "certified":
             return self.certified
-        return all(c.holds(self.safety_rule) for c in self.constraints)
+        return all(v.passes for v in self.verdicts())
 
     @property
     def checked(self) -> bool:
@@ -246,20 +296,8 @@ class SafetyReport:
 
     @property
     def failed(self) -> list[str]:
-        """Constraints that do not hold under :attr:`safety_rule` (under ``"certified"``: those
-        without a certification split or whose certified bound exceeds its tolerance)."""
-        if self.safety_rule != "certified":
-            return [c.name for c in self.constraints if not c.holds(self.safety_rule)]
-        bounds = self.certified_bounds()
-        tolerance = (self.certificate or {}).get("tolerance", {})
-        out = []
-        for c in self.constraints:
-            if c.data == "data-free":
-                if not c.satisfied:
-                    out.append(c.name)
-            elif c.name in self.not_certifiable or c.name not in bounds or not bounds[c.name] <= tolerance[c.name]:
-                out.append(c.name)
-        return out
+        """Constraints that do not pass under :attr:`safety_rule` (see :meth:`verdicts`)."""
+        return [v.name for v in self.verdicts() if not v.passes]
 
     @property
     def without_bound(self) -> list[str]:
@@ -299,7 +337,9 @@ class SafetyReport:
             "certificate_candidate": self.certificate_candidate,
             "not_certifiable": list(self.not_certifiable),
             "created_at": self.created_at,
-            "constraints": [c.to_dict() for c in self.constraints],
+            "statistics": {k: dict(v) for k, v in self.statistics.items()},
+            "constraints": [{**c.to_dict(), "verdict": v.word, "passes": v.passes}
+                            for c, v in zip(self.constraints, self.verdicts())],
             "objective_metrics": dict(self.objective_metrics),
             "selection": self.selection,
             "method": dict(self.method),
@@ -328,6 +368,7 @@ class SafetyReport:
             certificate=data.get("certificate"),
             certificate_candidate=int(data.get("certificate_candidate") or 0),
             not_certifiable=list(data.get("not_certifiable") or []),
+            statistics={k: dict(v) for k, v in (data.get("statistics") or {}).items()},
             created_at=data.get("created_at", ""),
         )
 
@@ -372,6 +413,15 @@ class SafetyReport:
             return cls.from_dict(json.load(f))
 
     # ------------------------------------------------------------------ display
+    def statistic_description(self, name: str) -> str:
+        """What the certificate measures for constraint ``name`` (its unit)."""
+        return (self.statistics.get(name) or {}).get("description") or CONSTRAINT_ITSELF
+
+    @property
+    def proxies(self) -> list[str]:
+        """Certifiable constraints whose certified statistic is not the trained constraint itself."""
+        return [k for k, v in self.statistics.items() if v.get("proxy")]
+
     def bound_header(self) -> str:
         """``upper bound (95% CLT)`` when every bound shares its level and method."""
         levels = {(c.confidence, c.bound_method) for c in self.constraints
@@ -383,75 +433,130 @@ class SafetyReport:
         return "upper bound"
 
     def table_rows(self) -> list[list[str]]:
-        """Header + one row per constraint: name, held-out value, upper confidence bound (when
-        any), old value, tolerance, margin (when any), violation, verdict, extra columns."""
+        """Header + one row per constraint of the table that carries the verdict.
+
+        Under ``"certified"``: the certified statistic (its unit), the old model's and the new
+        model's value of it, the certified bound and the tolerance (all in that unit), the
+        certification rows and the verdict. Under the uncertified rules: the held-out value of
+        the constraint (old and new model), its CLT bound when any, the tolerance, the margin and
+        the verdict, then the caller's extra columns.
+        """
+        verdicts = {v.name: v for v in self.verdicts()}
+        if self.safety_rule == "certified":
+            cert = self.certificate or {}
+            delta = cert.get("delta")
+            header = ["constraint", "certified statistic (unit of the next four columns)", "old model", "new model",
+                      "certified bound" + (f" (delta {delta:g})" if delta is not None else ""), "tolerance",
+                      "certification rows", "verdict"]
+            rows = [header]
+            bounds, values = self.certified_bounds(), self.certified_values()
+            for c in self.constraints:
+                word = verdicts[c.name].word
+                if c.data == "data-free":
+                    rows.append([c.name, "exact value (data-free: no sampling error)", format_number(c.old_value),
+                                 format_number(c.value), format_number(c.value) + " (exact)",
+                                 format_number(c.tolerance), "n/a", word])
+                elif word == NO_CERTIFICATION_SPLIT:
+                    rows.append([c.name, "none", "n/a", "n/a", "n/a", "n/a", "n/a", word])
+                else:
+                    stat = self.statistics.get(c.name) or {}
+                    bound = bounds.get(c.name)
+                    rows.append([c.name, self.statistic_description(c.name), format_number(stat.get("old_value")),
+                                 format_number(values.get(c.name)),
+                                 format_number(bound) + (f" ({cert['bound'][c.name]})" if bound is not None else ""),
+                                 format_number(cert.get("tolerance", {}).get(c.name)),
+                                 format_number(cert.get("num_rows", {}).get(c.name)), word])
+            return rows
         show_bound = any(c.upper_bound is not None for c in self.constraints)
         show_margin = any(c.margin is not None for c in self.constraints)
-        header = ["constraint", "held-out value"] + ([self.bound_header()] if show_bound else [])
-        header += ["old model", "tolerance"] + (["margin"] if show_margin else []) + ["violation", "verdict"]
-        cert = self.certificate
-        bounds = self.certified_bounds()
-        cert_tol = (cert or {}).get("tolerance", {})
-        show_cert_tol = any(cert_tol.get(c.name, c.tolerance) != c.tolerance for c in self.constraints)
-        if cert is not None:
-            header += [f"certified bound (delta {cert['delta']:g})"] + (["certified tolerance"] if show_cert_tol else [])
-            header += ["certification rows"]
-        rows = [header + list(self.extra_columns)]
+        header = ["constraint", "old model", "new model (held-out value)"]
+        header += ([self.bound_header()] if show_bound else []) + ["tolerance"]
+        header += (["margin"] if show_margin else []) + ["verdict"] + list(self.extra_columns)
+        rows = [header]
         for c in self.constraints:
-            name = c.name + (" (training data)" if c.data == "training" else "")
-            row = [name, format_number(c.value)] + ([format_number(c.upper_bound)] if show_bound else [])
-            row += [format_number(c.old_value), format_number(c.tolerance)]
-            row += [format_number(c.margin)] if show_margin else []
-            verdict = c.verdict if c.verdict != FAILS else "FAILS"
-            row += [format_number(c.violation), verdict]
-            if cert is not None:
-                row += [format_number(bounds.get(c.name)) + (f" ({cert['bound'][c.name]})" if c.name in bounds else "")]
-                row += [format_number(cert_tol.get(c.name))] if show_cert_tol else []
-                row += [format_number(cert.get("num_rows", {}).get(c.name))]
+            row = [c.name + (" (training data)" if c.data == "training" else ""), format_number(c.old_value),
+                   format_number(c.value)]
+            row += ([format_number(c.upper_bound)] if show_bound else []) + [format_number(c.tolerance)]
+            row += ([format_number(c.margin)] if show_margin else []) + [verdicts[c.name].word]
+            row += [_cell(c.extra.get(col)) for col in self.extra_columns]
+            rows.append(row)
+        return rows
+
+    def diagnostic_rows(self) -> list[list[str]]:
+        """Under ``"certified"``: header + one row per constraint of the diagnostics, which carry
+        no verdict: the trained constraint h_k (the training surrogate) on its held-out rows, old
+        and new model, its asymptotic CLT bound, the tolerance it was trained to, the margin and
+        the caller's extra columns. Empty under the uncertified rules (their table shows these)."""
+        if self.safety_rule != "certified" or not self.constraints:
+            return []
+        show_bound = any(c.upper_bound is not None and c.bound_method != "exact" for c in self.constraints)
+        show_margin = any(c.margin is not None for c in self.constraints)
+        header = ["constraint", "data", "old model", "new model"]
+        header += ([self.bound_header()] if show_bound else []) + ["trained tolerance"]
+        header += (["margin"] if show_margin else []) + list(self.extra_columns)
+        rows = [header]
+        for c in self.constraints:
+            row = [c.name, c.data, format_number(c.old_value), format_number(c.value)]
+            row += ([format_number(c.upper_bound if c.bound_method != "exact" else None)] if show_bound else [])
+            row += [format_number(c.tolerance)] + ([format_number(c.margin)] if show_margin else [])
             row += [_cell(c.extra.get(col)) for col in self.extra_columns]
             rows.append(row)
         return rows
 
     def format_table(self, markdown: bool = False) -> str:
-        """The constraint table as aligned plain text, or as a Markdown table."""
-        rows = self.table_rows()
-        if markdown:
-            align = ["---"] + ["---:" if h != "verdict" else ":---" for h in rows[0][1:]]
-            lines = ["| " + " | ".join(rows[0]) + " |", "|" + "|".join(align) + "|"]
-            lines += ["| " + " | ".join(_escape_md(x) for x in r) + " |" for r in rows[1:]]
-            return "\n".join(lines)
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        left = {0, rows[0].index("verdict")}  # text columns; numbers align right
-        fmt = "  ".join(("{:<%d}" if i in left else "{:>%d}") % w for i, w in enumerate(widths))
-        lines = [fmt.format(*rows[0]), "  ".join("-" * w for w in widths)]
-        lines += [fmt.format(*r) for r in rows[1:]]
-        return "\n".join(lines)
+        """The verdict table (:meth:`table_rows`) as aligned plain text, or as a Markdown table."""
+        return format_rows(self.table_rows(), markdown)
+
+    def format_diagnostics(self, markdown: bool = False) -> str:
+        """The diagnostics table (:meth:`diagnostic_rows`), with its caption; empty when there is none."""
+        rows = self.diagnostic_rows()
+        if not rows:
+            return ""
+        return f"{DIAGNOSTICS_CAPTION}\n\n{format_rows(rows, markdown)}" if markdown else \
+            f"{DIAGNOSTICS_CAPTION}\n{format_rows(rows, markdown)}"
+
+    def render(self, markdown: bool = False) -> str:
+        """The whole verdict as shown once: the one-line summary, the verdict table and the diagnostics."""
+        parts = [self.summary(), self.format_table(markdown)]
+        diagnostics = self.format_diagnostics(markdown)
+        if diagnostics:
+            parts.append(diagnostics)
+        return "\n\n".join(parts)
 
     def certificate_summary(self) -> str:
-        """One line on the certificate: CERTIFIED at delta (the guarantee) or NOT CERTIFIED (why)."""
-        n = len(self.constraints)
+        """One line on the certificate: CERTIFIED at delta (the guarantee: which statistic, which
+        bound, delta, n, the population) or NOT CERTIFIED (why)."""
         cert = self.certificate
+        if cert is None and self.statistics:
+            return ("NOT CERTIFIED: these weights were evaluated, not certified (an evaluation during training); "
+                    "finish_run or trainer.build_safety_report() certifies them on the certification rows")
         if cert is None:
             return ("NOT CERTIFIED: no constraint has a certification split (certify_dataset), so nothing was tested "
                     "on data that training and selection never touched")
-        rows = list(cert.get("num_rows", {}).values())
-        kinds = sorted(set(cert.get("bound", {}).values()))
-        asymptotic = " (asymptotic: no finite-sample guarantee)" if "clt" in kinds else ""
-        how = (f"{'/'.join(kinds)} upper bounds{asymptotic}, {min(rows)}-{max(rows)} certification rows per "
-               f"constraint, {cert['num_candidates']} candidate(s) by {cert['procedure'].replace('_', '-')} testing"
-               if rows else "")
+        names = list(cert.get("tolerance", {}))
+        sentence = guarantee_sentence(cert["delta"], {k: self.statistic_description(k) for k in names},
+                                      cert.get("bound", {}), cert.get("num_rows", {}), cert["num_candidates"],
+                                      cert["procedure"])
         if self.certified:
-            return (f"CERTIFIED at delta = {cert['delta']:g}: with probability at least {1 - cert['delta']:g} over the "
-                    f"certification sample, all {n} constraints hold on the population it was drawn from ({how})")
+            proxy = ("; the trained constraints themselves (the training surrogate) are not what is certified: "
+                     "they are diagnostics" if self.proxies else "")
+            return f"CERTIFIED at delta = {cert['delta']:g}: {sentence}{proxy}"
         reasons = []
-        if self.not_certifiable:
-            reasons.append(f"no certification split for {', '.join(self.not_certifiable)}")
-        failing = [k for k in self.failed if k not in self.not_certifiable]
-        if failing:
-            reasons.append(f"bound above tolerance for {', '.join(failing)}")
-        if not reasons and self.certificate_candidate not in cert.get("certified", []):
+        verdicts = self.with_rule("certified").verdicts()
+        no_split = [v.name for v in verdicts if v.word == NO_CERTIFICATION_SPLIT]
+        if no_split:
+            reasons.append(f"no certification split for {', '.join(no_split)}")
+        bounds, tolerance = self.certified_bounds(), cert.get("tolerance", {})
+        above = [f"{v.name} ({format_number(bounds.get(v.name))} > {format_number(tolerance.get(v.name))})"
+                 for v in verdicts if v.word == NOT_CERTIFIED]
+        if above:
+            reasons.append(f"certified bound above tolerance for {', '.join(above)}")
+        exact = [v.name for v in verdicts if v.word == EXACT_FAILS]
+        if exact:
+            reasons.append(f"data-free constraint(s) above tolerance: {', '.join(exact)}")
+        if not reasons:
             reasons.append("these weights were not tested (an earlier candidate failed in the fixed sequence)")
-        return f"NOT CERTIFIED at delta = {cert['delta']:g}: {'; '.join(reasons)} ({how})"
+        return f"NOT CERTIFIED at delta = {cert['delta']:g}: {'; '.join(reasons)}"
 
     def summary(self) -> str:
         """One line: the verdict under :attr:`safety_rule` (CERTIFIED / NOT CERTIFIED, or, by an
@@ -466,24 +571,67 @@ class SafetyReport:
             caveat = (f"; {len(self.not_held_out)} constraint(s) have no held-out data and were checked on their "
                       f"training data: {', '.join(self.not_held_out)}")
         if self.safety_rule == "upper_bound":
-            judged = "their upper confidence bounds"
+            judged = "their CLT upper confidence bounds (asymptotic)"
             if self.without_bound:
                 caveat += (f"; {len(self.without_bound)} constraint(s) have no confidence bound and were judged on "
                            f"their value: {', '.join(self.without_bound)}")
         else:
             judged = "the point estimate"
-            uncertain = [c.name for c in self.constraints if c.verdict == HOLDS_ON_POINT_ESTIMATE
-                         and c.upper_bound is not None]
-            if uncertain:
-                caveat += f"; {len(uncertain)} hold on the point estimate only: {', '.join(uncertain)}"
-        if not self.certified:
-            caveat += "; not certified: " + self.certificate_summary().split(": ", 1)[1]
         if self.all_satisfied:
-            return (f"PASSES, {'CERTIFIED' if self.certified else 'NOT CERTIFIED'} (uncertified '{self.safety_rule}' "
-                    f"rule): all {n} constraints hold on held-out data, judged by {judged} "
-                    f"(max violation {format_number(self.max_violation)}){caveat}")
-        return (f"UNSAFE: {len(self.failed)} of {n} constraints fail on held-out data, judged by {judged} "
-                f"(max violation {format_number(self.max_violation)}): {', '.join(self.failed)}{caveat}")
+            return (f"PASSES, NOT CERTIFIED (uncertified '{self.safety_rule}' rule): all {n} constraints hold on "
+                    f"held-out data, judged by {judged} (max violation {format_number(self.max_violation)}){caveat}")
+        return (f"UNSAFE: {len(self.failed)} of {n} constraints fail on held-out data by the uncertified "
+                f"'{self.safety_rule}' rule, judged by {judged} (max violation {format_number(self.max_violation)}): "
+                f"{', '.join(self.failed)}{caveat}")
+
+
+DIAGNOSTICS_CAPTION = ("Diagnostics (no verdict): the trained constraint h_k (the training surrogate), in its own "
+                       "unit, on the rows named under 'data'; the upper bound is an asymptotic CLT bound, not a "
+                       "certificate.")
+
+
+def guarantee_sentence(delta: float, statistics: Mapping[str, str], bounds: Mapping[str, str],
+                       num_rows: Mapping[str, int], num_candidates: int, procedure: str) -> str:
+    """The certificate's guarantee in words, the one copy (reports, cards and
+    :meth:`~hf_constrained.safety.certify.Certificate.statement` use it): the statistic (per
+    constraint), the bound, delta, n and the population."""
+    n = len(statistics)
+    descriptions = sorted(set(statistics.values()))
+    what = descriptions[0] if len(descriptions) == 1 else "its certified statistic (see the table)"
+    subject = (f"for each of the {n} constraints, {what}" if n > 1
+               else f"for constraint {next(iter(statistics))}, {what}")
+    kinds = sorted(set(bounds.values()))
+    asymptotic = " (asymptotic: no finite-sample guarantee)" if "clt" in kinds else ""
+    rows = sorted(int(r) for r in num_rows.values())
+    size = (f"n = {rows[0]}" if rows[0] == rows[-1] else f"n = {rows[0]}-{rows[-1]}") + " rows per constraint" \
+        if rows else "n unknown"
+    return (f"with probability at least {1 - delta:g} over the certification rows, {subject} is at most its "
+            f"tolerance on the population its own certification rows were drawn from ({'/'.join(kinds)} upper "
+            f"bounds{asymptotic}, {size}, {num_candidates} candidate(s) by {procedure.replace('_', '-')} testing)")
+
+
+def format_rows(rows: list[list[str]], markdown: bool) -> str:
+    """A header and rows as an aligned plain-text table or a Markdown table."""
+    if markdown:
+        align = ["---"] + ["---:" if h != "verdict" else ":---" for h in rows[0][1:]]
+        lines = ["| " + " | ".join(rows[0]) + " |", "|" + "|".join(align) + "|"]
+        lines += ["| " + " | ".join(_escape_md(x) for x in r) + " |" for r in rows[1:]]
+        return "\n".join(lines)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    numeric = [all(_is_number(r[i]) for r in rows[1:]) for i in range(len(rows[0]))]  # numbers align right
+    fmt = "  ".join(("{:>%d}" if numeric[i] and i else "{:<%d}") % w for i, w in enumerate(widths))
+    lines = [fmt.format(*rows[0]), "  ".join("-" * w for w in widths)]
+    lines += [fmt.format(*r) for r in rows[1:]]
+    return "\n".join(lines)
+
+
+def _is_number(text: str) -> bool:
+    head = text.split(" ", 1)[0]
+    try:
+        float(head)
+    except ValueError:
+        return head == "n/a"
+    return True
 
 
 def certified_candidates(certificate: Mapping[str, Any]) -> list[int]:
@@ -549,8 +697,13 @@ __all__ = [
     "CONTENT_DIGEST_KEY",
     "EVAL_CONSTRAINT_PREFIX",
     "FAILS",
-    "HOLDS_ON_POINT_ESTIMATE",
-    "HOLDS_WITH_CONFIDENCE",
+    "HOLDS",
+    "NOT_TESTED",
+    "NO_CERTIFICATION_SPLIT",
+    "EXACT_HOLDS",
+    "EXACT_FAILS",
+    "ConstraintVerdict",
+    "guarantee_sentence",
     "SAFETY_REPORT_NAME",
     "SAFETY_RULES",
     "check_safety_rule",
@@ -558,6 +711,7 @@ __all__ = [
     "SafetyReport",
     "UnsafeModelError",
     "format_number",
+    "format_rows",
     "objective_metrics_from",
     "report_content_digest",
 ]

@@ -146,9 +146,10 @@ class FeasibleSelection:
         if self.any_feasible:
             return (f"feasible best: {where} ({self.metric} = {self.best_metric:.6g}); {self.num_feasible} of "
                     f"{self.num_evaluations} evaluations satisfied all constraints on the validation data")
-        return (f"NO feasible checkpoint: none of the {self.num_evaluations} evaluations satisfied all constraints "
+        # a diagnostic of training (the surrogate on validation data): the verdict is the report's, not this
+        return (f"no feasible checkpoint: none of the {self.num_evaluations} evaluations satisfied all constraints "
                 f"on the validation data; the least-violating one is {where} "
-                f"(largest violation {self.best_max_violation:.6g}). The model is not safe to publish.")
+                f"(largest violation {self.best_max_violation:.6g})")
 
 
 def summarize_selection(log_history: Iterable[Mapping[str, Any]], metric_for_best_model: str,

@@ -106,9 +106,10 @@ def check_run_dir(run_dir: str, rule: Optional[str] = None) -> CheckResult:
                       "(trainer.build_safety_report(checkpoint=DIR))", report)
     where = ("the report is intact and describes the weight files next to it" if files_now is not None
              else "the report is intact; no weight files here: it describes weights evaluated in memory")
+    # the message is the report's own verdict line, nothing prefixed that could contradict it
     if report.all_satisfied:
-        return CheckResult(EXIT_CERTIFIED, f"certified: {report.summary()} ({where})", report)
-    return CheckResult(EXIT_NOT_CERTIFIED, f"not certified: {report.summary()}", report)
+        return CheckResult(EXIT_CERTIFIED, f"{report.summary()} ({where})", report)
+    return CheckResult(EXIT_NOT_CERTIFIED, report.summary(), report)
 
 
 __all__ = ["EXIT_CERTIFIED", "EXIT_NOT_CERTIFIED", "EXIT_STALE_OR_UNREADABLE", "CheckResult", "check_run_dir"]

@@ -130,9 +130,9 @@ def test_check_is_certified_only_for_the_weights_the_report_describes(run_dir, t
     assert SafetyReport.load(str(safe)).all_satisfied
     assert SafetyReport.load(str(safe)).weights_files_fingerprint.startswith("sha256:")
     assert main(["report", str(safe), "--check"]) == 0
-    assert "certified" in capsys.readouterr().out
+    assert "--check: PASSES, NOT CERTIFIED (uncertified 'point' rule)" in capsys.readouterr().out  # its own verdict
     assert main(["report", str(_copy_checkpoint(run_dir, 4, tmp_path / "unsafe")), "--check"]) == 1
-    assert "not certified" in capsys.readouterr().out
+    assert "--check: UNSAFE: 2 of 2 constraints fail" in capsys.readouterr().out
 
     replaced = _copy_checkpoint(run_dir, 2, tmp_path / "replaced")
     (replaced / "model.safetensors").write_bytes((run_dir / "checkpoint-4" / "model.safetensors").read_bytes())

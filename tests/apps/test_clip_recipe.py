@@ -8,9 +8,11 @@ import os
 import sys
 
 import pytest
+import torch
 from transformers import CLIPModel
 
 from clip_synthetic import make_bdd100k, make_csv, save_tiny_clip
+from recipe_outputs import assert_report_checks, run_card_snippet
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -61,7 +63,8 @@ def test_recipe_bdd100k_hinge_saves_model_and_results(assets, tmp_path):
     with open(os.path.join(out, "safety_report.json")) as f:
         report = json.load(f)
     # the point values agree with the evaluation; the verdict (certified by default) is the recipe's "safe"
-    assert all(c["satisfied"] for c in report["constraints"]) == bool(results["eval_metrics"]["eval_constraints_satisfied"])
+    assert all(c["value"] <= c["tolerance"] for c in report["constraints"]) == bool(
+        results["eval_metrics"]["eval_constraints_satisfied"])
     assert report["all_satisfied"] == results["safe"]
     # 2 certification images per class (0.5 of 3 held-out) cannot certify the default 0.05: even with none
     # forgotten the Clopper-Pearson bound is 1 - 0.05 ** (1 / 2) = 0.78
@@ -83,6 +86,14 @@ def test_recipe_bdd100k_hinge_saves_model_and_results(assets, tmp_path):
     assert "nan" not in table.lower()
     head = card.split("\n---", 2)[-1][:400]
     assert ("UNSAFE" in head or "NOT CERTIFIED" in head) != report["all_satisfied"]
+    assert "fine-tuned for the target class 'foggy'" in card
+    assert "%" not in card.split("## Data")[1].split("\n## ")[0]  # fractions, the unit of every number here
+    # the recipe's own output passes `report --check`, and the card's snippet loads model and processor
+    assert_report_checks(out, certified=False)
+    loaded = run_card_snippet(out)
+    assert type(loaded["model"]).__name__ == "CLIPModel" and type(loaded["processor"]).__name__ == "CLIPProcessor"
+    for key, value in CLIPModel.from_pretrained(out).state_dict().items():
+        assert torch.equal(loaded["model"].state_dict()[key], value), key
 
 
 def test_recipe_csv_lora_squared_hinge(assets, tmp_path):
@@ -102,6 +113,9 @@ def test_recipe_csv_lora_squared_hinge(assets, tmp_path):
     assert results["accuracy_split"] == "constraint data"
     assert os.path.exists(os.path.join(out, "adapter_config.json"))  # a LoRA adapter was saved
     assert os.path.exists(os.path.join(out, "safety_report.json")) and os.path.exists(os.path.join(out, "README.md"))
+    assert_report_checks(out)
+    loaded = run_card_snippet(out)  # the base model, with the adapters, and the processor
+    assert type(loaded["model"]).__name__ == "PeftModel" and type(loaded["processor"]).__name__ == "CLIPProcessor"
     with pytest.raises(ValueError, match="prompt_template"):
         _recipe().main(["--model_name_or_path", clip, "--data", "csv", "--target_class", "foggy",
                         "--protected_classes", "clear", "--output_dir", out, *COMMON])
@@ -127,7 +141,6 @@ def test_recipe_certifies_on_held_out_images_nothing_else_reads(assets, tmp_path
     """--certify_fraction sets part of each protected class's held-out images aside; the certified bound
     is the exact Clopper-Pearson bound of the share of them forgotten, recomputed here from the old and
     new models' zero-shot predictions."""
-    import torch
     from transformers import CLIPProcessor
 
     from hf_constrained.clip import ZeroShotLoss
@@ -199,10 +212,9 @@ def test_push_to_hub_is_gated_and_comes_last(assets, tmp_path, monkeypatch):
     assert status == 1 and hub.calls == []
     for name in ("non_forgetting_results.json", "safety_report.json", "README.md"):
         assert os.path.exists(os.path.join(out, name)), name
-    from huggingface_hub import metadata_load  # the card's model-index names the data
+    from huggingface_hub import metadata_load  # no Hub task and dataset id named: no invented model-index
 
-    assert {r["dataset"]["type"] for r in metadata_load(os.path.join(out, "README.md"))["model-index"][0]["results"]
-            } == {"bdd100k"}
+    assert "model-index" not in metadata_load(os.path.join(out, "README.md"))
     out, status = run("override", "--allow_unsafe_push", "true")
     assert status == 0 and ("upload_folder", "user/clip") in hub.calls
 

@@ -8,6 +8,7 @@ import torch
 
 from conftest import import_script
 from fairness_tiny import biased_split
+from recipe_outputs import assert_report_checks, run_card_snippet
 from hf_constrained.batches import collate_examples
 from transformers import AutoModel
 
@@ -217,12 +218,17 @@ def test_recipe_on_a_csv_writes_results_and_a_loadable_model(splits, tmp_path):
     assert res["train_seconds"] > 0 and 0.5 < saved["test_auc"] <= 1.0
     loaded = AutoModel.from_pretrained(str(out))
     assert isinstance(loaded, MLPForScoring) and loaded.config.hidden_sizes == [8, 8]
+    loaded_state = loaded.state_dict()
     # the run ends with a safety report on the validation split and a model card
     report = json.loads((out / "safety_report.json").read_text())
     values = {c["name"]: c["value"] - c["tolerance"] for c in report["constraints"]}
     assert values == pytest.approx(saved["final"]["validation"]["constraints"], abs=1e-5)
     assert report["objective_metrics"]["test_auc"] == pytest.approx(saved["test_auc"])
     assert (out / "README.md").exists()
+    # the recipe's own output passes `report --check`, and the card's snippet loads the saved model
+    assert_report_checks(out)
+    loaded = run_card_snippet(out)
+    assert all(torch.equal(loaded["model"].state_dict()[k], v) for k, v in loaded_state.items())
 
 
 def test_recipe_defaults_give_way_to_the_papers_setting_and_to_calibrated_margins(splits, tmp_path):
@@ -455,9 +461,8 @@ def test_push_to_hub_is_gated_and_comes_last(splits, tmp_path, monkeypatch):
     for name in ("results.json", "safety_report.json", "README.md", "model.safetensors"):
         assert (out / name).exists(), name
     assert json.loads((out / "safety_report.json").read_text())["certified"] is False
-    # the card's model-index names the data (the CSV's name), never a split
-    results = metadata_load(out / "README.md")["model-index"][0]["results"]
-    assert {r["dataset"]["type"] for r in results} == {"mine"}
+    # a local CSV is no Hub dataset: no model-index with an invented dataset type
+    assert "model-index" not in metadata_load(out / "README.md")
     out = tmp_path / "override"
     assert cli_main(["fairness", *flags, "--output_dir", str(out), "--allow_unsafe_push", "true"]) == 0
     assert ("upload_folder", "user/roc") in hub.calls and (out / "results.json").exists()

@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from conftest import UploadRecorder
+from recipe_outputs import assert_report_checks, run_card_snippet
 
 from hf_constrained.recipes.tiny_lm import char_tokenizer, tiny_causal_lm
 
@@ -96,6 +97,12 @@ def test_recipe_trains_under_one_constraint_per_protected_set_and_reports(setup,
     assert set(results["certified_bounds"]) == set(results["constraints"])
     assert results["certified"] is False  # 2 rows cannot certify 5% (a 0/1 rate over 2 rows: bound >= 0.78)
     assert results["safe"] is False
+    # the recipe's own output passes `report --check`, and the card's snippet loads model and tokenizer
+    assert_report_checks(out, certified=False)
+    loaded = run_card_snippet(out)
+    assert "Tokenizer" in type(loaded["processor"]).__name__ and loaded["processor"]("ab")["input_ids"]
+    assert type(loaded["model"]).__name__ == "GPT2LMHeadModel"
+    assert "%" not in card.split("## Data")[1].split("\n## ")[0]  # fractions, as every number of the card
 
 
 def _clopper_pearson_upper(k: int, n: int, delta: float) -> float:

@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from recipe_outputs import assert_report_checks, run_card_snippet
+from safetensors.torch import load_file
 
 from hf_constrained.cli import main
 from hf_constrained.recipes import DEMO_MODULE, HELPER_MODULES, RECIPES, recipe_file, shipped_recipe_files
@@ -166,6 +168,13 @@ def test_safe_release_through_the_cli_with_a_config_file(tmp_path, capsys):
     # run through the command line, the card's usage snippet imports the model class from the
     # installed recipe module, which exists after pip install
     assert "from hf_constrained.recipes.safe_release_digits import DigitMLP" in (out / "README.md").read_text()
+    # the verdict is printed once, and the recipe's own output passes `report --check`; the card's snippet
+    # loads the saved weights as written (its repo id with an owner)
+    report = assert_report_checks(out)
+    assert printed.count(report.summary()) == 1
+    loaded = run_card_snippet(out)
+    saved = load_file(str(out / "model.safetensors"))
+    assert all(torch.equal(loaded["model"].state_dict()[k], v) for k, v in saved.items())
 
 
 @pytest.mark.parametrize("command, flags, message", [

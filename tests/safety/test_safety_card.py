@@ -5,7 +5,6 @@ relative paths only."""
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -13,11 +12,10 @@ import pytest
 import torch
 from huggingface_hub import ModelCard, metadata_load
 from huggingface_hub.repocard_data import model_index_to_eval_results
-from safety_tiny import ThetaConfig, ThetaModel, make_trainer
+from safety_tiny import make_trainer
 from test_safety_gate import hub  # noqa: F401 (fixture)
 
-from hf_constrained.safety.card import (CONSTRAINT_METRIC_TYPE, PAPER_URL, ModelCardInfo, describe_model,
-                                        metric_id, render_model_card, usage_snippet)
+from hf_constrained.safety.card import PAPER_URL, ModelCardInfo, describe_model, render_model_card, usage_snippet
 from hf_constrained.safety.finish import finish_run
 from hf_constrained.safety.report import ConstraintResult, SafetyReport, objective_metrics_from
 
@@ -32,26 +30,38 @@ def run(tmp_path_factory):
     return trainer, report, out
 
 
-def test_card_metadata_validates_and_holds_every_constraint_value(run):
+def test_card_metadata_validates_and_has_no_invented_model_index(run):
+    """No Hub task is named and the only objective metric is a loss: no model-index at all, rather
+    than one with invented task, dataset or metric types."""
     trainer, report, out = run
     card = ModelCard.load(out / "README.md")  # parses the metadata into ModelCardData (raises if invalid)
     assert card.data.library_name == "transformers" and card.data.base_model == "org/theta-base"
     assert card.data.datasets == ["org/theta-data"]
-    name, results = model_index_to_eval_results(metadata_load(out / "README.md")["model-index"])
-    assert name == "run"
-    constraint_results = {r.dataset_config: r for r in results if r.metric_type == CONSTRAINT_METRIC_TYPE}
-    assert list(constraint_results) == [c.name for c in report.constraints]
-    for c in report.constraints:
-        result = constraint_results[c.name]
-        assert result.metric_value == pytest.approx(c.value)
-        assert result.metric_args["tolerance"] == c.tolerance and result.metric_args["verdict"] == c.verdict
-        assert result.metric_args["old_model_value"] == 0.5 and result.verified is False
-    objective = {r.metric_type: r.metric_value for r in results if r.metric_type != CONSTRAINT_METRIC_TYPE}
-    assert objective == pytest.approx({metric_id(k): v for k, v in report.objective_metrics.items()})
-    assert {r.dataset_split for r in results if r.metric_type != CONSTRAINT_METRIC_TYPE} == {"validation"}
-    assert "loss" in objective
-    # each constraint in a result of its own
-    assert len({(r.dataset_config, r.dataset_split) for r in results}) == len(report.constraints) + 1
+    assert "model-index" not in metadata_load(out / "README.md")
+    assert "eval_loss" in report.objective_metrics
+
+
+@pytest.mark.parametrize("info, expected", [
+    (dict(task="tabular-regression", datasets=["org/digits-data"]), {"accuracy": "test", "roc_auc": "validation"}),
+    (dict(task="tabular-regression", eval_dataset="digits"), None),  # a short name is no Hub dataset
+    (dict(datasets=["org/digits-data"]), None),  # no task
+    (dict(task="my-own-task", datasets=["org/digits-data"]), None),  # not a Hub task
+])
+def test_model_index_carries_real_hub_types_or_nothing(info, expected):
+    report = SafetyReport([ConstraintResult("a", 0.1, 0.2)],
+                          objective_metrics={"eval_loss": 1.0, "eval_auc": 0.7, "test_accuracy": 0.75,
+                                             "eval_accuracy/cat": 0.5})
+    card = render_model_card(report, model_name="m", info=ModelCardInfo(**info))
+    data = card.data.to_dict()
+    if expected is None:
+        assert "model-index" not in data and not card.data.eval_results
+        return
+    name, results = model_index_to_eval_results(data["model-index"])
+    assert {r.metric_type: r.dataset_split for r in results} == expected
+    assert {(r.task_type, r.dataset_type) for r in results} == {("tabular-regression", "org/digits-data")}
+    assert all(r.verified is False for r in results)
+    by_type = {r.metric_type: r.metric_value for r in results}
+    assert by_type == {"accuracy": 0.75, "roc_auc": 0.7}
 
 
 def test_card_has_usage_versions_paper_and_no_local_paths(run):
@@ -97,8 +107,8 @@ def test_create_model_card_and_push_to_hub_arguments_are_honoured(tmp_path, hub)
     data = metadata_load(out / "README.md")
     assert (data["license"], data["language"], data["base_model"], data["datasets"]) == (
         "mit", "en", "org/other-base", ["org/ds1"])
-    assert "my-tag" in data["tags"] and data["model-index"][0]["name"] == "theta-model"
-    assert {r["task"]["type"] for r in data["model-index"][0]["results"]} == {"image-classification"}
+    assert "my-tag" in data["tags"] and data["pipeline_tag"] == "image-classification"
+    assert "model-index" not in data  # its only objective metric is a loss: no Hub metric type
     assert "# theta-model" in (out / "README.md").read_text()
     trainer.push_to_hub(license="apache-2.0", dataset="org/ds2", language="fr")
     uploaded = hub.cards[-1]
@@ -265,50 +275,3 @@ def test_card_usage_snippet_runs_as_written(tmp_path, monkeypatch, make):
 
 
 SNAKE = r"^[a-z][a-z0-9]*(_[a-z0-9]+)*$"
-
-
-@pytest.mark.parametrize("given", [dict(eval_dataset="digits"), dict(datasets=["org/digits-data"]), {}])
-def test_model_index_follows_the_hub_spec(tmp_path, given):
-    """dataset.type names the data (never a split), the split is in dataset.split, metric types are
-    lower_snake_case ids, the certificate's bound is on the certification split with delta/n/tolerance."""
-    import re
-
-    from test_certificate_gate import make
-
-    from hf_constrained.safety.card import CERTIFIED_METRIC_TYPE, UNNAMED_DATASET
-
-    trainer = make(tmp_path)
-    report = finish_run(trainer, plots=False, objective_metrics={"eval_loss": 1.0, "eval_AUC score": 0.5,
-                                                                                "test_accuracy": 0.75}, **given)
-    path = tmp_path / "run" / "README.md"
-    ModelCard.load(path)  # validates the metadata
-    name, results = model_index_to_eval_results(metadata_load(path)["model-index"])
-    expected_type = {"eval_dataset": "digits", "datasets": "org/digits-data"}.get(next(iter(given), ""),
-                                                                                  UNNAMED_DATASET)
-    assert {r.dataset_type for r in results} == {expected_type}
-    assert all(r.verified is False and re.match(SNAKE, r.metric_type) for r in results)
-    assert {r.metric_type for r in results} == {CONSTRAINT_METRIC_TYPE, CERTIFIED_METRIC_TYPE, "loss", "auc_score",
-                                                "accuracy"}
-    by_type = {r.metric_type: r for r in results}
-    value, bound = by_type[CONSTRAINT_METRIC_TYPE], by_type[CERTIFIED_METRIC_TYPE]
-    assert (value.dataset_split, value.dataset_config) == ("validation", "rate")
-    assert bound.dataset_split == "certification" and bound.dataset_config == "rate"
-    assert bound.metric_value == pytest.approx(report.certified_bounds()["rate"])
-    assert bound.metric_args["delta"] == 0.05 and bound.metric_args["n"] == 300
-    assert bound.metric_args["tolerance"] == 0.2 and bound.metric_args["certified"] is True
-    assert by_type["auc_score"].metric_name == "AUC score (validation)"
-    assert by_type["loss"].dataset_split == "validation"
-    assert by_type["accuracy"].dataset_split == "test" and by_type["accuracy"].metric_value == 0.75
-    assert not any("held-out" in (r.dataset_type, r.dataset_split) for r in results)
-
-
-@pytest.mark.slow
-def test_safe_release_card_names_its_data_in_the_model_index(tmp_path):
-    """The recipes pass their data's name: the safe-release card's results are on ``digits``."""
-    from hf_constrained.cli import main
-
-    out = tmp_path / "release"
-    assert main(["safe-release", "--max_steps", "4", "--output_dir", str(out)]) == 0
-    name, results = model_index_to_eval_results(metadata_load(out / "README.md")["model-index"])
-    assert {r.dataset_type for r in results} == {"digits"}
-    assert {r.dataset_split for r in results} == {"validation", "certification"}

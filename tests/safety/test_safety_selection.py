@@ -95,7 +95,7 @@ def test_no_feasible_checkpoint_is_said_clearly(tmp_path, caplog):
     trainer = make_trainer(str(tmp_path / "run"), tolerance=-1.0, max_steps=4)
     with caplog.at_level(logging.WARNING, logger="hf_constrained.safety.gate"):
         trainer.train()
-    assert any("NO feasible checkpoint" in r.getMessage() for r in caplog.records)
+    assert any("no feasible checkpoint" in r.getMessage() for r in caplog.records)
     assert trainer.state.best_model_checkpoint.endswith("checkpoint-1")
     assert math.isclose(float(trainer.model.theta.detach()), theta_at(1), rel_tol=1e-5)
     report = finish_run(trainer, plots=False)

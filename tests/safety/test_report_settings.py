@@ -1,0 +1,103 @@
+"""A report records the settings the run used, for every option of the library's arguments.
+
+The options are read from the argument dataclass itself (no hand list of names): an option added
+later without being recorded fails here. The engine resolves some options (``constraints_per_step``
+unset means all m constraints, ``msvr_gamma_prime="theory"`` a number): the report records the
+resolved value the run used, not the configured spelling and not a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from datasets import Dataset
+from safety_tiny import ThetaConfig, ThetaModel, objective_data
+
+from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments, Constraint
+from hf_constrained.constraint import CertifyStatistic
+from hf_constrained.method.estimators import theory_gamma_prime
+from hf_constrained.safety.evaluation import build_safety_report, library_option_names
+
+M = 4  # constraints: constraints_per_step < M is a real choice
+
+
+def scaled_rate(model, batch):
+    return batch["x"].float() * model.theta / 5.0
+
+
+def _rows(seed: int, n: int) -> Dataset:
+    return Dataset.from_dict({"x": np.random.default_rng(seed).uniform(0.0, 0.4, n).tolist()})
+
+
+def _report(tmp_path, **options):
+    options = {"constraint_batch_size": 4, **options}
+    args = ConstrainedTrainingArguments(
+        output_dir=str(tmp_path / "run"), per_device_train_batch_size=4, report_to=[], disable_tqdm=True,
+        use_cpu=True, seed=0, max_steps=1, save_strategy="no", **options)
+    stat = CertifyStatistic(scaled_rate, tolerance=0.2, value_range=(0.0, 1.0), description="rate")
+    constraints = [Constraint(f"rate{k}", row_fn=scaled_rate, dataset=_rows(k, 40), eval_dataset=_rows(10 + k, 20),
+                              certify_dataset=_rows(20 + k, 30), value_range=(0.0, 1.0), tolerance=0.2,
+                              certify_statistic=stat) for k in range(M)]
+    torch.manual_seed(0)
+    trainer = ConstrainedTrainer(model=ThetaModel(ThetaConfig()), args=args, train_dataset=objective_data(),
+                                 constraints=constraints)
+    return trainer, build_safety_report(trainer, objective_metrics={})
+
+
+def _changed_value(field: dataclasses.Field):
+    """A valid value other than the default, by the option's type; the options that need another
+    option with them get it (``needs``). An option of a type this cannot choose for fails the test."""
+    special = {"constraints_per_step": 3, "msvr_gamma_prime": "theory", "objective_msvr_gamma_prime": "theory",
+               "constraint_penalty": "squared_hinge"}
+    needs = {"constraint_indicator_batch_size": {"constraint_indicator_fraction": 0.5},
+             "constraint_proxy_indicator": {"constraint_indicator_fraction": 0.5}}
+    default = field.default
+    if field.name in special:
+        value = special[field.name]
+    elif isinstance(default, bool):
+        value = not default
+    elif isinstance(default, int):
+        value = default + 1
+    elif isinstance(default, float):
+        value = default / 2
+    elif default is None and "int" in str(field.type):
+        value = 3
+    elif default is None and "float" in str(field.type):
+        value = 0.75
+    else:
+        pytest.fail(f"no test value for the option {field.name} ({field.type}, default {default!r}): add one")
+    return value, needs.get(field.name, {})
+
+
+def _expected(name: str, value, trainer) -> object:
+    """What the report must record for ``name`` set to ``value``: the value the run used."""
+    if name == "msvr_gamma_prime":
+        return theory_gamma_prime(M, trainer.engine.sampler.num_per_step, trainer.args.msvr_gamma)
+    return value
+
+
+def test_every_option_is_recorded_as_the_run_used_it(tmp_path):
+    fields = {f.name: f for f in dataclasses.fields(ConstrainedTrainingArguments)}
+    names = library_option_names()
+    assert "constraints_per_step" in names and "constraint_indicator_batch_size" in names
+    _, default = _report(tmp_path)
+    assert default.method["constraints_per_step"] == M  # unset: every constraint, resolved
+    for name in names:
+        value, needs = _changed_value(fields[name])
+        trainer, report = _report(tmp_path, **{name: value}, **needs)
+        expected = _expected(name, value, trainer)
+        recorded = report.method[name]
+        assert recorded == pytest.approx(expected) if isinstance(expected, float) else recorded == expected, name
+        assert recorded != default.method[name], f"{name}: the report does not follow the option"
+
+
+def test_recorded_sampling_is_the_engines(tmp_path):
+    """The regression the issue found: 3 constraints sampled per step, the report said m."""
+    trainer, report = _report(tmp_path, constraints_per_step=3, msvr_gamma_prime="theory")
+    assert report.method["constraints_per_step"] == trainer.engine.sampler.num_per_step == 3
+    assert report.method["msvr_gamma_prime"] == pytest.approx(trainer.engine.estimator.gamma_prime)
+    assert report.method["msvr_gamma_prime_rule"] == "theory"
+    assert report.method["num_constraints"] == M
