@@ -147,11 +147,13 @@ class ConstrainedTrainer(SafetyMixin, TrainerInternals):
         with fsdp2_on_cpu(self.args):
             super().create_accelerator_and_postprocess()
 
-    def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
+    def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False, *,
+                   push: Optional[bool] = None) -> None:
         """Under FSDP2 with a sharded state dict, the model a user saves (the release) gets its full, gathered
-        weights (:func:`full_state_dict_save`); checkpoints stay sharded. Call it on every process."""
+        weights (:func:`full_state_dict_save`); checkpoints stay sharded. Call it on every process. ``push``:
+        see :meth:`SafetyMixin.save_model <hf_constrained.safety.gate.SafetyMixin.save_model>`."""
         with full_state_dict_save(self, enabled=not _internal_call):
-            super().save_model(output_dir, _internal_call)
+            super().save_model(output_dir, _internal_call, push=push)
 
     def _to_device(self, batch: Any) -> Any:
         """A collated constraint batch on the device. On CUDA the tensors are pinned and copied with
