@@ -40,7 +40,8 @@ Making the promise hold on images training never saw takes four things besides t
   With ``select_on="forgotten"`` a checkpoint is feasible there when every protected class's
   share of selection images forgotten (old model right, new wrong: the certificate's statistic)
   is at most ``select_forget_rate``, instead of every h_k <= tolerance.
-* **A separate test split**, never used for anything but the numbers reported.
+* **Held-out images** (25% of each digit) that training and selection never read: the certificate's
+  images, and the reported accuracies'.
 
 Opt-in, from the library: two-split estimation (``indicator_fraction``: a share of D_k drives the
 hinge's indicator, the rest its gradient; ``indicator_batch_size`` rows per indicator batch) and,
@@ -52,32 +53,35 @@ The selection, test and constraint pools all hold augmented copies of their own 
 (copies never cross splits), so one held-out image is worth ``1 / eval_copies`` of an
 image in the accuracies and 2 points are not a single image.
 
-**The release certificate.** Of each digit's held-out test images, a share
-(``certify_fraction``, 0.4: 18 of 44-46 images, drawn with the run's seed) is set aside as its
-certification split, which nothing else reads: not stage 1, not the target data, not the
-constraint gradient, not the checkpoint selection, not the test table (which keeps the other
-26-28 images per digit). Stage 1, the target data, D_k and the selection split are the same
-with or without it. After training, each method's kept model is certified on it
-(:func:`hf_constrained.safety.evaluation.certify_models`, delta = 0.05): per protected digit k,
-"at most ``forget_tolerance`` of digit k's images are forgotten" (classified right by the old
-model, wrong now: :class:`hf_constrained.non_forgetting.ForgottenRows` with
-:class:`hf_constrained.clip.ZeroShotCorrect`), a 0/1 rate with an exact Clopper-Pearson
-bound, one row per image (no augmented copies: the bound needs independent rows). The
-per-seed table and the JSON give, per method, certified or not, the largest certified bound
-and the digits not certified.
+**The release certificate.** Every held-out image of each protected digit (25% of it, 44-46
+images, drawn with the run's seed; ``certify_fraction`` 1) is a certification image: not stage 1,
+not the target data, not the constraint gradient, not the checkpoint selection reads it, and no
+default was chosen on the default seed's images. After training, the kept model is certified on
+them once (:func:`hf_constrained.safety.evaluation.certify_models`, delta = 0.05): per protected
+digit k, "at most ``forget_tolerance`` of digit k's images are forgotten" (classified right by the
+old model, wrong now: :class:`hf_constrained.non_forgetting.ForgottenRows` with
+:class:`hf_constrained.clip.ZeroShotCorrect`), a 0/1 rate with an exact Clopper-Pearson bound,
+one row per image (no augmented copies: the bound needs independent rows). The share forgotten
+bounds the accuracy drop from above, so the claim reads in points: "each protected digit loses at
+most 15 points". Each digit is tested at delta and the model is certified when every digit passes
+(intersection-union: no Bonferroni correction across digits). The held-out accuracies are then
+reported on the same images (and their copies): read after the model is fixed, they change nothing
+the certificate depends on.
 
-Why ``forget_tolerance = 0.25``: with n = 18 images, even a model that forgets none of them
-has the bound 1 - 0.05^(1/18) = 0.153; one forgotten image gives 0.238, two give 0.310. No
-tolerance below about 0.16 can ever be certified on this data, and 0.25 is the tightest round
-value that a model forgetting at most one image of 18 per digit passes. A tighter promise
-needs more certification images, and the digits have few: taking 15% of each digit from
-stage 1's share instead (27 images, tolerance 0.2) changed the trained models, and on seeds
-0-4 the hinge then kept every protected digit within 2 points in only 2 of 5 seeds; so they
-come from the test images, which leaves every trained model as it was and makes the test
-table coarser (one test image is now about 3.7 points of a digit's accuracy, not 2.2).
+Why ``forget_tolerance = 0.15`` (stated before any run read these images): with 44 images, a
+model that forgets none still has the bound 1 - 0.05^(1/44) = 0.066; one forgotten image gives
+0.103, two 0.136, three 0.167. No requirement below about 6.6 points can be certified on this
+data; 15 points lets a model forget two of 44 images per digit. The demo also prints the largest
+bound itself, a claim as tight as the data allows ("no protected digit loses more than X
+points", valid at 1 - delta: the digit that loses most is one fixed digit, and its bound is at
+most X). A claim users would want, 3 points, needs at least 99 images per digit with none forgotten
+(208 at 1% forgotten); the digits have about 180 per digit in all, 135 of them needed for
+stage 1, the constraint data and the selection split (docs/demo.md).
 
-``python -m hf_constrained.recipes.demo_clip_digits --seeds 100,101,102,103,104 --workers 5`` repeats
-everything for several seeds, each with its own split and stage-1 old model, and states each goal as met or not over
+``make demo`` runs the hinge on one seed (``DEFAULT_SEED``) and writes the kept model with its
+safety report, model card and figures into ``<cache_dir>/seed-<seed>-<penalty>/``.
+``python -m hf_constrained.recipes.demo_clip_digits --penalties hinge,squared_hinge,none --seeds
+100,101,102,103,104 --workers 5`` compares the three penalties and repeats everything for several seeds, each with its own split and stage-1 old model, and states each goal as met or not over
 the seeds. ``--help`` lists the knobs.
 """
 
@@ -182,7 +186,7 @@ class DemoConfig:
     rotate: float = 10.0  # largest rotation (degrees) of a copy
     noise: float = 0.1  # std of the Gaussian noise of a copy (images are in [-1, 1])
     select_every: int = 10  # steps between selection evaluations; 0 keeps the last iterate
-    forget_tolerance: float = FORGET_TOLERANCE  # certified: each protected digit loses at most this share (points / 100)
+    forget_tolerance: float = FORGET_TOLERANCE  # certified: each protected digit loses at most 100x this many points
     delta: float = 0.05  # the certificate's error level
     indicator_fraction: float = 0.3  # > 0: two-split estimation (constraint_indicator_fraction); 0: off
     indicator_batch_size: int = 0  # with two-split: rows per indicator batch, no grad (constraint_indicator_batch_size); 0: |B_k|
@@ -214,7 +218,8 @@ def digits_split(cfg: DemoConfig) -> dict[str, Any]:
     if cfg.test_fraction + cfg.selection_fraction + cfg.constraint_fraction >= 1:
         raise ValueError("test_fraction + selection_fraction + constraint_fraction must leave images for stage 1")
     if not 0 <= cfg.certify_fraction <= 1:
-        raise ValueError(f"--certify_fraction must be in [0, 1] (a share of the held-out images), got {cfg.certify_fraction}")
+        raise ValueError(f"--certify_fraction must be in [0, 1] (a share of the held-out images), "
+                         f"got {cfg.certify_fraction}")
     digits = load_digits()
     images = (digits.images.astype(np.float32) / 16.0 - 0.5) / 0.5
     labels = digits.target.astype(int)
@@ -559,7 +564,7 @@ RUN_FILES = {"report": "safety_report.json", "card": "README.md", "figures": "fi
 """What :func:`finetune` writes into a run folder besides the model (``finish_run``'s files)."""
 
 
-def run_folder(seed: int, penalty: str) -> str:
+def run_folder(seed: int | str, penalty: str) -> str:
     """The folder name (under ``--cache_dir``) of one fine-tuning run's model, report, card and figures."""
     return f"seed-{seed}-{penalty}"
 
@@ -669,8 +674,9 @@ def write_run(cfg: DemoConfig, trainer: KeptStepTrainer, tokenizer: Any, penalty
             f"scikit-learn digits (8x8). Fine-tuned toward the digit {target!r} on noisy image-caption pairs "
             f"({DIGIT_NAMES[cfg.pulled]!r} images captioned {target!r} among them), penalty {penalty}, one "
             "non-forgetting constraint per other digit. Accuracies on held-out images; certified on "
-            + (f"{n_cert[0]}-{n_cert[-1]} held-out images per protected digit (read by nothing else) as 'each protected "
-               f"digit loses at most {100 * cfg.forget_tolerance:g} points of accuracy' (share of its images forgotten)"
+            + (f"{n_cert[0]}-{n_cert[-1]} held-out images per protected digit (read by nothing else) as 'each "
+               f"protected digit loses at most {100 * cfg.forget_tolerance:g} points of accuracy' (share of its "
+               "images forgotten)"
                if n_cert else "no certification split")),
         eval_dataset="digits", task="zero-shot-image-classification", license="apache-2.0",
         reproduce_command=command, delta=cfg.delta,
@@ -1083,7 +1089,8 @@ def run_demo(ns: argparse.Namespace, echo: Optional[Callable[[str], None]] = Non
         echo("")
         for g in results["goals"]:
             echo(f"- {g['goal']}: {'MET' if g['met'] else 'NOT MET'} ({g['evidence']})")
-        echo(f"each run's model, safety report, card and figures: {os.path.join(ns.cache_dir, 'seed-<seed>-<penalty>')}")
+        echo("each run's model, safety report, card and figures: "
+             + os.path.join(ns.cache_dir, run_folder("<seed>", "<penalty>")))
     results["seconds"] = time.time() - t0
     import resource
 
