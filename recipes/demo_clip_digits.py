@@ -659,8 +659,10 @@ def write_run(cfg: DemoConfig, trainer: KeptStepTrainer, tokenizer: Any, penalty
     images), model card and training-curve figures. Returns the files written, relative to the folder."""
     out = trainer.args.output_dir
     os.makedirs(out, exist_ok=True)
-    trainer.model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    # through the trainer: it records which weights it wrote, so the report can name the weight files and
+    # `hf-constrained report FOLDER --check` can tell they are the weights it describes
+    trainer.save_model(out)
     target = DIGIT_NAMES[cfg.target]
     names = {c.name: c.metadata["class"] for c in trainer.constraints}
     extra = {"new accuracy": {c: acc[k] for c, k in names.items()}}

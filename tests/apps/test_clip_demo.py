@@ -83,7 +83,7 @@ def test_pools_stay_in_their_split_and_carry_references_of_the_same_copies(tmp_p
     data = demo.digits_split(cfg)
     name = demo.DIGIT_NAMES[0]
     n_con = sum(1 for i in data["constraint"] if data["labels"][i] == 0)
-    n_test = sum(1 for i in data["test"] if data["labels"][i] == 0)
+    n_test = sum(1 for i in data["held_out"] if data["labels"][i] == 0)  # the accuracies: every held-out image
     assert len(pools.constraint[name]) == 3 * n_con and len(pools.test[name]) == 2 * n_test
     assert demo.DIGIT_NAMES[cfg.target] not in pools.constraint
     originals = {data["images"][i].tobytes() for i in data["constraint"]}
@@ -429,6 +429,10 @@ def test_make_demo_default_path_prints_a_summary_and_the_paths_it_wrote(tmp_path
     assert report["global_step"] == run["kept_step"]  # the kept checkpoint's step, not the last step
     assert report["certified"] == cert["certified"]
     assert os.path.exists(folder / "config.json")  # the fine-tuned model itself, beside its card
+    from hf_constrained.cli import main as cli_main
+
+    # the report names the weight files beside it: `hf-constrained report FOLDER --check` accepts it
+    assert cli_main(["report", str(folder), "--check"]) == (0 if cert["certified"] else 1)
     verdict = "  CERTIFIED: every protected digit loses at most 15 points" if cert["certified"] else "  NOT CERTIFIED"
     assert verdict in printed and ("NOT CERTIFIED" in printed) != cert["certified"]
     assert re.search(rf"no protected digit loses more\s+than {100 * cert['largest_bound']:.1f} points", printed)
