@@ -19,6 +19,8 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# the hinge on one seed, certified, with its safety report, card and figures (about 40 s of CPU); the wider
+# evaluation (docs/demo.md): add --penalties hinge,squared_hinge,none --seeds 100,101,102,103,104 --workers 5
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m hf_constrained.recipes.demo_clip_digits
 

@@ -40,7 +40,8 @@ Making the promise hold on images training never saw takes four things besides t
   With ``select_on="forgotten"`` a checkpoint is feasible there when every protected class's
   share of selection images forgotten (old model right, new wrong: the certificate's statistic)
   is at most ``select_forget_rate``, instead of every h_k <= tolerance.
-* **A separate test split**, never used for anything but the numbers reported.
+* **Held-out images** (25% of each digit) that training and selection never read: the certificate's
+  images, and the reported accuracies'.
 
 Opt-in, from the library: two-split estimation (``indicator_fraction``: a share of D_k drives the
 hinge's indicator, the rest its gradient; ``indicator_batch_size`` rows per indicator batch) and,
@@ -52,38 +53,42 @@ The selection, test and constraint pools all hold augmented copies of their own 
 (copies never cross splits), so one held-out image is worth ``1 / eval_copies`` of an
 image in the accuracies and 2 points are not a single image.
 
-**The release certificate.** Of each digit's held-out test images, a share
-(``certify_fraction``, 0.4: 18 of 44-46 images, drawn with the run's seed) is set aside as its
-certification split, which nothing else reads: not stage 1, not the target data, not the
-constraint gradient, not the checkpoint selection, not the test table (which keeps the other
-26-28 images per digit). Stage 1, the target data, D_k and the selection split are the same
-with or without it. After training, each method's kept model is certified on it
-(:func:`hf_constrained.safety.evaluation.certify_models`, delta = 0.05): per protected digit k,
-"at most ``forget_tolerance`` of digit k's images are forgotten" (classified right by the old
-model, wrong now: :class:`hf_constrained.non_forgetting.ForgottenRows` with
-:class:`hf_constrained.clip.ZeroShotCorrect`), a 0/1 rate with an exact Clopper-Pearson
-bound, one row per image (no augmented copies: the bound needs independent rows). The
-per-seed table and the JSON give, per method, certified or not, the largest certified bound
-and the digits not certified.
+**The release certificate.** Every held-out image of each protected digit (25% of it, 44-46
+images, drawn with the run's seed; ``certify_fraction`` 1) is a certification image: not stage 1,
+not the target data, not the constraint gradient, not the checkpoint selection reads it, and no
+default was chosen on the default seed's images. After training, the kept model is certified on
+them once (:func:`hf_constrained.safety.evaluation.certify_models`, delta = 0.05): per protected
+digit k, "at most ``forget_tolerance`` of digit k's images are forgotten" (classified right by the
+old model, wrong now: :class:`hf_constrained.non_forgetting.ForgottenRows` with
+:class:`hf_constrained.clip.ZeroShotCorrect`), a 0/1 rate with an exact Clopper-Pearson bound,
+one row per image (no augmented copies: the bound needs independent rows). The share forgotten
+bounds the accuracy drop from above, so the claim reads in points: "each protected digit loses at
+most 15 points". Each digit is tested at delta and the model is certified when every digit passes
+(intersection-union: no Bonferroni correction across digits). The held-out accuracies are then
+reported on the same images (and their copies): read after the model is fixed, they change nothing
+the certificate depends on.
 
-Why ``forget_tolerance = 0.25``: with n = 18 images, even a model that forgets none of them
-has the bound 1 - 0.05^(1/18) = 0.153; one forgotten image gives 0.238, two give 0.310. No
-tolerance below about 0.16 can ever be certified on this data, and 0.25 is the tightest round
-value that a model forgetting at most one image of 18 per digit passes. A tighter promise
-needs more certification images, and the digits have few: taking 15% of each digit from
-stage 1's share instead (27 images, tolerance 0.2) changed the trained models, and on seeds
-0-4 the hinge then kept every protected digit within 2 points in only 2 of 5 seeds; so they
-come from the test images, which leaves every trained model as it was and makes the test
-table coarser (one test image is now about 3.7 points of a digit's accuracy, not 2.2).
+Why ``forget_tolerance = 0.15`` (stated before any run read these images): with 44 images, a
+model that forgets none still has the bound 1 - 0.05^(1/44) = 0.066; one forgotten image gives
+0.103, two 0.136, three 0.167. No requirement below about 6.6 points can be certified on this
+data; 15 points lets a model forget two of 44 images per digit. The demo also prints the largest
+bound itself, a claim as tight as the data allows ("no protected digit loses more than X
+points", valid at 1 - delta: the digit that loses most is one fixed digit, and its bound is at
+most X). A claim users would want, 3 points, needs at least 99 images per digit with none forgotten
+(208 at 1% forgotten); the digits have about 180 per digit in all, 135 of them needed for
+stage 1, the constraint data and the selection split (docs/demo.md).
 
-``python -m hf_constrained.recipes.demo_clip_digits --seeds 100,101,102,103,104 --workers 5`` repeats
-everything for several seeds, each with its own split and stage-1 old model, and states each goal as met or not over
+``make demo`` runs the hinge on one seed (``DEFAULT_SEED``) and writes the kept model with its
+safety report, model card and figures into ``<cache_dir>/seed-<seed>-<penalty>/``.
+``python -m hf_constrained.recipes.demo_clip_digits --penalties hinge,squared_hinge,none --seeds
+100,101,102,103,104 --workers 5`` compares the three penalties and repeats everything for several seeds, each with its own split and stage-1 old model, and states each goal as met or not over
 the seeds. ``--help`` lists the knobs.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import hashlib
 import json
@@ -95,6 +100,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import textwrap
 import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable, Optional
@@ -119,6 +125,7 @@ from hf_constrained.non_forgetting import ReferenceCorrectDataset, forgetting_st
 from hf_constrained.publishable import publishable_values
 from hf_constrained.redact import redact_command
 from hf_constrained.safety.evaluation import certify_models
+from hf_constrained.safety.finish import finish_run
 from hf_constrained.safety.selection import EvaluationRecord, select_best
 from hf_constrained.statistics import constraint_statistic
 
@@ -134,21 +141,27 @@ FORGETTING: dict[str, Optional[Callable[[torch.Tensor], torch.Tensor]]] = {"mean
 # protected class's share of selection images forgotten (old model right, new wrong) <= select_forget_rate
 SELECT_ON = ("loss", "forgotten")
 STAGE1_COPIES = 4  # stage 1 sees each image or one of 3 shifted / noised copies of it
-# 18 certification images per protected digit (0.4 of its 44-46 test images): even with none forgotten the
-# Clopper-Pearson bound at delta 0.05 is 1 - 0.05 ** (1 / 18) = 0.153; one forgotten image gives 0.238, two
-# 0.310; 0.25 is certifiable with at most one of 18 forgotten (see the module docstring)
-FORGET_TOLERANCE = 0.25
+# The requirement the certificate checks, in points: no protected digit loses more than 15 points of accuracy (at
+# most 15% of its images forgotten, which bounds the drop from above). Stated before any run read the 44-46
+# certification images per digit: with none forgotten their Clopper-Pearson bound at delta 0.05 is
+# 1 - 0.05 ** (1 / 44) = 0.066 (no requirement below about 6.6 points can ever be certified), one forgotten gives
+# 0.103, two 0.136, three 0.167; 0.15 lets a model forget two images of 44 (4.5%) per digit, the rate at which
+# "loses at most a few points" still describes it (see docs/demo.md, "What the certificate can claim").
+FORGET_TOLERANCE = 0.15
+# The default seed: none of the tuning seeds (0-4) nor the reporting seeds (100-104), fixed before any run with
+# it, so that nothing chose a setting on the images `make demo` certifies on
+DEFAULT_SEED = 2026
 
 
 @dataclass
 class DemoConfig:
     target: int = 9
     pulled: int = 5  # the protected digit whose images pollute the target data
-    seed: int = 0
+    seed: int = DEFAULT_SEED
     test_fraction: float = 0.25  # per class: reported numbers only
     selection_fraction: float = 0.15  # per class: which checkpoint is kept
     constraint_fraction: float = 0.25  # per class: D_k, unseen in stage 1 (like BDD100K for CLIP)
-    certify_fraction: float = 0.4  # of each class's test images: the certificate's, read by nothing else (0: none)
+    certify_fraction: float = 1.0  # of each class's held-out images: the certificate's (0: none); see digits_split
     stage1_target_keep: int = 3
     stage1_epochs: int = 40
     stage1_lr: float = 2e-3
@@ -174,7 +187,7 @@ class DemoConfig:
     rotate: float = 10.0  # largest rotation (degrees) of a copy
     noise: float = 0.1  # std of the Gaussian noise of a copy (images are in [-1, 1])
     select_every: int = 10  # steps between selection evaluations; 0 keeps the last iterate
-    forget_tolerance: float = FORGET_TOLERANCE  # certified: at most this share of each protected digit's images forgotten
+    forget_tolerance: float = FORGET_TOLERANCE  # certified: each protected digit loses at most 100x this many points
     delta: float = 0.05  # the certificate's error level
     indicator_fraction: float = 0.3  # > 0: two-split estimation (constraint_indicator_fraction); 0: off
     indicator_batch_size: int = 0  # with two-split: rows per indicator batch, no grad (constraint_indicator_batch_size); 0: |B_k|
@@ -193,17 +206,21 @@ def digits_split(cfg: DemoConfig) -> dict[str, Any]:
 
     ``pretrain``: stage 1 and the target data; ``constraint``: the protected classes'
     constraint data D_k, never seen by the old model (as BDD100K was not CLIP's training
-    data); ``selection``: held out, decides which checkpoint is kept; ``test``: held out,
-    for the reported numbers only; ``certify``: ``certify_fraction`` of the held-out test
-    images, read only by the certificate (stage 1, the target data, D_k and the selection
-    split do not depend on it).
+    data); ``selection``: held out, decides which checkpoint is kept; ``certify``:
+    ``certify_fraction`` of the remaining held-out images (all of them by default), which the
+    certificate reads once, after training; ``test``: the held-out images not certified on.
+    ``held_out`` (``test`` and ``certify`` together) is what the reported accuracies are measured
+    on: it is read only after the kept model is fixed, so reporting on the certification images
+    changes nothing the certificate depends on. Stage 1, the target data, D_k and the selection
+    split do not depend on ``certify_fraction``.
     """
     from sklearn.datasets import load_digits
 
     if cfg.test_fraction + cfg.selection_fraction + cfg.constraint_fraction >= 1:
         raise ValueError("test_fraction + selection_fraction + constraint_fraction must leave images for stage 1")
-    if not 0 <= cfg.certify_fraction < 1:
-        raise ValueError(f"--certify_fraction must be in [0, 1) (a share of the test images), got {cfg.certify_fraction}")
+    if not 0 <= cfg.certify_fraction <= 1:
+        raise ValueError(f"--certify_fraction must be in [0, 1] (a share of the held-out images), "
+                         f"got {cfg.certify_fraction}")
     digits = load_digits()
     images = (digits.images.astype(np.float32) / 16.0 - 0.5) / 0.5
     labels = digits.target.astype(int)
@@ -220,7 +237,8 @@ def digits_split(cfg: DemoConfig) -> dict[str, Any]:
         parts["selection"] += idx[bounds[0] : bounds[1]].tolist()
         parts["constraint"] += idx[bounds[1] : bounds[2]].tolist()
         parts["pretrain"] += idx[bounds[2] :].tolist()
-    return {"images": images[:, None], "labels": labels, **{k: sorted(v) for k, v in parts.items()}}
+    return {"images": images[:, None], "labels": labels, **{k: sorted(v) for k, v in parts.items()},
+            "held_out": sorted(parts["test"] + parts["certify"])}
 
 
 def augmented_copies(images: np.ndarray, copies: int, seed: int, shift: float = 0.5, rotate: float = 10.0,
@@ -261,7 +279,8 @@ def class_rows(data: dict[str, Any], split: str, c: int, copies: int = 1, cfg: O
     if copies == 1:
         return [_row(data, i) for i in idx]
     cfg = cfg or DemoConfig()
-    seed = cfg.seed * 1000 + SPLITS.index(split) * 10 + c  # one stream per (seed, split, class)
+    # one stream per (seed, split, class); the held-out images keep the test split's stream
+    seed = cfg.seed * 1000 + SPLITS.index("test" if split == "held_out" else split) * 10 + c
     images = augmented_copies(data["images"][idx], copies, seed, cfg.shift, cfg.rotate, cfg.noise)
     return [{"pixel_values": x, "label": c} for x in images]
 
@@ -388,16 +407,17 @@ def build_pools(cfg: DemoConfig, data: dict[str, Any], old_model: torch.nn.Modul
     computed on the very rows (augmented copies included) they will be compared with."""
     protected = [c for c in range(10) if c != cfg.target]
     out: dict[str, dict[str, ReferenceLossDataset]] = {}
-    for split, copies in (("constraint", cfg.constraint_copies), ("selection", cfg.eval_copies),
-                          ("test", cfg.eval_copies)):
+    # the accuracies and h_k "on the test split" are on every held-out image (test and certification images)
+    for split, source, copies in (("constraint", "constraint", cfg.constraint_copies),
+                                  ("selection", "selection", cfg.eval_copies), ("test", "held_out", cfg.eval_copies)):
         out[split] = {}
         for c in protected:
-            rows = RowDataset(class_rows(data, split, c, copies, cfg))
+            rows = RowDataset(class_rows(data, source, c, copies, cfg))
             out[split][DIGIT_NAMES[c]] = ReferenceLossDataset(rows, reference_losses(old_model, rows, zs, collate))
             if split == "constraint" and cfg.proxy_indicator:  # the proxy indicator's statistic needs old correctness
                 out[split][DIGIT_NAMES[c]] = ReferenceCorrectDataset(out[split][DIGIT_NAMES[c]], reference_losses(
                     old_model, rows, ZeroShotCorrect(zs), collate, desc="old model's correctness"))
-    test_all = RowDataset([r for c in range(10) for r in class_rows(data, "test", c, cfg.eval_copies, cfg)])
+    test_all = RowDataset([r for c in range(10) for r in class_rows(data, "held_out", c, cfg.eval_copies, cfg)])
     target_selection = RowDataset(class_rows(data, "selection", cfg.target, cfg.eval_copies, cfg))
     certify = {}
     for c in protected:
@@ -529,13 +549,40 @@ def demo_constraints(cfg: DemoConfig, pools: Pools, rows_fn: ForgettingRows, col
                        metadata={"class": name, "requirement": cfg.tolerance}) for name in pools.constraint]
 
 
+class KeptStepTrainer(ContrastiveConstrainedTrainer):
+    """The demo's trainer: its safety report names the step of the checkpoint the demo's own selection kept
+    (:class:`FeasibleCheckpointSelection` loads those weights after training), not the last step."""
+
+    kept_step: Optional[int] = None
+
+    def weights_origin(self) -> Optional[tuple[int, Optional[str]]]:
+        if self.kept_step is not None:
+            return self.kept_step, None  # kept in memory by the selection: no checkpoint folder to name
+        return super().weights_origin()
+
+
+RUN_FILES = {"report": "safety_report.json", "card": "README.md", "figures": "figures"}
+"""What :func:`finetune` writes into a run folder besides the model (``finish_run``'s files)."""
+
+
+def run_folder(seed: int | str, penalty: str) -> str:
+    """The folder name (under ``--cache_dir``) of one fine-tuning run's model, report, card and figures."""
+    return f"seed-{seed}-{penalty}"
+
+
 def finetune(cfg: DemoConfig, old_path: str, penalty: str, pools: Optional[Pools] = None,
-             log: Callable[[str], None] = logger.info) -> dict[str, Any]:
+             log: Callable[[str], None] = logger.info, output_dir: Optional[str] = None,
+             old_acc: Optional[dict[str, float]] = None, command: Optional[str] = None) -> dict[str, Any]:
     """Contrastive fine-tuning toward the target digit with one non-forgetting constraint per other digit.
 
     Returns the kept model's per-class test accuracy, the exact constraint values on D_k
     (``h_train``), on the selection split (``h_selection``) and on the test split
     (``h_test``, with CLT upper bounds in ``h_test_bound``), and the selection's record.
+
+    With ``output_dir``, the kept model and its tokenizer are saved there and
+    :func:`hf_constrained.finish_run` writes its safety report, model card and figures beside them
+    (``old_acc``: the old model's held-out accuracies, for the card's table; ``command``: the command
+    the card shows); the returned ``files`` names them, relative to ``output_dir``.
     """
     from transformers.trainer_callback import PrinterCallback
 
@@ -557,7 +604,9 @@ def finetune(cfg: DemoConfig, old_path: str, penalty: str, pools: Optional[Pools
         selection = FeasibleCheckpointSelection(
             cfg.select_every, pools.target_selection, zs, collate, use_constraints=penalty != "none",
             requirement=cfg.select_forget_rate if forgotten is not None else cfg.tolerance, largest_value=forgotten)
-    with tempfile.TemporaryDirectory() as out_dir:
+    files: dict[str, str] = {}
+    with contextlib.ExitStack() as stack:
+        out_dir = output_dir or stack.enter_context(tempfile.TemporaryDirectory())
         args = ConstrainedTrainingArguments(
             output_dir=out_dir, max_steps=cfg.steps, per_device_train_batch_size=cfg.batch_size,
             learning_rate=cfg.lr, lr_scheduler_type=cfg.schedule, warmup_steps=cfg.warmup_steps, weight_decay=0.0,
@@ -568,7 +617,7 @@ def finetune(cfg: DemoConfig, old_path: str, penalty: str, pools: Optional[Pools
             constraint_indicator_fraction=cfg.indicator_fraction or None, constraint_proxy_indicator=cfg.proxy_indicator,
             constraint_indicator_batch_size=cfg.indicator_batch_size or None,
         )
-        trainer = ContrastiveConstrainedTrainer(
+        trainer = KeptStepTrainer(
             model=model, args=args, train_dataset=RowDataset(target_rows(data, cfg)), data_collator=collate,
             constraints=constraints, contrastive_temperature=cfg.temperature,
             callbacks=[selection] if selection else None,
@@ -579,25 +628,63 @@ def finetune(cfg: DemoConfig, old_path: str, penalty: str, pools: Optional[Pools
         trainer.train()
         if selection is not None and selection.best_state is not None:
             model.load_state_dict(selection.best_state)
+        kept = selection.best.step if selection is not None and selection.best is not None else cfg.steps
         margins = trainer.constraint_margins()  # the calibrated margins in force at the end of training
         h_train = trainer.evaluate_constraints(split="train")
         h_selection = trainer.evaluate_constraints(split="eval")
         # the kept model, certified once on the certification images (fixed before they are read)
         certificate = certify_models(trainer, delta=cfg.delta)
-    h_test, h_bound = {}, {}
-    for name, rows in pools.test.items():
-        per_row = reference_losses(model, rows, zs, collate) - rows.losses
-        if FORGETTING[cfg.forgetting] is not None:
-            per_row = FORGETTING[cfg.forgetting](per_row)
-        stat = constraint_statistic(per_row.double().numpy())
-        h_test[f"non_forgetting/{name}"], h_bound[f"non_forgetting/{name}"] = stat.value, stat.upper_bound
-    acc = zero_shot_accuracy(model, pools.test_all, zs, collate, DIGIT_NAMES, batch_size=512)
-    kept = selection.best.step if selection is not None and selection.best is not None else cfg.steps
+        h_test, h_bound = {}, {}
+        for name, rows in pools.test.items():
+            per_row = reference_losses(model, rows, zs, collate) - rows.losses
+            if FORGETTING[cfg.forgetting] is not None:
+                per_row = FORGETTING[cfg.forgetting](per_row)
+            stat = constraint_statistic(per_row.double().numpy())
+            h_test[f"non_forgetting/{name}"], h_bound[f"non_forgetting/{name}"] = stat.value, stat.upper_bound
+        acc = zero_shot_accuracy(model, pools.test_all, zs, collate, DIGIT_NAMES, batch_size=512)
+        if output_dir is not None:
+            trainer.kept_step = kept
+            files = write_run(cfg, trainer, tokenizer, penalty, acc, old_acc, command)
     log(f"  {penalty:>13}: kept step {kept}, {time.time() - t0:.0f}s")
     return {"penalty": penalty, "accuracy": acc, "h_train": h_train, "h_selection": h_selection, "h_test": h_test,
             "h_test_bound": h_bound, "kept_step": kept, "margins": margins,
             "certificate": certificate_summary(certificate, [c.name for c in constraints]),
-            "selection": [asdict(r) for r in selection.records] if selection is not None else []}
+            "selection": [asdict(r) for r in selection.records] if selection is not None else [],
+            "files": files}
+
+
+def write_run(cfg: DemoConfig, trainer: KeptStepTrainer, tokenizer: Any, penalty: str, acc: dict[str, float],
+              old_acc: Optional[dict[str, float]], command: Optional[str]) -> dict[str, str]:
+    """Save the kept model and tokenizer into the trainer's output folder and end the run with
+    :func:`hf_constrained.finish_run`: safety report (the same certificate: the same model, statistic and
+    images), model card and training-curve figures. Returns the files written, relative to the folder."""
+    out = trainer.args.output_dir
+    os.makedirs(out, exist_ok=True)
+    tokenizer.save_pretrained(out)
+    # through the trainer: it records which weights it wrote, so the report can name the weight files and
+    # `hf-constrained report FOLDER --check` can tell they are the weights it describes
+    trainer.save_model(out)
+    target = DIGIT_NAMES[cfg.target]
+    names = {c.name: c.metadata["class"] for c in trainer.constraints}
+    extra = {"new accuracy": {c: acc[k] for c, k in names.items()}}
+    if old_acc is not None:
+        extra = {"old accuracy": {c: old_acc[k] for c, k in names.items()}, **extra}
+    n_cert = sorted(len(c.certify_dataset) for c in trainer.constraints if c.certify_dataset is not None)
+    finish_run(
+        trainer, old_model_values={c: 0.0 for c in names},
+        base_model_name=f"digits CLIP (stage 1 of the demo, seed {cfg.seed})",
+        dataset_description=(
+            f"scikit-learn digits (8x8). Fine-tuned toward the digit {target!r} on noisy image-caption pairs "
+            f"({DIGIT_NAMES[cfg.pulled]!r} images captioned {target!r} among them), penalty {penalty}, one "
+            "non-forgetting constraint per other digit. Accuracies on held-out images; certified on "
+            + (f"{n_cert[0]}-{n_cert[-1]} held-out images per protected digit (read by nothing else) as 'each "
+               f"protected digit loses at most {100 * cfg.forget_tolerance:g} points of accuracy' (share of its "
+               "images forgotten)"
+               if n_cert else "no certification split")),
+        eval_dataset="digits", task="zero-shot-image-classification", license="apache-2.0",
+        reproduce_command=command, delta=cfg.delta,
+        objective_metrics={f"accuracy/{k}": v for k, v in acc.items()}, extra_columns=extra)
+    return {key: name for key, name in RUN_FILES.items() if os.path.exists(os.path.join(out, name))}
 
 
 def certificate_summary(certificate: Any, names: list[str]) -> dict[str, Any]:
@@ -691,8 +778,9 @@ def seed_table(cfg: DemoConfig, old: dict[str, float], runs: list[dict[str, Any]
                   f"{x['violated_test']}/{m}" for x in s) + " |",
               "| largest calibrated margin on D_k | " + " | ".join(f"{x['max_margin']:.3f}" for x in s) + " |",
               "| kept step | " + " | ".join(str(x["kept_step"]) for x in s) + " |",
-              f"| certified: at most {cfg.forget_tolerance:g} of each protected digit's images forgotten "
-              f"(delta {cfg.delta:g}) | " + " | ".join("yes" if x["certified"] else "no" for x in s) + " |",
+              f"| certified: every protected digit loses at most {100 * cfg.forget_tolerance:g} points (share "
+              f"forgotten <= {cfg.forget_tolerance:g}, delta {cfg.delta:g}) | "
+              + " | ".join("yes" if x["certified"] else "no" for x in s) + " |",
               "| largest certified bound (share forgotten) | " + " | ".join(
                   "-" if x["largest_certified_bound"] is None else f"{x['largest_certified_bound']:.3f}" for x in s)
               + " |",
@@ -770,6 +858,73 @@ def seeds_table(per_method: dict[str, list[dict[str, Any]]]) -> str:
     return "\n".join(lines)
 
 
+def newcomer_summary(cfg: DemoConfig, old: dict[str, float], run: dict[str, Any], cache_dir: str) -> str:
+    """One run in words a newcomer reads: what was fine-tuned, the target's gain, each protected digit's
+    old and new held-out accuracy with its images forgotten, the certified claim (bound, delta, n) and
+    the paths of the safety report, card and figures."""
+    target = DIGIT_NAMES[cfg.target]
+    cert = run["certificate"]
+    penalty = {"hinge": "the hinge penalty", "squared_hinge": "the squared hinge penalty",
+               "none": "no penalty (plain fine-tuning)"}[run["penalty"]]
+    gain = 100 * (run["accuracy"][target] - old[target])
+    rows = cert.get("rows") or {}
+    what = (f"What ran (seed {cfg.seed}): a small CLIP, pre-trained here as a zero-shot digit classifier that has "
+            f"seen almost no {target!r}, was fine-tuned for {cfg.steps} steps to recognise {target!r} from noisy "
+            f"captions (some {DIGIT_NAMES[cfg.pulled]!r} images are captioned {target!r}), with {penalty} and one "
+            f"non-forgetting constraint per other digit; the checkpoint of step {run['kept_step']} was kept.")
+    lines = [*textwrap.wrap(what, 100), "",
+             "Held-out accuracy, old model -> fine-tuned model (on images that no training step and no checkpoint",
+             "selection read; 'forgotten': right before, wrong now):",
+             f"  {target:>6} (target)  {100 * old[target]:5.1f}% -> {100 * run['accuracy'][target]:5.1f}%   "
+             f"{gain:+5.1f} points"]
+    for name in DIGIT_NAMES:
+        if name == target:
+            continue
+        key = f"non_forgetting/{name}"
+        n = rows.get(key)
+        lost = "" if n is None else f"   forgotten {round(cert['forgotten'][key] * n)} of {n}"
+        change = 100 * (run["accuracy"][name] - old[name])
+        tag = "(noisy)" if name == DIGIT_NAMES[cfg.pulled] else ""
+        lines.append(f"  {name:>6} {tag:<9} {100 * old[name]:5.1f}% -> {100 * run['accuracy'][name]:5.1f}%   "
+                     f"{change:+5.1f} points{lost}")
+    lines.append("")
+    if not rows:
+        lines.append("Certificate: none (--certify_fraction 0: no certification images).")
+    else:
+        sizes = sorted(rows.values())
+        n_text = f"{sizes[0]}" if sizes[0] == sizes[-1] else f"{sizes[0]}-{sizes[-1]}"
+        worst = max(cert["bounds"], key=cert["bounds"].get)
+        requirement = f"every protected digit loses at most {100 * cfg.forget_tolerance:g} points of accuracy"
+        lines += textwrap.wrap(f"Certificate (exact Clopper-Pearson bound, delta {cfg.delta:g}, on {n_text} held-out "
+                               "images per protected digit; a model is certified when every digit passes, each "
+                               "tested at delta):", 100)
+        if cert["certified"]:
+            verdict = f"CERTIFIED: {requirement} (the requirement, stated before the run)."
+        else:
+            failing = ", ".join(k.split("/", 1)[-1] for k in cert["failing"])
+            verdict = f"NOT CERTIFIED: the requirement ({requirement}) is not shown for {failing}."
+        lines += textwrap.wrap(verdict, 100, initial_indent="  ", subsequent_indent="  ")
+        claim = (f"With probability >= {1 - cfg.delta:g}: no protected digit loses more than "
+                 f"{100 * cert['largest_bound']:.1f} points (the largest bound: {worst.split('/', 1)[-1]}, "
+                 f"{round(cert['forgotten'][worst] * rows[worst])} of {rows[worst]} images forgotten).")
+        floor = 100 * (1 - cfg.delta ** (1 / sizes[0]))
+        # the fewest images with none forgotten whose bound reaches 3 points: 1 - delta ** (1 / n) <= 0.03
+        n_three = math.ceil(math.log(cfg.delta) / math.log(1 - 0.03))
+        why = (f"Why not tighter: with {sizes[0]} images and none forgotten the bound is still {floor:.1f} points; "
+               f"a 3-point claim needs at least {n_three} images per digit with none forgotten, and the digits have "
+               "about 180 per digit in all (docs/demo.md).")
+        lines += textwrap.wrap(claim, 100, initial_indent="  ", subsequent_indent="  ")
+        lines += textwrap.wrap(why, 100, initial_indent="  ", subsequent_indent="  ")
+    files = run.get("files") or {}
+    if files:
+        folder = os.path.join(cache_dir, run_folder(cfg.seed, run["penalty"]))
+        lines += ["", f"Written to {folder}: the fine-tuned model and"]
+        labels = {"report": "safety report", "card": "model card", "figures": "figures"}
+        for key, name in files.items():
+            lines.append(f"  {labels[key]:<14} {os.path.join(folder, name)}")
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------------------------- entry points
 
 
@@ -805,8 +960,8 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seeds", default=None,
                         help="comma-separated seeds (e.g. 100,101,102,103,104), each with its own split and old "
                         "model; overrides --seed")
-    parser.add_argument("--penalties", "--constraint_penalty", dest="penalties", default=",".join(PENALTIES),
-                        help="the penalties to run and compare, comma-separated")
+    parser.add_argument("--penalties", "--constraint_penalty", dest="penalties", default="hinge",
+                        help="the penalties to run and compare, comma-separated, from " + ",".join(PENALTIES))
     parser.add_argument("--cache_dir", "--cache-dir", dest="cache_dir", default=os.path.join("outputs", DEMO_FOLDER),
                         help="the demo's folder: the old models (reused by later runs with the same stage-1 settings) "
                              "and, without --output, demo_results.json")
@@ -828,6 +983,8 @@ def _seeds(ns: argparse.Namespace) -> list[int]:
 
 
 MODULE_COMMAND = "python -m hf_constrained.recipes.demo_clip_digits"
+WIDER_FLAGS = "--penalties hinge,squared_hinge,none --seeds 100,101,102,103,104 --workers 5"
+"""The flags of the demo's wider evaluation (docs/demo.md): both penalties and none, on the five reporting seeds."""
 
 
 def parsed_config(ns: argparse.Namespace) -> dict[str, Any]:
@@ -840,9 +997,12 @@ def parsed_config(ns: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_seed(base: dict[str, Any], seed: int, penalties: list[str], cache_dir: str,
-             log: Optional[Callable[[str], None]] = None) -> tuple[dict[str, float], list[dict[str, Any]], list[str]]:
+             log: Optional[Callable[[str], None]] = None, command: Optional[str] = None
+             ) -> tuple[dict[str, float], list[dict[str, Any]], list[str]]:
     """Both stages for one seed: (the old model's test accuracy, one run per penalty, the progress
-    lines not yet passed to ``log``). Top-level, so that ``--workers`` can run seeds in processes."""
+    lines not yet passed to ``log``). Top-level, so that ``--workers`` can run seeds in processes.
+    Each run's kept model, safety report, card and figures go to ``cache_dir/``:func:`run_folder`
+    (``command``: the command its card shows)."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
@@ -855,7 +1015,8 @@ def run_seed(base: dict[str, Any], seed: int, penalties: list[str], cache_dir: s
     pools = old_pools(cfg, old_path)
     old = old_accuracy(cfg, old_path, pools)
     log(f"seed {seed}: stage 2, fine-tuning ({', '.join(penalties)})")
-    runs = [finetune(cfg, old_path, p, pools=pools, log=log) for p in penalties]
+    runs = [finetune(cfg, old_path, p, pools=pools, log=log, output_dir=os.path.join(cache_dir, run_folder(seed, p)),
+                     old_acc=old, command=command) for p in penalties]
     return old, runs, lines
 
 
@@ -895,9 +1056,9 @@ def run_demo(ns: argparse.Namespace, echo: Optional[Callable[[str], None]] = Non
     per_method: dict[str, list[dict[str, Any]]] = {p: [] for p in penalties}
     if ns.workers < 1:
         raise ValueError(f"--workers must be >= 1, got {ns.workers}")
-    jobs = [(base, seed, penalties, ns.cache_dir) for seed in seeds]
+    jobs = [(base, seed, penalties, ns.cache_dir, None, command) for seed in seeds]
     if ns.workers == 1 or len(seeds) == 1:
-        done = (run_seed(*job, log=echo) for job in jobs)
+        done = (run_seed(*job[:4], log=echo, command=command) for job in jobs)
     else:  # one process per seed (each single-threaded); the same numbers as one after the other
         import concurrent.futures
         import multiprocessing
@@ -912,19 +1073,27 @@ def run_demo(ns: argparse.Namespace, echo: Optional[Callable[[str], None]] = Non
         for r in runs:
             per_method[r["penalty"]].append(seed_summary(cfg, old, r))
         echo("")
-        echo(seed_table(cfg, old, runs))
-        echo("")
+        if len(seeds) == 1:  # the demo a newcomer runs: what happened, in words; the full table is in the JSON
+            for r in runs:
+                echo(newcomer_summary(cfg, old, r, ns.cache_dir))
+                echo("")
+        else:
+            echo(seed_table(cfg, old, runs))
+            echo("")
         results["per_seed"].append({"seed": seed, "old_accuracy": old, "runs": runs})
         _write_json(out, results)  # after every seed: a long run can be read while it goes on
     if ns.workers > 1 and len(seeds) > 1:
         pool.shutdown()
     results["summary"] = per_method
     results["goals"] = [{"goal": g, "met": met, "evidence": ev} for g, met, ev in goals(per_method)]
-    echo(f"over {len(seeds)} seed(s), target {DIGIT_NAMES[cfg0.target]}:")
-    echo(seeds_table(per_method))
-    echo("")
-    for g in results["goals"]:
-        echo(f"- {g['goal']}: {'MET' if g['met'] else 'NOT MET'} ({g['evidence']})")
+    if len(seeds) > 1:
+        echo(f"over {len(seeds)} seed(s), target {DIGIT_NAMES[cfg0.target]}:")
+        echo(seeds_table(per_method))
+        echo("")
+        for g in results["goals"]:
+            echo(f"- {g['goal']}: {'MET' if g['met'] else 'NOT MET'} ({g['evidence']})")
+        echo("each run's model, safety report, card and figures: "
+             + os.path.join(ns.cache_dir, run_folder("<seed>", "<penalty>")))
     results["seconds"] = time.time() - t0
     import resource
 
@@ -934,6 +1103,8 @@ def run_demo(ns: argparse.Namespace, echo: Optional[Callable[[str], None]] = Non
          f"torch {torch.__version__}")
     _write_json(out, results)
     echo(f"results: {out}")
+    if len(seeds) == 1 and penalties == ["hinge"]:
+        echo(f"the wider evaluation: {MODULE_COMMAND} {WIDER_FLAGS}")
     return results
 
 

@@ -2,6 +2,7 @@
 
 import ast
 import json
+import os
 
 import numpy as np
 import pytest
@@ -30,17 +31,24 @@ def test_digits_demo_data_design():
     assert n_clean == sum(1 for i in data["pretrain"] + data["constraint"] if data["labels"][i] == cfg.target)
     with pytest.raises(ValueError, match="stage 1"):
         demo.digits_split(demo.DemoConfig(test_fraction=0.5, selection_fraction=0.3, constraint_fraction=0.2))
-    # the certification images: 0.4 of each class's held-out test images, none of them in the target data;
-    # every other split is what it is without them
+    # the certification images: by default every held-out image of each class (25%: 44-46), none of them in the
+    # target data; every other split is what it is without them, and the reported accuracies are on all held-out
     per_class = [sum(data["labels"][i] == c for i in data["certify"]) for c in range(10)]
-    assert per_class == [int(round(0.4 * round(0.25 * n))) for n in np.bincount(data["labels"])]
+    assert per_class == [int(round(0.25 * n)) for n in np.bincount(data["labels"])]
+    assert not data["test"] and data["held_out"] == data["certify"]
     target_images = {r["pixel_values"].tobytes() for r in rows}
     assert not target_images & {data["images"][i].tobytes() for i in data["certify"]}
     plain = demo.digits_split(demo.DemoConfig(certify_fraction=0.0))
-    assert not plain["certify"] and sorted(data["test"] + data["certify"]) == plain["test"]
-    assert all(data[k] == plain[k] for k in ("pretrain", "constraint", "selection"))
+    assert not plain["certify"] and sorted(data["test"] + data["certify"]) == plain["test"] == plain["held_out"]
+    part = demo.digits_split(demo.DemoConfig(certify_fraction=0.4))
+    assert [sum(part["labels"][i] == c for i in part["certify"]) for c in range(10)] == [
+        int(round(0.4 * round(0.25 * n))) for n in np.bincount(data["labels"])]
+    assert part["held_out"] == sorted(part["test"] + part["certify"]) == data["held_out"]
+    assert all(data[k] == plain[k] == part[k] for k in ("pretrain", "constraint", "selection"))
     assert demo._stage1_key(cfg) == demo._stage1_key(demo.DemoConfig(certify_fraction=0.0))
     assert demo.digits_split(demo.DemoConfig(seed=1))["certify"] != data["certify"]  # drawn with the run's seed
+    with pytest.raises(ValueError, match="--certify_fraction"):
+        demo.digits_split(demo.DemoConfig(certify_fraction=1.5))
 
 
 def test_augmented_copies_are_distorted_versions_of_their_own_image():
@@ -75,7 +83,7 @@ def test_pools_stay_in_their_split_and_carry_references_of_the_same_copies(tmp_p
     data = demo.digits_split(cfg)
     name = demo.DIGIT_NAMES[0]
     n_con = sum(1 for i in data["constraint"] if data["labels"][i] == 0)
-    n_test = sum(1 for i in data["test"] if data["labels"][i] == 0)
+    n_test = sum(1 for i in data["held_out"] if data["labels"][i] == 0)  # the accuracies: every held-out image
     assert len(pools.constraint[name]) == 3 * n_con and len(pools.test[name]) == 2 * n_test
     assert demo.DIGIT_NAMES[cfg.target] not in pools.constraint
     originals = {data["images"][i].tobytes() for i in data["constraint"]}
@@ -223,13 +231,16 @@ def test_demo_certifies_each_kept_model_on_images_nothing_else_reads(tmp_path, m
     data = demo.digits_split(cfg)
     protected = [n for k, n in enumerate(demo.DIGIT_NAMES) if k != cfg.target]
     assert sorted(pools.certify) == sorted(protected)
-    used = {r["pixel_values"].tobytes() for split in (pools.constraint, pools.selection, pools.test)
+    # no training step and no checkpoint selection reads a certification image; the reported accuracies do
+    used = {r["pixel_values"].tobytes() for split in (pools.constraint, pools.selection)
             for rows in split.values() for r in (rows[i] for i in range(len(rows)))}
+    reported = {pools.test_all[i]["pixel_values"].tobytes() for i in range(len(pools.test_all))}
     for k, name in enumerate(demo.DIGIT_NAMES):
         if name in pools.certify:
             images = [data["images"][i] for i in data["certify"] if data["labels"][i] == k]
             rows = pools.certify[name]
             assert len(rows) == len(images) and not used & {x.tobytes() for x in images}
+            assert {x.tobytes() for x in images} <= reported
             np.testing.assert_array_equal(rows[0]["pixel_values"], images[0])
     kept = {}
     real = demo.certify_models
@@ -265,7 +276,7 @@ def test_demo_certifies_each_kept_model_on_images_nothing_else_reads(tmp_path, m
     summary = demo.seed_summary(cfg, {n: 1.0 for n in demo.DIGIT_NAMES}, run)
     assert (summary["certified"], summary["not_certified"]) == (cert["certified"], cert["failing"])
     table = demo.seed_table(cfg, {n: 1.0 for n in demo.DIGIT_NAMES}, [run])
-    assert "| certified: at most 0.3 of each protected digit's images forgotten (delta 0.1) | " \
+    assert "| certified: every protected digit loses at most 30 points (share forgotten <= 0.3, delta 0.1) | " \
            + ("yes" if cert["certified"] else "no") in table
 
 
@@ -350,7 +361,7 @@ def test_committed_demo_results_come_from_the_command_shown_beside_them():
     import shlex
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    files = sorted(glob.glob(os.path.join(root, "benchmarks", "results", "demo_seeds*.json")))
+    files = sorted(glob.glob(os.path.join(root, "benchmarks", "results", "demo_*.json")))
     assert files
     shown = open(os.path.join(root, "docs", "benchmarks.md")).read() + open(os.path.join(root, "docs", "demo.md")).read()
     for path in files:
@@ -392,3 +403,61 @@ def test_workers_give_the_numbers_of_one_seed_after_the_other(tmp_path):
                              echo=lines.append)
     assert parallel["per_seed"] == serial["per_seed"] and parallel["summary"] == serial["summary"]
     assert any("seed 1: stage 2" in line for line in lines)  # the workers' progress lines are passed on
+
+
+def test_make_demo_default_path_prints_a_summary_and_the_paths_it_wrote(tmp_path, capsys):
+    """``make demo`` at tiny settings: one seed (the default, none of the tuning or reporting seeds), the
+    hinge only; it prints what ran, each digit's held-out accuracy, the certified claim with delta and n,
+    and the paths of the safety report, card and figures, which exist and describe the kept model."""
+    import re
+
+    assert demo.DEFAULT_SEED not in (*range(5), *range(100, 105))
+    cache = tmp_path / "out"
+    assert demo.main(["--stage1_epochs", "2", "--max_steps", "10", "--constraint_copies", "2", "--eval_copies", "1",
+                      "--cache_dir", str(cache)]) == 0
+    printed = capsys.readouterr().out
+    results = json.loads((cache / "demo_results.json").read_text())
+    assert results["config"]["seeds"] == [demo.DEFAULT_SEED] and results["config"]["penalties"] == ["hinge"]
+    (run,) = results["per_seed"][0]["runs"]
+    cert = run["certificate"]
+    folder = cache / demo.run_folder(demo.DEFAULT_SEED, "hinge")
+    for label, name in (("safety report", "safety_report.json"), ("model card", "README.md"), ("figures", "figures")):
+        line = next(x for x in printed.splitlines() if x.strip().startswith(label))
+        path = line.split(None, len(label.split()))[-1]
+        assert path == str(folder / name) and os.path.exists(path), line
+    assert os.listdir(folder / "figures")
+    report = json.loads((folder / "safety_report.json").read_text())
+    assert report["global_step"] == run["kept_step"]  # the kept checkpoint's step, not the last step
+    assert report["certified"] == cert["certified"]
+    assert os.path.exists(folder / "config.json")  # the fine-tuned model itself, beside its card
+    from hf_constrained.cli import main as cli_main
+
+    # the report names the weight files beside it: `hf-constrained report FOLDER --check` accepts it
+    assert cli_main(["report", str(folder), "--check"]) == (0 if cert["certified"] else 1)
+    verdict = "  CERTIFIED: every protected digit loses at most 15 points" if cert["certified"] else "  NOT CERTIFIED"
+    assert verdict in printed and ("NOT CERTIFIED" in printed) != cert["certified"]
+    assert re.search(rf"no protected digit loses more\s+than {100 * cert['largest_bound']:.1f} points", printed)
+    sizes = sorted(cert["rows"].values())
+    assert f"delta 0.05, on {sizes[0]}-{sizes[-1]} held-out" in printed and 40 <= sizes[0] <= sizes[-1] <= 50
+    for key, n in cert["rows"].items():
+        name = key.split("/", 1)[-1]
+        assert re.search(rf"{name} .*forgotten {round(cert['forgotten'][key] * n)} of {n}\n", printed), name
+    assert "--penalties hinge,squared_hinge,none --seeds 100,101,102,103,104" in printed
+    assert str(tmp_path) not in json.dumps(results)  # no local path in the results file
+
+
+def test_summary_names_the_digits_not_certified_and_still_states_the_bound():
+    cfg = demo.DemoConfig()
+    names = [n for n in demo.DIGIT_NAMES if n != "nine"]
+    rows = {f"non_forgetting/{n}": 45 for n in names}
+    forgotten = {k: 0.0 for k in rows} | {"non_forgetting/three": 4 / 45}
+    bounds = {k: 0.0644 for k in rows} | {"non_forgetting/three": 0.192}
+    run = {"penalty": "none", "kept_step": 40, "accuracy": {n: 0.9 for n in demo.DIGIT_NAMES}, "files": {},
+           "certificate": {"certified": False, "failing": ["non_forgetting/three"], "largest_bound": 0.192,
+                           "bounds": bounds, "forgotten": forgotten, "rows": rows}}
+    text = demo.newcomer_summary(cfg, {n: 0.9 for n in demo.DIGIT_NAMES}, run, "out")
+    assert ("NOT CERTIFIED: the requirement (every protected digit loses at most 15 points of accuracy) is not shown "
+            "for three.") in " ".join(text.split())
+    assert "no protected digit loses more than 19.2 points" in " ".join(text.split())
+    assert "three, 4 of 45 images forgotten" in " ".join(text.split())
+    assert "no penalty" in text and "Written to" not in text
