@@ -14,7 +14,7 @@ gives an upper confidence bound ``U_jk``; ``H_j`` is rejected, i.e. candidate ``
 - **Several looks at one split (a ledger).** With a
   :class:`~hf_constrained.safety.ledger.CertificationLedger`, each call is one look at each
   certification split it reads (known by its fingerprint), and each constraint is tested at
-  the ``delta_j`` its split's spending schedule gives that look (``delta * 2^-j`` by default;
+  the ``delta_j`` its split's spending schedule gives that look (``delta * 0.9 * 0.1^(j-1)`` by default;
   a schedule may refuse a look instead): summed over every look ever taken at a split, the
   error stays at most ``delta``. The certificate records each constraint's look and the delta
   it spent. Without a ledger the call is taken to be the split's only look.

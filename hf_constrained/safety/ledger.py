@@ -11,8 +11,10 @@ least ``1 - delta``, every claim ever certified on the split is true, however th
 were chosen. A schedule may also refuse a look once its budget is spent (:class:`LookRefused`):
 then only fresh certification rows can certify.
 
-- :class:`GeometricSpending` (the default): ``delta_j = delta * 2^-j`` (half the budget at the
-  first look, a quarter at the second, ...), refused after ``max_looks`` looks.
+- :class:`GeometricSpending` (the default): ``delta_j = delta * 0.9 * 0.1^(j-1)`` (0.9 of the
+  budget at the first look, where almost every release is certified; a retrained model pays ten
+  times more at each further look), refused after ``max_looks`` looks. ``ratio=0.5`` spreads it
+  as ``delta * 2^-j``.
 - :class:`SingleLook`: the whole ``delta`` at the first look, every later look refused. For
   users who certify once and want the full budget there.
 
@@ -79,12 +81,15 @@ class Spending(Protocol):
 
 @dataclass(frozen=True)
 class GeometricSpending:
-    """``delta_j = delta * (1 - ratio) * ratio^(j - 1)`` (``delta * 2^-j`` at ``ratio = 1/2``);
-    the sum over all looks is ``delta``. Looks after ``max_looks`` are refused (the bound at
-    ``delta * 2^-20`` says nothing any more)."""
+    """``delta_j = delta * (1 - ratio) * ratio^(j - 1)``; the sum over all looks is ``delta``.
 
-    ratio: float = 0.5
-    max_looks: int = 20
+    The default ``ratio = 0.1`` keeps 0.9 of the budget for the first look, since a release is
+    normally certified once; each further look (a retrained model, another candidate run) gets a
+    tenth of the one before. Looks after ``max_looks`` are refused (their levels say nothing any
+    more: ``delta * 1e-5`` at the sixth look)."""
+
+    ratio: float = 0.1
+    max_looks: int = 6
 
     def __post_init__(self) -> None:
         if not 0.0 < self.ratio < 1.0:
