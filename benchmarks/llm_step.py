@@ -18,7 +18,7 @@ Variants alternate for ``--rounds`` rounds in one process; each ratio is of the 
 times (optimizer steps, ``gradient_accumulation_steps`` micro-batches each). On CUDA each
 variant's peak ``torch.cuda.max_memory_allocated`` during training is recorded.
 
-Sizes (``--model``): ``tiny`` (tests), ``proxy`` (a 15M-parameter Llama-shaped model, the CPU
+Sizes (``--model``): ``tiny`` (tests), ``proxy`` (a 10.1M-parameter Llama-shaped model, the CPU
 proxy), ``0.5b`` (Qwen2.5-0.5B's shape as a Llama: hidden 896, 24 layers, 14 heads, 2 KV heads,
 MLP 4864, vocabulary 151,936, tied embeddings: 494M parameters).
 
