@@ -18,7 +18,7 @@ Variants alternate for ``--rounds`` rounds in one process; each ratio is of the 
 times (optimizer steps, ``gradient_accumulation_steps`` micro-batches each). On CUDA each
 variant's peak ``torch.cuda.max_memory_allocated`` during training is recorded.
 
-Sizes (``--model``): ``tiny`` (tests), ``proxy`` (a 15M-parameter Llama-shaped model, the CPU
+Sizes (``--model``): ``tiny`` (tests), ``proxy`` (a 10.1M-parameter Llama-shaped model, the CPU
 proxy), ``0.5b`` (Qwen2.5-0.5B's shape as a Llama: hidden 896, 24 layers, 14 heads, 2 KV heads,
 MLP 4864, vocabulary 151,936, tied embeddings: 494M parameters).
 
@@ -58,12 +58,14 @@ RECIPE = dict(batch=8, accumulation=2, constraint_batch=8, per_step="all", gamma
 TASKS = ("math", "code", "refusals")
 
 
-def build_model(size: str, seed: int = 0) -> torch.nn.Module:
-    """The Llama-shaped model of ``size`` (random weights) with the recipe's LoRA adapter."""
+def build_model(size: str, seed: int = 0, device: str = "cpu") -> torch.nn.Module:
+    """The Llama-shaped model of ``size`` (random weights) with the recipe's LoRA adapter, initialised
+    on ``device`` (a 0.5B model's initialisation on the host takes longer than its GPU steps)."""
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(max_position_embeddings=2048, **LLAMA_SIZES[size]))
+    with torch.device(device):
+        model = LlamaForCausalLM(LlamaConfig(max_position_embeddings=2048, **LLAMA_SIZES[size]))
     return get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", r=RECIPE["lora_r"], lora_alpha=RECIPE["lora_alpha"],
                                             lora_dropout=0.0, target_modules="all-linear", bias="none"))
 
@@ -103,7 +105,7 @@ def variant_key(text: str) -> str:
 def make_trainer(a: argparse.Namespace, variant: Optional[str], steps: int) -> ConstrainedTrainer:
     """The recipe's trainer for ``variant`` (None: unconstrained)."""
     cpu = a.device == "cpu"
-    model = build_model(a.model)
+    model = build_model(a.model, device=a.device)
     vocab = LLAMA_SIZES[a.model]["vocab_size"]
     collate = PaddingCollator(pad_token_id=0)
     train = TokenRows(max(4 * a.batch * a.accumulation, 64), a.seq_len, vocab, seed=1)
@@ -113,8 +115,6 @@ def make_trainer(a: argparse.Namespace, variant: Optional[str], steps: int) -> C
         lr_scheduler_type="constant", max_grad_norm=0.0, seed=0, use_cpu=cpu, bf16=a.bf16, report_to=[],
         save_strategy="no", logging_steps=10, disable_tqdm=True, dataloader_num_workers=0,
         dataloader_drop_last=True, remove_unused_columns=False)
-    if not cpu:
-        model.to("cuda")
     if variant is None:
         args = ConstrainedTrainingArguments(constraint_penalty="none", **common)
         return ConstrainedTrainer(model=model, args=args, train_dataset=train, data_collator=collate)
@@ -172,7 +172,7 @@ def main() -> None:
                 torch.cuda.empty_cache()
     stats = {k: summary(v) for k, v in times.items()}
     base = stats["unconstrained"]["median_s"]
-    params = build_model(a.model)
+    params = build_model(a.model, device="meta")  # counts only
     rows = {"objective_rows_per_step": a.batch * a.accumulation}
     for key, variant in keys.items():
         if variant is not None:

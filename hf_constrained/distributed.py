@@ -61,8 +61,9 @@ def _fsdp_version_requested(args: TrainingArguments) -> int:
 
 @contextlib.contextmanager
 def fsdp2_on_cpu(args: TrainingArguments) -> Iterator[None]:
-    """While the Trainer builds its ``Accelerator``: a multi-process CPU run with FSDP version 2
-    requested becomes an FSDP run (Accelerate itself leaves it as unsharded multi-CPU).
+    """While the Trainer builds its ``Accelerator``: a multi-process CPU run (``use_cpu``, or a
+    machine without accelerators) with FSDP version 2 requested becomes an FSDP run (Accelerate
+    itself leaves it as unsharded multi-CPU). Runs on accelerators are left to Accelerate.
 
     The FSDP plugin is the one the Trainer passes (``--fsdp`` / ``fsdp_config``) or, from an
     Accelerate config, the one its environment describes, as Accelerate builds it on GPUs; with
@@ -71,7 +72,7 @@ def fsdp2_on_cpu(args: TrainingArguments) -> Iterator[None]:
     from accelerate.state import AcceleratorState, PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
-    if not (fsdp_requested(args) and args.use_cpu and _fsdp_version_requested(args) == 2):
+    if not (fsdp_requested(args) and _fsdp_version_requested(args) == 2):
         yield
         return
     original = AcceleratorState.__init__

@@ -38,5 +38,5 @@ def certified_trainer(output_dir: str, **overrides: Any) -> ConstrainedTrainer:
     constraints = non_forgetting_constraints(model, per_row_ce, protected, tolerance=0.0, batch_size=16,
                                              certify_datasets=certify_rows(), correct=per_row_correct,
                                              forget_tolerance=0.5)
-    return ConstrainedTrainer(model=model, args=tiny_args(output_dir, **overrides), train_dataset=ListDataset(train_rows),
-                              constraints=constraints)
+    return ConstrainedTrainer(model=model, args=tiny_args(output_dir, **overrides),
+                              train_dataset=ListDataset(train_rows), constraints=constraints)

@@ -123,3 +123,18 @@ def test_suite_quick_mode_runs_every_part(tmp_path):
     for part in ("clip_step", "clip_scaling", "llm_step"):
         assert (tmp_path / "out" / f"{part}.json").is_file(), part
     assert "all parts done" in proc.stdout
+
+
+@pytest.mark.slow
+def test_suite_stops_a_part_past_its_time_limit(tmp_path):
+    """``PART_LIMIT``: a part past it is stopped and reported, writes no JSON, and the suite exits 1
+    after running the other parts (one second is less than any part needs to import torch)."""
+    env = dict(os.environ, QUICK="1", DEVICE="cpu", MODEL="tiny", LLM_MODEL="tiny", PART_LIMIT="1",
+               OUT=str(tmp_path / "out"), PY=sys.executable, OMP_NUM_THREADS="1")
+    proc = subprocess.run(["bash", "benchmarks/gpu_suite.sh"], cwd=REPO_ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    for part in ("clip_step", "clip_scaling", "llm_step"):
+        assert f"{part}: TIMED OUT after 1 s" in proc.stdout
+        assert not (tmp_path / "out" / f"{part}.json").exists()
+    assert "SOME PARTS FAILED" in proc.stdout

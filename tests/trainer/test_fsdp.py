@@ -157,3 +157,47 @@ def test_fsdp_on_one_cpu_process_is_refused(tmp_path, monkeypatch, version):
     monkeypatch.setenv("FSDP_VERSION", version)
     with pytest.raises(ValueError, match="FSDP was requested .* without FSDP .*fsdp_version: 2"):
         make_trainer(str(tmp_path / "fsdp"))
+
+
+@pytest.mark.slow  # starts processes
+def test_llm_recipe_under_fsdp_on_two_cpu_processes(tmp_path):
+    """The LLM recipe, launched as users launch it with the shipped fsdp.yaml: trains sharded (the
+    trainer logs FSDP2), and saves a full model (every tensor at its configured shape) that loads with
+    ``from_pretrained``, next to its results and safety report."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from hf_constrained.recipes.tiny_lm import char_tokenizer, tiny_causal_lm
+
+    tok = char_tokenizer()
+    model = tiny_causal_lm(len(tok), "llama", hidden_size=32, layers=2, heads=2)
+    model.save_pretrained(tmp_path / "llama")
+    tok.save_pretrained(tmp_path / "llama")
+    words = ["abc", "hello", "xyz", "qrs", "mnop", "dog", "cat", "tree", "sun", "moon", "star", "leaf"]
+    data = {"sort": [{"prompt": f"sort:{w}=", "completion": "".join(sorted(w))} for w in words],
+            "reverse": [{"prompt": f"rev:{w}=", "completion": w[::-1]} for w in words],
+            "copy": [{"text": f"cp:{w}={w}"} for w in words]}
+    for name, rows in data.items():
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "fsdp.yaml"),
+           "--num_processes", "2", "--mixed_precision", "no", "--main_process_port", str(_free_port()),
+           str(HERE.parent / "recipes" / "llm_non_forgetting.py"),
+           "--model_name_or_path", str(tmp_path / "llama"), "--dataset_name", str(tmp_path / "sort.jsonl"),
+           "--protected_datasets", f"reverse={tmp_path / 'reverse.jsonl'}", str(tmp_path / "copy.jsonl"),
+           "--output_dir", str(out), "--max_steps", "2", "--per_device_train_batch_size", "4",
+           "--learning_rate", "1e-2", "--constraint_batch_size", "3", "--eval_fraction", "0.25", "--use_cpu", "true",
+           "--report_to", "none", "--save_strategy", "no", "--disable_tqdm", "true", "--seed", "0",
+           "--reference_batch_size", "4"]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
+               PYTHONPATH=str(HERE.parent) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"accelerate launch failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    assert "FSDP2 on 2 CPU processes" in proc.stdout + proc.stderr
+    results = json.loads((out / "llm_results.json").read_text())
+    assert results["num_processes"] == 2 and len(results["safety_report"]["constraints"]) == 2
+    saved = AutoModelForCausalLM.from_pretrained(out)
+    for name, p in model.state_dict().items():
+        assert saved.state_dict()[name].shape == p.shape, name
+    assert any(not torch.equal(saved.state_dict()[n], p) for n, p in model.state_dict().items())  # it trained
