@@ -7,6 +7,10 @@ dataclass has is an error naming the file and the key, and a flag that no datacl
 usage error (exit status 2): neither is silently ignored. A usage error prints the short usage
 line and the error, not the list of every flag (``--help`` lists them).
 
+Without an accelerator, ``--dataloader_pin_memory`` defaults to false (torch warns at every
+dataloader that pinning needs one); a multi-process launch that cannot form one run is refused
+(:mod:`hf_constrained.launch`).
+
 ``--bf16`` follows what a user asks for: given on the command line or in the file on a machine
 without bf16 support, it is a usage error naming the flag before any model loads; a default of
 ``bf16`` on (TRL's ``SFTConfig``) is turned off there, with a log line saying so.
@@ -25,7 +29,7 @@ import yaml
 from transformers import HfArgumentParser, TrainingArguments
 
 from .errors import RecipeConfigError
-from .launch import check_multi_process_launch
+from .launch import accelerator_available, check_multi_process_launch
 
 logger = logging.getLogger(__name__)
 
@@ -189,6 +193,10 @@ def parse_recipe_args(dataclass_types: Sequence[type], argv: Optional[Sequence[s
         parser.error(f"unrecognized arguments: {' '.join(unknown_flags)} "
                      "(not a flag of this recipe; --help lists them)")
     _check_bf16(parser, namespace, rest, given, known.config)
+    if "dataloader_pin_memory" not in given and not accelerator_available() and any(
+            getattr(a, "dest", None) == "dataloader_pin_memory" for a in parser._actions):
+        # pinned memory only helps copies to an accelerator; without one torch warns at every dataloader
+        parser.set_defaults(dataloader_pin_memory=False)
     outputs = parser.parse_args_into_dataclasses(args=list(rest))
     for parsed in outputs[: len(dataclass_types)]:
         if isinstance(parsed, TrainingArguments):  # before any model or data loads

@@ -121,6 +121,8 @@ TRAINING_DEFAULTS = dict(
     penalty_beta=50.0, constraint_batch_size=16, eval_strategy="steps", eval_steps=20, save_strategy="steps",
     save_steps=20, save_total_limit=3, load_best_model_at_end=True, metric_for_best_model="loss", logging_steps=5,
     report_to="none", use_cpu=True, seed=0, disable_tqdm=True, save_only_model=True,
+    # no clipping: at max_grad_norm 1 every step was clipped, shrinking the exact penalty's beta (the library warned)
+    max_grad_norm=0.0,
 )
 
 
