@@ -27,6 +27,7 @@ from typing import Any, Optional, Sequence
 from .checkpointing import checkpoint_folders, checkpoint_problem
 from .extras import MissingExtraError, extra_for_module, install_hint
 from .errors import RecipeConfigError
+from .help_cache import cached_help
 from .recipes import RECIPES, Recipe, shipped_recipe_files
 from .safety.figures import plot_log_history
 from .safety.report import SAFETY_REPORT_NAME, SAFETY_RULES, SafetyReport, format_number
@@ -106,11 +107,15 @@ def _demo(args: argparse.Namespace) -> int:
     # make every other command (and --help) take seconds to start
     from .recipes import DEMO_MODULE, __name__ as recipes_package
 
+    from .recipe_args import parse_with_config
+
     demo = import_recipe(f"{recipes_package}.{DEMO_MODULE}")
     parser = argparse.ArgumentParser(prog="hf-constrained demo", description=DEMO_HELP,
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+    parser.add_argument("--config", default=None, help="YAML file of option values (names as the options, "
+                        "without dashes); options on the command line override it")
     demo.add_demo_arguments(parser)
-    options = parser.parse_args(args.demo_args)
+    options = parse_with_config(parser, args.demo_args)
     logging.basicConfig(level=logging.WARNING)
     demo.run_demo(options, echo=lambda line: print(line, flush=True))
     return 0
@@ -128,6 +133,16 @@ def _recipes(args: argparse.Namespace) -> int:
     print()
     print("Several GPUs: accelerate launch --config_file MULTI_GPU_YAML -m MODULE [flags]")
     return 0
+
+
+def _recipe_source(recipe: Recipe) -> Optional[str]:
+    """The recipe's source file (its help depends on it), or ``None``."""
+    from .recipes import recipe_file
+
+    try:
+        return recipe_file(f"{recipe.module}.py")
+    except FileNotFoundError:
+        return None
 
 
 def import_recipe(module_name: str) -> Any:
@@ -210,6 +225,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # not under the try below: a recipe's errors keep their traceback, as with python recipes/x.py;
         # only a missing optional package is a one-line error naming the extra
         try:
+            kind = "help-all" if "--help-all" in rest else "help" if {"-h", "--help"} & set(rest) else None
+            if kind is not None:  # printed from the cache after the first time: no torch import
+                return cached_help(args.recipe.command, kind, _recipe_source(args.recipe),
+                                   lambda: run_recipe(args.recipe, rest))
             return run_recipe(args.recipe, rest)
         except (MissingExtraError, RecipeConfigError) as exc:  # settings, found before anything loads
             print(f"hf-constrained {args.recipe.command}: error: {exc}", file=sys.stderr)
