@@ -30,6 +30,7 @@ from transformers import HfArgumentParser, TrainingArguments
 
 from .errors import RecipeConfigError
 from .launch import accelerator_available, check_multi_process_launch
+from .push import check_hub_before_training
 from .recipe_help import add_help_all, shorten_help, wants_short_help
 
 logger = logging.getLogger(__name__)
@@ -225,4 +226,5 @@ def parse_recipe_args(dataclass_types: Sequence[type], argv: Optional[Sequence[s
     for parsed in outputs[: len(dataclass_types)]:
         if isinstance(parsed, TrainingArguments):  # before any model or data loads
             check_multi_process_launch(parsed, parser.error)
+            check_hub_before_training(parsed, parser.error)
     return tuple(outputs[: len(dataclass_types)])  # the last entry is the namespace holding --config

@@ -213,7 +213,10 @@ def main(argv: list[str] | None = None) -> int:
         if training_args.hub_model_id:
             trainer.push_to_hub(allow_unsafe=opts.allow_unsafe)
     except UnsafeModelError as err:
-        print(f"push gate: closed\n{str(err).splitlines()[0]}")
+        # the refusal's own words only when a push was asked for; else the verdict, and what a push would do
+        why = str(err).splitlines()[0] if training_args.hub_model_id else \
+            f"{report.summary()} (no push was asked for; --hub_model_id would upload nothing)"
+        print(f"push gate: closed: {why}")
         gate_closed = True
     else:
         gate_closed = False
