@@ -65,3 +65,17 @@ def test_the_demo_takes_a_config_file(tmp_path):
     config.write_text("not_an_option: 1\n")
     with pytest.raises(SystemExit):
         parse_with_config(parser, ["--config", str(config)])
+
+
+def test_the_demo_module_takes_a_config_file_too(tmp_path, capsys):
+    """``python -m hf_constrained.recipes.demo_clip_digits`` (what ``make demo`` runs) reads ``--config``."""
+    from hf_constrained.recipes import demo_clip_digits as demo
+
+    with pytest.raises(SystemExit) as done:
+        demo.main(["--help"])
+    assert done.value.code == 0 and "--config" in capsys.readouterr().out
+    config = tmp_path / "demo.yaml"
+    config.write_text("seeds: '5'\nbogus: 1\n")
+    with pytest.raises(SystemExit) as done:
+        demo.main(["--config", str(config)])  # the file is read: its unknown key stops the demo before it runs
+    assert done.value.code == 2 and "unknown keys ['bogus']" in capsys.readouterr().err
