@@ -25,14 +25,14 @@ import sys
 from typing import Any, Optional, Sequence
 
 from .checkpointing import checkpoint_folders, checkpoint_problem
-from .extras import MissingExtraError, extra_for_module, install_hint
 from .errors import RecipeConfigError
+from .extras import MissingExtraError, extra_for_module, install_hint
+from .help_cache import cached_help
 from .recipes import RECIPES, Recipe, shipped_recipe_files
 from .safety.figures import plot_log_history
 from .safety.report import SAFETY_REPORT_NAME, SAFETY_RULES, SafetyReport, format_number
 from .safety.selection import FeasibleSelection
 from .safety.verify import EXIT_STALE_OR_UNREADABLE, check_run_dir
-
 
 
 def find_trainer_state(run_dir: str) -> str:
@@ -87,6 +87,22 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _push(args: argparse.Namespace) -> int:
+    from .push import push_run
+
+    try:
+        result = push_run(args.run_dir, args.repo_id, private=args.private or None,
+                          commit_message=args.commit_message)
+    except Exception as exc:  # noqa: BLE001 - the Hub's errors (network, permissions): one line unless --debug
+        if args.debug:
+            raise
+        print(f"hf-constrained push: error: the upload failed ({type(exc).__name__}: "
+              f"{' '.join(str(exc).split())[:300]}); --debug shows the traceback", file=sys.stderr)
+        return 2
+    print(result.message, file=sys.stdout if result.exit_code == 0 else sys.stderr)
+    return result.exit_code
+
+
 def _plot(args: argparse.Namespace) -> int:
     with open(find_trainer_state(args.run_dir), encoding="utf-8") as f:
         log_history = json.load(f).get("log_history", [])
@@ -103,13 +119,17 @@ def _plot(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     # imported here, not at the top: the demo imports torch and transformers, which would
     # make every other command (and --help) take seconds to start
-    from .recipes import DEMO_MODULE, __name__ as recipes_package
+    from .recipe_args import parse_with_config
+    from .recipes import DEMO_MODULE
+    from .recipes import __name__ as recipes_package
 
     demo = import_recipe(f"{recipes_package}.{DEMO_MODULE}")
     parser = argparse.ArgumentParser(prog="hf-constrained demo", description=DEMO_HELP,
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+    parser.add_argument("--config", default=None, help="YAML file of option values (names as the options, "
+                        "without dashes); options on the command line override it")
     demo.add_demo_arguments(parser)
-    options = parser.parse_args(args.demo_args)
+    options = parse_with_config(parser, args.demo_args)
     logging.basicConfig(level=logging.WARNING)
     demo.run_demo(options, echo=lambda line: print(line, flush=True))
     return 0
@@ -127,6 +147,16 @@ def _recipes(args: argparse.Namespace) -> int:
     print()
     print("Several GPUs: accelerate launch --config_file MULTI_GPU_YAML -m MODULE [flags]")
     return 0
+
+
+def _recipe_source(recipe: Recipe) -> Optional[str]:
+    """The recipe's source file (its help depends on it), or ``None``."""
+    from .recipes import recipe_file
+
+    try:
+        return recipe_file(f"{recipe.module}.py")
+    except FileNotFoundError:
+        return None
 
 
 def import_recipe(module_name: str) -> Any:
@@ -173,6 +203,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "'upper_bound' (each CLT upper bound within its tolerance). Default: the report's own rule "
                         "(certified unless finish_run(..., safety_rule=...) said otherwise)")
     p.set_defaults(func=_report)
+    p = sub.add_parser("push", help="upload a finished run to the Hub, only if `report RUN_DIR --check` passes "
+                       "(certified, intact report naming the weight files in the folder)")
+    p.add_argument("run_dir", help="the run's output folder (safety_report.json, README.md and the weights)")
+    p.add_argument("--repo_id", required=True, help="the Hub repository, owner/name")
+    p.add_argument("--private", action="store_true", help="create the repository as private")
+    p.add_argument("--commit_message", default=None, help="default: the run's verdict")
+    p.add_argument("--debug", action="store_true", help="show the traceback of a failed upload")
+    p.set_defaults(func=_push)
     p = sub.add_parser("plot", help="write PNG figures of the constraints and the objective over training")
     p.add_argument("run_dir", metavar="RUN_DIR")
     p.add_argument("--out", default=None, help="output directory (default: RUN_DIR/figures)")
@@ -209,6 +247,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # not under the try below: a recipe's errors keep their traceback, as with python recipes/x.py;
         # only a missing optional package is a one-line error naming the extra
         try:
+            kind = "help-all" if "--help-all" in rest else "help" if {"-h", "--help"} & set(rest) else None
+            if kind is not None:  # printed from the cache after the first time: no torch import
+                return cached_help(args.recipe.command, kind, _recipe_source(args.recipe),
+                                   lambda: run_recipe(args.recipe, rest))
             return run_recipe(args.recipe, rest)
         except (MissingExtraError, RecipeConfigError) as exc:  # settings, found before anything loads
             print(f"hf-constrained {args.recipe.command}: error: {exc}", file=sys.stderr)

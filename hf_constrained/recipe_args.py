@@ -7,6 +7,10 @@ dataclass has is an error naming the file and the key, and a flag that no datacl
 usage error (exit status 2): neither is silently ignored. A usage error prints the short usage
 line and the error, not the list of every flag (``--help`` lists them).
 
+Without an accelerator, ``--dataloader_pin_memory`` defaults to false (torch warns at every
+dataloader that pinning needs one); a multi-process launch that cannot form one run is refused
+(:mod:`hf_constrained.launch`).
+
 ``--bf16`` follows what a user asks for: given on the command line or in the file on a machine
 without bf16 support, it is a usage error naming the flag before any model loads; a default of
 ``bf16`` on (TRL's ``SFTConfig``) is turned off there, with a log line saying so.
@@ -25,11 +29,13 @@ import yaml
 from transformers import HfArgumentParser, TrainingArguments
 
 from .errors import RecipeConfigError
-from .launch import check_multi_process_launch
+from .launch import accelerator_available, check_multi_process_launch
+from .push import check_hub_before_training
+from .recipe_help import add_help_all, shorten_help, wants_short_help
 
 logger = logging.getLogger(__name__)
 
-SHORT_USAGE = "%(prog)s [--config FILE.yaml] [--FLAG VALUE ...]  (--help lists every flag)"
+SHORT_USAGE = "%(prog)s [--config FILE.yaml] [--FLAG VALUE ...]  (--help: the main flags; --help-all: every flag)"
 """The usage line of every recipe: a usage error prints it and the error, not a page of flags."""
 
 SAVED_CONFIG_NAME = "recipe_config.yaml"
@@ -85,6 +91,26 @@ def load_config_file(path: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise RecipeConfigError(f"--config {path}: expected a mapping of flag names to values, got {type(data).__name__}")
     return data
+
+
+def parse_with_config(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
+    """``parser.parse_args(argv)`` honouring ``--config FILE.yaml`` (a plain ``argparse`` parser with a
+    ``--config`` option, e.g. the demo's): the file's values become defaults, so the command line wins; a
+    key that is no option of ``parser`` is an error naming the file and the key (exit status 2)."""
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--config", default=None)
+    known, _ = pre.parse_known_args(list(argv))
+    if known.config is not None:
+        try:
+            values = load_config_file(known.config)
+        except RecipeConfigError as err:
+            parser.error(str(err))
+        dests = {a.dest for a in parser._actions}
+        unknown = sorted(str(k).replace("-", "_") for k in values if str(k).replace("-", "_") not in dests)
+        if unknown:
+            parser.error(f"--config {known.config}: unknown keys {unknown} (not an option of this command)")
+        parser.set_defaults(**{str(k).replace("-", "_"): v for k, v in values.items()})
+    return parser.parse_args(list(argv))
 
 
 def given_flags(argv: Optional[Sequence[str]] = None) -> set[str]:
@@ -161,7 +187,10 @@ def parse_recipe_args(dataclass_types: Sequence[type], argv: Optional[Sequence[s
     # no abbreviations: a mistyped or old flag name (--seed for --seeds) is an error, not another flag
     parser = parser_class(list(dataclass_types), description=description, allow_abbrev=False, usage=SHORT_USAGE)
     parser.add_argument("--config", default=None, help="YAML file of flag values; command-line flags override it.")
+    add_help_all(parser)
     _user_settings_first(parser, dataclass_types)
+    if wants_short_help(argv):  # the recipe's own flags and a few of the Trainer's; --help-all: every flag
+        shorten_help(parser, dataclass_types, shown=defaults or ())
     if defaults:
         parser.set_defaults(**defaults)
     file_keys: set[str] = set()
@@ -187,10 +216,15 @@ def parse_recipe_args(dataclass_types: Sequence[type], argv: Optional[Sequence[s
     namespace, unknown_flags = parser.parse_known_args(list(rest))  # argparse values only: no dataclass built yet
     if unknown_flags:  # argparse's own message and exit status 2, not a traceback
         parser.error(f"unrecognized arguments: {' '.join(unknown_flags)} "
-                     "(not a flag of this recipe; --help lists them)")
+                     "(not a flag of this recipe; --help-all lists them)")
     _check_bf16(parser, namespace, rest, given, known.config)
+    if "dataloader_pin_memory" not in given and not accelerator_available() and any(
+            getattr(a, "dest", None) == "dataloader_pin_memory" for a in parser._actions):
+        # pinned memory only helps copies to an accelerator; without one torch warns at every dataloader
+        parser.set_defaults(dataloader_pin_memory=False)
     outputs = parser.parse_args_into_dataclasses(args=list(rest))
     for parsed in outputs[: len(dataclass_types)]:
         if isinstance(parsed, TrainingArguments):  # before any model or data loads
             check_multi_process_launch(parsed, parser.error)
+            check_hub_before_training(parsed, parser.error)
     return tuple(outputs[: len(dataclass_types)])  # the last entry is the namespace holding --config

@@ -123,6 +123,7 @@ from hf_constrained.config import ConstrainedTrainingArguments
 from hf_constrained.constraint import Constraint
 from hf_constrained.non_forgetting import ReferenceCorrectDataset, forgetting_statistic
 from hf_constrained.publishable import publishable_values
+from hf_constrained.recipe_args import parse_with_config
 from hf_constrained.redact import redact_command
 from hf_constrained.safety.evaluation import certify_models
 from hf_constrained.safety.finish import finish_run
@@ -1123,8 +1124,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     """``python -m hf_constrained.recipes.demo_clip_digits``: the same options as ``hf-constrained demo``."""
     parser = argparse.ArgumentParser(prog="python -m hf_constrained.recipes.demo_clip_digits", description=__doc__.split("\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+    parser.add_argument("--config", default=None, help="YAML file of option values (names as the options, without "
+                        "dashes); options on the command line override it")
     add_demo_arguments(parser)
-    ns = parser.parse_args(argv)
+    ns = parse_with_config(parser, sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.WARNING)
 
     def echo(line: str) -> None:

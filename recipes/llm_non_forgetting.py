@@ -51,7 +51,7 @@ Run::
         --constraint_penalty hinge --penalty_beta 10 --relative_tolerance 0.02
 
 or put the flags in a YAML file (keys = flag names) and pass ``--config x.yaml``; flags on
-the command line override the file. ``--help`` lists every flag. At the end: held-out
+the command line override the file. ``--help`` lists the main flags, ``--help-all`` every flag. At the end: held-out
 evaluation, the model (or adapter) and tokenizer in ``--output_dir``, the safety report
 and model card (with the certificate), ``llm_results.json`` (``certified``,
 ``certified_bounds``, the certification splits' sizes), with ``--config`` a copy of the file

@@ -30,7 +30,8 @@
 
 Goals, over the seeds (median and worst reported): the unconstrained run forgets some old task
 (its held-out h_k exceeds ``--tolerance``); the constrained run is certified, and learns the new
-task (held-out exact match >= ``--learned_accuracy``), each in at least 4 of 5 seeds.
+task (held-out exact match >= ``--learned_accuracy``), each in at least 80% of the seeds (4 of 5 with
+``--seeds 0 1 2 3 4``). One seed by default, a few minutes; the wider evaluation is a flag away:
 
     python recipes/llm_tiny_example.py --seeds 100 101 102 103 104 --json benchmarks/results/llm_example.json
     python recipes/llm_tiny_example.py --penalty_beta 10 --seeds 0
@@ -72,6 +73,7 @@ import torch
 from datasets import Dataset, concatenate_datasets
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
+from tqdm.auto import tqdm
 from transformers.trainer_callback import PrinterCallback
 
 from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments
@@ -83,6 +85,7 @@ from hf_constrained.non_forgetting import (
     reference_losses,
 )
 from hf_constrained.per_sample_loss import IGNORE_INDEX, causal_lm_per_example_correct
+from hf_constrained.progress import StepProgressBar
 from hf_constrained.safety.evaluation import certify_models
 from hf_constrained.publishable import publishable_command, publishable_values
 from hf_constrained.recipe_args import parse_recipe_args
@@ -203,7 +206,9 @@ def train_old_model(path: str, cfg: ExampleArguments) -> None:
         trainer = ConstrainedTrainer(model=model, args=_args(tmp, 0, constraint_penalty="none", max_steps=cfg.old_steps,
                                                              learning_rate=cfg.old_lr, per_device_train_batch_size=64,
                                                              lr_scheduler_type="cosine", warmup_steps=50),
-                                     train_dataset=train, data_collator=PaddingCollator(tokenizer))
+                                     train_dataset=train, data_collator=PaddingCollator(tokenizer),
+                                     callbacks=[StepProgressBar("training the old model (once; --old_model keeps it)",
+                                                                leave=True)])
         trainer.remove_callback(PrinterCallback)
         trainer.train()
     model.save_pretrained(path)
@@ -409,8 +414,9 @@ class ExampleArguments:
     """The example's flags; the fine-tuning ones carry the names of
     :class:`~hf_constrained.ConstrainedTrainingArguments` (``--penalty_beta``, ``--max_steps``, ...)."""
 
-    seeds: list[int] = field(default_factory=lambda: [0, 1, 2, 3, 4], metadata={
-        "help": "fine-tuning seeds (0-4 chose the defaults; 100-104 report them)"})
+    seeds: list[int] = field(default_factory=lambda: [0], metadata={
+        "help": "fine-tuning seeds (default: seed 0, a few minutes; --seeds 0 1 2 3 4 is the evaluation that chose "
+                "the defaults, --seeds 100 101 102 103 104 the one docs/llm.md reports, about 30 minutes)"})
     old_steps: int = field(default=1000, metadata={"help": "training steps of the old model"})
     old_rows: int = field(default=4000, metadata={"help": "training rows per old task"})
     old_lr: float = field(default=3e-3, metadata={"help": "learning rate of the old model"})
@@ -511,17 +517,24 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     old = evaluate(old_model, held_out, PaddingCollator(tokenizer))
     logger.info("old model sha256 %s: %s", old_sha256[:12], {t: round(m["accuracy"], 3) for t, m in old.items()})
     jobs = [(old_path, penalty, seed, cfg) for seed in cfg.seeds for penalty in ("none", cfg.constraint_penalty)]
+    bar = tqdm(total=len(jobs), desc=f"fine-tuning runs ({len(cfg.seeds)} seed(s) x unconstrained and "
+                                     f"{cfg.constraint_penalty})", unit="run", dynamic_ncols=True)
     if cfg.workers > 1:
         context = multiprocessing.get_context("spawn")
         with concurrent.futures.ProcessPoolExecutor(cfg.workers, mp_context=context) as pool:
             futures = [pool.submit(_job, j) for j in jobs]
             for done in concurrent.futures.as_completed(futures):  # progress as runs end; results in job order
                 r = done.result()
+                bar.update()
                 logger.info("finished seed %d %s: new task %.3f", r["seed"], r["penalty"],
                             r["held_out"][NEW_TASK]["accuracy"])
             runs = [f.result() for f in futures]
     else:
-        runs = [_job(j) for j in jobs]
+        runs = []
+        for j in jobs:
+            runs.append(_job(j))
+            bar.update()
+    bar.close()
     for r in runs:
         logger.info("seed %d %-5s: %s (%.0fs)", r["seed"], r["penalty"],
                     {t: round(m["accuracy"], 3) for t, m in r["held_out"].items()}, r["seconds"])

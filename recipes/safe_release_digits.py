@@ -121,6 +121,8 @@ TRAINING_DEFAULTS = dict(
     penalty_beta=50.0, constraint_batch_size=16, eval_strategy="steps", eval_steps=20, save_strategy="steps",
     save_steps=20, save_total_limit=3, load_best_model_at_end=True, metric_for_best_model="loss", logging_steps=5,
     report_to="none", use_cpu=True, seed=0, disable_tqdm=True, save_only_model=True,
+    # no clipping: at max_grad_norm 1 every step was clipped, shrinking the exact penalty's beta (the library warned)
+    max_grad_norm=0.0,
 )
 
 
@@ -214,7 +216,10 @@ def main(argv: list[str] | None = None) -> int:
         if training_args.hub_model_id:
             trainer.push_to_hub(allow_unsafe=opts.allow_unsafe)
     except UnsafeModelError as err:
-        print(f"push gate: closed\n{str(err).splitlines()[0]}")
+        # the refusal's own words only when a push was asked for; else the verdict, and what a push would do
+        why = str(err).splitlines()[0] if training_args.hub_model_id else \
+            f"{report.summary()} (no push was asked for; --hub_model_id would upload nothing)"
+        print(f"push gate: closed: {why}")
         gate_closed = True
     else:
         gate_closed = False

@@ -10,6 +10,7 @@ processes or train for long (``pytest -m "not slow"`` skips them).
 import importlib
 import os
 import sys
+import tempfile
 from types import ModuleType, SimpleNamespace
 
 import pytest
@@ -22,6 +23,8 @@ from hf_constrained import ConstrainedTrainingArguments
 # test helper modules (scale_tiny, clip_synthetic, safety_tiny) import by name
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# recipe help texts rendered by the tests are cached in a folder of this run, not in ~/.cache
+os.environ.setdefault("HF_CONSTRAINED_CACHE", tempfile.mkdtemp(prefix="hf_constrained_test_cache_"))
 
 
 def import_script(folder: str, name: str) -> ModuleType:

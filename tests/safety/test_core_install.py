@@ -162,7 +162,8 @@ def test_a_recipe_without_its_extra_is_a_one_line_error_naming_it(argv, tmp_path
     """The digits examples need scikit-learn (an extra): without it the command says which extra to
     install, with no traceback, whether the recipe imports it at once (quickstart) or late (demo)."""
     command = argv[0]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
+    # a fresh help cache: a help rendered earlier (with the extra installed) would be printed as it is
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT), HF_CONSTRAINED_CACHE=str(tmp_path / "cache"))
     proc = subprocess.run([sys.executable, "-c", RECIPE_SCRIPT, *argv], env=env, cwd=tmp_path,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]

@@ -1,0 +1,87 @@
+"""A recipe's ``--help`` without importing torch: the text is kept after its first rendering.
+
+A recipe's flags come from dataclasses in modules that import torch and transformers, which take
+10-20 s to import on a busy machine. ``hf-constrained RECIPE --help`` (and ``--help-all``) prints
+the text rendered by an earlier call when nothing it depends on has changed: the key is the
+command, the help kind, the installed versions of ``transformers`` and ``trl`` and the size and
+modification time of every source file of the package and of the recipe. The first call renders
+it (and pays the imports); later calls print it in well under a second. The texts live in
+``$HF_CONSTRAINED_CACHE`` or ``~/.cache/hf_constrained/help`` (``$XDG_CACHE_HOME`` honoured); a
+folder that cannot be written only means no cache.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import os
+from collections.abc import Callable
+from importlib import metadata
+from typing import Optional
+
+PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def cache_dir() -> str:
+    explicit = os.environ.get("HF_CONSTRAINED_CACHE")
+    if explicit:
+        return os.path.join(explicit, "help")
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "hf_constrained", "help")
+
+
+def _version(name: str) -> str:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "-"
+
+
+def help_key(command: str, kind: str, recipe_file: Optional[str]) -> str:
+    """What the help text depends on (see the module docstring), hashed."""
+    digest = hashlib.sha256(f"{command}\0{kind}\0{_version('transformers')}\0{_version('trl')}".encode())
+    files = [recipe_file] if recipe_file else []
+    for root, _, names in os.walk(PACKAGE_DIR):
+        files += [os.path.join(root, n) for n in names if n.endswith((".py", ".yaml"))]
+    for path in sorted(files):
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue
+        digest.update(f"{path}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return digest.hexdigest()[:32]
+
+
+def cached_help(command: str, kind: str, recipe_file: Optional[str], render: Callable[[], int]) -> int:
+    """Print the help text of ``command`` (``kind``: ``"help"`` or ``"help-all"``): the cached one, or
+    ``render()``'s output (its stdout, cached when it exits with status 0)."""
+    path = os.path.join(cache_dir(), f"{command}-{kind}-{help_key(command, kind, recipe_file)}.txt")
+    try:
+        with open(path, encoding="utf-8") as f:
+            print(f.read(), end="")
+        return 0
+    except OSError:
+        pass
+    buffer = io.StringIO()
+    code = 0
+    with contextlib.redirect_stdout(buffer):
+        try:
+            code = render()
+        except SystemExit as exit_:  # argparse exits after printing the help
+            code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+    text = buffer.getvalue()
+    print(text, end="")
+    if code == 0 and text:
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = f"{path}.tmp.{os.getpid()}"
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.write(text)
+            os.replace(tmp, path)
+        except OSError:
+            pass  # no cache, same output
+    return code
+
+
+__all__ = ["cache_dir", "cached_help", "help_key"]

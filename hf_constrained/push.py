@@ -1,0 +1,117 @@
+"""Publishing to the Hub: the access check before training, and ``hf-constrained push`` after it.
+
+* :func:`hub_access_problem`: why a push would fail (``HF_HUB_OFFLINE=1``, no token, the Hub
+  unreachable or refusing the token), in one line, or ``None``. The recipes call it right after
+  parsing their flags when ``--push_to_hub`` or ``--hub_model_id`` is given
+  (:func:`check_hub_before_training`), so a run that could not publish stops before it trains,
+  not after, under a traceback.
+* :func:`push_run`: ``hf-constrained push RUN_DIR --repo_id owner/name`` uploads a finished run,
+  as ``huggingface-cli upload`` would, only after the checks of ``hf-constrained report --check``
+  (:func:`~hf_constrained.safety.verify.check_run_dir`: the report is intact, names the weight
+  files in the folder, and certifies them) and of the gate that judges a folder's weights
+  (the same check; and the folder must hold the weights it vouches for). A refusal is one line.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Optional
+
+PUSH_IGNORE = ["checkpoint-*", "checkpoint-*/**", "*.tmp*", "runs/**", "optimizer.pt", "scheduler.pt", "rng_state*.pth"]
+"""What ``hf-constrained push`` leaves out of the upload: checkpoints (judged on their own), training state, logs."""
+
+
+def hub_api() -> Any:
+    """The Hub client (a function, so tests can replace it)."""
+    from huggingface_hub import HfApi
+
+    return HfApi()
+
+
+def _offline() -> bool:
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+def hub_access_problem(token: Optional[str] = None, api: Optional[Any] = None) -> Optional[str]:
+    """Why a push to the Hub would fail, in one line, or ``None``: ``whoami`` with ``token`` (default:
+    the logged-in token or ``HF_TOKEN``) through ``api`` (default: :func:`hub_api`)."""
+    api = hub_api() if api is None else api
+    try:
+        api.whoami(token=token)
+    except Exception as exc:  # noqa: BLE001 - any failure of the Hub client is the user's to fix, said in one line
+        if _offline():
+            return ("HF_HUB_OFFLINE=1 is set, so nothing can be pushed: unset it, or drop --push_to_hub / "
+                    "--hub_model_id and push the finished run later (hf-constrained push RUN_DIR --repo_id owner/name)")
+        from huggingface_hub import get_token
+
+        if token is None and get_token() is None:
+            return "no Hugging Face token: log in (hf auth login) or set HF_TOKEN, then run again"
+        why = " ".join(str(exc).split())[:200]
+        return f"the Hugging Face Hub cannot be reached or refuses the token ({type(exc).__name__}: {why})"
+    return None
+
+
+def check_hub_before_training(training_args: Any, error: Callable[[str], Any]) -> None:
+    """With ``--push_to_hub`` or ``--hub_model_id``: ``error(message)`` (a parser's usage error) when the
+    Hub cannot take the push (:func:`hub_access_problem`), before any model or data loads."""
+    if not (getattr(training_args, "push_to_hub", False) or getattr(training_args, "hub_model_id", None)):
+        return
+    import transformers.trainer as hf_trainer  # its hf_api: the client the Trainer's own pushes use
+
+    problem = hub_access_problem(getattr(training_args, "hub_token", None), hf_trainer.hf_api())
+    if problem is not None:
+        flag = "--push_to_hub" if getattr(training_args, "push_to_hub", False) else "--hub_model_id"
+        error(f"{flag}: {problem}")
+
+
+@dataclass
+class PushResult:
+    """What :func:`push_run` did: the exit status (0 pushed, 1 not certified, 2 cannot be trusted or
+    pushed) and one line saying so."""
+
+    exit_code: int
+    message: str
+
+
+def push_run(run_dir: str, repo_id: str, *, private: Optional[bool] = None, commit_message: Optional[str] = None,
+             api: Optional[Any] = None) -> PushResult:
+    """Upload the finished run in ``run_dir`` to ``repo_id`` after the checks of ``report --check`` and of
+    the gate (see the module docstring); nothing is created or uploaded when a check fails."""
+    from .safety.fingerprint import weights_files_fingerprint
+    from .safety.verify import EXIT_CERTIFIED, EXIT_STALE_OR_UNREADABLE, check_run_dir
+
+    if "/" not in repo_id.strip("/"):
+        return PushResult(2, f"--repo_id {repo_id!r}: give the full id, owner/name (e.g. your-user/{repo_id})")
+    if not os.path.isdir(run_dir):
+        return PushResult(2, f"{run_dir}: no such folder")
+    check = check_run_dir(run_dir)  # the checks of `hf-constrained report RUN_DIR --check`
+    if check.exit_code != EXIT_CERTIFIED:
+        verdict = check.report.summary() if check.report is not None and check.exit_code != 2 else check.message
+        return PushResult(check.exit_code, f"not pushed: {verdict}")
+    if weights_files_fingerprint(run_dir) is None:  # the gate judges the files it uploads
+        from .checkpointing import checkpoint_folders
+
+        ready = [c for c in checkpoint_folders(run_dir) if check_run_dir(c).exit_code == EXIT_CERTIFIED
+                 and weights_files_fingerprint(c) is not None]
+        hint = f"push {ready[0]}, whose report certifies its own weights" if ready else \
+            "save the model into the folder and evaluate it again"
+        return PushResult(EXIT_STALE_OR_UNREADABLE, f"not pushed: {run_dir} holds no weight files for its report "
+                          f"to vouch for; {hint}")
+    if not os.path.isfile(os.path.join(run_dir, "README.md")):
+        return PushResult(EXIT_STALE_OR_UNREADABLE, f"not pushed: {run_dir} has no model card (README.md); "
+                          "finish_run writes one")
+    api = hub_api() if api is None else api
+    problem = hub_access_problem(api=api)
+    if problem is not None:
+        return PushResult(EXIT_STALE_OR_UNREADABLE, f"not pushed: {problem}")
+    api.create_repo(repo_id, exist_ok=True, private=private)
+    api.upload_folder(folder_path=run_dir, repo_id=repo_id, ignore_patterns=PUSH_IGNORE,
+                      commit_message=commit_message or f"hf-constrained push: {check.report.summary()}")
+    return PushResult(0, f"pushed {run_dir} to https://huggingface.co/{repo_id} ({check.report.summary()})")
+
+
+__all__ = ["PUSH_IGNORE", "PushResult", "check_hub_before_training", "hub_access_problem", "hub_api", "push_run"]

@@ -1,0 +1,81 @@
+"""A recipe's ``--help`` fits a screen with the recipe's own flags first, ``--help-all`` still lists the
+Trainer's, a cached help needs no recipe import, and the demo takes ``--config`` (issue 32, item 3)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from hf_constrained import cli
+from hf_constrained.recipes import RECIPES
+
+# a flag of each recipe's own dataclass, shown first
+OWN_FLAG = {"quickstart": "--bound", "llm": "--protected_datasets", "llm-example": "--old_steps",
+            "clip": "--target_class", "fairness": "--kappa", "safe-release": "--tolerance"}
+
+
+def _help(capsys, command: str, flag: str) -> str:
+    with pytest.raises(SystemExit) as done:
+        cli.run_recipe(next(r for r in RECIPES if r.command == command), [flag])
+    assert done.value.code in (0, None)
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", sorted(OWN_FLAG))
+def test_help_is_short_and_help_all_keeps_the_trainers_flags(capsys, command):
+    short = _help(capsys, command, "--help")
+    assert len(short.splitlines()) < 150, f"{command} --help: {len(short.splitlines())} lines"
+    assert OWN_FLAG[command] in short and "--config" in short and "--help-all" in short
+    full = _help(capsys, command, "--help-all")
+    if command != "llm-example":  # the example has no TrainingArguments of its own
+        assert "--gradient_accumulation_steps" in full and "--gradient_accumulation_steps" not in short
+        assert "--lr_scheduler_type" in full
+        assert short.index(OWN_FLAG[command]) < short.index("--output_dir")  # the recipe's flags first
+    assert len(full.splitlines()) > len(short.splitlines())
+
+
+def test_a_recipes_help_is_printed_from_the_cache_without_importing_it(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_CONSTRAINED_CACHE", str(tmp_path))
+    assert cli.main(["quickstart", "--help"]) == 0
+    first = capsys.readouterr().out
+    assert "--bound" in first
+
+    def no_import(*args, **kwargs):
+        raise AssertionError("the recipe was imported")
+
+    monkeypatch.setattr(cli, "run_recipe", no_import)
+    assert cli.main(["quickstart", "--help"]) == 0
+    assert capsys.readouterr().out == first
+    with pytest.raises(AssertionError, match="imported"):  # another kind of help is rendered afresh
+        cli.main(["quickstart", "--help-all"])
+
+
+def test_the_demo_takes_a_config_file(tmp_path):
+    from hf_constrained.recipe_args import parse_with_config
+    from hf_constrained.recipes import demo_clip_digits as demo
+
+    parser = argparse.ArgumentParser(prog="hf-constrained demo")
+    parser.add_argument("--config", default=None)
+    demo.add_demo_arguments(parser)
+    config = tmp_path / "demo.yaml"
+    config.write_text("seed: 7\ncertify_fraction: 0.3\n")
+    options = parse_with_config(parser, ["--config", str(config), "--certify_fraction", "0.25"])
+    assert options.seed == 7 and options.certify_fraction == 0.25  # the command line wins over the file
+    config.write_text("not_an_option: 1\n")
+    with pytest.raises(SystemExit):
+        parse_with_config(parser, ["--config", str(config)])
+
+
+def test_the_demo_module_takes_a_config_file_too(tmp_path, capsys):
+    """``python -m hf_constrained.recipes.demo_clip_digits`` (what ``make demo`` runs) reads ``--config``."""
+    from hf_constrained.recipes import demo_clip_digits as demo
+
+    with pytest.raises(SystemExit) as done:
+        demo.main(["--help"])
+    assert done.value.code == 0 and "--config" in capsys.readouterr().out
+    config = tmp_path / "demo.yaml"
+    config.write_text("seeds: '5'\nbogus: 1\n")
+    with pytest.raises(SystemExit) as done:
+        demo.main(["--config", str(config)])  # the file is read: its unknown key stops the demo before it runs
+    assert done.value.code == 2 and "unknown keys ['bogus']" in capsys.readouterr().err
