@@ -268,8 +268,8 @@ def test_demo_certifies_each_kept_model_on_images_nothing_else_reads(tmp_path, m
         key = f"non_forgetting/{name}"
         assert cert["rows"][key] == len(rows)
         assert cert["forgotten"][key] == pytest.approx(forgotten / len(rows))
-        # at the delta the split's first look spends: delta 0.1 / 2 (the ledger of looks)
-        assert cert["bounds"][key] == pytest.approx(clopper_pearson_upper_bound(forgotten, len(rows), 0.05))
+        # at the delta the split's first look spends: 0.9 of delta 0.1 (the ledger of looks)
+        assert cert["bounds"][key] == pytest.approx(clopper_pearson_upper_bound(forgotten, len(rows), 0.09))
     assert total > 0  # the large step makes unconstrained fine-tuning forget some images
     assert cert["failing"] == [k for k, b in cert["bounds"].items() if b > 0.3]
     assert cert["certified"] == (not cert["failing"]) and cert["largest_bound"] == max(cert["bounds"].values())

@@ -425,9 +425,9 @@ def test_the_certificate_bounds_the_hard_gaps_on_its_own_split(splits, tmp_path)
 
     def ends(hits):
         k, n = int(hits.sum()), hits.size
-        # each group's end at a quarter of the delta the split's first look spends (0.05 / 2, the ledger of looks)
-        up = 1.0 if k == n else beta_dist.ppf(1 - 0.025 / 4, k + 1, n - k)
-        lo = 0.0 if k == 0 else beta_dist.ppf(0.025 / 4, k, n - k + 1)
+        # each group's end at a quarter of the delta the split's first look spends (0.9 of 0.05, the ledger of looks)
+        up = 1.0 if k == n else beta_dist.ppf(1 - 0.045 / 4, k + 1, n - k)
+        lo = 0.0 if k == 0 else beta_dist.ppf(0.045 / 4, k, n - k + 1)
         return lo, up
 
     for kind, y in (("tpr", 1), ("fpr", 0)):

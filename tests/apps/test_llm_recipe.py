@@ -151,8 +151,8 @@ def test_certificate_bounds_the_share_of_each_task_forgotten(setup, tmp_path, mo
         key = f"non_forgetting/{name}"
         assert cert["num_rows"][key] == 3
         assert cert["values"][0][key] == pytest.approx(float(lost.mean()))
-        # at the delta the split's first look spends: --delta 0.1 / 2 (the ledger of looks)
-        assert results["certified_bounds"][key] == pytest.approx(_clopper_pearson_upper(int(lost.sum()), 3, 0.05))
+        # at the delta the split's first look spends: 0.9 of --delta 0.1 (the ledger of looks)
+        assert results["certified_bounds"][key] == pytest.approx(_clopper_pearson_upper(int(lost.sum()), 3, 0.09))
     # the same run at a tolerance 3 rows cannot support is NOT CERTIFIED, and the card says so
     with caplog.at_level(logging.WARNING, logger="llm_non_forgetting"):
         results = recipe.main(_flags(setup, tmp_path / "strict", model=model, eval_fraction=0.5, max_steps=1,
@@ -329,7 +329,7 @@ def test_forgetting_every_answer_is_not_certified_and_keeping_them_is(setup, ans
                                                                        monkeypatch):
     """The old model answers all 10 certification rows: fine-tuning that forgets most of them has a large
     forgotten share (NOT CERTIFIED at 0.35); a run that leaves the weights as they are (learning rate 0) forgets
-    none (bound 1 - 0.025^(1/10) = 0.31 at the first look's delta 0.05 / 2, CERTIFIED at 0.35). With LoRA the base
+    none (bound 1 - 0.045^(1/10) = 0.27 at the first look's delta, 0.9 of 0.05, CERTIFIED at 0.35). With LoRA the base
     is the old model. The two runs are separate scenarios: each counts its looks in a ledger of its own."""
     old, data = answering_model
     recipe = _recipe()
@@ -350,12 +350,12 @@ def test_forgetting_every_answer_is_not_certified_and_keeping_them_is(setup, ans
     assert cert["num_rows"] == {"non_forgetting/one": 10}
     forgotten = round(cert["values"][0]["non_forgetting/one"] * 10)
     assert forgotten >= 5  # most answers forgotten (all of them without LoRA)
-    expected = _clopper_pearson_upper(forgotten, 10, 0.025)
+    expected = _clopper_pearson_upper(forgotten, 10, 0.045)
     assert forgot["certified_bounds"]["non_forgetting/one"] == pytest.approx(expected)
     assert forgot["certified"] is False
     kept = run("kept", 0.0)
     assert kept["safety_report"]["certificate"]["values"][0]["non_forgetting/one"] == 0.0
-    assert kept["certified_bounds"]["non_forgetting/one"] == pytest.approx(1 - 0.025 ** (1 / 10))
+    assert kept["certified_bounds"]["non_forgetting/one"] == pytest.approx(1 - 0.045 ** (1 / 10))
     assert kept["certified"] is True and kept["safe"] is True
 
 

@@ -119,7 +119,7 @@ def test_a_failed_certificate_says_why_in_one_line_everywhere(tmp_path, capsys):
     assert_one_verdict(report.with_rule("point"))
     summary = report.summary()
     assert re.fullmatch(r"NOT CERTIFIED at delta = 0\.05: certified bound above tolerance for rate "
-                        r"\(0\.1\d+ > 0\.08\)", summary), summary  # Hoeffding-Bentkus at the first look (delta/2)
+                        r"\(0\.1\d+ > 0\.08\)", summary), summary  # Hoeffding-Bentkus at the first look (0.9 delta)
     on_disk = json.loads((tmp_path / "run" / "safety_report.json").read_text())
     assert on_disk["all_satisfied"] is False and on_disk["constraints"][0]["passes"] is False
     assert on_disk["constraints"][0]["verdict"] == NOT_CERTIFIED
