@@ -23,8 +23,16 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (add_common_arguments, default_clock, machine, make_constrained, setup_threads,  # noqa: E402
-                    summary, timed_train, write_json)
+from common import (  # noqa: E402
+    add_common_arguments,
+    default_clock,
+    machine,
+    make_constrained,
+    setup_threads,
+    summary,
+    timed_train,
+    write_json,
+)
 from rowwise_clip import make_rowwise_constrained  # noqa: E402
 
 

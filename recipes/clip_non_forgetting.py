@@ -44,13 +44,7 @@ import torch
 from transformers import CLIPModel, CLIPProcessor, set_seed
 
 from hf_constrained import ConstrainedTrainingArguments, finish_run
-from hf_constrained.safety.finish import push_last
 from hf_constrained.callbacks import PeriodicMetricsCallback
-from hf_constrained.errors import check_model_path
-from hf_constrained.extras import require_extra
-from hf_constrained.publishable import publishable_command, publishable_path, publishable_values
-from hf_constrained.recipe_args import parse_recipe_args
-from hf_constrained.safety.bounds import clopper_pearson_upper_bound
 from hf_constrained.clip import (
     CLIPWithClassTextHeads,
     ContrastiveConstrainedTrainer,
@@ -66,6 +60,12 @@ from hf_constrained.clip.data import (
     csv_target_rows,
     load_image_text_csv,
 )
+from hf_constrained.errors import check_model_path
+from hf_constrained.extras import require_extra
+from hf_constrained.publishable import publishable_command, publishable_path, publishable_values
+from hf_constrained.recipe_args import parse_recipe_args
+from hf_constrained.safety.bounds import clopper_pearson_upper_bound
+from hf_constrained.safety.finish import push_last
 
 logger = logging.getLogger("clip_non_forgetting")
 RESULTS_FILE = "non_forgetting_results.json"

@@ -23,8 +23,8 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass, field
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -33,8 +33,8 @@ from transformers import TrainerCallback
 
 from ..config import ConstrainedTrainingArguments
 from ..extras import require_extra
-from ..safety.evaluation import certify_models
 from ..publishable import publishable_command
+from ..safety.evaluation import certify_models
 from ..safety.finish import finish_run, push_last
 from .data import TABULAR_LOADERS, TabularSplit, load_tabular_csv
 from .icppac import ICPPACConfig, ICPPACTrainer

@@ -37,8 +37,8 @@ from typing import Any, Optional
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from ..publishable import redact_secrets
-from ..redact import redact_command
 from ..recipes import RECIPES
+from ..redact import redact_command
 from .report import SafetyReport, format_number, format_rows
 from .selection import FeasibleSelection
 

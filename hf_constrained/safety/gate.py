@@ -38,6 +38,7 @@ from transformers.integrations import TensorBoardCallback
 from ..publishable import publish_trainer_state
 from ..trainer_internals import trainer_load_checkpoint
 from .card import ModelCardInfo, describe_model, render_model_card, write_model_card
+from .certify import DEFAULT_DELTA
 from .evaluation import (
     DEFAULT_CONFIDENCE,
     build_safety_report,
@@ -46,10 +47,8 @@ from .evaluation import (
     relative_checkpoint,
     report_from_metrics,
 )
-from .certify import DEFAULT_DELTA
 from .fingerprint import weight_files, weights_files_fingerprint, weights_fingerprint
 from .report import DEFAULT_SAFETY_RULE, EVAL_CONSTRAINT_PREFIX, SafetyReport, UnsafeModelError, check_safety_rule
-from .verify import EXIT_STALE_OR_UNREADABLE, check_run_dir
 from .selection import (
     EvaluationRecord,
     FeasibleSelection,
@@ -62,6 +61,7 @@ from .selection import (
 )
 from .tensorboard import ConstraintTensorBoardCallback
 from .trainer_state import TRAINER_STATE_NAME, best_checkpoint_restored
+from .verify import EXIT_STALE_OR_UNREADABLE, check_run_dir
 
 logger = logging.getLogger(__name__)
 

@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from clip_synthetic import tiny_contrastive_setup
 
 from hf_constrained import ConstrainedTrainingArguments
 from hf_constrained.clip import ContrastiveConstrainedTrainer, contrastive_terms, gather_with_grad
@@ -14,8 +15,6 @@ from hf_constrained.clip.contrastive import (
     contrastive_value,
 )
 from hf_constrained.clip.data import CLIPCollator
-
-from clip_synthetic import tiny_contrastive_setup
 
 T = 0.05
 

@@ -9,10 +9,9 @@ import sys
 
 import pytest
 import torch
-from transformers import CLIPModel
-
 from clip_synthetic import make_bdd100k, make_csv, save_tiny_clip
 from recipe_outputs import assert_report_checks, run_card_snippet
+from transformers import CLIPModel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -8,9 +8,9 @@ import shlex
 import numpy as np
 import pytest
 import torch
-
 from conftest import import_script
 from fairness_tiny import biased_split
+
 from hf_constrained import ConstrainedTrainingArguments
 from hf_constrained.fairness import (
     AUCConstrainedTrainer,

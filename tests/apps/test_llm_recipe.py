@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import UploadRecorder
 from recipe_outputs import assert_report_checks, run_card_snippet
 

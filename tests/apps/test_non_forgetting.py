@@ -5,11 +5,10 @@ import copy
 
 import pytest
 import torch
-
-from hf_constrained.batches import collate_examples
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, BertConfig
 
+from hf_constrained.batches import collate_examples
 from hf_constrained.non_forgetting import (
     NonForgettingConstraint,
     PaddingCollator,
@@ -20,8 +19,8 @@ from hf_constrained.non_forgetting import (
     reference_losses,
     sequence_classification_per_example_loss,
 )
-from hf_constrained.text_data import tokenize_sft
 from hf_constrained.recipes.tiny_lm import char_tokenizer, tiny_causal_lm
+from hf_constrained.text_data import tokenize_sft
 
 PROMPTS = ["rev:abc=", "rev:hello=", "add:2+3=", "cp:xy=", "add:11+4=", "rev:a=", "cp:abcdefg=", "rev:qrs="]
 ANSWERS = ["cba", "olleh", "5", "xy", "15", "a", "abcdefg", "srq"]

@@ -10,14 +10,13 @@ import sys
 
 import pytest
 import torch
-
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_constrained import ConstrainedTrainingArguments
 from hf_constrained.non_forgetting import PaddingCollator, causal_lm_per_example_loss, non_forgetting_constraints
-from hf_constrained.text_data import tokenize_sft
 from hf_constrained.recipes.tiny_lm import char_tokenizer, tiny_causal_lm
+from hf_constrained.text_data import tokenize_sft
 from hf_constrained.trainer_internals import trainer_prepare_inputs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

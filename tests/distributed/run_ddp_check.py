@@ -22,9 +22,18 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
-from scale_tiny import (Recorder, StopAt, contrastive_snapshot, disjoint_trainer, indicator_rows,  # noqa: E402
-                        make_contrastive_trainer, make_rowwise_trainer, make_trainer, record_constraint_calls,
-                        snapshot)
+from scale_tiny import (  # noqa: E402
+    Recorder,
+    StopAt,
+    contrastive_snapshot,
+    disjoint_trainer,
+    indicator_rows,
+    make_contrastive_trainer,
+    make_rowwise_trainer,
+    make_trainer,
+    record_constraint_calls,
+    snapshot,
+)
 
 
 def _save(out: str, name: str, obj: object) -> None:

@@ -16,14 +16,16 @@ import time
 import numpy as np
 import pytest
 import torch
+from conftest import Net64
+from conftest import args64 as make_args
+from conftest import per_row_ce64 as per_row_ce
+from conftest import rows64 as make_data
 from datasets import Dataset
 from torch import nn
 
 import hf_constrained.batches as batches_module
 from hf_constrained import ConstrainedTrainer, Constraint, constraints_per_value
 from hf_constrained.batches import collate_examples
-
-from conftest import Net64, args64 as make_args, per_row_ce64 as per_row_ce, rows64 as make_data
 
 
 def rowwise_constraints(data: Dataset, gap_rows: int = 40) -> list[Constraint]:

@@ -6,8 +6,13 @@ from __future__ import annotations
 import matplotlib.colors as mcolors
 import pytest
 
-from hf_constrained.safety.figures import (constraint_styles, constraints_figure, default_objective_metric,
-                                           objective_figure, plot_log_history)
+from hf_constrained.safety.figures import (
+    constraint_styles,
+    constraints_figure,
+    default_objective_metric,
+    objective_figure,
+    plot_log_history,
+)
 from hf_constrained.safety.report import ConstraintResult, SafetyReport
 
 

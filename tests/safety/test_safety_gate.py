@@ -12,15 +12,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import transformers.trainer as hf_trainer
 from safety_tiny import ThetaConfig, ThetaModel, make_trainer, theta_at
 from test_safety_report import assert_card_matches_report, card_body
 
-import transformers.trainer as hf_trainer
 from hf_constrained import ConstrainedTrainer
-from hf_constrained.trainer import CONSTRAINT_STATE_NAME
 from hf_constrained.checkpointing import COMPLETE_MARKER
 from hf_constrained.safety.finish import finish_run
 from hf_constrained.safety.report import SafetyReport, UnsafeModelError
+from hf_constrained.trainer import CONSTRAINT_STATE_NAME
 
 
 class RecordingHub:

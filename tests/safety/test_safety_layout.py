@@ -248,3 +248,11 @@ def test_top_level_names_still_import(name):
 
     assert getattr(hf_constrained, name).__name__ == name
     assert name in hf_constrained.__all__
+
+
+def test_top_level_all_matches_lazy_table():
+    """``__all__`` is written out literally (so linters see the re-exports); it must list exactly the lazy names."""
+    import hf_constrained
+
+    assert sorted(hf_constrained.__all__) == sorted(hf_constrained._LAZY)
+    assert hf_constrained.__all__ == sorted(hf_constrained.__all__)

@@ -23,8 +23,9 @@ import time
 import pytest
 import torch
 import transformers
+from scale_tiny import TinyClassifier, make_data, make_trainer, snapshot, tiny_args
 
-from hf_constrained.trainer import CONSTRAINT_STATE_NAME
+from hf_constrained import ConstrainedTrainer
 from hf_constrained.checkpointing import (
     COMPLETE_MARKER,
     CheckpointError,
@@ -33,8 +34,7 @@ from hf_constrained.checkpointing import (
     is_complete_checkpoint,
     latest_complete_checkpoint,
 )
-from hf_constrained import ConstrainedTrainer
-from scale_tiny import TinyClassifier, make_data, make_trainer, snapshot, tiny_args
+from hf_constrained.trainer import CONSTRAINT_STATE_NAME
 
 STEPS = 8
 COMMON = dict(max_steps=STEPS, save_strategy="steps", save_steps=2, constraints_per_step=2)

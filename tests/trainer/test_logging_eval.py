@@ -8,11 +8,13 @@ import os
 
 import pytest
 import torch
+from conftest import TinyNet, class_loss
+from conftest import tiny_args as make_args
+from conftest import tiny_rows as make_data
 from transformers import TrainerCallback
 
 from hf_constrained import ConstrainedTrainer, Constraint
 from hf_constrained.callbacks import PenaltyGradientNormCallback, PeriodicMetricsCallback, penalty_gradient_norm
-from conftest import TinyNet, class_loss, tiny_args as make_args, tiny_rows as make_data
 
 
 def _trainer(tmp_path, constraints=None, **kw):
