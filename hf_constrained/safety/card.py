@@ -429,7 +429,8 @@ def render_model_card(
     if selection:
         known = {k: v for k, v in selection.items() if k in FeasibleSelection.__dataclass_fields__}
         selection_message = FeasibleSelection(**known).message()
-    checkpoint = None if report is None or not report.checkpoint else os.path.basename(os.path.normpath(report.checkpoint))
+    checkpoint = (None if report is None or not report.checkpoint
+                  else os.path.basename(os.path.normpath(report.checkpoint)))
     return ModelCard.from_template(
         card_data,
         template_path=template_path(),

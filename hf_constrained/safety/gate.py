@@ -128,7 +128,8 @@ class SafetyMixin:
             name = getattr(config, "_name_or_path", None)
             self.model_card_info.base_model = name or None
         self.reference_constraint_values: Optional[dict[str, float]] = (
-            None if reference_constraint_values is None else {k: float(v) for k, v in reference_constraint_values.items()}
+            None if reference_constraint_values is None
+            else {k: float(v) for k, v in reference_constraint_values.items()}
         )
         self.safety_report: Optional[SafetyReport] = None  # the last report built (see current_safety_report)
         self._weights_eval: Optional[WeightsEvaluation] = None  # the last exact evaluation of the model
@@ -389,7 +390,8 @@ class SafetyMixin:
         """The fingerprint of the weight files in ``directory`` when this trainer saved them from
         the weights ``report`` describes and they have not changed since; else ``None``."""
         saved = self._saved_weights.get(os.path.realpath(directory))
-        if saved is None or report.weights_fingerprint is None or saved.weights_fingerprint != report.weights_fingerprint:
+        if (saved is None or report.weights_fingerprint is None
+                or saved.weights_fingerprint != report.weights_fingerprint):
             return None
         try:
             if _files_signature(directory) != saved.signature:
