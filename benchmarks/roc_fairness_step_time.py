@@ -148,7 +148,8 @@ def main(argv=None):
     payload = {"dataset": args.dataset, "batch_rows": 128, "constraint_batch_rows": 128, "rows": rows,
                "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
                "machine": f"{platform.machine()}, {os.cpu_count()} cores (shared), {args.threads} torch thread(s)",
-               "command": "python benchmarks/roc_fairness_step_time.py " + " ".join(sys.argv[1:] if argv is None else argv)}
+               "command": "python benchmarks/roc_fairness_step_time.py "
+                          + " ".join(sys.argv[1:] if argv is None else argv)}
     write_json(args.out, payload, echo=False)
     print("| MLP | method | ms / step |\n|---|---|---|")
     for r in rows:
