@@ -235,7 +235,8 @@ def test_previous_iterate_matches_direct_recomputation_on_consecutive_windows(ti
     assert [s["step"] for s in steps] == [c // accumulation for c in range(calls)]
     windows_per_epoch = 4 // accumulation
     # the case under test: some positive sits in two consecutive batches of one epoch
-    repeated = [c for c in range(1, calls) if c % 4 and set(steps[c]["index"].tolist()) & set(steps[c - 1]["index"].tolist())]
+    repeated = [c for c in range(1, calls)
+                if c % 4 and set(steps[c]["index"].tolist()) & set(steps[c - 1]["index"].tolist())]
     assert repeated, "the sampler produced no sample in consecutive batches; change the seed"
     probe = copy.deepcopy(model)
     for c in range(calls):

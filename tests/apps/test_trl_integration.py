@@ -137,4 +137,5 @@ def test_training_with_packing_and_chat_template_keeps_trl_features(setup, tmp_p
     assert bool(trainer.engine.estimator.visited.all())
     report = finish_run(trainer, old_model_values={"non_forgetting/reverse": 0.0}, plots=False)
     assert [r.name for r in report.constraints] == ["non_forgetting/reverse"]
-    assert (tmp_path / "safety_report.json").exists() and "non_forgetting/reverse" in (tmp_path / "README.md").read_text()
+    assert (tmp_path / "safety_report.json").exists()
+    assert "non_forgetting/reverse" in (tmp_path / "README.md").read_text()

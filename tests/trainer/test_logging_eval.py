@@ -56,7 +56,8 @@ def test_periodic_metrics_keep_the_trainers_log_entries(tmp_path):
     assert [h["step"] for h in naive.state.log_history if "loss" in h] == [1, 2, 4, 5]  # steps 3 and 6 lost
 
     trainer = _trainer(tmp_path / "ok", max_steps=6, logging_steps=2)
-    trainer.add_callback(PeriodicMetricsCallback(trainer, every=3, compute=lambda t: {"extra": float(t.state.global_step)}))
+    trainer.add_callback(PeriodicMetricsCallback(trainer, every=3,
+                                                 compute=lambda t: {"extra": float(t.state.global_step)}))
     trainer.train()
     entries = [h for h in trainer.state.log_history if "loss" in h]
     assert [h["step"] for h in entries] == [2, 3, 4, 6]  # every logging step kept, plus step 3
