@@ -23,8 +23,16 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (add_common_arguments, default_clock, machine, make_constrained, setup_threads,  # noqa: E402
-                    summary, timed_train, write_json)
+from common import (  # noqa: E402
+    add_common_arguments,
+    default_clock,
+    machine,
+    make_constrained,
+    setup_threads,
+    summary,
+    timed_train,
+    write_json,
+)
 from rowwise_clip import make_rowwise_constrained  # noqa: E402
 
 
@@ -54,7 +62,8 @@ def main() -> None:
                            per_step=a.per_step, constraint_batch=a.constraint_batch, gamma_prime=a.gamma_prime)
             times[m] += timed_train(trainer, a.warmup, clock)
             est = trainer.engine.estimator
-            state_bytes[m] = est.values.numel() * est.values.element_size() + est.visited.numel() * est.visited.element_size()
+            state_bytes[m] = (est.values.numel() * est.values.element_size()
+                              + est.visited.numel() * est.visited.element_size())
             print(f"round {r} m={m}: median so far {summary(times[m])['median_s']:.4f} s", file=sys.stderr)
             del trainer
     stats = {str(m): summary(v) for m, v in times.items()}

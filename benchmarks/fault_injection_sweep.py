@@ -25,8 +25,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "tests"))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "tests", "trainer"))
 import test_checkpoint_faults as faults  # noqa: E402
-
 from common import write_json  # noqa: E402
+
 from hf_constrained.checkpointing import checkpoint_folders, checkpoint_problem  # noqa: E402
 
 

@@ -33,8 +33,8 @@ from transformers import Trainer, TrainingArguments
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import StepTimer, machine, summary, write_json  # noqa: E402
-from hf_constrained import (ConstrainedTrainer, ConstrainedTrainingArguments, Constraint,  # noqa: E402
-                            constraints_per_value)
+
+from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments, Constraint, constraints_per_value  # noqa: E402
 
 
 class Point(nn.Module):

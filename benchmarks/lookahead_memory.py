@@ -34,6 +34,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import machine, train_measuring_memory, write_json  # noqa: E402
+
 from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments, constraints_per_value  # noqa: E402
 
 PLACEMENTS = ("after_backward",)

@@ -23,10 +23,16 @@ import os
 import subprocess
 import sys
 
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (add_common_arguments, machine, make_constrained, make_plain, setup_threads,  # noqa: E402
-                    train_measuring_memory, write_json)
+from common import (  # noqa: E402
+    add_common_arguments,
+    machine,
+    make_constrained,
+    make_plain,
+    setup_threads,
+    train_measuring_memory,
+    write_json,
+)
 
 
 def child(a: argparse.Namespace) -> None:

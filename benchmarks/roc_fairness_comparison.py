@@ -64,8 +64,8 @@ PRESETS = {
                     "0.01:10:1e-3", dataset_epochs="adult:3,compas:10", dataset_seeds="adult:0;1;2",
                     dataset_hinge_betas="adult:1;4;10;40", dataset_squared_betas="adult:10;40;100;400;1000",
                     dataset_icppac_grid="adult:0.1/10/1e-3;0.1/100/1e-3", datasets="compas,adult"),
-    # the lr 1e-3 part of what docs/roc_fairness.md reports (280 runs, about an hour on 2 cores, --workers 2): COMPAS at the
-    # paper's 60 epochs, 5 seeds, the paper's beta grids with the squared hinge's extended to 20000, the
+    # the lr 1e-3 part of what docs/roc_fairness.md reports (280 runs, about an hour on 2 cores, --workers 2): COMPAS
+    # at the paper's 60 epochs, 5 seeds, the paper's beta grids with the squared hinge's extended to 20000, the
     # hinge also with shared constraint batches; Adult at 6 epochs; 4 (COMPAS) and 2 (Adult) of ICPPAC's
     # 18 settings (mu = 1e-3); lr 1e-3 only.
     # Runs go in priority order, all seeds of one setting together, so a run cut short by --time-budget
@@ -456,7 +456,8 @@ def make_figures(runs: list[dict], summary: dict, args: argparse.Namespace) -> l
         by[(r["spec"]["dataset"], r["spec"]["method"], setting_key(r["spec"]))].append(r)
     for dataset in args.datasets.split(","):
         fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-        for ax, method, title in zip(axes, ("hinge", "squared_hinge"), ("hinge (the method), |B_c| = m", "squared hinge")):
+        for ax, method, title in zip(axes, ("hinge", "squared_hinge"),
+                                     ("hinge (the method), |B_c| = m", "squared hinge")):
             # each beta at its learning rate chosen under the in-range reading (the curves' reading)
             chosen = {(v["dataset"], v["method"], v["setting"])
                       for v in summary.get("settings_in_range", summary["settings"]).values()}
@@ -492,7 +493,8 @@ def make_figures(runs: list[dict], summary: dict, args: argparse.Namespace) -> l
             rs = by.get((dataset, method, setting))
             if not rs:
                 continue
-            label = f"{method} {setting}" + ("" if sel["feasible_found"] or method == "none" else " (not feasible in range)")
+            label = f"{method} {setting}" + ("" if sel["feasible_found"] or method == "none"
+                                             else " (not feasible in range)")
             ep, auc = _seed_mean_curve(rs, lambda e: e["test"]["auc"])
             _, viol = _worst_of_seed_mean(rs)
             later = ep >= 1  # the initial model (epoch 0) is left out of the AUC panels
@@ -528,7 +530,8 @@ def _selected_rows(selected: dict, per_seed: str) -> list[str]:
                 f"{sel['test_auc']:.4f} ± {sel['test_auc_std']:.4f} | {sel['test_max_violation']:+.4f} "
                 f"({sel['test_max_violation_worst_seed']:+.4f}) | {sel['test_hard_gap_max']:.4f} | "
                 f"{sel['test_roc_gap']:.4f} | {sel['train_fraction_outside_thresholds']:.3f} / "
-                f"{sel['test_fraction_outside_thresholds']:.3f} ({sel['test_fraction_outside_thresholds_worst_seed']:.3f}) | "
+                f"{sel['test_fraction_outside_thresholds']:.3f} "
+                f"({sel['test_fraction_outside_thresholds_worst_seed']:.3f}) | "
                 f"{sel['seconds_per_epoch_all_settings']:.2f} |")
         else:
             lines.append(f"| {dataset} | {method} | none feasible (closest: {sel['closest']}) | | | | | | | "
@@ -540,7 +543,8 @@ def _goal_lines(goals: dict) -> list[str]:
     lines = []
     for dataset, gs in goals.items():
         for name, g in gs.items():
-            detail = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in g.items() if k != "met")
+            detail = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                               for k, v in g.items() if k != "met")
             verdict = "n/a" if g["met"] is None else ("met" if g["met"] else "not met")
             lines.append(f"- {dataset}, {name}: **{verdict}** ({detail})")
     return lines
@@ -568,9 +572,9 @@ def markdown_table(summary: dict, meta: dict) -> str:
     lines += _selected_rows(summary["selected_in_range"], "seeds_feasible_in_range")
     lines += ["", "Goals:", ""] + _goal_lines(summary["goals_in_range"])
     lines += ["", "### All settings (seed means; feasible = every seed-averaged final train constraint <= 0)", "",
-              "| data | method | setting | seeds | feasible on train | seeds feasible (in range) | train max violation | "
-              "val AUC | test AUC | test max violation | train hard gap | test hard gap | test ROC gap | "
-              "train / test outside [-3, 3] | s / epoch | lr chosen for |",
+              "| data | method | setting | seeds | feasible on train | seeds feasible (in range) | "
+              "train max violation | val AUC | test AUC | test max violation | train hard gap | test hard gap | "
+              "test ROC gap | train / test outside [-3, 3] | s / epoch | lr chosen for |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     chosen = {reading: {(v["dataset"], v["method"], v["setting"]) for v in summary.get(key, {}).values()}
               for reading, key in (("paper", "settings"), ("in range", "settings_in_range"))}
@@ -636,8 +640,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
                    help="'paper' (section 5.1's setting), 'paper_grid' (the docs' comparison), 'extended' (its lr "
-                        "1e-3 part), 'reduced' (shorter) or 'recipe' (the ROC recipe's defaults, hinge); explicit flags "
-                        "win")
+                        "1e-3 part), 'reduced' (shorter) or 'recipe' (the ROC recipe's defaults, hinge); explicit "
+                        "flags win")
     p.add_argument("--datasets", default="adult,compas")
     p.add_argument("--seeds", default="0,1,2,3,4")
     p.add_argument("--dataset-seeds", default="",
@@ -667,7 +671,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="run only these (comma-separated: hinge, hinge_shared, squared_hinge, none, icppac, "
                         "hinge_bc<k>)")
     p.add_argument("--icppac-grid", default=ICPPAC_FULL, help="comma-separated eta:tau:mu (default: the paper's 18)")
-    p.add_argument("--dataset-icppac-grid", default="", help="per-dataset ICPPAC grid, e.g. 'adult:0.1/10/1e-3;0.1/100/1e-3'")
+    p.add_argument("--dataset-icppac-grid", default="",
+                   help="per-dataset ICPPAC grid, e.g. 'adult:0.1/10/1e-3;0.1/100/1e-3'")
     p.add_argument("--icppac-inner-steps", type=int, default=100)
     p.add_argument("--icppac-inner-output", default="average", choices=["average", "last"])
     p.add_argument("--batch-pairs", type=int, default=64, help="pairs per batch: 64 pairs = 128 rows (paper)")
@@ -765,19 +770,27 @@ def main(argv=None) -> dict:
             previous = json.load(f).get("meta", {})
     machine = args.machine or previous.get("machine") or \
         f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} cores".strip()
+    # optional parts of the setting line, each "" when its flag is not given
+    dataset_betas = (' (' + args.dataset_hinge_betas + '; ' + args.dataset_squared_betas + ')'
+                     if args.dataset_hinge_betas else '')
+    score_bound = '' if args.score_bound is None else f'scores bounded by B tanh(z / B), B = {args.score_bound:g}, '
+    shared = (', hinge_shared = hinge with shared constraint batches on ' + args.shared_batches_datasets
+              if args.shared_batches_datasets else '')
     meta = {"machine": machine,
             "setting": f"beta grids hinge {args.hinge_betas}, squared hinge {args.squared_betas}"
-                       f"{' (' + args.dataset_hinge_betas + '; ' + args.dataset_squared_betas + ')' if args.dataset_hinge_betas else ''}; "
+                       f"{dataset_betas}; "
                        f"epochs {args.dataset_epochs or args.epochs}, seeds {args.seeds}"
                        f"{' (' + args.dataset_seeds + ')' if args.dataset_seeds else ''}, batch "
-                       f"{2 * args.batch_pairs} rows ({args.batch_pairs} pairs), |B_k| = {args.constraint_batch_pairs} pairs "
-                       f"({args.constraint_batch_pairs} rows per group), lr {args.lrs} (AdamW; ICPPAC: SGD with its eta), decay "
+                       f"{2 * args.batch_pairs} rows ({args.batch_pairs} pairs), "
+                       f"|B_k| = {args.constraint_batch_pairs} pairs "
+                       f"({args.constraint_batch_pairs} rows per group), lr {args.lrs} "
+                       f"(AdamW; ICPPAC: SGD with its eta), decay "
                        f"x0.1 at 50%/75%, MSVR gamma {args.msvr_gamma}, gamma' 0.1, "
                        f"{'' if args.constraint_margin is None else f'constraint margin {args.constraint_margin:g}, '}"
                        f"MLP {args.hidden_sizes}, "
-                       f"{'' if args.score_bound is None else f'scores bounded by B tanh(z / B), B = {args.score_bound:g}, '}"
+                       f"{score_bound}"
                        f"kappa 0.005, thresholds -3..3"
-                       f"{', hinge_shared = hinge with shared constraint batches on ' + args.shared_batches_datasets if args.shared_batches_datasets else ''}"
+                       f"{shared}"
                        f", ICPPAC grid {args.icppac_grid}"
                        f"{' (' + args.dataset_icppac_grid + ')' if args.dataset_icppac_grid else ''} (inner output "
                        f"{args.icppac_inner_output}), 1 torch thread per run"

@@ -87,7 +87,8 @@ def main(argv=None):
     for r in rows:
         sv = "n/a (none violated)" if r["sigma_violated"] is None else f"{r['sigma_violated']:.3g}"
         dl = "n/a" if r["delta"] is None else f"{r['delta']:.3g}"
-        print(f"| {r['epoch']} | {len(r['violated'])} | {r['max_violation']:+.4f} | {sv} | {dl} | {r['sigma_all']:.3g} |")
+        print(f"| {r['epoch']} | {len(r['violated'])} | {r['max_violation']:+.4f} | {sv} | {dl} | "
+              f"{r['sigma_all']:.3g} |")
 
 
 if __name__ == "__main__":

@@ -59,13 +59,20 @@ def main(argv=None):
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     from hf_constrained import ConstrainedTrainingArguments
-    from hf_constrained.fairness import (AUCConstrainedTrainer, MLPConfig, MLPForScoring, collate_pairs,
-                                         objective_pairs, pairwise_auc_loss, roc_fairness_constraints)
-    from hf_constrained.fairness.model import model_scores
     from hf_constrained.batches import collate_examples
-    from hf_constrained.method.sampling import ConstraintBatchStream
+    from hf_constrained.fairness import (
+        AUCConstrainedTrainer,
+        MLPConfig,
+        MLPForScoring,
+        collate_pairs,
+        objective_pairs,
+        pairwise_auc_loss,
+        roc_fairness_constraints,
+    )
     from hf_constrained.fairness.experiment import ROCFairnessArguments, load_splits
     from hf_constrained.fairness.icppac import ICPPACConfig, ICPPACTrainer
+    from hf_constrained.fairness.model import model_scores
+    from hf_constrained.method.sampling import ConstraintBatchStream
 
     splits = load_splits(ROCFairnessArguments(dataset=args.dataset))
     train = splits["train"]
@@ -141,7 +148,8 @@ def main(argv=None):
     payload = {"dataset": args.dataset, "batch_rows": 128, "constraint_batch_rows": 128, "rows": rows,
                "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
                "machine": f"{platform.machine()}, {os.cpu_count()} cores (shared), {args.threads} torch thread(s)",
-               "command": "python benchmarks/roc_fairness_step_time.py " + " ".join(sys.argv[1:] if argv is None else argv)}
+               "command": "python benchmarks/roc_fairness_step_time.py "
+                          + " ".join(sys.argv[1:] if argv is None else argv)}
     write_json(args.out, payload, echo=False)
     print("| MLP | method | ms / step |\n|---|---|---|")
     for r in rows:

@@ -17,7 +17,6 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
-
 from common import CONFIGS, BankedCLIP, base_args, make_train_rows
 from datasets import Dataset
 

@@ -35,8 +35,16 @@ import torch
 from transformers import TrainerCallback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (add_common_arguments, default_clock, machine, make_plain, setup_threads, summary,  # noqa: E402
-                    timed_train, write_json)
+from common import (  # noqa: E402
+    add_common_arguments,
+    default_clock,
+    machine,
+    make_plain,
+    setup_threads,
+    summary,
+    timed_train,
+    write_json,
+)
 from rowwise_clip import make_rowwise_constrained  # noqa: E402
 
 

@@ -59,4 +59,21 @@ def __dir__() -> list[str]:
     return sorted([*globals(), *_LAZY])
 
 
-__all__ = sorted(_LAZY)
+# a literal list (kept equal to the keys of ``_LAZY``, tested in tests/safety/test_safety_layout.py) so that
+# linters and type checkers see the names of the TYPE_CHECKING block above as re-exports
+__all__ = [
+    "Certificate",
+    "CertifyStatistic",
+    "ConstrainedTrainer",
+    "ConstrainedTrainingArguments",
+    "Constraint",
+    "ConstraintValueError",
+    "ContrastiveConstrainedTrainer",
+    "SafetyReport",
+    "UnsafeModelError",
+    "build_safety_report",
+    "certify",
+    "constraints_per_value",
+    "finish_run",
+    "non_forgetting_constraints",
+]

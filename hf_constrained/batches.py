@@ -162,8 +162,8 @@ def _column_read(units: Sequence[RowUnit], collate: Collate) -> Optional[dict[st
         return None
     rows = [int(src[1][i]) for src, u in zip(sources, units) for i in u.rows]
     batch = parent[rows]
-    if not isinstance(batch, Mapping) or not all(isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == len(rows)
-                                                 for v in batch.values()):
+    if not isinstance(batch, Mapping) or not all(
+            isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == len(rows) for v in batch.values()):
         return None  # ragged or non-numeric columns: collate the rows
     return dict(batch)
 

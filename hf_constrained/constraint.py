@@ -217,7 +217,8 @@ class Constraint:
             try:
                 low, high = (float(v) for v in value)
             except (TypeError, ValueError):
-                raise ValueError(f"constraint {self.name!r}: {what} must be a pair (low, high), got {value!r}") from None
+                raise ValueError(
+                    f"constraint {self.name!r}: {what} must be a pair (low, high), got {value!r}") from None
             if not (math.isfinite(low) and math.isfinite(high) and low < high):
                 raise ValueError(f"constraint {self.name!r}: {what} must be finite with low < high, got {value!r}")
             return low, high
@@ -293,7 +294,8 @@ class Constraint:
         try:
             groups = batch[self.group_key]
         except (KeyError, TypeError, IndexError):
-            raise KeyError(f"constraint {self.name!r}: its batches have no {self.group_key!r} entry (group_key)") from None
+            raise KeyError(
+                f"constraint {self.name!r}: its batches have no {self.group_key!r} entry (group_key)") from None
         groups = torch.as_tensor(groups, device=device).long().reshape(-1)
         if groups.numel() != num_rows:
             raise ValueError(f"constraint {self.name!r}: batch[{self.group_key!r}] has {groups.numel()} entries for "

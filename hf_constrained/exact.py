@@ -62,7 +62,8 @@ def row_values(model: nn.Module, constraints: Sequence[Constraint], batches: Bat
         members = [subset[i] for i in group.members]
         values: dict[str, list[torch.Tensor]] = {c.name: [] for c in members}
         groups: dict[str, list[torch.Tensor]] = {c.name: [] for c in members}
-        bar = None if progress is None else (lambda starts, name=members[0].name: progress(starts, f"constraint {name}"))
+        bar = None if progress is None else (
+            lambda starts, name=members[0].name: progress(starts, f"constraint {name}"))
         for _, batch in batches.in_order(split_data(members[0], split), group.collate, batch_size, bar):
             with context():
                 outputs = group.row_fn(model, batch)

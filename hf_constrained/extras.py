@@ -79,4 +79,5 @@ def has_module(module: str) -> bool:
     return True
 
 
-__all__ = ["EXTRAS", "IMPORT_NAMES", "MissingExtraError", "extra_for_module", "has_module", "install_hint", "require_extra"]
+__all__ = ["EXTRAS", "IMPORT_NAMES", "MissingExtraError", "extra_for_module", "has_module", "install_hint",
+           "require_extra"]

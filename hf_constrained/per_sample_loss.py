@@ -160,7 +160,8 @@ class PaddingCollator:
         if not examples:
             raise ValueError("PaddingCollator got no rows")
         if "input_ids" not in examples[0]:
-            raise KeyError(f"PaddingCollator needs tokenised rows with 'input_ids'; the rows have {sorted(examples[0])}")
+            raise KeyError(
+                f"PaddingCollator needs tokenised rows with 'input_ids'; the rows have {sorted(examples[0])}")
         lengths = [len(ex["input_ids"]) for ex in examples]
         width = max(lengths)
         if self.pad_to_multiple_of:

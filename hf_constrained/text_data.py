@@ -165,7 +165,8 @@ def tokenize_sft(dataset: datasets.Dataset, tokenizer: Any, *, max_length: Optio
     fmt = sft_format(dataset.column_names, **columns)
     if fmt == "messages" and not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"{name}: rows in the {messages_column!r} format need a tokenizer with a chat template")
-    out = dataset.map(lambda ex: tokenize_example(ex, tokenizer, fmt, max_length=max_length, add_eos=add_eos, **columns),
+    out = dataset.map(lambda ex: tokenize_example(ex, tokenizer, fmt, max_length=max_length, add_eos=add_eos,
+                                                  **columns),
                       remove_columns=dataset.column_names, desc=f"tokenising {name}")
     keep = [i for i, labels in enumerate(out["labels"]) if any(t != IGNORE_INDEX for t in labels[1:])]
     if len(keep) < len(out):

@@ -3,7 +3,8 @@
     min_w F(w, D_target)  s.t.  L_k(w, D_k) - L_k(w_old, D_k) <= tol,  k = protected classes
 
 F is the two-way global contrastive loss (Setting II, Algorithm 2) on target image-text
-pairs; L_k the zero-shot cross-entropy over all class prompts (the paper's application "Continual learning with non-forgetting constraints").
+pairs; L_k the zero-shot cross-entropy over all class prompts (the paper's application "Continual learning with
+non-forgetting constraints").
 Run with ``accelerate launch recipes/clip_non_forgetting.py --help`` for every option;
 the README (section "clip") has the paper's BDD100K command lines.
 
@@ -44,13 +45,7 @@ import torch
 from transformers import CLIPModel, CLIPProcessor, set_seed
 
 from hf_constrained import ConstrainedTrainingArguments, finish_run
-from hf_constrained.safety.finish import push_last
 from hf_constrained.callbacks import PeriodicMetricsCallback
-from hf_constrained.errors import check_model_path
-from hf_constrained.extras import require_extra
-from hf_constrained.publishable import publishable_command, publishable_path, publishable_values
-from hf_constrained.recipe_args import parse_recipe_args
-from hf_constrained.safety.bounds import clopper_pearson_upper_bound
 from hf_constrained.clip import (
     CLIPWithClassTextHeads,
     ContrastiveConstrainedTrainer,
@@ -66,6 +61,12 @@ from hf_constrained.clip.data import (
     csv_target_rows,
     load_image_text_csv,
 )
+from hf_constrained.errors import check_model_path
+from hf_constrained.extras import require_extra
+from hf_constrained.publishable import publishable_command, publishable_path, publishable_values
+from hf_constrained.recipe_args import parse_recipe_args
+from hf_constrained.safety.bounds import clopper_pearson_upper_bound
+from hf_constrained.safety.finish import push_last
 
 logger = logging.getLogger("clip_non_forgetting")
 RESULTS_FILE = "non_forgetting_results.json"
@@ -74,11 +75,13 @@ RESULTS_FILE = "non_forgetting_results.json"
 @dataclass
 class ScriptArguments:
     model_name_or_path: str = field(metadata={"help": "Any CLIPModel checkpoint: a hub name "
-                                              "(e.g. openai/clip-vit-base-patch16) or a local folder with its processor."})
+                                              "(e.g. openai/clip-vit-base-patch16) or a local folder with its "
+                                              "processor."})
     data: str = field(default="bdd100k", metadata={"help": "Where the data comes from.", "choices": ["bdd100k", "csv"]})
     bdd100k_root: Optional[str] = field(default=None, metadata={
         "help": "BDD100K folder with images/100k/{train,val} and labels/bdd100k_labels_images_{train,val}.json."})
-    task: str = field(default="foggy", metadata={"help": "BDD100K task of the paper.", "choices": sorted(BDD100K_TASKS)})
+    task: str = field(default="foggy",
+                      metadata={"help": "BDD100K task of the paper.", "choices": sorted(BDD100K_TASKS)})
     target_class: Optional[str] = field(default=None, metadata={
         "help": "Target class (default: the task's; required with --data csv)."})
     protected_classes: Optional[str] = field(default=None, metadata={
@@ -87,17 +90,20 @@ class ScriptArguments:
         "help": "Class prompt with one {} (default: the task's, e.g. 'the weather is {}.')."})
     target_csv: Optional[str] = field(default=None, metadata={
         "help": "CSV/TSV of extra target image-text pairs (image path, caption, label), e.g. LAION retrievals."})
-    protected_csv: Optional[str] = field(default=None, metadata={"help": "--data csv: images of the protected classes (image path, label)."})
+    protected_csv: Optional[str] = field(default=None, metadata={
+        "help": "--data csv: images of the protected classes (image path, label)."})
     protected_eval_csv: Optional[str] = field(default=None, metadata={"help": "--data csv: held-out protected images."})
     image_column: str = field(default="filepath", metadata={"help": "CSV column of image paths."})
     caption_column: str = field(default="title", metadata={"help": "CSV column of captions."})
     label_column: str = field(default="label", metadata={"help": "CSV column of class names."})
-    max_per_class: Optional[int] = field(default=None, metadata={"help": "Cap on images per class and split (BDD100K)."})
+    max_per_class: Optional[int] = field(default=None, metadata={
+        "help": "Cap on images per class and split (BDD100K)."})
     negatives_per_class: Optional[int] = field(default=None, metadata={
         "help": "Cap on negative pairs per non-target class in the target data (BDD100K)."})
     temperature: float = field(default=0.05, metadata={"help": "tau of the zero-shot logits in the constraints."})
     contrastive_temperature: float = field(default=0.05, metadata={"help": "t of the contrastive objective."})
-    constraint_tolerance: float = field(default=0.0, metadata={"help": "h_k <= tolerance (0: no worse than the old model)."})
+    constraint_tolerance: float = field(default=0.0, metadata={
+        "help": "h_k <= tolerance (0: no worse than the old model)."})
     lora_r: int = field(default=0, metadata={"help": "LoRA rank (0: train all parameters, as the paper)."})
     lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha."})
     lora_target_modules: str = field(default="q_proj,v_proj", metadata={"help": "Comma-separated LoRA target modules."})
@@ -108,7 +114,8 @@ class ScriptArguments:
         "help": "Every batch half target pairs, half others (the reference code's batches); default: shuffled rows."})
     certify_fraction: float = field(default=0.5, metadata={
         "help": "Share of each protected class's held-out images (its constraint images when there are no held-out "
-                "ones) set aside, with --seed, as its certification split; nothing else reads them (0: no certificate)."})
+                "ones) set aside, with --seed, as its certification split; nothing else reads them "
+                "(0: no certificate)."})
     forget_tolerance: float = field(default=0.05, metadata={
         "help": "Certified: at most this share of each protected class's certification images forgotten "
                 "(right under the old model, wrong now)."})
@@ -187,8 +194,8 @@ def build_data(script: ScriptArguments) -> dict:
         raise ValueError(f"the target data has no pair of the target class {target!r}")
     if all(r["is_positive"] for r in target_rows):
         raise ValueError("the target data has no negative pair (rows of other classes): nothing to contrast with")
-    return {"classes": classes, "target": target, "protected": [c for c in classes if c != target], "template": template, "target_rows": target_rows,
-            "train": train, "held_out": held_out}
+    return {"classes": classes, "target": target, "protected": [c for c in classes if c != target],
+            "template": template, "target_rows": target_rows, "train": train, "held_out": held_out}
 
 
 def split_certification(rows: dict, protected: list[str], fraction: float, seed: int, what: str

@@ -149,6 +149,7 @@ def make_contrastive_trainer(output_dir: str, **overrides: Any):
     """The CLIP helper's ContrastiveConstrainedTrainer (per-sample MSVR estimators,
     Algorithm 2) on a tiny CLIP and 48 image-caption rows, a third of them positives."""
     from clip_synthetic import tiny_contrastive_setup
+
     from hf_constrained.clip import ContrastiveConstrainedTrainer
     from hf_constrained.clip.data import CLIPCollator
 

@@ -35,8 +35,8 @@ from __future__ import annotations
 
 import logging
 import warnings
-from dataclasses import dataclass
 from collections import deque
+from dataclasses import dataclass
 from typing import Any, Iterator, NamedTuple, Optional, Union
 
 import torch

@@ -218,7 +218,8 @@ def bdd100k_task_data(root: str, task: str | BDD100KTask, *, max_per_class: Opti
         for r in take(splits["train"][c], limit):
             target_rows.append({"image": r["image"], "caption": spec.template.format(c),
                                 "is_positive": c == spec.target, "label": class_index[c]})
-    protected = {split: {c: [{"image": r["image"], "label": class_index[c]} for r in take(splits[split][c], max_per_class)]
+    protected = {split: {c: [{"image": r["image"], "label": class_index[c]}
+                             for r in take(splits[split][c], max_per_class)]
                          for c in spec.classes} for split in ("train", "val")}
     for split in protected:
         for c, rows in protected[split].items():

@@ -11,8 +11,8 @@ Every tabular loader returns a :class:`datasets.DatasetDict` with splits ``train
 * ``group``: 1 for group p (Adult: Male; COMPAS: Caucasian), 0 for group u.
 
 The validation split is a fixed, seeded, label-and-group-stratified fraction of the
-training data (scikit-learn's ``train_test_split(stratify=...)``) (``split_seed``, default 0, independent of the training seed), so every
-method and training seed sees the same train / validation rows. The feature names are
+training data (scikit-learn's ``train_test_split(stratify=...)``) (``split_seed``, default 0, independent of the
+training seed), so every method and training seed sees the same train / validation rows. The feature names are
 kept in ``DatasetDict["train"].info.description`` as JSON and returned by
 :func:`feature_names`.
 
@@ -182,7 +182,8 @@ def build_tabular_splits(
             raise ValueError(f"column {col!r} not in the data; columns are {list(train_df.columns)}")
     # each row's identity: its file and line (rows with equal features are different people, and a
     # certification split must share no PERSON with the training data)
-    frames = {"train": train_df.reset_index(drop=True).assign(**{ROW_ID: lambda d: [f"data:{i}" for i in range(len(d))]})}
+    frames = {"train": train_df.reset_index(drop=True).assign(
+        **{ROW_ID: lambda d: [f"data:{i}" for i in range(len(d))]})}
     if test_df is not None:
         missing = [c for c in train_df.columns if c not in test_df.columns]
         if missing:

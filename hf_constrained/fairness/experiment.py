@@ -23,8 +23,8 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass, field
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -33,8 +33,8 @@ from transformers import TrainerCallback
 
 from ..config import ConstrainedTrainingArguments
 from ..extras import require_extra
-from ..safety.evaluation import certify_models
 from ..publishable import publishable_command
+from ..safety.evaluation import certify_models
 from ..safety.finish import finish_run, push_last
 from .data import TABULAR_LOADERS, TabularSplit, load_tabular_csv
 from .icppac import ICPPACConfig, ICPPACTrainer
@@ -144,8 +144,9 @@ def _score_bound(text: Any, thresholds: Sequence[float]) -> Optional[float]:
     if not (math.isfinite(bound) and bound > 0):
         raise ValueError(f"--score_bound must be a positive finite number, 'auto' or 'none', got {text!r}")
     if bound < largest:
-        raise ValueError(f"--score_bound {bound:g} is below the largest |threshold| {largest:g} (--thresholds): the soft "
-                         f"rate at that threshold could not pass 1/2; use a bound >= {largest:g}, 'auto' or 'none'")
+        raise ValueError(f"--score_bound {bound:g} is below the largest |threshold| {largest:g} (--thresholds): "
+                         f"the soft rate at that threshold could not pass 1/2; use a bound >= {largest:g}, "
+                         "'auto' or 'none'")
     return bound
 
 
@@ -295,7 +296,8 @@ def run_roc_fairness(args: ROCFairnessArguments, training_args: ConstrainedTrain
                     training_args.push_to_hub = push
             final = history.history[-1]
             # safety report + model card: constraints on the validation split, objective metrics on all splits
-            finish_run(trainer, base_model_name=f"MLPForScoring {args.hidden_list} (trained from scratch)", delta=args.delta,
+            finish_run(trainer, base_model_name=f"MLPForScoring {args.hidden_list} (trained from scratch)",
+                       delta=args.delta,
                        eval_dataset=args.dataset if args.dataset != "csv"
                        else os.path.splitext(os.path.basename(args.csv_path))[0],
                        dataset_description=f"{args.dataset}: objective and constraints on train, constraint check "

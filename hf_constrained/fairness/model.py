@@ -117,6 +117,7 @@ def model_scores(model: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
     logits = model(**{name: inputs}).logits
     if logits.dim() == 2:
         if logits.shape[1] != 1:
-            raise ValueError(f"a scoring model needs one output per row (num_labels=1), got logits {tuple(logits.shape)}")
+            raise ValueError(
+                f"a scoring model needs one output per row (num_labels=1), got logits {tuple(logits.shape)}")
         logits = logits[:, 0]
     return logits.float()

@@ -93,7 +93,8 @@ class PairedRows(torch.utils.data.Dataset):
         self.name = name
         self.seed = int(seed)
         if len(self.rows_a) == 0 or len(self.rows_b) == 0:
-            raise ValueError(f"{name}: both sides need at least one row (got {len(self.rows_a)} and {len(self.rows_b)})")
+            raise ValueError(
+                f"{name}: both sides need at least one row (got {len(self.rows_a)} and {len(self.rows_b)})")
         self.a_is_long = len(self.rows_a) >= len(self.rows_b)
         self.length = max(len(self.rows_a), len(self.rows_b))
         self._streams: dict[tuple[int, int], ConstraintBatchStream] = {}
@@ -163,7 +164,8 @@ class GroupRows(torch.utils.data.Dataset):
         self.rows_b = np.asarray(rows_b, dtype=np.int64)
         self.name = name
         if len(self.rows_a) == 0 or len(self.rows_b) == 0:
-            raise ValueError(f"{name}: both sides need at least one row (got {len(self.rows_a)} and {len(self.rows_b)})")
+            raise ValueError(
+                f"{name}: both sides need at least one row (got {len(self.rows_a)} and {len(self.rows_b)})")
         self._all = np.concatenate([self.rows_a, self.rows_b])
         self._groups = np.concatenate([np.zeros(len(self.rows_a), np.int64), np.ones(len(self.rows_b), np.int64)])
 

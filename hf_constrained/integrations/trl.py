@@ -88,7 +88,8 @@ class ConstrainedSFTTrainer(ConstrainedTrainer, SFTTrainer):
     def __init__(self, model: Any = None, args: Optional[ConstrainedSFTConfig] = None, *,
                  constraints: Sequence[Constraint] = (), **kwargs: Any) -> None:
         if args is None:
-            name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "model")
+            name = (model if isinstance(model, str)
+                    else getattr(getattr(model, "config", None), "_name_or_path", "model"))
             args = ConstrainedSFTConfig(output_dir=f"{str(name).rstrip('/').split('/')[-1] or 'model'}-constrained-SFT")
         if not isinstance(args, ConstrainedSFTConfig):
             raise TypeError(

@@ -212,7 +212,8 @@ class ConstraintEngine:
         if proxy_indicator and not indicator_fraction:
             raise ValueError("constraint_proxy_indicator needs two-split estimation (constraint_indicator_fraction)")
         if indicator_batch_size is not None and not indicator_fraction:
-            raise ValueError("constraint_indicator_batch_size needs two-split estimation (constraint_indicator_fraction)")
+            raise ValueError(
+                "constraint_indicator_batch_size needs two-split estimation (constraint_indicator_fraction)")
         grad_views, ind_views = (self.constraints, None) if not indicator_fraction else \
             split_for_indicator(self.constraints, indicator_fraction, seed, proxy=proxy_indicator)
         # what each estimate u_k tracks: the constraint, or with proxy indicators its certification statistic
@@ -423,7 +424,8 @@ class ConstraintEngine:
             return {}
         violation, _ = self._violations_at_estimates()
         visited = self.estimator.visited.cpu().tolist()
-        return {c.name: abs(float(v)) for c, v, seen in zip(self.constraints, violation.cpu().tolist(), visited) if seen}
+        return {c.name: abs(float(v))
+                for c, v, seen in zip(self.constraints, violation.cpu().tolist(), visited) if seen}
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

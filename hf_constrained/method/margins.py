@@ -275,8 +275,9 @@ class RowSpread:
         ratio, name, se, scale = bad[0]
         logger.warning(
             "constraint noise: the mini-batch value of %r has standard error %.3g; with msvr_gamma=%g its estimate "
-            "keeps about %.3g of it, %.1fx the constraint's scale %.3g (metadata['noise_scale'] or |tolerance|), and the "
-            "estimate is within that noise of its threshold, so the hinge acts on noise. %d of %d constraints are in this state (worst: %s). Raise %s (the noise falls "
+            "keeps about %.3g of it, %.1fx the constraint's scale %.3g (metadata['noise_scale'] or |tolerance|), "
+            "and the estimate is within that noise of its threshold, so the hinge acts on noise. %d of %d "
+            "constraints are in this state (worst: %s). Raise %s (the noise falls "
             "as 1/sqrt(|B_k|), faster as a batch nears all of the constraint's rows) or lower msvr_gamma (e.g. 0.1; "
             "the estimate then averages about 2/gamma batches).", name, se, gamma, se * keep, ratio, scale, len(bad),
             len(self.constraints), [b[1] for b in bad[:5]], self.batch_setting)

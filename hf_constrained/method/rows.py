@@ -97,8 +97,9 @@ def _group_labels(c: "Constraint", batch: Any, num_rows: int, device: torch.devi
     return cache[c.group_key]
 
 
-def row_values_and_owners(constraints: Sequence["Constraint"], units: Sequence["RowUnit"], slices: Sequence[tuple[int, int]],
-                          outputs: torch.Tensor, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+def row_values_and_owners(constraints: Sequence["Constraint"], units: Sequence["RowUnit"],
+                          slices: Sequence[tuple[int, int]], outputs: torch.Tensor,
+                          batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row values of every (unit, constraint) pair, concatenated, and each value's owner
     ``2 * position + group`` (``position`` in B_c^t, ``group`` 0 or 1).
 

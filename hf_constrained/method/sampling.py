@@ -37,7 +37,8 @@ class ConstraintSampler:
     def __init__(self, num_constraints: int, num_per_step: int, seed: int) -> None:
         if not 1 <= num_per_step <= max(num_constraints, 1):
             raise ValueError(
-                f"constraints per step must be in [1, {num_constraints}] (the number of constraints), got {num_per_step}"
+                f"constraints per step must be in [1, {num_constraints}] (the number of constraints), "
+                f"got {num_per_step}"
             )
         self.num_constraints = num_constraints
         self.num_per_step = num_per_step

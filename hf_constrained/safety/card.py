@@ -37,8 +37,8 @@ from typing import Any, Optional
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from ..publishable import redact_secrets
-from ..redact import redact_command
 from ..recipes import RECIPES
+from ..redact import redact_command
 from .report import SafetyReport, format_number, format_rows
 from .selection import FeasibleSelection
 
@@ -429,7 +429,8 @@ def render_model_card(
     if selection:
         known = {k: v for k, v in selection.items() if k in FeasibleSelection.__dataclass_fields__}
         selection_message = FeasibleSelection(**known).message()
-    checkpoint = None if report is None or not report.checkpoint else os.path.basename(os.path.normpath(report.checkpoint))
+    checkpoint = (None if report is None or not report.checkpoint
+                  else os.path.basename(os.path.normpath(report.checkpoint)))
     return ModelCard.from_template(
         card_data,
         template_path=template_path(),

@@ -60,8 +60,9 @@ def weights_fingerprint(model: Any) -> str:
 def weight_files(folder: str) -> list[str]:
     """The names (relative to ``folder``, sorted) of the files that hold a saved model: its
     weight files, the shards its indexes list, the files of an FSDP sharded state dict
-    (``pytorch_model_fsdp_0/``), and ``config.json`` / ``adapter_config.json`` next to weights. Empty when ``folder`` holds no weights; ``FileNotFoundError`` naming the
-    shard when an index lists a shard that is missing, ``ValueError`` for an unreadable index."""
+    (``pytorch_model_fsdp_0/``), and ``config.json`` / ``adapter_config.json`` next to weights. Empty when
+    ``folder`` holds no weights; ``FileNotFoundError`` naming the shard when an index lists a shard that is
+    missing, ``ValueError`` for an unreadable index."""
     found = {name for name in WEIGHT_FILE_NAMES if os.path.isfile(os.path.join(folder, name))}
     # an FSDP sharded state dict: a folder of shards per model (pytorch_model_fsdp_0/*.distcp, .metadata)
     if os.path.isdir(folder):

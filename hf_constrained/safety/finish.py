@@ -14,19 +14,24 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any, Optional, Protocol
 
-from .card import ModelCardInfo
-from .certify import DEFAULT_DELTA
-from .evaluation import DEFAULT_CONFIDENCE, ReportableTrainer, build_safety_report, old_model_constraint_values
-from ..extras import install_hint
-from .figures import figures_available, plot_log_history, require_figures
 from ..checkpointing import checkpoint_folders, is_complete_checkpoint
+from ..extras import install_hint
 from ..redact import redact_command
-from .certify import Certificate, best_certified
-from .evaluation import certified_statistics, certify_models, checkpoint_step
+from .card import ModelCardInfo
+from .certify import DEFAULT_DELTA, Certificate, best_certified
+from .evaluation import (
+    DEFAULT_CONFIDENCE,
+    ReportableTrainer,
+    build_safety_report,
+    certified_statistics,
+    certify_models,
+    checkpoint_step,
+    old_model_constraint_values,
+)
+from .figures import figures_available, plot_log_history, require_figures
 from .fingerprint import weights_fingerprint
 from .report import DEFAULT_SAFETY_RULE, SafetyReport, UnsafeModelError, check_safety_rule
 from .selection import evaluation_records, metric_key

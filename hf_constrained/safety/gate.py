@@ -38,6 +38,7 @@ from transformers.integrations import TensorBoardCallback
 from ..publishable import publish_trainer_state
 from ..trainer_internals import trainer_load_checkpoint
 from .card import ModelCardInfo, describe_model, render_model_card, write_model_card
+from .certify import DEFAULT_DELTA
 from .evaluation import (
     DEFAULT_CONFIDENCE,
     build_safety_report,
@@ -46,10 +47,8 @@ from .evaluation import (
     relative_checkpoint,
     report_from_metrics,
 )
-from .certify import DEFAULT_DELTA
 from .fingerprint import weight_files, weights_files_fingerprint, weights_fingerprint
 from .report import DEFAULT_SAFETY_RULE, EVAL_CONSTRAINT_PREFIX, SafetyReport, UnsafeModelError, check_safety_rule
-from .verify import EXIT_STALE_OR_UNREADABLE, check_run_dir
 from .selection import (
     EvaluationRecord,
     FeasibleSelection,
@@ -62,6 +61,7 @@ from .selection import (
 )
 from .tensorboard import ConstraintTensorBoardCallback
 from .trainer_state import TRAINER_STATE_NAME, best_checkpoint_restored
+from .verify import EXIT_STALE_OR_UNREADABLE, check_run_dir
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +128,8 @@ class SafetyMixin:
             name = getattr(config, "_name_or_path", None)
             self.model_card_info.base_model = name or None
         self.reference_constraint_values: Optional[dict[str, float]] = (
-            None if reference_constraint_values is None else {k: float(v) for k, v in reference_constraint_values.items()}
+            None if reference_constraint_values is None
+            else {k: float(v) for k, v in reference_constraint_values.items()}
         )
         self.safety_report: Optional[SafetyReport] = None  # the last report built (see current_safety_report)
         self._weights_eval: Optional[WeightsEvaluation] = None  # the last exact evaluation of the model
@@ -389,7 +390,8 @@ class SafetyMixin:
         """The fingerprint of the weight files in ``directory`` when this trainer saved them from
         the weights ``report`` describes and they have not changed since; else ``None``."""
         saved = self._saved_weights.get(os.path.realpath(directory))
-        if saved is None or report.weights_fingerprint is None or saved.weights_fingerprint != report.weights_fingerprint:
+        if (saved is None or report.weights_fingerprint is None
+                or saved.weights_fingerprint != report.weights_fingerprint):
             return None
         try:
             if _files_signature(directory) != saved.signature:

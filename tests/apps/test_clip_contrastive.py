@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from clip_synthetic import tiny_contrastive_setup
 
 from hf_constrained import ConstrainedTrainingArguments
 from hf_constrained.clip import ContrastiveConstrainedTrainer, contrastive_terms, gather_with_grad
@@ -14,8 +15,6 @@ from hf_constrained.clip.contrastive import (
     contrastive_value,
 )
 from hf_constrained.clip.data import CLIPCollator
-
-from clip_synthetic import tiny_contrastive_setup
 
 T = 0.05
 
@@ -236,7 +235,8 @@ def test_previous_iterate_matches_direct_recomputation_on_consecutive_windows(ti
     assert [s["step"] for s in steps] == [c // accumulation for c in range(calls)]
     windows_per_epoch = 4 // accumulation
     # the case under test: some positive sits in two consecutive batches of one epoch
-    repeated = [c for c in range(1, calls) if c % 4 and set(steps[c]["index"].tolist()) & set(steps[c - 1]["index"].tolist())]
+    repeated = [c for c in range(1, calls)
+                if c % 4 and set(steps[c]["index"].tolist()) & set(steps[c - 1]["index"].tolist())]
     assert repeated, "the sampler produced no sample in consecutive batches; change the seed"
     probe = copy.deepcopy(model)
     for c in range(calls):

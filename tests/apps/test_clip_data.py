@@ -5,8 +5,8 @@ import os
 
 import pytest
 import torch
-
 from clip_synthetic import WEATHER, make_bdd100k, make_csv, save_tiny_clip
+
 from hf_constrained.clip.data import (
     BDD100K_TASKS,
     CLIPCollator,

@@ -343,10 +343,12 @@ def test_results_record_the_command_and_the_settings_it_parses_to(tmp_path, monk
             "--output", "x.json"]
     assert demo.main(argv) == 0
     # the absolute cache folder is no part of what is published: <local>/name in its place
-    assert written["command"] == demo.MODULE_COMMAND + " " + shlex.join(argv[:-3] + ["<local>/" + tmp_path.name] + argv[-2:])
+    assert written["command"] == (demo.MODULE_COMMAND + " "
+                                  + shlex.join(argv[:-3] + ["<local>/" + tmp_path.name] + argv[-2:]))
     assert str(tmp_path) not in json.dumps(written)
     config = written["config"]
-    assert (config["seeds"], config["penalties"], config["beta"], config["output"]) == ([3, 4], ["hinge"], 7.0, "x.json")
+    assert ((config["seeds"], config["penalties"], config["beta"], config["output"])
+            == ([3, 4], ["hinge"], 7.0, "x.json"))
     assert config == demo.parsed_config(_demo_parser().parse_args(shlex.split(written["command"])[3:]))
     assert {f.name for f in demo.fields(demo.DemoConfig)} < set(config)  # every setting, not just the changed ones
 
@@ -363,7 +365,8 @@ def test_committed_demo_results_come_from_the_command_shown_beside_them():
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     files = sorted(glob.glob(os.path.join(root, "benchmarks", "results", "demo_*.json")))
     assert files
-    shown = open(os.path.join(root, "docs", "benchmarks.md")).read() + open(os.path.join(root, "docs", "demo.md")).read()
+    shown = (open(os.path.join(root, "docs", "benchmarks.md")).read()
+             + open(os.path.join(root, "docs", "demo.md")).read())
     for path in files:
         with open(path) as f:
             saved = json.load(f)

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from hf_constrained.batches import collate_examples
-
 from hf_constrained.clip import (
     CLIPWithClassTextHeads,
     NonForgettingConstraint,

@@ -5,14 +5,13 @@ import json
 import numpy as np
 import pytest
 import torch
-
 from conftest import import_script
 from fairness_tiny import biased_split
 from recipe_outputs import assert_report_checks, run_card_snippet
-from hf_constrained.batches import collate_examples
 from transformers import AutoModel
 
 from hf_constrained import ConstrainedTrainingArguments
+from hf_constrained.batches import collate_examples
 from hf_constrained.fairness import (
     AUCConstrainedTrainer,
     MLPConfig,

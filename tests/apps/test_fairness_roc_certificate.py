@@ -8,9 +8,9 @@ import shlex
 import numpy as np
 import pytest
 import torch
-
 from conftest import import_script
 from fairness_tiny import biased_split
+
 from hf_constrained import ConstrainedTrainingArguments
 from hf_constrained.fairness import (
     AUCConstrainedTrainer,
@@ -84,7 +84,8 @@ def test_the_temperature_reaches_the_trained_rates_the_exact_values_and_the_hist
     for kind, y in (("tpr", 1), ("fpr", 0)):
         for tau in THRESHOLDS:
             rate = 1 / (1 + np.exp(-(s - tau) / 0.25))
-            ref = abs(rate[(val.group == 1) & (val.label == y)].mean() - rate[(val.group == 0) & (val.label == y)].mean())
+            ref = abs(rate[(val.group == 1) & (val.label == y)].mean()
+                      - rate[(val.group == 0) & (val.label == y)].mean())
             assert sharp[f"{kind}_gap@{tau:+g}"] == pytest.approx(ref, abs=1e-9)
     for c in trainer.constraints:  # each constraint's own exact value on its evaluation rows
         assert c.exact_fn(model, c.eval_dataset) == pytest.approx(sharp[c.name], abs=1e-6)

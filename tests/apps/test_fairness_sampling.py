@@ -5,9 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from hf_constrained.batches import collate_examples
-
 from hf_constrained import ConstrainedTrainingArguments
+from hf_constrained.batches import collate_examples
 from hf_constrained.fairness import (
     GROUP_KEY,
     AUCConstrainedTrainer,

@@ -72,9 +72,9 @@ def test_example_runs_and_exact_match_is_greedy_decoding(tmp_path):
 def test_certification_rows_are_independent_draws_named_by_their_draw():
     """The add task has 100 problems, so fresh draws repeat training rows' text; the certification rows are
     named by their draw (not their text) and the trainer accepts them, while a copied training row is refused."""
+    from hf_constrained import Constraint
     from hf_constrained.non_forgetting import ReferenceLossDataset
     from hf_constrained.safety.splits import check_certification_splits
-    from hf_constrained import Constraint
 
     tokenizer = ex.char_tokenizer()
     cfg = ex.ExampleArguments(constraint_rows=64, held_out_rows=64, certify_rows=64)

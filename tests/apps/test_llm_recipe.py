@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import UploadRecorder
 from recipe_outputs import assert_report_checks, run_card_snippet
 
@@ -111,8 +110,9 @@ def _clopper_pearson_upper(k: int, n: int, delta: float) -> float:
     return 1.0 if k >= n else float(beta.ppf(1 - delta, k + 1, n - k))
 
 
-@pytest.mark.parametrize("model,extra", [("gpt2", {}),
-                                         ("llama", {"use_peft": True, "lora_r": 2, "lora_target_modules": "q_proj,v_proj"})])
+@pytest.mark.parametrize("model,extra", [
+    ("gpt2", {}),
+    ("llama", {"use_peft": True, "lora_r": 2, "lora_target_modules": "q_proj,v_proj"})])
 def test_certificate_bounds_the_share_of_each_task_forgotten(setup, tmp_path, model, extra, caplog):
     """The certified value is the share of certification rows the old model (with LoRA: the adapter-disabled base)
     answers exactly and the new one does not, recomputed here from the saved models; its bound is Clopper-Pearson

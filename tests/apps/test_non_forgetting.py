@@ -5,11 +5,10 @@ import copy
 
 import pytest
 import torch
-
-from hf_constrained.batches import collate_examples
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, BertConfig
 
+from hf_constrained.batches import collate_examples
 from hf_constrained.non_forgetting import (
     NonForgettingConstraint,
     PaddingCollator,
@@ -20,8 +19,8 @@ from hf_constrained.non_forgetting import (
     reference_losses,
     sequence_classification_per_example_loss,
 )
-from hf_constrained.text_data import tokenize_sft
 from hf_constrained.recipes.tiny_lm import char_tokenizer, tiny_causal_lm
+from hf_constrained.text_data import tokenize_sft
 
 PROMPTS = ["rev:abc=", "rev:hello=", "add:2+3=", "cp:xy=", "add:11+4=", "rev:a=", "cp:abcdefg=", "rev:qrs="]
 ANSWERS = ["cba", "olleh", "5", "xy", "15", "a", "abcdefg", "srq"]
@@ -79,7 +78,8 @@ def test_causal_lm_reference_pass_matches_each_example_alone(causal_lm, lm_rows,
     ref = reference_losses(causal_lm, lm_rows, causal_lm_per_example_loss, collate, batch_size=3)
     torch.testing.assert_close(ref, _direct_lm_losses(causal_lm, lm_rows), rtol=1e-5, atol=1e-5)
     # the reference pass computes what the model says, not a constant: another model differs
-    assert (reference_losses(_perturbed(causal_lm), lm_rows, causal_lm_per_example_loss, collate) - ref).abs().max() > 1e-3
+    other = reference_losses(_perturbed(causal_lm), lm_rows, causal_lm_per_example_loss, collate)
+    assert (other - ref).abs().max() > 1e-3
 
 
 def test_causal_lm_loss_without_labels_masks_padding(causal_lm, lm_rows, tokenizer):
@@ -234,7 +234,8 @@ def test_certification_rows_measure_the_share_of_examples_forgotten(causal_lm, l
     forgotten = ForgottenRows(causal_lm_per_example_correct)(new, batch)
     torch.testing.assert_close(forgotten, old_right * (1 - _direct_exact_match(new, rows)))
     assert 0 < float(forgotten.sum()) <= 4  # the perturbed model forgets some of them
-    assert float(ForgottenRows(causal_lm_per_example_correct)(causal_lm, batch).sum()) == 0.0  # the old model forgets nothing
+    # the old model forgets nothing
+    assert float(ForgottenRows(causal_lm_per_example_correct)(causal_lm, batch).sum()) == 0.0
     with pytest.raises(ValueError, match="certify_dataset needs correct="):
         non_forgetting_constraints(causal_lm, causal_lm_per_example_loss, data, collate, certify_datasets=certify)
 
@@ -297,8 +298,8 @@ def test_points_lost_is_the_paired_change_with_its_own_bound(causal_lm, lm_rows,
     collate = PaddingCollator(tokenizer)
     rows = _greedy_rows(causal_lm, lm_rows)
     (c,) = non_forgetting_constraints(causal_lm, causal_lm_per_example_loss, {"reverse": lm_rows.select(range(4))},
-                                      collate, certify_datasets={"reverse": rows}, correct=causal_lm_per_example_correct,
-                                      accuracy_drop_tolerance=0.3)
+                                      collate, certify_datasets={"reverse": rows},
+                                      correct=causal_lm_per_example_correct, accuracy_drop_tolerance=0.3)
     stat = c.certify_statistic
     assert isinstance(stat.row_fn, PairedChange) and stat.bound == "paired_change" and stat.value_range == (-1.0, 1.0)
     assert stat.tolerance == 0.3 and c.certification_tolerance() == 0.3
@@ -322,7 +323,8 @@ def test_a_statement_the_statistic_cannot_express_is_an_error_naming_the_task(ca
 
     with pytest.raises(ValueError, match=match):
         non_forgetting_constraints(causal_lm, causal_lm_per_example_loss, {"reverse": lm_rows.select(range(4))},
-                                   PaddingCollator(tokenizer), certify_datasets={"reverse": lm_rows.select(range(4, 8))},
+                                   PaddingCollator(tokenizer),
+                                   certify_datasets={"reverse": lm_rows.select(range(4, 8))},
                                    correct=causal_lm_per_example_correct, **statement)
 
 
@@ -338,7 +340,8 @@ def test_the_certifiable_target_is_the_largest_value_the_split_certifies():
     assert clopper_pearson_upper_bound(k, n, 0.025) <= tol < clopper_pearson_upper_bound(k + 1, n, 0.025)
     points = certifiable_target(points_lost_statistic(correct, tol), n, 0.05)
     k = round(points * n)
-    assert paired_change_upper_bounds([k], [0], n, 0.025)[0] <= tol < paired_change_upper_bounds([k + 1], [0], n, 0.025)[0]
+    assert (paired_change_upper_bounds([k], [0], n, 0.025)[0]
+            <= tol < paired_change_upper_bounds([k + 1], [0], n, 0.025)[0])
     assert 0 < points < share < tol  # the paired bound spends part of delta on rows newly right
     assert certifiable_target(forgetting_statistic(correct, tol), 100, 0.05) is None  # 100 rows cannot certify 2%
 
@@ -365,7 +368,8 @@ def test_the_proxy_margin_is_sized_from_the_statement_and_a_small_split_warns_be
     assert plain.margin is None
     # 2 certification rows cannot certify 5 points even with nothing forgotten: the trainer says so before training
     (small,) = non_forgetting_constraints(causal_lm, causal_lm_per_example_loss, {"reverse": lm_rows.select(range(6))},
-                                          collate, batch_size=8, certify_datasets={"reverse": lm_rows.select(range(6, 8))},
+                                          collate, batch_size=8,
+                                          certify_datasets={"reverse": lm_rows.select(range(6, 8))},
                                           correct=causal_lm_per_example_correct, accuracy_drop_tolerance=0.05)
     args = ConstrainedTrainingArguments(output_dir=str(tmp_path / "run"), max_steps=1, report_to=[], use_cpu=True,
                                         save_strategy="no", disable_tqdm=True, remove_unused_columns=False)

@@ -106,7 +106,8 @@ def test_the_stored_quickstart_results_are_the_ones_the_readme_cites():
         assert f"`{data['command']}`" in section or data["command"] in section, path.name
         for method, s in data["summary"].items():
             n = s["runs"]
-            cells = (f"{s['hold_test']}/{n}", f"{s['test_max_violation_median']:+.3f} ({s['test_max_violation_worst']:+.3f})",
+            cells = (f"{s['hold_test']}/{n}",
+                     f"{s['test_max_violation_median']:+.3f} ({s['test_max_violation_worst']:+.3f})",
                      f"{s['test_accuracy_median']:.3f} ({s['test_accuracy_worst']:.3f})")
             for cell in cells:
                 assert cell in section, f"{path.name} {method}: {cell} not in the README's quick start"

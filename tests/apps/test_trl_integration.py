@@ -10,14 +10,13 @@ import sys
 
 import pytest
 import torch
-
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_constrained import ConstrainedTrainingArguments
 from hf_constrained.non_forgetting import PaddingCollator, causal_lm_per_example_loss, non_forgetting_constraints
-from hf_constrained.text_data import tokenize_sft
 from hf_constrained.recipes.tiny_lm import char_tokenizer, tiny_causal_lm
+from hf_constrained.text_data import tokenize_sft
 from hf_constrained.trainer_internals import trainer_prepare_inputs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -138,4 +137,5 @@ def test_training_with_packing_and_chat_template_keeps_trl_features(setup, tmp_p
     assert bool(trainer.engine.estimator.visited.all())
     report = finish_run(trainer, old_model_values={"non_forgetting/reverse": 0.0}, plots=False)
     assert [r.name for r in report.constraints] == ["non_forgetting/reverse"]
-    assert (tmp_path / "safety_report.json").exists() and "non_forgetting/reverse" in (tmp_path / "README.md").read_text()
+    assert (tmp_path / "safety_report.json").exists()
+    assert "non_forgetting/reverse" in (tmp_path / "README.md").read_text()

@@ -22,9 +22,18 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
-from scale_tiny import (Recorder, StopAt, contrastive_snapshot, disjoint_trainer, indicator_rows,  # noqa: E402
-                        make_contrastive_trainer, make_rowwise_trainer, make_trainer, record_constraint_calls,
-                        snapshot)
+from scale_tiny import (  # noqa: E402
+    Recorder,
+    StopAt,
+    contrastive_snapshot,
+    disjoint_trainer,
+    indicator_rows,
+    make_contrastive_trainer,
+    make_rowwise_trainer,
+    make_trainer,
+    record_constraint_calls,
+    snapshot,
+)
 
 
 def _save(out: str, name: str, obj: object) -> None:
@@ -46,7 +55,8 @@ def main() -> None:
     parser.add_argument("--fused", action="store_true",
                         help="also run the row-wise constraints through the fused step (rank<r>_fused.pt)")
     parser.add_argument("--two-split", action="store_true",
-                        help="also run two-split estimation, straight and stop-at-3 / resume-to-6 (rank<r>_two_split.pt)")
+                        help="also run two-split estimation, straight and stop-at-3 / resume-to-6 "
+                             "(rank<r>_two_split.pt)")
     a = parser.parse_args()
     trainer = make_trainer(os.path.join(a.out, "run"), max_steps=a.steps,
                            per_device_train_batch_size=a.per_device_batch, constraint_batch_size=a.constraint_batch)

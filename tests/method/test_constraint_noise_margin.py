@@ -18,13 +18,15 @@ import math
 import numpy as np
 import pytest
 import torch
+from conftest import Net64
+from conftest import args64 as make_args
+from conftest import per_row_ce64 as per_row_ce
+from conftest import rows64 as make_data
 from scipy.stats import norm
 
 from hf_constrained import ConstrainedTrainer, Constraint, constraints_per_value
 from hf_constrained.method.margins import SPREAD_DECAY, without_replacement_factor
 from hf_constrained.method.sampling import ConstraintBatchStream
-
-from conftest import Net64, args64 as make_args, per_row_ce64 as per_row_ce, rows64 as make_data
 
 
 def recording(outputs: list, holder: dict):

@@ -15,7 +15,8 @@ import pytest
 
 # the toy problem lives with the benchmarks (benchmarks/toy_problems.py), not in the package
 _spec = importlib.util.spec_from_file_location(
-    "toy_problems", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks", "toy_problems.py"))
+    "toy_problems",
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks", "toy_problems.py"))
 toy_problems = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(toy_problems)
 make_projection_qp, train_projection = toy_problems.make_projection_qp, toy_problems.train_projection

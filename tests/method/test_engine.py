@@ -5,12 +5,12 @@ state (assembled from its parts) continues a run exactly."""
 from __future__ import annotations
 
 import torch
+from test_replay_float64 import BETA, GAMMA, GAMMA_PRIME, LR, SAMPLED, SEED, STEPS, B, Net, Rows, constraints, replay
 from torch import nn
 
 from hf_constrained.batches import BatchMaker
 from hf_constrained.method.engine import ConstraintEngine
 from hf_constrained.method.penalties import make_penalty
-from test_replay_float64 import BETA, GAMMA, GAMMA_PRIME, LR, SAMPLED, SEED, STEPS, B, Net, Rows, constraints, replay
 
 
 def engine_for(cons) -> ConstraintEngine:

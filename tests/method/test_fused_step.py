@@ -16,14 +16,16 @@ import time
 import numpy as np
 import pytest
 import torch
+from conftest import Net64
+from conftest import args64 as make_args
+from conftest import per_row_ce64 as per_row_ce
+from conftest import rows64 as make_data
 from datasets import Dataset
 from torch import nn
 
 import hf_constrained.batches as batches_module
 from hf_constrained import ConstrainedTrainer, Constraint, constraints_per_value
 from hf_constrained.batches import collate_examples
-
-from conftest import Net64, args64 as make_args, per_row_ce64 as per_row_ce, rows64 as make_data
 
 
 def rowwise_constraints(data: Dataset, gap_rows: int = 40) -> list[Constraint]:
@@ -32,7 +34,8 @@ def rowwise_constraints(data: Dataset, gap_rows: int = 40) -> list[Constraint]:
     cons.append(Constraint("soft_rate", row_fn=per_row_ce, dataset=data, tolerance=0.02,
                            row_transform=lambda o: torch.sigmoid(4.0 * (o - 0.6)),
                            outer=lambda x: torch.abs(x - 0.3)))
-    cons.append(Constraint("ce_gap", row_fn=per_row_ce, dataset=data if gap_rows is None else data.select(range(gap_rows)),
+    cons.append(Constraint("ce_gap", row_fn=per_row_ce,
+                           dataset=data if gap_rows is None else data.select(range(gap_rows)),
                            tolerance=-0.05,
                            group_key="g"))
     cons.append(Constraint("weight_norm", fn=lambda m, b: 0.05 * (m.lin1.weight ** 2).sum(), tolerance=0.1))
@@ -111,7 +114,8 @@ def test_fused_step_equals_per_constraint_step(tmp_path, monkeypatch, accumulati
 
     assert streams(fused) == streams(reference)
     assert fused.engine.next_draw.sample_indices == reference.engine.next_draw.sample_indices
-    torch.testing.assert_close(fused.engine.next_draw.previous, reference.engine.next_draw.previous, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(fused.engine.next_draw.previous, reference.engine.next_draw.previous,
+                               rtol=1e-6, atol=1e-7)
     # the comparison is not vacuous: the penalty moved the parameters
     plain = run(tmp_path, f"plain{accumulation}{torch_format}", rowwise_constraints(data), constraint_penalty="none",
                 **kw)

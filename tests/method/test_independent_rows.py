@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
+from conftest import Net64
+from conftest import args64 as make_args
+from conftest import per_row_ce64 as per_row_ce
+from conftest import rows64 as make_data
 from scipy.stats import norm
+from test_constraint_noise_margin import recording
 
 from hf_constrained import ConstrainedTrainer, Constraint, constraints_per_value
 from hf_constrained.method.margins import SPREAD_DECAY
-
-from test_constraint_noise_margin import recording
-from conftest import Net64, args64 as make_args, per_row_ce64 as per_row_ce, rows64 as make_data
 
 
 def test_margin_counts_independent_rows_not_copies(tmp_path):

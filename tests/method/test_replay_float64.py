@@ -148,6 +148,7 @@ def test_contrastive_trainer_matches_an_independent_float64_replay_of_algorithm_
     batch), and G_1 = mean_i mean_j sg(exp(d_ij / t) / u_i^t) grad d_ij (line 9). The replay
     takes the batches the trainer drew and recomputes everything else in float64."""
     from clip_synthetic import tiny_contrastive_setup
+
     from hf_constrained.clip import ContrastiveConstrainedTrainer
     from hf_constrained.clip.data import CLIPCollator
 

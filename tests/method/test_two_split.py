@@ -3,8 +3,16 @@ hinge's indicator, follows rows that no constraint gradient ever uses; resume st
 
 import pytest
 import torch
-from scale_tiny import (Recorder, StopAt, disjoint_trainer, indicator_rows, make_rowwise_trainer, per_row_ce,
-                        row_key, snapshot)
+from scale_tiny import (
+    Recorder,
+    StopAt,
+    disjoint_trainer,
+    indicator_rows,
+    make_rowwise_trainer,
+    per_row_ce,
+    row_key,
+    snapshot,
+)
 
 from hf_constrained.constraint import CertifyStatistic
 from hf_constrained.method.engine import split_for_indicator

@@ -103,9 +103,9 @@ def test_a_corrupt_ledger_is_an_error_never_overwritten(tmp_path):
 
 
 def test_retraining_until_certified_keeps_the_error_below_delta():
-    """An adversary certifies 6 models (the most the default schedule allows) on one split, each violating the tolerance (true forgotten
-    share 0.051 > 0.05), and publishes any that certifies. At delta each, one certifies far more often
-    than delta; at the ledger's delta_j, the chance that any does stays below delta."""
+    """An adversary certifies 6 models (the most the default schedule allows) on one split, each violating the
+    tolerance (true forgotten share 0.051 > 0.05), and publishes any that certifies. At delta each, one certifies far
+    more often than delta; at the ledger's delta_j, the chance that any does stays below delta."""
     rng = np.random.default_rng(0)
     reps, n, p, tol, looks = 4000, 400, 0.051, 0.05, 6
     counts = rng.binomial(n, p, (reps, looks))

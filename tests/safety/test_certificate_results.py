@@ -19,7 +19,8 @@ def _readme():
 def test_validity_numbers_are_the_committed_monte_carlo():
     data = _load("certificate_validity.json")
     readme = _readme()
-    assert data["command"] == "python benchmarks/certificate_validity.py --out benchmarks/results/certificate_validity.json"
+    assert data["command"] == ("python benchmarks/certificate_validity.py "
+                               "--out benchmarks/results/certificate_validity.json")
     assert "python benchmarks/certificate_validity.py --out benchmarks/results/certificate_validity.json" in readme
     finite = [r for r in data["rows"] if r["bound"] != "clt"]
     assert data["finite_sample_valid_everywhere"] and max(r["false_certification_rate"] for r in finite) == 0.01
@@ -37,7 +38,8 @@ def test_validity_numbers_are_the_committed_monte_carlo():
 def test_end_to_end_numbers_are_the_committed_runs():
     readme = _readme()
     safe = _load("certificate_end_to_end_safe_release.json")
-    assert safe["command"].startswith("python benchmarks/certificate_end_to_end.py --recipe safe_release --seeds 100-119")
+    assert safe["command"].startswith(
+        "python benchmarks/certificate_end_to_end.py --recipe safe_release --seeds 100-119")
     cert, point = safe["certificate"], safe["point_rule"]
     assert (cert["solution_rate"]["count"], cert["solution_rate"]["of"]) == (18, 20)
     assert (cert["failure_rate_on_audit"]["count"], cert["failure_rate_on_audit"]["of"]) == (1, 18)

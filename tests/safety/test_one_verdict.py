@@ -172,5 +172,5 @@ def test_an_evaluation_during_training_is_not_called_uncertifiable(tmp_path):
     assert report.summary().startswith("NOT CERTIFIED: these weights were evaluated, not certified")
     assert_one_verdict(report)
     assert [v.word for v in report.verdicts()] == [NOT_TESTED]
-    assert "| rate | the constraint's own value (mean of its per-row values) | n/a | n/a | n/a | n/a | n/a | not tested |" \
-        in report.format_table(markdown=True)
+    assert ("| rate | the constraint's own value (mean of its per-row values) "
+            "| n/a | n/a | n/a | n/a | n/a | not tested |") in report.format_table(markdown=True)

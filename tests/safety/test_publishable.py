@@ -11,7 +11,6 @@ import copy
 import os
 import pickle
 
-import pytest
 import torch
 import yaml
 

@@ -6,15 +6,21 @@ from __future__ import annotations
 import matplotlib.colors as mcolors
 import pytest
 
-from hf_constrained.safety.figures import (constraint_styles, constraints_figure, default_objective_metric,
-                                           objective_figure, plot_log_history)
+from hf_constrained.safety.figures import (
+    constraint_styles,
+    constraints_figure,
+    default_objective_metric,
+    objective_figure,
+    plot_log_history,
+)
 from hf_constrained.safety.report import ConstraintResult, SafetyReport
 
 
 def history(names, steps=5, extra=None):
     out = []
     for step in range(1, steps + 1):
-        out.append({"step": step, "loss": 1.0 / step, **{f"constraint/{n}": 0.1 * i + step for i, n in enumerate(names)},
+        out.append({"step": step, "loss": 1.0 / step,
+                    **{f"constraint/{n}": 0.1 * i + step for i, n in enumerate(names)},
                     "constraint/max_estimate": 0.1})
         out.append({"step": step, **{f"eval_constraint/{n}": 0.1 * i - step for i, n in enumerate(names)},
                     "eval_constraint_max_violation": -0.1, **(extra or {})})

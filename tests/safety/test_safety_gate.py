@@ -12,15 +12,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import transformers.trainer as hf_trainer
 from safety_tiny import ThetaConfig, ThetaModel, make_trainer, theta_at
 from test_safety_report import assert_card_matches_report, card_body
 
-import transformers.trainer as hf_trainer
 from hf_constrained import ConstrainedTrainer
-from hf_constrained.trainer import CONSTRAINT_STATE_NAME
 from hf_constrained.checkpointing import COMPLETE_MARKER
 from hf_constrained.safety.finish import finish_run
 from hf_constrained.safety.report import SafetyReport, UnsafeModelError
+from hf_constrained.trainer import CONSTRAINT_STATE_NAME
 
 
 class RecordingHub:
@@ -108,7 +108,8 @@ def test_safe_model_is_pushed_with_safe_card(tmp_path, hub):
     assert hub.names() == ["create_repo", "upload_folder"]
     card, report = hub.cards[0], hub.reports[0]
     assert report.all_satisfied and "UNSAFE" not in card
-    assert "NOT CERTIFIED: all 2 constraints hold on held-out data by the uncertified `point` rule" in card_body(card)[1]
+    assert ("NOT CERTIFIED: all 2 constraints hold on held-out data by the uncertified `point` rule"
+            in card_body(card)[1])
     assert_card_matches_report(card, report)
 
 
@@ -209,7 +210,9 @@ def test_card_after_evaluate_shows_the_evaluation(tmp_path):
     trainer.evaluate()
     trainer.create_model_card()
     card = (tmp_path / "run" / "README.md").read_text()
-    assert "NOT CHECKED" not in card and "NOT CERTIFIED: all 2 constraints hold on held-out data by the uncertified `point` rule" in card_body(card)[1]
+    assert "NOT CHECKED" not in card
+    assert ("NOT CERTIFIED: all 2 constraints hold on held-out data by the uncertified `point` rule"
+            in card_body(card)[1])
 
 
 def test_weights_fingerprint_changes_with_any_weight():
@@ -323,7 +326,8 @@ def test_an_unreachable_hub_fails_when_the_trainer_is_built(tmp_path, monkeypatc
 
     hub = Offline()
     monkeypatch.setattr(hf_trainer, "hf_api", lambda: hub)
-    with pytest.raises(RuntimeError, match="the Hugging Face Hub cannot be reached or refuses the token \\(ConnectionError"):
+    with pytest.raises(RuntimeError,
+                       match="the Hugging Face Hub cannot be reached or refuses the token \\(ConnectionError"):
         make_trainer(str(tmp_path / "run"), push_to_hub=True, hub_model_id="user/model", hub_token="hf_" + "x" * 34)
     assert hub.calls == []  # nothing created
 

@@ -157,7 +157,8 @@ def test_safety_package_is_layered_one_way():
     assert graph["hf_constrained.safety.selection"] == set()
     for module, deps in graph.items():
         if module.startswith("hf_constrained.safety"):
-            assert not deps & {"hf_constrained.trainer", "hf_constrained.cli", "hf_constrained.recipes.demo_clip_digits"}, module
+            assert not deps & {"hf_constrained.trainer", "hf_constrained.cli",
+                               "hf_constrained.recipes.demo_clip_digits"}, module
     # the library never imports the command line
     assert not [m for m, deps in graph.items() if "hf_constrained.cli" in deps and m != "hf_constrained.cli"]
 
@@ -231,7 +232,8 @@ def test_every_module_imports_alone_in_a_fresh_interpreter():
 
 def test_command_line_and_report_do_not_load_the_trainer():
     """``hf-constrained --help`` / ``report`` import no torch and no transformers."""
-    result = _fresh("import sys, hf_constrained, hf_constrained.cli, hf_constrained.recipes, hf_constrained.safety.report\n"
+    result = _fresh("import sys, hf_constrained, hf_constrained.cli, hf_constrained.recipes, "
+                    "hf_constrained.safety.report\n"
                     "import contextlib, io\n"
                     "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
                     "    hf_constrained.cli.main(['--help'])\n"
@@ -248,3 +250,11 @@ def test_top_level_names_still_import(name):
 
     assert getattr(hf_constrained, name).__name__ == name
     assert name in hf_constrained.__all__
+
+
+def test_top_level_all_matches_lazy_table():
+    """``__all__`` is written out literally (so linters see the re-exports); it must list exactly the lazy names."""
+    import hf_constrained
+
+    assert sorted(hf_constrained.__all__) == sorted(hf_constrained._LAZY)
+    assert hf_constrained.__all__ == sorted(hf_constrained.__all__)

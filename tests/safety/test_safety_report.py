@@ -108,7 +108,8 @@ def test_final_card_matches_report(run):
     trainer, report, out = run
     card = (out / "README.md").read_text()
     body = card_body(card)
-    assert body[0].startswith("# run") and "NOT CERTIFIED: all 2 constraints hold on held-out data by the uncertified `point` rule" in body[1]
+    assert body[0].startswith("# run")
+    assert "NOT CERTIFIED: all 2 constraints hold on held-out data by the uncertified `point` rule" in body[1]
     assert "UNSAFE" not in card
     assert_card_matches_report(card, report)
     assert "base_model: org/theta-base" in card and "Synthetic rows." in card

@@ -10,8 +10,14 @@ import pytest
 from safety_tiny import make_trainer, theta_at
 
 from hf_constrained.safety.finish import finish_run
-from hf_constrained.safety.selection import (EvaluationRecord, constraint_feasibility, evaluation_records, is_better,
-                                             select_best, summarize_selection)
+from hf_constrained.safety.selection import (
+    EvaluationRecord,
+    constraint_feasibility,
+    evaluation_records,
+    is_better,
+    select_best,
+    summarize_selection,
+)
 
 
 def eval_entry(step, loss, satisfied, violation):

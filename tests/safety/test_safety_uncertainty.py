@@ -15,13 +15,12 @@ from statistics import NormalDist
 import numpy as np
 import pytest
 import torch
-
-from hf_constrained.batches import collate_examples
 from safety_tiny import make_trainer, theta_at
 from test_safety_gate import hub  # noqa: F401 (fixture)
 from test_safety_report import assert_card_matches_report, card_constraint_rows
 
 from hf_constrained import ConstrainedTrainer
+from hf_constrained.batches import collate_examples
 from hf_constrained.cli import main
 from hf_constrained.safety.finish import finish_run
 from hf_constrained.safety.report import SafetyReport, UnsafeModelError

@@ -9,9 +9,7 @@ up to float rounding.
 from __future__ import annotations
 
 import torch
-
 from scale_tiny import make_trainer, snapshot
-
 
 STEPS = 4
 

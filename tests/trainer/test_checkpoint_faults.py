@@ -23,8 +23,9 @@ import time
 import pytest
 import torch
 import transformers
+from scale_tiny import TinyClassifier, make_data, make_trainer, snapshot, tiny_args
 
-from hf_constrained.trainer import CONSTRAINT_STATE_NAME
+from hf_constrained import ConstrainedTrainer
 from hf_constrained.checkpointing import (
     COMPLETE_MARKER,
     CheckpointError,
@@ -33,8 +34,7 @@ from hf_constrained.checkpointing import (
     is_complete_checkpoint,
     latest_complete_checkpoint,
 )
-from hf_constrained import ConstrainedTrainer
-from scale_tiny import TinyClassifier, make_data, make_trainer, snapshot, tiny_args
+from hf_constrained.trainer import CONSTRAINT_STATE_NAME
 
 STEPS = 8
 COMMON = dict(max_steps=STEPS, save_strategy="steps", save_steps=2, constraints_per_step=2)
@@ -283,7 +283,8 @@ def test_crafted_constraint_state_is_refused_without_running_its_payload(tmp_pat
 
 def test_a_non_finite_look_ahead_value_never_marks_a_checkpoint_complete(tmp_path, monkeypatch, caplog):
     """The look-ahead value of the next draw (the engine's step 4, 0-based: the fifth optimizer step)
-    comes out NaN in the fourth step, whose checkpoint is saved before the fifth step reads it and stops. That checkpoint must stay incomplete (an error names the constraint),
+    comes out NaN in the fourth step, whose checkpoint is saved before the fifth step reads it and stops. That
+    checkpoint must stay incomplete (an error names the constraint),
     the step-2 checkpoint must survive ``save_total_limit=1``, and ``resume_from_checkpoint=True``
     must resume from it and finish as an uninterrupted run does."""
     from hf_constrained.constraint import ConstraintValueError

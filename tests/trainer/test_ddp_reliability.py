@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from launch_once import launch_once
 from scale_tiny import StopAt, make_trainer
 

@@ -38,10 +38,18 @@ from pathlib import Path
 import pytest
 import torch
 from launch_once import launch_once
-
-from scale_tiny import per_row_ce  # noqa: E402  (the shared row_fn)
-from scale_tiny import (Recorder, TinyClassifier, contrastive_snapshot, disjoint_trainer, make_contrastive_trainer,
-                        make_rowwise_trainer, make_trainer, record_constraint_calls, snapshot)
+from scale_tiny import (
+    Recorder,
+    TinyClassifier,
+    contrastive_snapshot,
+    disjoint_trainer,
+    make_contrastive_trainer,
+    make_rowwise_trainer,
+    make_trainer,
+    per_row_ce,  # noqa: E402  (the shared row_fn)
+    record_constraint_calls,
+    snapshot,
+)
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 

@@ -31,9 +31,9 @@ import torch
 from fsdp_tiny import certified_trainer
 from launch_once import launch_once
 from safetensors.torch import load_file
+from scale_tiny import TinyClassifier, make_trainer, snapshot
 
 from hf_constrained.safety import finish_run
-from scale_tiny import TinyClassifier, make_trainer, snapshot
 
 HERE = Path(__file__).resolve().parents[1]  # tests/
 CONFIGS = HERE.parent / "recipes" / "accelerate_configs"

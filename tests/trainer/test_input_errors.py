@@ -9,13 +9,15 @@ import sys
 import numpy as np
 import pytest
 import torch
+from conftest import TinyNet, class_loss
+from conftest import tiny_args as make_args
+from conftest import tiny_rows as make_data
 from datasets import Dataset
 from transformers import HfArgumentParser
 
 from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments, Constraint, ConstraintValueError
 from hf_constrained.batches import collate_examples
 from hf_constrained.errors import check_model_path
-from conftest import TinyNet, class_loss, tiny_args as make_args, tiny_rows as make_data
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

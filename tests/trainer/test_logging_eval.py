@@ -8,11 +8,13 @@ import os
 
 import pytest
 import torch
+from conftest import TinyNet, class_loss
+from conftest import tiny_args as make_args
+from conftest import tiny_rows as make_data
 from transformers import TrainerCallback
 
 from hf_constrained import ConstrainedTrainer, Constraint
 from hf_constrained.callbacks import PenaltyGradientNormCallback, PeriodicMetricsCallback, penalty_gradient_norm
-from conftest import TinyNet, class_loss, tiny_args as make_args, tiny_rows as make_data
 
 
 def _trainer(tmp_path, constraints=None, **kw):
@@ -54,7 +56,8 @@ def test_periodic_metrics_keep_the_trainers_log_entries(tmp_path):
     assert [h["step"] for h in naive.state.log_history if "loss" in h] == [1, 2, 4, 5]  # steps 3 and 6 lost
 
     trainer = _trainer(tmp_path / "ok", max_steps=6, logging_steps=2)
-    trainer.add_callback(PeriodicMetricsCallback(trainer, every=3, compute=lambda t: {"extra": float(t.state.global_step)}))
+    trainer.add_callback(PeriodicMetricsCallback(trainer, every=3,
+                                                 compute=lambda t: {"extra": float(t.state.global_step)}))
     trainer.train()
     entries = [h for h in trainer.state.log_history if "loss" in h]
     assert [h["step"] for h in entries] == [2, 3, 4, 6]  # every logging step kept, plus step 3

@@ -12,10 +12,9 @@ import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file
-
-from hf_constrained.trainer import CONSTRAINT_STATE_NAME
 from scale_tiny import StopAt, TinyClassifier, make_trainer, snapshot
 
+from hf_constrained.trainer import CONSTRAINT_STATE_NAME
 
 STEPS = 8
 

@@ -12,10 +12,9 @@ import os
 
 import pytest
 import torch
-
+from scale_tiny import StopAt, make_contrastive_trainer, make_trainer, snapshot
 
 from hf_constrained.trainer import CONSTRAINT_STATE_NAME
-from scale_tiny import StopAt, make_contrastive_trainer, make_trainer, snapshot
 
 
 def _assert_same(a: dict, b: dict) -> None:

@@ -6,14 +6,20 @@ import os
 
 import pytest
 import torch
+from conftest import TinyNet, class_loss
+from conftest import tiny_args as make_args
+from conftest import tiny_rows as make_data
 from torch import nn
 from transformers import Trainer, TrainingArguments
 
-from hf_constrained import (ConstrainedTrainer, ConstrainedTrainingArguments, Constraint, ConstraintValueError,
-                            constraints_per_value)
+from hf_constrained import (
+    ConstrainedTrainer,
+    ConstrainedTrainingArguments,
+    Constraint,
+    ConstraintValueError,
+    constraints_per_value,
+)
 from hf_constrained.method.sampling import ConstraintBatchStream
-
-from conftest import TinyNet, class_loss, tiny_args as make_args, tiny_rows as make_data
 
 
 # ---------------------------------------------------------------------------- Algorithm 1, independently

@@ -27,8 +27,8 @@ import pytest
 import torch
 import transformers.trainer as hf_trainer
 from datasets import Dataset
-from torch import nn
 from scale_tiny import StopAt
+from torch import nn
 from transformers import EarlyStoppingCallback, PretrainedConfig, PreTrainedModel, Trainer, TrainingArguments
 
 from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments, Constraint
@@ -465,8 +465,8 @@ def test_clipping_diagnostics_only_with_a_penalty_or_when_asked(tmp_path):
 
 
 def test_library_file_names_agree():
-    from hf_constrained.trainer import CONSTRAINT_STATE_NAME
     from hf_constrained.checkpointing import LIBRARY_FILES
+    from hf_constrained.trainer import CONSTRAINT_STATE_NAME
 
     assert LIBRARY_FILES == (CONSTRAINT_STATE_NAME,)
 
