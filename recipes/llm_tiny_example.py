@@ -10,7 +10,7 @@
 3. Held-out per-task loss and exact-match accuracy (greedy decoding; computed in one
    teacher-forced pass: the greedy answer is exact iff every answer token, EOS included,
    is the argmax given the correct prefix), old vs new.
-4. A certificate per run: on 512 certification rows per old task (``--certify_rows``; independent
+4. A certificate per run: on 2000 certification rows per old task (``--certify_rows``; independent
    draws of the task's generator, fixed across seeds, read by nothing but the certificate), the
    share of rows the old model answered exactly and the new one no longer does (teacher-forced
    exact match, ``causal_lm_per_example_correct``), bounded by Clopper-Pearson at ``--delta``
@@ -75,6 +75,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.trainer_callback import PrinterCallback
 
 from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments
+from hf_constrained.method.regularisers import KLToOld, L2ToOld, ObjectiveRegulariser, Replay
 from hf_constrained.non_forgetting import (
     PaddingCollator,
     ReferenceCorrectDataset,
@@ -224,8 +225,31 @@ def certification_rows(tokenizer: Any, cfg: ExampleArguments) -> dict[str, Indep
             for t in OLD_TASKS}
 
 
-def finetune(old_path: str, penalty: str, seed: int, cfg: ExampleArguments) -> dict[str, Any]:
-    """Fine-tune the old model on the new task (``penalty`` "none" or the constrained run's) and evaluate it held-out."""
+def baseline_regulariser(spec: Optional[tuple[str, float]], model: torch.nn.Module, constraint_rows: dict[str, Dataset],
+                     collate: PaddingCollator, seed: int) -> Optional[ObjectiveRegulariser]:
+    """The baseline ``(name, value)`` of a run (``benchmarks/forgetting_frontier.py``): ``("replay", r)`` mixes the
+    old tasks' constraint rows into the batches at share r; ``("kl", lam)`` adds lam * KL(old || new) on 32 of
+    them per step; ``("l2", lam)`` adds lam / 2 * ||w - w_old||^2. Every baseline reads the same old rows as the
+    constraints (the constraint rows, never the held-out or certification rows)."""
+    if spec is None:
+        return None
+    name, value = spec
+    old_rows = concatenate_datasets([constraint_rows[t] for t in OLD_TASKS])
+    if name == "replay":
+        return Replay(old_rows, value, collate, seed=seed)
+    if name == "kl":
+        return KLToOld(model, old_rows, value, collate, rows_per_step=32, seed=seed)
+    if name == "l2":
+        return L2ToOld(value)
+    raise ValueError(f"unknown baseline {name!r}: one of replay, kl, l2")
+
+
+def finetune(old_path: str, penalty: str, seed: int, cfg: ExampleArguments,
+             regulariser: Optional[tuple[str, float]] = None) -> dict[str, Any]:
+    """Fine-tune the old model on the new task (``penalty`` "none" or the constrained run's) and evaluate it held-out.
+
+    ``regulariser``: a baseline ``(name, value)`` (:func:`baseline_regulariser`) added to the objective; without
+    one the constrained run replays old rows at ``--replay_ratio`` (when above 0)."""
     t0 = time.time()
     _quiet()
     tokenizer = AutoTokenizer.from_pretrained(old_path)
@@ -240,6 +264,9 @@ def finetune(old_path: str, penalty: str, seed: int, cfg: ExampleArguments) -> d
                                              forget_tolerance=cfg.forget_tolerance)
     if cfg.constraint_proxy_indicator and penalty != "none":
         add_old_correctness(model, constraints, collate)
+    if regulariser is None and penalty != "none" and cfg.replay_ratio > 0:
+        regulariser = ("replay", cfg.replay_ratio)
+    baseline = baseline_regulariser(regulariser, model, constraint_rows, collate, seed)
     with tempfile.TemporaryDirectory() as tmp:
         trainer = ConstrainedTrainer(
             model=model, args=_args(tmp, seed, constraint_penalty=penalty, penalty_beta=cfg.penalty_beta,
@@ -247,9 +274,9 @@ def finetune(old_path: str, penalty: str, seed: int, cfg: ExampleArguments) -> d
                                     lr_scheduler_type=cfg.lr_scheduler_type, constraint_batch_size=cfg.constraint_batch_size,
                                     msvr_gamma=cfg.msvr_gamma, **_estimation_args(cfg, penalty)),
             train_dataset=task_data(NEW_TASK, cfg.new_rows, 100 + seed, tokenizer), data_collator=collate,
-            constraints=constraints)
+            constraints=constraints, regulariser=baseline)
         trainer.remove_callback(PrinterCallback)
-        trainer.train()
+        train_seconds = trainer.train().metrics["train_runtime"]
         h_eval = trainer.evaluate_constraints(split="eval")
         certificate = certify_models(trainer, delta=cfg.delta)  # the final weights, on the certification rows
     metrics = evaluate(model, held_out, collate)
@@ -258,7 +285,9 @@ def finetune(old_path: str, penalty: str, seed: int, cfg: ExampleArguments) -> d
         "upper_bounds": certificate.upper_bounds[0], "largest_bound": max(certificate.upper_bounds[0].values()),
         "num_rows": certificate.num_rows, "forget_tolerance": cfg.forget_tolerance, "delta": cfg.delta}
     return {"penalty": penalty, "seed": seed, "held_out": metrics, "h_held_out": h_eval,
-            "tolerance": cfg.tolerance, "certificate": cert, "seconds": round(time.time() - t0, 1)}
+            "tolerance": cfg.tolerance, "certificate": cert, "seconds": round(time.time() - t0, 1),
+            "regulariser": None if baseline is None else baseline.settings(),
+            "seconds_per_step": train_seconds / max(cfg.max_steps, 1)}
 
 
 def add_old_correctness(old_model: torch.nn.Module, constraints: list[Any], collate: PaddingCollator) -> None:
@@ -434,11 +463,18 @@ class ExampleArguments:
     constraint_margin: Optional[float] = field(default=0.1, metadata={
         "help": "the constrained run's margin: the hinge acts when the estimate exceeds its tolerance minus this "
                 "(with --constraint_proxy_indicator a share of rows, else nats per answer token)"})
+    replay_ratio: float = field(default=0.0, metadata={
+        "help": "the constrained run also mixes the old tasks' constraint rows into its batches at this share of "
+                "the rows (replay, hf_constrained.method.regularisers.Replay; 0: none)"})
     new_rows: int = field(default=2000, metadata={"help": "training rows of the new task"})
     constraint_rows: int = field(default=512, metadata={"help": "constraint rows per old task"})
     held_out_rows: int = field(default=512, metadata={"help": "held-out rows per task"})
-    certify_rows: int = field(default=512, metadata={
-        "help": "certification rows per old task (independent draws, read only by the certificate; 0: none)"})
+    certify_rows: int = field(default=2000, metadata={
+        "help": "certification rows per old task (independent draws, read only by the certificate; 0: none). 2000: "
+                "sized for the claim 'at most 3% of each old task forgotten' (so at most 3 points lost) at delta "
+                "0.05: Clopper-Pearson certifies it with up to 47 of 2000 rows forgotten, so all three tasks certify "
+                "with probability 0.996 when each truly forgets 1.5% (0.69 at 2%); 100 rows certify only with "
+                "nothing forgotten (docs/benchmarks.md)"})
     forget_tolerance: float = field(default=0.4, metadata={
         "help": "certified: at most this share of each old task's examples forgotten (exact before, not now)"})
     delta: float = field(default=0.05, metadata={"help": "the certificate's error level"})
@@ -474,6 +510,8 @@ class ExampleArguments:
         if self.constraint_margin is not None and not (math.isfinite(self.constraint_margin)
                                                        and self.constraint_margin >= 0):
             raise ValueError(f"--constraint_margin must be a finite number >= 0, got {self.constraint_margin}")
+        if not 0.0 <= self.replay_ratio < 1.0:
+            raise ValueError(f"--replay_ratio is a share of each batch's rows, in [0, 1); got {self.replay_ratio}")
         if self.workers < 1:
             raise ValueError(f"--workers must be >= 1, got {self.workers}")
         if self.threads < 1:
