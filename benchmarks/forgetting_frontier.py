@@ -7,7 +7,8 @@ knob swept over a few values:
 * ``none``: unconstrained fine-tuning;
 * ``replay``: old-task rows mixed into the batches at share ``ratio``
   (:class:`hf_constrained.method.regularisers.Replay`);
-* ``kl``: ``lam * KL(p_old || p_new)`` on 32 old-task rows per step (:class:`~hf_constrained.method.regularisers.KLToOld`);
+* ``kl``: ``lam * KL(p_old || p_new)`` on 32 old-task rows per step
+  (:class:`~hf_constrained.method.regularisers.KLToOld`);
 * ``l2``: ``lam / 2 * ||w - w_old||^2`` (:class:`~hf_constrained.method.regularisers.L2ToOld`);
 * ``hinge`` / ``squared_hinge`` (ours): the example's constrained run, knob the forgetting tolerance of its
   proxy indicator (``forget_tolerance``); ``hinge_beta``: the hinge, knob beta;
@@ -36,6 +37,7 @@ import concurrent.futures
 import dataclasses
 import json
 import logging
+import math
 import multiprocessing
 import os
 import statistics
@@ -45,11 +47,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes"))
-
-import llm_tiny_example as ex  # noqa: E402  (the recipe folder is not a package)
-
-from hf_constrained.publishable import publishable_command, publishable_values  # noqa: E402
+from hf_constrained.publishable import publishable_command, publishable_values
+from hf_constrained.recipes import llm_tiny_example as ex
 
 logger = logging.getLogger("forgetting_frontier")
 
@@ -95,7 +94,7 @@ def one_run(job: tuple[str, str, float, int, ex.ExampleArguments, float]) -> dic
     ex.torch.set_num_threads(cfg.threads)
     penalty, run_cfg, baseline = run_spec(method, value, cfg, combo_tolerance)
     record = ex.finetune(old_path, penalty, seed, run_cfg, regulariser=baseline)
-    return {"method": method, "knob": METHODS[method].knob, "value": None if value != value else value,
+    return {"method": method, "knob": METHODS[method].knob, "value": None if math.isnan(value) else value,
             "steps": run_cfg.max_steps, **record}
 
 
@@ -182,8 +181,9 @@ def plot(settings: list[dict[str, Any]], path: str, claim: float) -> None:
 
 
 def format_table(settings: list[dict[str, Any]], claim: float) -> str:
-    lines = ["| method | knob | new-task exact match, median (worst) | worst old-task change, median (worst) | "
-             f"largest bound, median (worst) | certified at most {claim:g} | s/step |", "|---|---|---|---|---|---|---|"]
+    header = ("| method | knob | new-task exact match, median (worst) | worst old-task change, median (worst) | "
+              f"largest bound, median (worst) | certified at most {claim:g} | s/step |")
+    lines = [header, "|---|---|---|---|---|---|---|"]
     for s in settings:
         knob = "-" if s["value"] is None else f"{s['knob']} {s['value']:g}"
         bound = "-" if s["largest_bound"] is None else \
@@ -241,7 +241,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     old_model = ex.AutoModelForCausalLM.from_pretrained(old_path)
     old = ex.evaluate(old_model, held_out, ex.PaddingCollator(tokenizer))
     jobs = [(old_path, method, value, seed, cfg, args.combo_tolerance)
-            for method in args.methods for value in overrides.get(method, METHODS[method].values) for seed in args.seeds]
+            for method in args.methods for value in overrides.get(method, METHODS[method].values)
+            for seed in args.seeds]
     logger.info("%d runs: %s", len(jobs), sorted({j[1] for j in jobs}))
     if args.workers > 1:
         context = multiprocessing.get_context("spawn")
@@ -257,7 +258,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     rows = [run_row(r, old, args.claim) for r in runs]
     settings = summarize(rows)
     result = {"command": publishable_command("python benchmarks/forgetting_frontier.py", argv),
-              "config": {"benchmark": publishable_values(vars(args)), "example": publishable_values(dataclasses.asdict(cfg))},
+              "config": {"benchmark": publishable_values(vars(args)),
+                         "example": publishable_values(dataclasses.asdict(cfg))},
               "old_model_sha256": ex.model_fingerprint(old_model), "old_model": old,
               "environment": ex.environment(cfg), "claim": args.claim, "delta": cfg.delta,
               "bound": "Clopper-Pearson on the share of each old task's certification rows forgotten",
