@@ -218,3 +218,23 @@ def test_bad_settings_name_the_regulariser():
         ConstrainedTrainer(model=TinyClassifier(), args=tiny_args("unused", constraint_penalty="none"),
                            train_dataset=new_rows(), regulariser=lambda: 0)
     assert isinstance(make_regulariser("l2", lam=1.0), L2ToOld)
+
+
+@pytest.mark.parametrize("make", [lambda: L2ToOld(2.0), lambda: Replay(old_rows(), 0.5, collate_examples)],
+                         ids=["l2", "replay"])
+def test_gradient_accumulation_gives_the_same_steps(tmp_path, make):
+    """Two micro-batches of 4 rows train as one batch of 8: the regulariser counts once per step (L2) and
+    the old rows of the two micro-batches are the step's rows (replay draws by position)."""
+    def train(batch: int, accumulation: int) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        model = CountingClassifier()
+        trainer = ConstrainedTrainer(model=model, args=tiny_args(str(tmp_path), constraint_penalty="none", max_steps=4,
+                                                                 per_device_train_batch_size=batch,
+                                                                 gradient_accumulation_steps=accumulation),
+                                     train_dataset=new_rows(), regulariser=make())
+        trainer.train()
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    whole, accumulated = train(8, 1), train(4, 2)
+    for name in whole:
+        torch.testing.assert_close(accumulated[name], whole[name], rtol=1e-5, atol=1e-6)
