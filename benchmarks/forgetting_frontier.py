@@ -223,6 +223,19 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def finished(run: dict[str, Any], i: int, total: int, old: dict[str, dict], args: argparse.Namespace) -> dict[str, Any]:
+    """Log a finished run and append its row to ``<json>.partial.jsonl`` (what a long sweep has so far)."""
+    row = run_row(run, old, args.claim)
+    logger.info("%d/%d %s %s seed %d: new task %.3f, worst old-task change %+.1f pts, bound %s, %.3f s/step",
+                i + 1, total, row["method"], row["value"], row["seed"], row["new_task_accuracy"],
+                100 * row["worst_old_change"], row["largest_bound"], row["seconds_per_step"])
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json + ".partial.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+    return run
+
+
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     argv = sys.argv[1:] if argv is None else list(argv)
     args, rest = parser().parse_known_args(argv)
@@ -244,17 +257,17 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
             for method in args.methods for value in overrides.get(method, METHODS[method].values)
             for seed in args.seeds]
     logger.info("%d runs: %s", len(jobs), sorted({j[1] for j in jobs}))
+    if args.json and os.path.exists(args.json + ".partial.jsonl"):
+        os.remove(args.json + ".partial.jsonl")  # an interrupted earlier run's rows
     if args.workers > 1:
         context = multiprocessing.get_context("spawn")
         with concurrent.futures.ProcessPoolExecutor(args.workers, mp_context=context) as pool:
             futures = [pool.submit(one_run, j) for j in jobs]
             for i, done in enumerate(concurrent.futures.as_completed(futures)):
-                r = done.result()
-                logger.info("%d/%d %s %s seed %d: new task %.3f", i + 1, len(jobs), r["method"], r["value"],
-                            r["seed"], r["held_out"][ex.NEW_TASK]["accuracy"])
+                finished(done.result(), i, len(jobs), old, args)
             runs = [f.result() for f in futures]
     else:
-        runs = [one_run(j) for j in jobs]
+        runs = [finished(one_run(j), i, len(jobs), old, args) for i, j in enumerate(jobs)]
     rows = [run_row(r, old, args.claim) for r in runs]
     settings = summarize(rows)
     result = {"command": publishable_command("python benchmarks/forgetting_frontier.py", argv),
@@ -267,10 +280,11 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
               "seconds": round(time.time() - t0, 1)}
     print(format_table(settings, args.claim))
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json + ".tmp", "w") as f:
             json.dump(result, f, indent=2)
         os.replace(args.json + ".tmp", args.json)
+        if os.path.exists(args.json + ".partial.jsonl"):
+            os.remove(args.json + ".partial.jsonl")  # the result holds every run
     if args.figure:
         plot(settings, args.figure, args.claim)
     tmp.cleanup()

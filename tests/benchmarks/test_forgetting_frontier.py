@@ -22,7 +22,7 @@ def test_every_method_runs_with_the_same_steps_and_seeds(tmp_path):
                       "--figure", str(figure), "--old_model", str(tmp_path / "old"), *TINY])
     saved = json.loads(out.read_text())
     assert saved["runs"] == json.loads(json.dumps(result["runs"]))
-    assert figure.stat().st_size > 0
+    assert figure.stat().st_size > 0 and not (tmp_path / "frontier.json.partial.jsonl").exists()
     runs = saved["runs"]
     assert {r["method"] for r in runs} == set(ff.METHODS)
     for method in ff.METHODS:
