@@ -220,7 +220,47 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default="outputs/forgetting_frontier/results.json")
     p.add_argument("--figure", default=None, help="write the frontier figure (PNG) here")
     p.add_argument("--workers", type=int, default=2, help="runs in parallel (processes)")
+    p.add_argument("--example_result", default=None,
+                   help="take the unconstrained and the constrained runs from this LLM-example result file (same "
+                        "old model and settings, checked) instead of running them again")
     return p
+
+
+def example_runs(path: str, cfg: ex.ExampleArguments, seeds: list[int], old_sha256: str,
+                 combo_tolerance: float) -> list[dict[str, Any]]:
+    """The unconstrained and constrained runs of an LLM-example result file (``recipes/llm_tiny_example.py
+    --json``), as this benchmark's runs: the same function (``finetune``) with the same settings, so the same
+    numbers, without running them twice. The file must come from the same old model and the same example
+    settings (apart from its seeds, output and workers) and hold every seed asked for."""
+    with open(path) as f:
+        saved = json.load(f)
+    ignored = ("seeds", "json", "workers", "old_model")
+    mine = {k: v for k, v in publishable_values(dataclasses.asdict(cfg)).items() if k not in ignored}
+    theirs = {k: v for k, v in saved["config"].items() if k not in ignored}
+    if mine != theirs:
+        differ = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+        raise SystemExit(f"--example_result {path}: its example settings differ from this run's in {differ}")
+    if saved["old_model_sha256"] != old_sha256:
+        raise SystemExit(f"--example_result {path}: another old model (sha256 {saved['old_model_sha256'][:12]})")
+    runs = []
+    for r in saved["runs"]:
+        if r["seed"] not in seeds:
+            continue
+        if r["penalty"] == "none":
+            method, value = "none", None
+        elif r.get("regulariser"):
+            if cfg.forget_tolerance != combo_tolerance:
+                raise SystemExit(f"--example_result {path}: its hinge+replay runs use forget_tolerance "
+                                 f"{cfg.forget_tolerance}, --combo_tolerance is {combo_tolerance}")
+            method, value = "hinge+replay", r["regulariser"]["ratio"]
+        else:
+            method, value = r["penalty"], cfg.forget_tolerance
+        runs.append({"method": method, "knob": METHODS[method].knob, "value": value, "steps": cfg.max_steps, **r})
+    for method in dict.fromkeys(r["method"] for r in runs):
+        got = sorted(r["seed"] for r in runs if r["method"] == method)
+        if got != sorted(seeds):
+            raise SystemExit(f"--example_result {path}: {method} has seeds {got}, not {sorted(seeds)}")
+    return runs
 
 
 def finished(run: dict[str, Any], i: int, total: int, old: dict[str, dict], args: argparse.Namespace) -> dict[str, Any]:
@@ -268,6 +308,13 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
             runs = [f.result() for f in futures]
     else:
         runs = [finished(one_run(j), i, len(jobs), old, args) for i, j in enumerate(jobs)]
+    if args.example_result:
+        taken = example_runs(args.example_result, cfg, args.seeds, ex.model_fingerprint(old_model),
+                             args.combo_tolerance)
+        twice = {(r["method"], r["value"]) for r in taken} & {(r["method"], r["value"]) for r in runs}
+        if twice:
+            raise SystemExit(f"--example_result: {sorted(twice)} ran here too; leave those methods out of --methods")
+        runs = taken + runs
     rows = [run_row(r, old, args.claim) for r in runs]
     settings = summarize(rows)
     result = {"command": publishable_command("python benchmarks/forgetting_frontier.py", argv),
