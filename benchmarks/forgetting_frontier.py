@@ -209,7 +209,10 @@ def parse_values(specs: list[str]) -> dict[str, tuple[float, ...]]:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    p.add_argument("--methods", nargs="*", default=list(METHODS), choices=list(METHODS),
+                   help="the methods to run (none: only --include and --example_result)")
+    p.add_argument("--include", nargs="*", default=[],
+                   help="add the runs of earlier result files of this benchmark (same old model and settings)")
     p.add_argument("--values", nargs="*", default=[], help="method=v1,v2: the knob values of a method")
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4],
                    help="fine-tuning seeds (0-4 choose the settings; 100-104 report them)")
@@ -226,6 +229,33 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+IGNORED_SETTINGS = ("seeds", "json", "workers", "old_model")  # where and how fast, not what is measured
+
+
+def same_settings(saved_example: dict[str, Any], cfg: ex.ExampleArguments, path: str, flag: str) -> None:
+    """Refuse a result file whose example settings differ from this run's (apart from IGNORED_SETTINGS)."""
+    mine = {k: v for k, v in publishable_values(dataclasses.asdict(cfg)).items() if k not in IGNORED_SETTINGS}
+    theirs = {k: v for k, v in saved_example.items() if k not in IGNORED_SETTINGS}
+    if mine != theirs:
+        differ = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+        raise SystemExit(f"{flag} {path}: its example settings differ from this run's in {differ}")
+
+
+def included_rows(path: str, cfg: ex.ExampleArguments, old_sha256: str, combo_tolerance: float) -> list[dict]:
+    """The runs of an earlier result file of this benchmark (same old model and example settings, checked)."""
+    with open(path) as f:
+        saved = json.load(f)
+    same_settings(saved["config"]["example"], cfg, path, "--include")
+    if saved["old_model_sha256"] != old_sha256:
+        raise SystemExit(f"--include {path}: another old model (sha256 {saved['old_model_sha256'][:12]})")
+    rows = saved["runs"]
+    if any(r["method"] == "hinge+replay" for r in rows) and saved["config"]["benchmark"]["combo_tolerance"] != \
+            combo_tolerance:
+        raise SystemExit(f"--include {path}: its hinge+replay runs use --combo_tolerance "
+                         f"{saved['config']['benchmark']['combo_tolerance']}, this run {combo_tolerance}")
+    return rows
+
+
 def example_runs(path: str, cfg: ex.ExampleArguments, seeds: list[int], old_sha256: str,
                  combo_tolerance: float) -> list[dict[str, Any]]:
     """The unconstrained and constrained runs of an LLM-example result file (``recipes/llm_tiny_example.py
@@ -234,12 +264,7 @@ def example_runs(path: str, cfg: ex.ExampleArguments, seeds: list[int], old_sha2
     settings (apart from its seeds, output and workers) and hold every seed asked for."""
     with open(path) as f:
         saved = json.load(f)
-    ignored = ("seeds", "json", "workers", "old_model")
-    mine = {k: v for k, v in publishable_values(dataclasses.asdict(cfg)).items() if k not in ignored}
-    theirs = {k: v for k, v in saved["config"].items() if k not in ignored}
-    if mine != theirs:
-        differ = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
-        raise SystemExit(f"--example_result {path}: its example settings differ from this run's in {differ}")
+    same_settings(saved["config"], cfg, path, "--example_result")
     if saved["old_model_sha256"] != old_sha256:
         raise SystemExit(f"--example_result {path}: another old model (sha256 {saved['old_model_sha256'][:12]})")
     runs = []
@@ -308,14 +333,16 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
             runs = [f.result() for f in futures]
     else:
         runs = [finished(one_run(j), i, len(jobs), old, args) for i, j in enumerate(jobs)]
+    old_sha256 = ex.model_fingerprint(old_model)
     if args.example_result:
-        taken = example_runs(args.example_result, cfg, args.seeds, ex.model_fingerprint(old_model),
-                             args.combo_tolerance)
-        twice = {(r["method"], r["value"]) for r in taken} & {(r["method"], r["value"]) for r in runs}
-        if twice:
-            raise SystemExit(f"--example_result: {sorted(twice)} ran here too; leave those methods out of --methods")
-        runs = taken + runs
+        runs = example_runs(args.example_result, cfg, args.seeds, old_sha256, args.combo_tolerance) + runs
     rows = [run_row(r, old, args.claim) for r in runs]
+    for path in args.include:
+        rows += included_rows(path, cfg, old_sha256, args.combo_tolerance)
+    keys = [(r["method"], r["value"], r["seed"]) for r in rows]
+    twice = sorted({k for k in keys if keys.count(k) > 1}, key=str)
+    if twice:
+        raise SystemExit(f"runs {twice} come twice (ran here, from --example_result or --include): leave them out")
     settings = summarize(rows)
     result = {"command": publishable_command("python benchmarks/forgetting_frontier.py", argv),
               "config": {"benchmark": publishable_values(vars(args)),

@@ -70,3 +70,31 @@ def test_bad_knob_values_are_errors_naming_the_flag():
         ff.parse_values(["ewc=1"])
     assert ff.parse_values(["replay=0.5,0.75"]) == {"replay": (0.5, 0.75)}
     assert math.isnan(ff.METHODS["none"].values[0])
+
+
+def test_runs_taken_from_the_example_are_its_runs_and_must_match_its_settings(tmp_path):
+    from hf_constrained.recipes import llm_tiny_example as ex
+
+    old, example_json = str(tmp_path / "old"), str(tmp_path / "example.json")
+    saved = ex.main(["--seeds", "0", "--workers", "1", "--old_model", old, "--json", example_json, *TINY])
+    result = ff.main(["--seeds", "0", "--workers", "1", "--methods", "replay", "--values", "replay=0.5",
+                      "--example_result", example_json, "--old_model", old, "--json", str(tmp_path / "f.json"), *TINY])
+    by = {r["method"]: r for r in result["runs"]}
+    assert set(by) == {"none", "hinge", "replay"} and {r["steps"] for r in result["runs"]} == {2}
+    for method, penalty in (("none", "none"), ("hinge", "hinge")):
+        run = next(r for r in saved["runs"] if r["penalty"] == penalty)
+        assert by[method]["new_task_accuracy"] == run["held_out"]["first"]["accuracy"]
+        assert by[method]["upper_bounds"] == run["certificate"]["upper_bounds"]
+        assert by[method]["seconds_per_step"] == run["seconds_per_step"]  # the example's run, not a new one
+    assert by["hinge"]["value"] == 0.4 and by["none"]["value"] is None
+    # a later invocation gathers earlier result files without running anything
+    merged = ff.main(["--seeds", "0", "--workers", "1", "--methods", "--include", str(tmp_path / "f.json"),
+                      "--old_model", old, "--json", str(tmp_path / "m.json"), *TINY])
+    assert merged["runs"] == json.loads((tmp_path / "f.json").read_text())["runs"]
+    with pytest.raises(SystemExit, match="come twice"):
+        ff.main(["--seeds", "0", "--workers", "1", "--methods", "--include", str(tmp_path / "f.json"),
+                 str(tmp_path / "m.json"), "--old_model", old, "--json", str(tmp_path / "n.json"), *TINY])
+    with pytest.raises(SystemExit, match=r"differ from this run's in \['max_steps'\]"):
+        ff.main(["--seeds", "0", "--workers", "1", "--methods", "replay", "--values", "replay=0.5",
+                 "--example_result", example_json, "--old_model", old, "--json", str(tmp_path / "g.json"),
+                 *TINY, "--max_steps", "3"])
