@@ -80,7 +80,7 @@ def run_spec(method: str, value: float, cfg: ex.ExampleArguments,
              combo_tolerance: float) -> tuple[str, ex.ExampleArguments, Optional[tuple[str, float]]]:
     """(penalty, the example's settings, baseline) of one run."""
     m = METHODS[method]
-    run_cfg = dataclasses.replace(cfg, replay_ratio=0.0)  # the baseline is given explicitly
+    run_cfg = cfg
     if m.example_field is not None:
         run_cfg = dataclasses.replace(run_cfg, **{m.example_field: value})
     if method == "hinge+replay":

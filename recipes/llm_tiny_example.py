@@ -10,7 +10,7 @@
 3. Held-out per-task loss and exact-match accuracy (greedy decoding; computed in one
    teacher-forced pass: the greedy answer is exact iff every answer token, EOS included,
    is the argmax given the correct prefix), old vs new.
-4. A certificate per run: on 2000 certification rows per old task (``--certify_rows``; independent
+4. A certificate per run: on 512 certification rows per old task (``--certify_rows``; independent
    draws of the task's generator, fixed across seeds, read by nothing but the certificate), the
    share of rows the old model answered exactly and the new one no longer does (teacher-forced
    exact match, ``causal_lm_per_example_correct``), bounded by Clopper-Pearson at ``--delta``
@@ -248,8 +248,8 @@ def finetune(old_path: str, penalty: str, seed: int, cfg: ExampleArguments,
              regulariser: Optional[tuple[str, float]] = None) -> dict[str, Any]:
     """Fine-tune the old model on the new task (``penalty`` "none" or the constrained run's) and evaluate it held-out.
 
-    ``regulariser``: a baseline ``(name, value)`` (:func:`baseline_regulariser`) added to the objective; without
-    one the constrained run replays old rows at ``--replay_ratio`` (when above 0)."""
+    ``regulariser``: a baseline ``(name, value)`` (:func:`baseline_regulariser`) added to the objective
+    (``benchmarks/forgetting_frontier.py``)."""
     t0 = time.time()
     _quiet()
     tokenizer = AutoTokenizer.from_pretrained(old_path)
@@ -264,8 +264,6 @@ def finetune(old_path: str, penalty: str, seed: int, cfg: ExampleArguments,
                                              forget_tolerance=cfg.forget_tolerance)
     if cfg.constraint_proxy_indicator and penalty != "none":
         add_old_correctness(model, constraints, collate)
-    if regulariser is None and penalty != "none" and cfg.replay_ratio > 0:
-        regulariser = ("replay", cfg.replay_ratio)
     baseline = baseline_regulariser(regulariser, model, constraint_rows, collate, seed)
     with tempfile.TemporaryDirectory() as tmp:
         trainer = ConstrainedTrainer(
@@ -463,18 +461,13 @@ class ExampleArguments:
     constraint_margin: Optional[float] = field(default=0.1, metadata={
         "help": "the constrained run's margin: the hinge acts when the estimate exceeds its tolerance minus this "
                 "(with --constraint_proxy_indicator a share of rows, else nats per answer token)"})
-    replay_ratio: float = field(default=0.0, metadata={
-        "help": "the constrained run also mixes the old tasks' constraint rows into its batches at this share of "
-                "the rows (replay, hf_constrained.method.regularisers.Replay; 0: none)"})
     new_rows: int = field(default=2000, metadata={"help": "training rows of the new task"})
     constraint_rows: int = field(default=512, metadata={"help": "constraint rows per old task"})
     held_out_rows: int = field(default=512, metadata={"help": "held-out rows per task"})
-    certify_rows: int = field(default=2000, metadata={
-        "help": "certification rows per old task (independent draws, read only by the certificate; 0: none). 2000: "
-                "sized for the claim 'at most 3% of each old task forgotten' (so at most 3 points lost) at delta "
-                "0.05: Clopper-Pearson certifies it with up to 47 of 2000 rows forgotten, so all three tasks certify "
-                "with probability 0.996 when each truly forgets 1.5% (0.69 at 2%); 100 rows certify only with "
-                "nothing forgotten (docs/benchmarks.md)"})
+    certify_rows: int = field(default=512, metadata={
+        "help": "certification rows per old task (independent draws, read only by the certificate; 0: none). A "
+                "claim of at most 3% of each old task forgotten (so at most 3 points lost) at delta 0.05 needs "
+                "2000 (benchmarks/certification_size.py, docs/benchmarks.md)"})
     forget_tolerance: float = field(default=0.4, metadata={
         "help": "certified: at most this share of each old task's examples forgotten (exact before, not now)"})
     delta: float = field(default=0.05, metadata={"help": "the certificate's error level"})
@@ -510,8 +503,6 @@ class ExampleArguments:
         if self.constraint_margin is not None and not (math.isfinite(self.constraint_margin)
                                                        and self.constraint_margin >= 0):
             raise ValueError(f"--constraint_margin must be a finite number >= 0, got {self.constraint_margin}")
-        if not 0.0 <= self.replay_ratio < 1.0:
-            raise ValueError(f"--replay_ratio is a share of each batch's rows, in [0, 1); got {self.replay_ratio}")
         if self.workers < 1:
             raise ValueError(f"--workers must be >= 1, got {self.workers}")
         if self.threads < 1:

@@ -298,5 +298,14 @@ def make_regulariser(name: str, **kwargs: Any) -> ObjectiveRegulariser:
     return REGULARISERS[name](**kwargs)
 
 
-__all__ = ["KLToOld", "L2ToOld", "ObjectiveRegulariser", "OldRowStream", "REGULARISERS", "Replay", "kl_old_new",
-           "make_regulariser", "scored_logits"]
+__all__ = [
+    "REGULARISERS",
+    "KLToOld",
+    "L2ToOld",
+    "ObjectiveRegulariser",
+    "OldRowStream",
+    "Replay",
+    "kl_old_new",
+    "make_regulariser",
+    "scored_logits",
+]
