@@ -170,7 +170,7 @@ def plot(settings: list[dict[str, Any]], path: str, claim: float) -> None:
         for s, x, y in zip(mine, xs, ys):
             if s["value"] is not None:
                 ax.annotate(f"{s['value']:g}", (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
-    ax.axvline(-100 * claim, color="grey", linestyle=":", linewidth=1)
+    ax.axvline(-100 * claim, color="grey", linestyle=":", linewidth=1, label=f"goal: {-100 * claim:g} points")
     ax.set_xlabel("worst old-task exact-match change (points, median over seeds)")
     ax.set_ylabel("new-task exact match (%, median)")
     ax.set_title("Forgetting frontier, offline LLM example")
