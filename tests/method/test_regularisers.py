@@ -147,7 +147,7 @@ def test_kl_in_training_keeps_the_model_closer_to_the_old_one(tmp_path):
                                      train_dataset=new_rows(), regulariser=reg)
         trainer.train()
         batch = collate_examples([old_rows()[i] for i in range(40)])
-        return float(kl_old_new(old(x=batch["x"])["logits"], model(x=batch["x"])["logits"]))
+        return float(kl_old_new(old(x=batch["x"])["logits"], model(x=batch["x"])["logits"]).detach())
 
     def logits_fn(m, b):
         return m(x=b["x"])["logits"]
