@@ -273,13 +273,14 @@ class L2ToOld(ObjectiveRegulariser):
                              f"({len(set(self.anchor) ^ names)} names differ)")
         device = next(model.parameters()).device
         self.anchor = {n: a.to(device) for n, a in self.anchor.items()}
+        # the parameters themselves: a wrapper (DDP) passed to apply names them "module.<name>"
+        self._pairs = [(p, self.anchor[n]) for n, p in model.named_parameters() if p.requires_grad]
 
     def distance(self, model: nn.Module) -> torch.Tensor:
-        """``1/2 ||w - w_old||^2``."""
-        if self.anchor is None:
+        """``1/2 ||w - w_old||^2`` over the parameters of the model bound before training."""
+        if self.anchor is None or not hasattr(self, "_pairs"):
             raise RuntimeError("L2ToOld: no old weights yet (bind the model first)")
-        terms = [((p - self.anchor[n]) ** 2).sum() for n, p in model.named_parameters() if p.requires_grad]
-        return 0.5 * torch.stack(terms).sum()
+        return 0.5 * torch.stack([((p - a) ** 2).sum() for p, a in self._pairs]).sum()
 
     def apply(self, model: nn.Module, objective: torch.Tensor, inputs: Any, draw: int) -> torch.Tensor:
         return objective + self.lam * self.distance(model).to(objective.dtype)

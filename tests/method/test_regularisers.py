@@ -167,6 +167,10 @@ def test_l2_gradient_pulls_toward_the_old_weights():
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p))
+    wrapped = nn.Module()
+    wrapped.module = model  # as DDP wraps it: parameter names "module.<name>"
+    torch.testing.assert_close(l2.distance(wrapped), 0.5 * sum(((p - old[n]) ** 2).sum()
+                                                                for n, p in model.named_parameters()))
     loss = l2.apply(model, torch.zeros(()), None, draw=0)
     loss.backward()
     for n, p in model.named_parameters():
