@@ -37,6 +37,7 @@ from .distributed import (GradientCoverageCallback, configure_ddp_for_constraint
 from .method.engine import ConstraintEngine
 from .method.estimators import run_precision
 from .method.penalties import make_penalty
+from .method.regularisers import ObjectiveRegulariser
 from .preflight import preflight_constraints
 from .safety.gate import SafetyMixin
 from .safety.splits import check_certification_splits
@@ -71,6 +72,9 @@ class ConstrainedTrainer(SafetyMixin, TrainerInternals):
         constraints: the constraints (see :class:`~hf_constrained.Constraint` and
             :func:`~hf_constrained.constraints_per_value`). With penalty ``none`` they are
             not trained on but still evaluated exactly by :meth:`evaluate`.
+        regulariser: an optional change of the objective on every training micro-batch (replay of old
+            rows, KL or L2 to the old model: :mod:`hf_constrained.method.regularisers`); it combines
+            with any ``constraint_penalty``.
         **kwargs: passed to ``Trainer``.
 
     The objective is whatever ``Trainer.compute_loss`` computes (the model's loss or
@@ -83,12 +87,17 @@ class ConstrainedTrainer(SafetyMixin, TrainerInternals):
     args: ConstrainedTrainingArguments
 
     def __init__(self, model: Union[nn.Module, None] = None, args: Optional[ConstrainedTrainingArguments] = None,
-                 *, constraints: Sequence[Constraint] = (), **kwargs: Any) -> None:
+                 *, constraints: Sequence[Constraint] = (), regulariser: Optional[ObjectiveRegulariser] = None,
+                 **kwargs: Any) -> None:
         if args is not None and not isinstance(args, ConstrainedTrainingArguments):
             raise TypeError(f"ConstrainedTrainer needs ConstrainedTrainingArguments, got {type(args).__name__}")
         if args is None:
             args = ConstrainedTrainingArguments(output_dir="trainer_output")
         self.constraints: list[Constraint] = _checked(constraints)
+        if regulariser is not None and not isinstance(regulariser, ObjectiveRegulariser):
+            raise TypeError(f"regulariser must be an ObjectiveRegulariser, got {type(regulariser).__name__}")
+        self.regulariser = regulariser
+        self._regulariser_draw: tuple[int, int] = (-1, 0)  # (global step, micro-batches of it so far)
         m = len(self.constraints)
         self.penalty = make_penalty(args.constraint_penalty, args.penalty_beta)
         if self.penalty.active and m == 0:
@@ -184,6 +193,8 @@ class ConstrainedTrainer(SafetyMixin, TrainerInternals):
                      num_items_in_batch: Optional[Union[torch.Tensor, int]] = None) -> Any:
         result = self.compute_objective_loss(model, inputs, return_outputs=return_outputs,
                                              num_items_in_batch=num_items_in_batch)
+        if self.in_training_step and self.regulariser is not None:
+            result = self._regularised(model, result, inputs, num_items_in_batch)
         if not (self.in_training_step and self.penalty.active) or self._constraint_step == self.state.global_step:
             return result
         self._constraint_step = self.state.global_step
@@ -195,6 +206,20 @@ class ConstrainedTrainer(SafetyMixin, TrainerInternals):
             loss, outputs = result
             return loss + penalty_loss.to(loss.dtype), outputs
         return result + penalty_loss.to(result.dtype)
+
+    def _regularised(self, model: nn.Module, result: Any, inputs: Any, num_items_in_batch: Any) -> Any:
+        """The objective changed by the regulariser (its one dispatch point, ``apply``). The regulariser sees
+        the micro-batch's own mean objective: a loss the Trainer already scaled for gradient accumulation is
+        unscaled for it and rescaled after. The micro-batch's number fixes the old rows it reads."""
+        step, micro = self._regulariser_draw
+        micro = micro + 1 if step == self.state.global_step else 0
+        self._regulariser_draw = (self.state.global_step, micro)
+        windows = self.current_gradient_accumulation_steps
+        draw = self.state.global_step * windows + micro
+        scale = windows if self._objective_is_scaled_for_ga(num_items_in_batch) else 1
+        loss = result[0] if isinstance(result, tuple) else result
+        loss = self.regulariser.apply(model, loss * scale, inputs, draw) / scale
+        return (loss, result[1]) if isinstance(result, tuple) else loss
 
     def training_step(self, model: nn.Module, inputs: dict[str, Any],
                       num_items_in_batch: Optional[Union[torch.Tensor, int]] = None) -> torch.Tensor:
@@ -397,6 +422,8 @@ class ConstrainedTrainer(SafetyMixin, TrainerInternals):
             return TrainOutput(self.state.global_step, 0.0, {})
         if self.penalty.active:
             self.preflight_constraints()
+        if self.regulariser is not None:
+            self.regulariser.bind(self.model, self._to_device)
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def _finished_at(self, checkpoint: str) -> bool:

@@ -77,6 +77,7 @@ from tqdm.auto import tqdm
 from transformers.trainer_callback import PrinterCallback
 
 from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments
+from hf_constrained.method.regularisers import KLToOld, L2ToOld, ObjectiveRegulariser, Replay
 from hf_constrained.non_forgetting import (
     PaddingCollator,
     ReferenceCorrectDataset,
@@ -229,8 +230,31 @@ def certification_rows(tokenizer: Any, cfg: ExampleArguments) -> dict[str, Indep
             for t in OLD_TASKS}
 
 
-def finetune(old_path: str, penalty: str, seed: int, cfg: ExampleArguments) -> dict[str, Any]:
-    """Fine-tune the old model on the new task (``penalty`` "none" or the constrained run's) and evaluate it held-out."""
+def baseline_regulariser(spec: Optional[tuple[str, float]], model: torch.nn.Module, constraint_rows: dict[str, Dataset],
+                     collate: PaddingCollator, seed: int) -> Optional[ObjectiveRegulariser]:
+    """The baseline ``(name, value)`` of a run (``benchmarks/forgetting_frontier.py``): ``("replay", r)`` mixes the
+    old tasks' constraint rows into the batches at share r; ``("kl", lam)`` adds lam * KL(old || new) on 32 of
+    them per step; ``("l2", lam)`` adds lam / 2 * ||w - w_old||^2. Every baseline reads the same old rows as the
+    constraints (the constraint rows, never the held-out or certification rows)."""
+    if spec is None:
+        return None
+    name, value = spec
+    old_rows = concatenate_datasets([constraint_rows[t] for t in OLD_TASKS])
+    if name == "replay":
+        return Replay(old_rows, value, collate, seed=seed)
+    if name == "kl":
+        return KLToOld(model, old_rows, value, collate, rows_per_step=32, seed=seed)
+    if name == "l2":
+        return L2ToOld(value)
+    raise ValueError(f"unknown baseline {name!r}: one of replay, kl, l2")
+
+
+def finetune(old_path: str, penalty: str, seed: int, cfg: ExampleArguments,
+             regulariser: Optional[tuple[str, float]] = None) -> dict[str, Any]:
+    """Fine-tune the old model on the new task (``penalty`` "none" or the constrained run's) and evaluate it held-out.
+
+    ``regulariser``: a baseline ``(name, value)`` (:func:`baseline_regulariser`) added to the objective
+    (``benchmarks/forgetting_frontier.py``)."""
     t0 = time.time()
     _quiet()
     tokenizer = AutoTokenizer.from_pretrained(old_path)
@@ -245,6 +269,7 @@ def finetune(old_path: str, penalty: str, seed: int, cfg: ExampleArguments) -> d
                                              forget_tolerance=cfg.forget_tolerance)
     if cfg.constraint_proxy_indicator and penalty != "none":
         add_old_correctness(model, constraints, collate)
+    baseline = baseline_regulariser(regulariser, model, constraint_rows, collate, seed)
     with tempfile.TemporaryDirectory() as tmp:
         trainer = ConstrainedTrainer(
             model=model, args=_args(tmp, seed, constraint_penalty=penalty, penalty_beta=cfg.penalty_beta,
@@ -252,9 +277,9 @@ def finetune(old_path: str, penalty: str, seed: int, cfg: ExampleArguments) -> d
                                     lr_scheduler_type=cfg.lr_scheduler_type, constraint_batch_size=cfg.constraint_batch_size,
                                     msvr_gamma=cfg.msvr_gamma, **_estimation_args(cfg, penalty)),
             train_dataset=task_data(NEW_TASK, cfg.new_rows, 100 + seed, tokenizer), data_collator=collate,
-            constraints=constraints)
+            constraints=constraints, regulariser=baseline)
         trainer.remove_callback(PrinterCallback)
-        trainer.train()
+        train_seconds = trainer.train().metrics["train_runtime"]
         h_eval = trainer.evaluate_constraints(split="eval")
         certificate = certify_models(trainer, delta=cfg.delta)  # the final weights, on the certification rows
     metrics = evaluate(model, held_out, collate)
@@ -263,7 +288,9 @@ def finetune(old_path: str, penalty: str, seed: int, cfg: ExampleArguments) -> d
         "upper_bounds": certificate.upper_bounds[0], "largest_bound": max(certificate.upper_bounds[0].values()),
         "num_rows": certificate.num_rows, "forget_tolerance": cfg.forget_tolerance, "delta": cfg.delta}
     return {"penalty": penalty, "seed": seed, "held_out": metrics, "h_held_out": h_eval,
-            "tolerance": cfg.tolerance, "certificate": cert, "seconds": round(time.time() - t0, 1)}
+            "tolerance": cfg.tolerance, "certificate": cert, "seconds": round(time.time() - t0, 1),
+            "regulariser": None if baseline is None else baseline.settings(),
+            "seconds_per_step": train_seconds / max(cfg.max_steps, 1)}
 
 
 def add_old_correctness(old_model: torch.nn.Module, constraints: list[Any], collate: PaddingCollator) -> None:
@@ -444,7 +471,9 @@ class ExampleArguments:
     constraint_rows: int = field(default=512, metadata={"help": "constraint rows per old task"})
     held_out_rows: int = field(default=512, metadata={"help": "held-out rows per task"})
     certify_rows: int = field(default=512, metadata={
-        "help": "certification rows per old task (independent draws, read only by the certificate; 0: none)"})
+        "help": "certification rows per old task (independent draws, read only by the certificate; 0: none). A "
+                "claim of at most 3% of each old task forgotten (so at most 3 points lost) at delta 0.05 needs "
+                "2000 (benchmarks/certification_size.py, docs/benchmarks.md)"})
     forget_tolerance: float = field(default=0.4, metadata={
         "help": "certified: at most this share of each old task's examples forgotten (exact before, not now)"})
     delta: float = field(default=0.05, metadata={"help": "the certificate's error level"})

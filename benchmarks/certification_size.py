@@ -1,0 +1,85 @@
+"""How many certification rows per old task a claim "at most ``eps`` of each old task's examples forgotten" needs.
+
+The LLM example's certificate bounds, per old task, the share of certification rows the old model answered
+exactly and the new one no longer does, with Clopper-Pearson at ``delta`` (each task at ``delta``: the claim
+holds for every task at once, an intersection-union test, REFERENCE section 8). Forgotten rows are at least
+the points of accuracy lost (a row can only add a point back if it was wrong before), so the claim "at most 3%
+forgotten" also certifies "at most 3 points lost". For each ``n``: the most forgotten rows that still certify,
+and the probability that all ``--tasks`` tasks certify when each truly forgets a share ``p`` (binomial).
+
+    python benchmarks/certification_size.py --json benchmarks/results/certification_size_llm_example.json
+
+The rule, stated before any data: the smallest ``n`` on the grid with which a model that truly forgets half
+the tolerance on every task certifies with probability at least ``--power`` (0.99: a model that
+forgets 1.5% should almost never read NOT CERTIFIED).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any, Optional
+
+from scipy.stats import binom
+
+from hf_constrained.publishable import publishable_command
+from hf_constrained.safety.bounds import clopper_pearson_upper_bound
+
+
+def most_forgotten_that_certify(n: int, eps: float, delta: float) -> int:
+    """The largest count ``x`` of forgotten rows among ``n`` whose Clopper-Pearson bound is at most ``eps``
+    (-1: none, not even 0)."""
+    x = -1
+    while x + 1 <= n and clopper_pearson_upper_bound(x + 1, n, delta) <= eps:
+        x += 1
+    return x
+
+
+def sizing(eps: float, delta: float, tasks: int, grid: list[int], rates: list[float]) -> list[dict[str, Any]]:
+    rows = []
+    for n in grid:
+        x = most_forgotten_that_certify(n, eps, delta)
+        rows.append({"n": n, "most_forgotten_rows": x,
+                     "probability_all_tasks_certify": {f"{p:g}": float(binom.cdf(x, n, p) ** tasks) if x >= 0 else 0.0
+                                                       for p in rates}})
+    return rows
+
+
+def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--eps", type=float, default=0.03, help="the claim: at most this share forgotten per task")
+    p.add_argument("--delta", type=float, default=0.05)
+    p.add_argument("--tasks", type=int, default=3, help="old tasks certified at once")
+    p.add_argument("--power", type=float, default=0.99,
+                   help="required probability that a model forgetting half the tolerance certifies")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    grid = [100, 200, 300, 500, 1000, 1500, 2000, 3000, 4000]
+    rates = [0.0, 0.005, 0.01, args.eps / 2, 0.02, 0.025]
+    table = sizing(args.eps, args.delta, args.tasks, grid, rates)
+    half = f"{args.eps / 2:g}"
+    chosen = next((r["n"] for r in table if r["probability_all_tasks_certify"][half] >= args.power), None)
+    result = {"command": publishable_command("python benchmarks/certification_size.py",
+                                             sys.argv[1:] if argv is None else argv),
+              "bound": "Clopper-Pearson, one-sided, per task", "eps": args.eps, "delta": args.delta,
+              "tasks": args.tasks, "power": args.power, "rule": f"smallest n with P(all tasks certify) >= "
+              f"{args.power:g} at a true {half} forgotten per task", "chosen_n": chosen,
+              "n_needed_with_nothing_forgotten": next(n for n in range(1, 100000)
+                                                      if clopper_pearson_upper_bound(0, n, args.delta) <= args.eps),
+              "table": table}
+    for r in table:
+        probs = "  ".join(f"p={k}: {v:.3f}" for k, v in r["probability_all_tasks_certify"].items())
+        print(f"n={r['n']:5d}  certifies with <= {r['most_forgotten_rows']:4d} forgotten  {probs}")
+    print(f"chosen n = {chosen}; with nothing forgotten n >= {result['n_needed_with_nothing_forgotten']}")
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json + ".tmp", "w") as f:
+            json.dump(result, f, indent=2)
+        os.replace(args.json + ".tmp", args.json)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,369 @@
+"""Forgetting frontier: the hinge against what users do instead, in the PEFT method-comparison style.
+
+The offline LLM example (``recipes/llm_tiny_example.py``: a tiny GPT-2 that knows ``reverse``, ``copy`` and
+``add`` learns ``first``), the same old model, data, steps and seeds for every method; each method has one
+knob swept over a few values:
+
+* ``none``: unconstrained fine-tuning;
+* ``replay``: old-task rows mixed into the batches at share ``ratio``
+  (:class:`hf_constrained.method.regularisers.Replay`);
+* ``kl``: ``lam * KL(p_old || p_new)`` on 32 old-task rows per step
+  (:class:`~hf_constrained.method.regularisers.KLToOld`);
+* ``l2``: ``lam / 2 * ||w - w_old||^2`` (:class:`~hf_constrained.method.regularisers.L2ToOld`);
+* ``hinge`` / ``squared_hinge`` (ours): the example's constrained run, knob the forgetting tolerance of its
+  proxy indicator (``forget_tolerance``); ``hinge_beta``: the hinge, knob beta;
+* ``hinge+replay``: the hinge (at ``--combo_tolerance``) with replay at share ``ratio``.
+
+Every baseline reads the same old rows as the constraints (512 per task); none reads the held-out or the
+certification rows. Per run: the new task's held-out exact match (the target metric); every old task's
+held-out exact-match change against the old model on the same 512 rows (paired by row); the certificate's
+largest Clopper-Pearson bound on the share of an old task's certification rows forgotten (delta 0.05; a
+bound on the forgotten share also bounds the accuracy lost) and whether it certifies ``--claim``; the
+training time per step. The summary gives median and worst over seeds per setting, and the frontier: per
+method, the settings no other setting of it beats on both median new-task accuracy and median worst drop.
+
+    python benchmarks/forgetting_frontier.py --seeds 0 1 2 --json benchmarks/results/forgetting_frontier_tuning.json
+    python benchmarks/forgetting_frontier.py --seeds 100 101 102 103 104 --values replay=0.5 ... \\
+        --json benchmarks/results/forgetting_frontier_llm.json --figure benchmarks/results/forgetting_frontier_llm.png
+
+Flags this script does not know go to the example (``--max_steps 3``, ``--old_model DIR``, ...), so every
+method runs with the same example settings; ``--seeds``, ``--json`` and ``--workers`` are this script's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import json
+import logging
+import math
+import multiprocessing
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from hf_constrained.publishable import publishable_command, publishable_values
+from hf_constrained.recipes import llm_tiny_example as ex
+
+logger = logging.getLogger("forgetting_frontier")
+
+
+@dataclass(frozen=True)
+class Method:
+    """A method of the comparison: its penalty, the knob it sweeps, and how a knob value sets up a run."""
+
+    penalty: str
+    knob: Optional[str]
+    values: tuple[float, ...]
+    regulariser: Optional[str] = None  # the baseline the knob feeds (replay, kl, l2)
+    example_field: Optional[str] = None  # the example's flag the knob sets (forget_tolerance, penalty_beta)
+
+
+METHODS: dict[str, Method] = {
+    "none": Method("none", None, (float("nan"),)),
+    "replay": Method("none", "ratio", (0.25, 0.5, 0.75), regulariser="replay"),
+    "kl": Method("none", "lam", (1.0, 5.0), regulariser="kl"),
+    "l2": Method("none", "lam", (0.1, 1.0, 10.0), regulariser="l2"),
+    "hinge": Method("hinge", "forget_tolerance", (0.4, 0.1, 0.03), example_field="forget_tolerance"),
+    "squared_hinge": Method("squared_hinge", "forget_tolerance", (0.1,), example_field="forget_tolerance"),
+    "hinge_beta": Method("hinge", "penalty_beta", (20.0,), example_field="penalty_beta"),
+    "hinge+replay": Method("hinge", "ratio", (0.25, 0.5), regulariser="replay"),
+}
+
+
+def run_spec(method: str, value: float, cfg: ex.ExampleArguments,
+             combo_tolerance: float) -> tuple[str, ex.ExampleArguments, Optional[tuple[str, float]]]:
+    """(penalty, the example's settings, baseline) of one run."""
+    m = METHODS[method]
+    run_cfg = cfg
+    if m.example_field is not None:
+        run_cfg = dataclasses.replace(run_cfg, **{m.example_field: value})
+    if method == "hinge+replay":
+        run_cfg = dataclasses.replace(run_cfg, forget_tolerance=combo_tolerance)
+    return m.penalty, run_cfg, (None if m.regulariser is None else (m.regulariser, value))
+
+
+def one_run(job: tuple[str, str, float, int, ex.ExampleArguments, float]) -> dict[str, Any]:
+    """Fine-tune once (a worker process) and return the example's run record plus the method's name and knob."""
+    old_path, method, value, seed, cfg, combo_tolerance = job
+    ex.torch.set_num_threads(cfg.threads)
+    penalty, run_cfg, baseline = run_spec(method, value, cfg, combo_tolerance)
+    record = ex.finetune(old_path, penalty, seed, run_cfg, regulariser=baseline)
+    return {"method": method, "knob": METHODS[method].knob, "value": None if math.isnan(value) else value,
+            "steps": run_cfg.max_steps, **record}
+
+
+def run_row(run: dict[str, Any], old: dict[str, dict], claim: float) -> dict[str, Any]:
+    """The numbers of one run: target metric, each old task's paired change, certificate, time per step."""
+    changes = {t: run["held_out"][t]["accuracy"] - old[t]["accuracy"] for t in ex.OLD_TASKS}
+    cert = run.get("certificate")
+    return {"method": run["method"], "knob": run["knob"], "value": run["value"], "seed": run["seed"],
+            "steps": run["steps"], "new_task_accuracy": run["held_out"][ex.NEW_TASK]["accuracy"],
+            "old_task_change": changes, "worst_old_change": min(changes.values()),
+            "largest_bound": None if cert is None else cert["largest_bound"],
+            "upper_bounds": None if cert is None else cert["upper_bounds"],
+            "forgotten": None if cert is None else cert["forgotten"],
+            "certification_rows": None if cert is None else cert["num_rows"],
+            "certified_claim": None if cert is None else cert["largest_bound"] <= claim,
+            "seconds_per_step": run["seconds_per_step"], "regulariser": run["regulariser"]}
+
+
+def _med_worst(values: list[float], worst: Any) -> dict[str, float]:
+    return {"median": statistics.median(values), "worst": worst(values)}
+
+
+def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Median and worst over the seeds of every (method, value)."""
+    settings: dict[tuple[str, Any], list[dict[str, Any]]] = {}
+    for r in rows:
+        settings.setdefault((r["method"], r["value"]), []).append(r)
+    out = []
+    for (method, value), rs in settings.items():
+        bounds = [r["largest_bound"] for r in rs if r["largest_bound"] is not None]
+        out.append({"method": method, "knob": rs[0]["knob"], "value": value, "seeds": [r["seed"] for r in rs],
+                    "new_task_accuracy": _med_worst([r["new_task_accuracy"] for r in rs], min),
+                    "worst_old_change": _med_worst([r["worst_old_change"] for r in rs], min),
+                    "old_task_change": {t: _med_worst([r["old_task_change"][t] for r in rs], min)
+                                        for t in ex.OLD_TASKS},
+                    "largest_bound": _med_worst(bounds, max) if bounds else None,
+                    "seeds_certified_claim": sum(bool(r["certified_claim"]) for r in rs),
+                    "seconds_per_step": statistics.median(r["seconds_per_step"] for r in rs)})
+    return out
+
+
+def dominates(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """``a`` reaches at least ``b``'s median new-task accuracy at the same or a smaller median worst drop,
+    and is strictly better in one of the two."""
+    acc_a, acc_b = a["new_task_accuracy"]["median"], b["new_task_accuracy"]["median"]
+    drop_a, drop_b = a["worst_old_change"]["median"], b["worst_old_change"]["median"]  # changes: higher is better
+    return acc_a >= acc_b and drop_a >= drop_b and (acc_a > acc_b or drop_a > drop_b)
+
+
+def frontier(settings: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per method, its settings on its own frontier; over all methods, each setting's dominators."""
+    per_method = {}
+    for method in dict.fromkeys(s["method"] for s in settings):
+        mine = [s for s in settings if s["method"] == method]
+        per_method[method] = [s["value"] for s in mine if not any(dominates(o, s) for o in mine)]
+    dominated_by = {f"{s['method']}={s['value']}": [f"{o['method']}={o['value']}" for o in settings if dominates(o, s)]
+                    for s in settings}
+    return {"per_method": per_method, "dominated_by": dominated_by}
+
+
+def plot(settings: list[dict[str, Any]], path: str, claim: float) -> None:
+    """Median new-task exact match against the median worst old-task change, one line per method."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for method in dict.fromkeys(s["method"] for s in settings):
+        mine = sorted((s for s in settings if s["method"] == method), key=lambda s: s["worst_old_change"]["median"])
+        xs = [100 * s["worst_old_change"]["median"] for s in mine]
+        ys = [100 * s["new_task_accuracy"]["median"] for s in mine]
+        ax.plot(xs, ys, marker="o", label=method)
+        for s, x, y in zip(mine, xs, ys):
+            if s["value"] is not None:
+                ax.annotate(f"{s['value']:g}", (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax.axvline(-100 * claim, color="grey", linestyle=":", linewidth=1, label=f"goal: {-100 * claim:g} points")
+    ax.set_xlabel("worst old-task exact-match change (points, median over seeds)")
+    ax.set_ylabel("new-task exact match (%, median)")
+    ax.set_title("Forgetting frontier, offline LLM example")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def format_table(settings: list[dict[str, Any]], claim: float) -> str:
+    header = ("| method | knob | new-task exact match, median (worst) | worst old-task change, median (worst) | "
+              f"largest bound, median (worst) | certified at most {claim:g} | s/step |")
+    lines = [header, "|---|---|---|---|---|---|---|"]
+    for s in settings:
+        knob = "-" if s["value"] is None else f"{s['knob']} {s['value']:g}"
+        bound = "-" if s["largest_bound"] is None else \
+            f"{s['largest_bound']['median']:.3f} ({s['largest_bound']['worst']:.3f})"
+        lines.append(f"| {s['method']} | {knob} | {100 * s['new_task_accuracy']['median']:.1f}% "
+                     f"({100 * s['new_task_accuracy']['worst']:.1f}%) | {100 * s['worst_old_change']['median']:+.1f} "
+                     f"({100 * s['worst_old_change']['worst']:+.1f}) pts | {bound} | "
+                     f"{s['seeds_certified_claim']}/{len(s['seeds'])} | {s['seconds_per_step']:.3f} |")
+    return "\n".join(lines)
+
+
+def parse_values(specs: list[str]) -> dict[str, tuple[float, ...]]:
+    """``method=v1,v2`` overrides of the knob values."""
+    out = {}
+    for spec in specs:
+        method, _, values = spec.partition("=")
+        if method not in METHODS or METHODS[method].knob is None or not values:
+            raise SystemExit(f"--values {spec!r}: give method=v1,v2 for a method with a knob "
+                             f"({[m for m, d in METHODS.items() if d.knob]})")
+        out[method] = tuple(float(v) for v in values.split(","))
+    return out
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--methods", nargs="*", default=list(METHODS), choices=list(METHODS),
+                   help="the methods to run (none: only --include and --example_result)")
+    p.add_argument("--include", nargs="*", default=[],
+                   help="add the runs of earlier result files of this benchmark (same old model and settings)")
+    p.add_argument("--values", nargs="*", default=[], help="method=v1,v2: the knob values of a method")
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4],
+                   help="fine-tuning seeds (0-4 choose the settings; 100-104 report them)")
+    p.add_argument("--combo_tolerance", type=float, default=0.1,
+                   help="the hinge's forget_tolerance in hinge+replay")
+    p.add_argument("--claim", type=float, default=0.03,
+                   help="the certified claim reported: at most this share of each old task's rows forgotten")
+    p.add_argument("--json", default="outputs/forgetting_frontier/results.json")
+    p.add_argument("--figure", default=None, help="write the frontier figure (PNG) here")
+    p.add_argument("--workers", type=int, default=2, help="runs in parallel (processes)")
+    p.add_argument("--example_result", default=None,
+                   help="take the unconstrained and the constrained runs from this LLM-example result file (same "
+                        "old model and settings, checked) instead of running them again")
+    return p
+
+
+IGNORED_SETTINGS = ("seeds", "json", "workers", "old_model")  # where and how fast, not what is measured
+
+
+def same_settings(saved_example: dict[str, Any], cfg: ex.ExampleArguments, path: str, flag: str) -> None:
+    """Refuse a result file whose example settings differ from this run's (apart from IGNORED_SETTINGS)."""
+    mine = {k: v for k, v in publishable_values(dataclasses.asdict(cfg)).items() if k not in IGNORED_SETTINGS}
+    theirs = {k: v for k, v in saved_example.items() if k not in IGNORED_SETTINGS}
+    if mine != theirs:
+        differ = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+        raise SystemExit(f"{flag} {path}: its example settings differ from this run's in {differ}")
+
+
+def included_rows(path: str, cfg: ex.ExampleArguments, old_sha256: str, combo_tolerance: float) -> list[dict]:
+    """The runs of an earlier result file of this benchmark (same old model and example settings, checked)."""
+    with open(path) as f:
+        saved = json.load(f)
+    same_settings(saved["config"]["example"], cfg, path, "--include")
+    if saved["old_model_sha256"] != old_sha256:
+        raise SystemExit(f"--include {path}: another old model (sha256 {saved['old_model_sha256'][:12]})")
+    rows = saved["runs"]
+    if any(r["method"] == "hinge+replay" for r in rows) and saved["config"]["benchmark"]["combo_tolerance"] != \
+            combo_tolerance:
+        raise SystemExit(f"--include {path}: its hinge+replay runs use --combo_tolerance "
+                         f"{saved['config']['benchmark']['combo_tolerance']}, this run {combo_tolerance}")
+    return rows
+
+
+def example_runs(path: str, cfg: ex.ExampleArguments, seeds: list[int], old_sha256: str,
+                 combo_tolerance: float) -> list[dict[str, Any]]:
+    """The unconstrained and constrained runs of an LLM-example result file (``recipes/llm_tiny_example.py
+    --json``), as this benchmark's runs: the same function (``finetune``) with the same settings, so the same
+    numbers, without running them twice. The file must come from the same old model and the same example
+    settings (apart from its seeds, output and workers) and hold every seed asked for."""
+    with open(path) as f:
+        saved = json.load(f)
+    same_settings(saved["config"], cfg, path, "--example_result")
+    if saved["old_model_sha256"] != old_sha256:
+        raise SystemExit(f"--example_result {path}: another old model (sha256 {saved['old_model_sha256'][:12]})")
+    runs = []
+    for r in saved["runs"]:
+        if r["seed"] not in seeds:
+            continue
+        if r["penalty"] == "none":
+            method, value = "none", None
+        elif r.get("regulariser"):
+            if cfg.forget_tolerance != combo_tolerance:
+                raise SystemExit(f"--example_result {path}: its hinge+replay runs use forget_tolerance "
+                                 f"{cfg.forget_tolerance}, --combo_tolerance is {combo_tolerance}")
+            method, value = "hinge+replay", r["regulariser"]["ratio"]
+        else:
+            method, value = r["penalty"], cfg.forget_tolerance
+        runs.append({"method": method, "knob": METHODS[method].knob, "value": value, "steps": cfg.max_steps, **r})
+    for method in dict.fromkeys(r["method"] for r in runs):
+        got = sorted(r["seed"] for r in runs if r["method"] == method)
+        if got != sorted(seeds):
+            raise SystemExit(f"--example_result {path}: {method} has seeds {got}, not {sorted(seeds)}")
+    return runs
+
+
+def finished(run: dict[str, Any], i: int, total: int, old: dict[str, dict], args: argparse.Namespace) -> dict[str, Any]:
+    """Log a finished run and append its row to ``<json>.partial.jsonl`` (what a long sweep has so far)."""
+    row = run_row(run, old, args.claim)
+    logger.info("%d/%d %s %s seed %d: new task %.3f, worst old-task change %+.1f pts, bound %s, %.3f s/step",
+                i + 1, total, row["method"], row["value"], row["seed"], row["new_task_accuracy"],
+                100 * row["worst_old_change"], row["largest_bound"], row["seconds_per_step"])
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json + ".partial.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+    return run
+
+
+def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args, rest = parser().parse_known_args(argv)
+    overrides = parse_values(args.values)
+    cfg = ex.parse(rest + ["--seeds", *map(str, args.seeds)])  # unknown flags are the example's error
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    ex._quiet()
+    ex.torch.set_num_threads(cfg.threads)
+    t0 = time.time()
+    tmp = tempfile.TemporaryDirectory()
+    old_path = cfg.old_model or tmp.name
+    if not os.path.exists(os.path.join(old_path, "config.json")):
+        ex.train_old_model(old_path, cfg)
+    tokenizer = ex.AutoTokenizer.from_pretrained(old_path)
+    held_out, _ = ex.data_splits(tokenizer, cfg)
+    old_model = ex.AutoModelForCausalLM.from_pretrained(old_path)
+    old = ex.evaluate(old_model, held_out, ex.PaddingCollator(tokenizer))
+    jobs = [(old_path, method, value, seed, cfg, args.combo_tolerance)
+            for method in args.methods for value in overrides.get(method, METHODS[method].values)
+            for seed in args.seeds]
+    logger.info("%d runs: %s", len(jobs), sorted({j[1] for j in jobs}))
+    if args.json and os.path.exists(args.json + ".partial.jsonl"):
+        os.remove(args.json + ".partial.jsonl")  # an interrupted earlier run's rows
+    if args.workers > 1:
+        context = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(args.workers, mp_context=context) as pool:
+            futures = [pool.submit(one_run, j) for j in jobs]
+            for i, done in enumerate(concurrent.futures.as_completed(futures)):
+                finished(done.result(), i, len(jobs), old, args)
+            runs = [f.result() for f in futures]
+    else:
+        runs = [finished(one_run(j), i, len(jobs), old, args) for i, j in enumerate(jobs)]
+    old_sha256 = ex.model_fingerprint(old_model)
+    if args.example_result:
+        runs = example_runs(args.example_result, cfg, args.seeds, old_sha256, args.combo_tolerance) + runs
+    rows = [run_row(r, old, args.claim) for r in runs]
+    for path in args.include:
+        rows += included_rows(path, cfg, old_sha256, args.combo_tolerance)
+    keys = [(r["method"], r["value"], r["seed"]) for r in rows]
+    twice = sorted({k for k in keys if keys.count(k) > 1}, key=str)
+    if twice:
+        raise SystemExit(f"runs {twice} come twice (ran here, from --example_result or --include): leave them out")
+    settings = summarize(rows)
+    result = {"command": publishable_command("python benchmarks/forgetting_frontier.py", argv),
+              "config": {"benchmark": publishable_values(vars(args)),
+                         "example": publishable_values(dataclasses.asdict(cfg))},
+              "old_model_sha256": ex.model_fingerprint(old_model), "old_model": old,
+              "environment": ex.environment(cfg), "claim": args.claim, "delta": cfg.delta,
+              "bound": "Clopper-Pearson on the share of each old task's certification rows forgotten",
+              "settings": settings, "frontier": frontier(settings), "runs": rows,
+              "seconds": round(time.time() - t0, 1)}
+    print(format_table(settings, args.claim))
+    if args.json:
+        with open(args.json + ".tmp", "w") as f:
+            json.dump(result, f, indent=2)
+        os.replace(args.json + ".tmp", args.json)
+        if os.path.exists(args.json + ".partial.jsonl"):
+            os.remove(args.json + ".partial.jsonl")  # the result holds every run
+    if args.figure:
+        plot(settings, args.figure, args.claim)
+    tmp.cleanup()
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""benchmarks/forgetting_frontier.py end to end on a tiny old model (seconds): every method runs with the
+same example settings, steps and seeds, and the JSON holds each run's target metric, paired old-task changes,
+certificate and time per step."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from conftest import import_script
+
+ff = import_script("benchmarks", "forgetting_frontier")
+TINY = ["--old_steps", "5", "--old_rows", "20", "--hidden", "16", "--max_steps", "2", "--new_rows", "64",
+        "--constraint_rows", "40", "--held_out_rows", "16", "--certify_rows", "16", "--constraint_batch_size", "8"]
+
+
+def test_every_method_runs_with_the_same_steps_and_seeds(tmp_path):
+    out, figure = tmp_path / "frontier.json", tmp_path / "frontier.png"
+    one_value = [f"{m}={d.values[0]:g}" for m, d in ff.METHODS.items() if d.knob]
+    result = ff.main(["--seeds", "0", "1", "--workers", "1", "--values", *one_value, "--json", str(out),
+                      "--figure", str(figure), "--old_model", str(tmp_path / "old"), *TINY])
+    saved = json.loads(out.read_text())
+    assert saved["runs"] == json.loads(json.dumps(result["runs"]))
+    assert figure.stat().st_size > 0 and not (tmp_path / "frontier.json.partial.jsonl").exists()
+    runs = saved["runs"]
+    assert {r["method"] for r in runs} == set(ff.METHODS)
+    for method in ff.METHODS:
+        mine = [r for r in runs if r["method"] == method]
+        assert sorted(r["seed"] for r in mine) == [0, 1] and {r["steps"] for r in mine} == {2}
+    tasks = {"reverse", "copy", "add"}
+    old = saved["old_model"]
+    for r in runs:
+        assert set(r["old_task_change"]) == tasks
+        assert r["worst_old_change"] == min(r["old_task_change"].values())
+        assert 0.0 <= r["new_task_accuracy"] <= 1.0 and r["seconds_per_step"] > 0
+        assert all(-1.0 <= c <= 1.0 and 0.0 <= old[t]["accuracy"] + c <= 1.0 for t, c in r["old_task_change"].items())
+        assert r["certification_rows"] == {f"non_forgetting/{t}": 16 for t in tasks}
+        assert r["largest_bound"] == max(r["upper_bounds"].values())
+        assert r["certified_claim"] == (r["largest_bound"] <= 0.03)
+    # each baseline ran as configured, inside the same trainer
+    by = {r["method"]: r for r in runs if r["seed"] == 0}
+    assert by["none"]["regulariser"] is None and by["hinge"]["regulariser"] is None
+    assert by["replay"]["regulariser"]["name"] == "replay" and by["replay"]["regulariser"]["ratio"] == 0.25
+    assert by["hinge+replay"]["regulariser"]["name"] == "replay"
+    assert by["kl"]["regulariser"]["lam"] == 1.0 and by["l2"]["regulariser"]["lam"] == 0.1
+    # the summary: one entry per setting, over both seeds; the frontier names only settings that ran
+    assert len(saved["settings"]) == len(ff.METHODS)
+    assert all(s["seeds"] == [0, 1] for s in saved["settings"])
+    assert set(saved["frontier"]["per_method"]) == set(ff.METHODS)
+    assert saved["config"]["example"]["max_steps"] == 2 and "<local>" in saved["command"]
+
+
+def test_dominance_and_frontier():
+    def setting(method, value, acc, drop):
+        return {"method": method, "value": value, "new_task_accuracy": {"median": acc},
+                "worst_old_change": {"median": drop}}
+
+    a, b, c = setting("x", 1, 0.9, -0.05), setting("x", 2, 0.8, -0.10), setting("y", 1, 0.95, -0.20)
+    assert ff.dominates(a, b) and not ff.dominates(b, a) and not ff.dominates(a, c) and not ff.dominates(a, a)
+    front = ff.frontier([a, b, c])
+    assert front["per_method"] == {"x": [1], "y": [1]}
+    assert front["dominated_by"]["x=2"] == ["x=1"] and front["dominated_by"]["y=1"] == []
+
+
+def test_bad_knob_values_are_errors_naming_the_flag():
+    with pytest.raises(SystemExit, match="--values 'none=1'"):
+        ff.parse_values(["none=1"])
+    with pytest.raises(SystemExit, match="--values 'ewc=1'"):
+        ff.parse_values(["ewc=1"])
+    assert ff.parse_values(["replay=0.5,0.75"]) == {"replay": (0.5, 0.75)}
+    assert math.isnan(ff.METHODS["none"].values[0])
+
+
+def test_runs_taken_from_the_example_are_its_runs_and_must_match_its_settings(tmp_path):
+    from hf_constrained.recipes import llm_tiny_example as ex
+
+    old, example_json = str(tmp_path / "old"), str(tmp_path / "example.json")
+    saved = ex.main(["--seeds", "0", "--workers", "1", "--old_model", old, "--json", example_json, *TINY])
+    result = ff.main(["--seeds", "0", "--workers", "1", "--methods", "replay", "--values", "replay=0.5",
+                      "--example_result", example_json, "--old_model", old, "--json", str(tmp_path / "f.json"), *TINY])
+    by = {r["method"]: r for r in result["runs"]}
+    assert set(by) == {"none", "hinge", "replay"} and {r["steps"] for r in result["runs"]} == {2}
+    for method, penalty in (("none", "none"), ("hinge", "hinge")):
+        run = next(r for r in saved["runs"] if r["penalty"] == penalty)
+        assert by[method]["new_task_accuracy"] == run["held_out"]["first"]["accuracy"]
+        assert by[method]["upper_bounds"] == run["certificate"]["upper_bounds"]
+        assert by[method]["seconds_per_step"] == run["seconds_per_step"]  # the example's run, not a new one
+    assert by["hinge"]["value"] == 0.4 and by["none"]["value"] is None
+    # a later invocation gathers earlier result files without running anything
+    merged = ff.main(["--seeds", "0", "--workers", "1", "--methods", "--include", str(tmp_path / "f.json"),
+                      "--old_model", old, "--json", str(tmp_path / "m.json"), *TINY])
+    assert merged["runs"] == json.loads((tmp_path / "f.json").read_text())["runs"]
+    with pytest.raises(SystemExit, match="come twice"):
+        ff.main(["--seeds", "0", "--workers", "1", "--methods", "--include", str(tmp_path / "f.json"),
+                 str(tmp_path / "m.json"), "--old_model", old, "--json", str(tmp_path / "n.json"), *TINY])
+    with pytest.raises(SystemExit, match=r"differ from this run's in \['max_steps'\]"):
+        ff.main(["--seeds", "0", "--workers", "1", "--methods", "replay", "--values", "replay=0.5",
+                 "--example_result", example_json, "--old_model", old, "--json", str(tmp_path / "g.json"),
+                 *TINY, "--max_steps", "3"])
