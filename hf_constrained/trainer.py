@@ -28,12 +28,18 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, IntervalStrategy, 
 from . import exact
 from .batches import BatchMaker, pinned_to
 from .checkpointing import mark_complete, mark_incomplete
-from .constraint_state import atomic_torch_save, checkpoint_state_is_finite, library_state, prepare_resume
 from .clipping import PENALTY_GRAD_NORM_KEY, ClipMonitor
 from .config import ConstrainedTrainingArguments
 from .constraint import Constraint, ConstraintValueError  # noqa: F401  (ConstraintValueError: re-exported)
-from .distributed import (GradientCoverageCallback, configure_ddp_for_constraints, fsdp2_on_cpu, fsdp_requested,
-                          full_state_dict_save, uses_ddp)
+from .constraint_state import atomic_torch_save, checkpoint_state_is_finite, library_state, prepare_resume
+from .distributed import (
+    GradientCoverageCallback,
+    configure_ddp_for_constraints,
+    fsdp2_on_cpu,
+    fsdp_requested,
+    full_state_dict_save,
+    uses_ddp,
+)
 from .method.engine import ConstraintEngine
 from .method.estimators import run_precision
 from .method.penalties import make_penalty
@@ -42,8 +48,13 @@ from .preflight import preflight_constraints
 from .safety.gate import SafetyMixin
 from .safety.splits import check_certification_splits
 from .statistics import ConstraintStatistic
-from .trainer_internals import (TrainerInternals, trainer_load_checkpoint, trainer_prepare_input,
-                                trainer_restore_batch_size, trainer_run_dir)
+from .trainer_internals import (
+    TrainerInternals,
+    trainer_load_checkpoint,
+    trainer_prepare_input,
+    trainer_restore_batch_size,
+    trainer_run_dir,
+)
 
 logger = logging.getLogger(__name__)
 

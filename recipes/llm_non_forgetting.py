@@ -70,12 +70,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple, Optional
 
 import torch
-
 from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, set_seed
 
 from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments, finish_run
-from hf_constrained.recipe_args import RecipeConfigError
-from hf_constrained.safety.finish import push_last
 from hf_constrained.errors import check_model_path
 from hf_constrained.extras import MissingExtraError, has_module, install_hint
 from hf_constrained.non_forgetting import (
@@ -85,7 +82,8 @@ from hf_constrained.non_forgetting import (
 )
 from hf_constrained.per_sample_loss import causal_lm_per_example_correct
 from hf_constrained.publishable import publishable_command, publishable_path, publishable_values
-from hf_constrained.recipe_args import parse_recipe_args
+from hf_constrained.recipe_args import RecipeConfigError, parse_recipe_args
+from hf_constrained.safety.finish import push_last
 from hf_constrained.text_data import SFTPaddingCollator, load_text_dataset, tokenize_sft
 
 logger = logging.getLogger("llm_non_forgetting")

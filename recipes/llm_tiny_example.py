@@ -70,10 +70,10 @@ from typing import Any, Optional
 
 import datasets
 import torch
-from datasets import Dataset, concatenate_datasets
 import transformers
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from datasets import Dataset, concatenate_datasets
 from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.trainer_callback import PrinterCallback
 
 from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments
@@ -87,11 +87,11 @@ from hf_constrained.non_forgetting import (
 )
 from hf_constrained.per_sample_loss import IGNORE_INDEX, causal_lm_per_example_correct
 from hf_constrained.progress import StepProgressBar
-from hf_constrained.safety.evaluation import certify_models
 from hf_constrained.publishable import publishable_command, publishable_values
 from hf_constrained.recipe_args import parse_recipe_args
-from hf_constrained.text_data import tokenize_sft
 from hf_constrained.recipes.tiny_lm import char_tokenizer, tiny_causal_lm
+from hf_constrained.safety.evaluation import certify_models
+from hf_constrained.text_data import tokenize_sft
 
 logger = logging.getLogger("llm_tiny_example")
 

@@ -53,8 +53,14 @@ import torch
 from datasets import Dataset
 from torch import nn
 
-from hf_constrained import CertifyStatistic, ConstrainedTrainer, ConstrainedTrainingArguments, constraints_per_value
-from hf_constrained import UnsafeModelError, finish_run
+from hf_constrained import (
+    CertifyStatistic,
+    ConstrainedTrainer,
+    ConstrainedTrainingArguments,
+    UnsafeModelError,
+    constraints_per_value,
+    finish_run,
+)
 from hf_constrained.extras import require_extra
 from hf_constrained.publishable import publishable_command
 from hf_constrained.recipe_args import parse_recipe_args
