@@ -169,14 +169,18 @@ class ConstrainedTrainingArguments(TrainingArguments):
             raise ValueError(f"constraint_margin must be a finite number >= 0, got {self.constraint_margin}")
         if self.constraint_certificate_delta is not None:
             if not 0.0 < float(self.constraint_certificate_delta) < 1.0:
-                raise ValueError(f"constraint_certificate_delta must be in (0, 1), got {self.constraint_certificate_delta}")
+                raise ValueError("constraint_certificate_delta must be in (0, 1), "
+                                 f"got {self.constraint_certificate_delta}")
             if self.constraint_confidence is not None or self.constraint_margin is not None:
-                raise ValueError("give one of constraint_certificate_delta, constraint_confidence and constraint_margin")
+                raise ValueError("give one of constraint_certificate_delta, constraint_confidence and "
+                                 "constraint_margin")
         if self.constraint_indicator_fraction is not None and not 0.0 < float(self.constraint_indicator_fraction) < 1:
-            raise ValueError(f"constraint_indicator_fraction must be in (0, 1), got {self.constraint_indicator_fraction}")
+            raise ValueError("constraint_indicator_fraction must be in (0, 1), "
+                             f"got {self.constraint_indicator_fraction}")
         if self.constraint_indicator_batch_size is not None:
             if self.constraint_indicator_batch_size < 1:
-                raise ValueError(f"constraint_indicator_batch_size must be >= 1, got {self.constraint_indicator_batch_size}")
+                raise ValueError("constraint_indicator_batch_size must be >= 1, "
+                                 f"got {self.constraint_indicator_batch_size}")
             if self.constraint_indicator_fraction is None:
                 raise ValueError("constraint_indicator_batch_size sizes the indicator part's batches of two-split "
                                  "estimation: give constraint_indicator_fraction too")

@@ -89,7 +89,8 @@ def load_config_file(path: str) -> dict[str, Any]:
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise RecipeConfigError(f"--config {path}: expected a mapping of flag names to values, got {type(data).__name__}")
+        raise RecipeConfigError(f"--config {path}: expected a mapping of flag names to values, "
+                                f"got {type(data).__name__}")
     return data
 
 

@@ -151,7 +151,8 @@ class ConstrainedTrainer(SafetyMixin, TrainerInternals):
             share_constraint_batches=self.args.share_constraint_batches,
             check_finite=self.args.check_constraint_finite, confidence=self.args.constraint_confidence,
             margin=self.args.constraint_margin, indicator_fraction=self.args.constraint_indicator_fraction,
-            certificate_delta=self.args.constraint_certificate_delta, proxy_indicator=self.args.constraint_proxy_indicator,
+            certificate_delta=self.args.constraint_certificate_delta,
+            proxy_indicator=self.args.constraint_proxy_indicator,
             indicator_batch_size=self.args.constraint_indicator_batch_size)
         self.in_training_step = False  # True inside training_step (subclasses' objectives read it)
         self._constraint_step = -1  # global step whose constraint part has run (once per accumulation window)
@@ -327,7 +328,8 @@ class ConstrainedTrainer(SafetyMixin, TrainerInternals):
         """Per-row values of each certification statistic on its ``certify_dataset``, the only place
         those rows are read (:func:`hf_constrained.exact.certification_values`)."""
         if split != "certify":
-            raise ValueError(f"constraint_row_values reads the certification split only (split='certify'), got {split!r}")
+            raise ValueError("constraint_row_values reads the certification split only (split='certify'), "
+                             f"got {split!r}")
         return self._exact_pass(exact.certification_values, model)
 
     def evaluate_constraints(self, model: Optional[nn.Module] = None, split: str = "eval") -> dict[str, float]:

@@ -81,7 +81,8 @@ stage 1, the constraint data and the selection split (docs/demo.md).
 ``make demo`` runs the hinge on one seed (``DEFAULT_SEED``) and writes the kept model with its
 safety report, model card and figures into ``<cache_dir>/seed-<seed>-<penalty>/``.
 ``python -m hf_constrained.recipes.demo_clip_digits --penalties hinge,squared_hinge,none --seeds
-100,101,102,103,104 --workers 5`` compares the three penalties and repeats everything for several seeds, each with its own split and stage-1 old model, and states each goal as met or not over
+100,101,102,103,104 --workers 5`` compares the three penalties and repeats everything for several seeds, \
+each with its own split and stage-1 old model, and states each goal as met or not over
 the seeds. ``--help`` lists the knobs.
 """
 
@@ -191,11 +192,14 @@ class DemoConfig:
     forget_tolerance: float = FORGET_TOLERANCE  # certified: each protected digit loses at most 100x this many points
     delta: float = 0.05  # the certificate's error level
     indicator_fraction: float = 0.3  # > 0: two-split estimation (constraint_indicator_fraction); 0: off
-    indicator_batch_size: int = 0  # with two-split: rows per indicator batch, no grad (constraint_indicator_batch_size); 0: |B_k|
+    # with two-split: rows per indicator batch, no grad (constraint_indicator_batch_size); 0: |B_k|
+    indicator_batch_size: int = 0
     proxy_indicator: bool = False  # with two-split: the hinge's indicator follows the share of D_k's rows forgotten
     proxy_forget_rate: float = 0.05  # with proxy_indicator: the share forgotten above which the hinge acts
-    select_on: str = "forgotten"  # feasible checkpoint: every h_k <= tolerance ("loss") or share forgotten ("forgotten")
-    select_forget_rate: float = 0.05  # with select_on forgotten: the largest share of a class's selection images forgotten
+    # feasible checkpoint: every h_k <= tolerance ("loss") or share forgotten ("forgotten")
+    select_on: str = "forgotten"
+    # with select_on forgotten: the largest share of a class's selection images forgotten
+    select_forget_rate: float = 0.05
 
 
 # ---------------------------------------------------------------------------------- data
@@ -484,7 +488,8 @@ def check_indicator(cfg: DemoConfig, certify: bool = True) -> None:
     if not 0 <= cfg.indicator_fraction < 1:
         raise ValueError(f"--indicator_fraction must be in [0, 1) (0: one split), got {cfg.indicator_fraction}")
     if cfg.indicator_batch_size < 0:
-        raise ValueError(f"--indicator_batch_size must be >= 0 (0: --constraint_batch_size), got {cfg.indicator_batch_size}")
+        raise ValueError("--indicator_batch_size must be >= 0 (0: --constraint_batch_size), "
+                         f"got {cfg.indicator_batch_size}")
     if cfg.proxy_indicator:
         if cfg.indicator_fraction == 0:
             raise ValueError("--proxy_indicator needs two-split estimation: give --indicator_fraction > 0")
@@ -497,8 +502,8 @@ def check_indicator(cfg: DemoConfig, certify: bool = True) -> None:
             raise ValueError("--confidence sizes a margin from the loss's spread, but with --proxy_indicator the hinge "
                              "acts on the share forgotten (--proxy_forget_rate): give --confidence 0 with it")
     if cfg.indicator_batch_size and cfg.indicator_fraction == 0:
-        raise ValueError(f"--indicator_batch_size {cfg.indicator_batch_size} sizes the batches of two-split estimation, "
-                         "which --indicator_fraction 0 turns off: give --indicator_batch_size 0 with it")
+        raise ValueError(f"--indicator_batch_size {cfg.indicator_batch_size} sizes the batches of two-split "
+                         "estimation, which --indicator_fraction 0 turns off: give --indicator_batch_size 0 with it")
 
 
 def largest_share_forgotten(old_model: torch.nn.Module, pools: dict[str, Any], zs: ZeroShotLoss,
@@ -601,7 +606,8 @@ def finetune(cfg: DemoConfig, old_path: str, penalty: str, pools: Optional[Pools
     constraints = demo_constraints(cfg, pools, rows_fn, collate)
     selection = None
     if cfg.select_every > 0:
-        forgotten = largest_share_forgotten(model, pools.selection, zs, collate) if cfg.select_on == "forgotten" else None
+        forgotten = (largest_share_forgotten(model, pools.selection, zs, collate)
+                     if cfg.select_on == "forgotten" else None)
         selection = FeasibleCheckpointSelection(
             cfg.select_every, pools.target_selection, zs, collate, use_constraints=penalty != "none",
             requirement=cfg.select_forget_rate if forgotten is not None else cfg.tolerance, largest_value=forgotten)
@@ -611,11 +617,13 @@ def finetune(cfg: DemoConfig, old_path: str, penalty: str, pools: Optional[Pools
         args = ConstrainedTrainingArguments(
             output_dir=out_dir, max_steps=cfg.steps, per_device_train_batch_size=cfg.batch_size,
             learning_rate=cfg.lr, lr_scheduler_type=cfg.schedule, warmup_steps=cfg.warmup_steps, weight_decay=0.0,
-            max_grad_norm=cfg.max_grad_norm, constraint_penalty=penalty, penalty_beta=cfg.beta, msvr_gamma=cfg.msvr_gamma,
+            max_grad_norm=cfg.max_grad_norm, constraint_penalty=penalty, penalty_beta=cfg.beta,
+            msvr_gamma=cfg.msvr_gamma,
             constraint_batch_size=cfg.constraint_batch_size, constraint_eval_batch_size=512,
             logging_steps=max(cfg.steps // 5, 1), save_strategy="no", report_to=[], seed=cfg.seed, use_cpu=True,
             dataloader_drop_last=True, disable_tqdm=True, remove_unused_columns=False,
-            constraint_indicator_fraction=cfg.indicator_fraction or None, constraint_proxy_indicator=cfg.proxy_indicator,
+            constraint_indicator_fraction=cfg.indicator_fraction or None,
+            constraint_proxy_indicator=cfg.proxy_indicator,
             constraint_indicator_batch_size=cfg.indicator_batch_size or None,
         )
         trainer = KeptStepTrainer(
@@ -970,7 +978,8 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache_dir", "--cache-dir", dest="cache_dir", default=os.path.join("outputs", DEMO_FOLDER),
                         help="the demo's folder: the old models (reused by later runs with the same stage-1 settings) "
                              "and, without --output, demo_results.json")
-    parser.add_argument("--output", default=None, help="write the results JSON here (default: <cache_dir>/demo_results.json)")
+    parser.add_argument("--output", default=None,
+                        help="write the results JSON here (default: <cache_dir>/demo_results.json)")
     parser.add_argument("--workers", type=int, default=1,
                         help="seeds run at once, one single-threaded process each (the numbers do not change)")
 
@@ -1122,7 +1131,8 @@ def _write_json(path: str, results: dict[str, Any]) -> None:
 
 def main(argv: Optional[list[str]] = None) -> int:
     """``python -m hf_constrained.recipes.demo_clip_digits``: the same options as ``hf-constrained demo``."""
-    parser = argparse.ArgumentParser(prog="python -m hf_constrained.recipes.demo_clip_digits", description=__doc__.split("\n")[0],
+    parser = argparse.ArgumentParser(prog="python -m hf_constrained.recipes.demo_clip_digits",
+                                     description=__doc__.split("\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
     parser.add_argument("--config", default=None, help="YAML file of option values (names as the options, without "
                         "dashes); options on the command line override it")
@@ -1135,7 +1145,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         sys.stdout.flush()
 
     try:
-        run_demo(ns, echo=echo, command=shlex.join([*MODULE_COMMAND.split(), *(sys.argv[1:] if argv is None else argv)]))
+        run_demo(ns, echo=echo,
+                 command=shlex.join([*MODULE_COMMAND.split(), *(sys.argv[1:] if argv is None else argv)]))
     except ValueError as exc:
         parser.error(str(exc))
     return 0

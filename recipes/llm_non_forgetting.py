@@ -247,8 +247,9 @@ def parse_arguments(argv: Optional[list[str]] = None, use_trl: Optional[bool] = 
     if not use_trl:
         trl_only = sorted(given & TRL_ONLY_FLAGS)
         if trl_only:
-            raise RecipeConfigError(f"{', '.join('--' + f for f in trl_only)}: implemented by TRL, which is not installed; "
-                             f"{TRL_EXTRA}")
+            raise RecipeConfigError(f"{', '.join('--' + f for f in trl_only)}: implemented by TRL, "
+                                    "which is not installed; "
+                                    f"{TRL_EXTRA}")
     parser_class = HfArgumentParser
     if use_trl:
         from trl import TrlParser
@@ -345,7 +346,8 @@ def check_arguments(config: RecipeArguments) -> None:
     """Every check that needs no model: a clear error naming the flag before anything heavy loads."""
     data, args, model = config.data, config.training, config.model
     if not config.dataset.dataset_name:
-        raise RecipeConfigError("no target data: pass --dataset_name (a Hub dataset id or a local JSON/CSV/parquet file)")
+        raise RecipeConfigError("no target data: pass --dataset_name (a Hub dataset id or a local JSON/CSV/parquet "
+                                "file)")
     if not model.model_name_or_path:
         raise RecipeConfigError("no model: pass --model_name_or_path (a Hub id or a local folder)")
     if not data.protected_datasets and not data.safety_dataset and args.constraint_penalty != "none":
@@ -524,15 +526,16 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         # a non-forgetting constraint is 0 at the old model by definition
         report = finish_run(
             trainer, old_model_values={c.name: 0.0 for c in constraints}, base_model_name=margs.model_name_or_path,
-            dataset_description=(f"SFT on {publishable_path(target_source)}; "
-                                 f"protected: {sorted(protected) or 'none'}"
-                                 f"{'; safety set ' + publishable_path(data.safety_dataset) if data.safety_dataset else ''}; "
-                                 f"a fraction {data.eval_fraction:g} of every dataset held out"
-                                 + (f", a fraction {data.certify_fraction:g} of each protected / safety set's "
-                                    "held-out rows "
-                                    "set aside as its certification split (read only by the certificate: the "
-                                    "share of the set's examples forgotten, teacher-forced exact match, at most "
-                                    f"{data.forget_tolerance:g})" if certifying else "; no certification split")),
+            dataset_description=(
+                f"SFT on {publishable_path(target_source)}; "
+                f"protected: {sorted(protected) or 'none'}"
+                f"{'; safety set ' + publishable_path(data.safety_dataset) if data.safety_dataset else ''}; "
+                f"a fraction {data.eval_fraction:g} of every dataset held out"
+                + (f", a fraction {data.certify_fraction:g} of each protected / safety set's "
+                   "held-out rows "
+                   "set aside as its certification split (read only by the certificate: the "
+                   "share of the set's examples forgotten, teacher-forced exact match, at most "
+                   f"{data.forget_tolerance:g})" if certifying else "; no certification split")),
             datasets=hub_ids or None,
             reproduce_command=command,
             delta=data.delta,

@@ -273,8 +273,9 @@ def finetune(old_path: str, penalty: str, seed: int, cfg: ExampleArguments,
     with tempfile.TemporaryDirectory() as tmp:
         trainer = ConstrainedTrainer(
             model=model, args=_args(tmp, seed, constraint_penalty=penalty, penalty_beta=cfg.penalty_beta,
-                                    max_steps=cfg.max_steps, learning_rate=cfg.learning_rate, per_device_train_batch_size=32,
-                                    lr_scheduler_type=cfg.lr_scheduler_type, constraint_batch_size=cfg.constraint_batch_size,
+                                    max_steps=cfg.max_steps, learning_rate=cfg.learning_rate,
+                                    per_device_train_batch_size=32, lr_scheduler_type=cfg.lr_scheduler_type,
+                                    constraint_batch_size=cfg.constraint_batch_size,
                                     msvr_gamma=cfg.msvr_gamma, **_estimation_args(cfg, penalty)),
             train_dataset=task_data(NEW_TASK, cfg.new_rows, 100 + seed, tokenizer), data_collator=collate,
             constraints=constraints, regulariser=baseline)
@@ -482,7 +483,8 @@ class ExampleArguments:
     learned_accuracy: float = field(default=0.9, metadata={"help": "held-out new-task accuracy that counts as learned"})
     old_model: Optional[str] = field(default=None, metadata={"help": "reuse (or create) the old model in this folder"})
     json: Optional[str] = field(default="outputs/llm_tiny_example/results.json",
-                                metadata={"help": "write the results here (the recipes' folder convention: outputs/<module>)"})
+                                metadata={"help": "write the results here (the recipes' folder convention: "
+                                                  "outputs/<module>)"})
     workers: int = field(default=2, metadata={"help": "fine-tuning runs in parallel (processes)"})
     threads: int = field(default=1, metadata={
         "help": "torch threads of the old model's training and of each fine-tuning run (results depend on it)"})
@@ -576,7 +578,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     usage = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
     result = {"command": publishable_command("python recipes/llm_tiny_example.py",
                                              sys.argv[1:] if argv is None else argv),
-              "config": publishable_values(asdict(cfg)), "old_model_sha256": old_sha256, "environment": environment(cfg),
+              "config": publishable_values(asdict(cfg)), "old_model_sha256": old_sha256,
+              "environment": environment(cfg),
               "summary": summary, "runs": runs, "seconds": round(time.time() - t0, 1),
               "cpu_seconds": round(sum(u.ru_utime + u.ru_stime for u in usage), 1),
               "os_cpu_count": os.cpu_count()}

@@ -185,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
         rows["train"], "labels", values=OLD_DIGITS, name="forget_digit_{value}", tolerance=opts.tolerance,
         eval_dataset=rows["select"], row_fn=loss_change,
         certify_statistic=CertifyStatistic(forgotten, tolerance=opts.forget_tolerance, value_range=(0.0, 1.0),
-                                           bound="clopper_pearson", description="share of the digit's images forgotten"))
+                                           bound="clopper_pearson",
+                                           description="share of the digit's images forgotten"))
     for c in constraints:
         c.certify_dataset = certify_of[c.metadata["value"]]
 

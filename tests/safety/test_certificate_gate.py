@@ -52,7 +52,8 @@ def test_certified_run_states_one_verdict_in_report_card_and_cli(tmp_path):
     values = np.asarray(rows(3, 300)["x"]) * theta / 5.0
     expected = hoeffding_bentkus_upper_bound(values, (0.0, 1.0), 0.045)
     assert report.certified_bounds()["rate"] == pytest.approx(expected, abs=1e-6)
-    assert report.certificate["looks"] == {"rate": 1} and report.certificate["delta_spent"] == {"rate": pytest.approx(0.045)}
+    assert (report.certificate["looks"] == {"rate": 1}
+            and report.certificate["delta_spent"] == {"rate": pytest.approx(0.045)})
     assert report.certified and report.all_satisfied and report.safety_rule == "certified"
     assert report.summary().startswith("CERTIFIED at delta = 0.05: with probability at least 0.95")
     assert report.certificate["num_rows"] == {"rate": 300}
