@@ -473,7 +473,7 @@ class ExampleArguments:
     held_out_rows: int = field(default=512, metadata={"help": "held-out rows per task"})
     certify_rows: int = field(default=512, metadata={
         "help": "certification rows per old task (independent draws, read only by the certificate; 0: none). A "
-                "claim of at most 3% of each old task forgotten (so at most 3 points lost) at delta 0.05 needs "
+                "claim of at most 3%% of each old task forgotten (so at most 3 points lost) at delta 0.05 needs "
                 "2000 (benchmarks/certification_size.py, docs/benchmarks.md)"})
     forget_tolerance: float = field(default=0.4, metadata={
         "help": "certified: at most this share of each old task's examples forgotten (exact before, not now)"})
