@@ -8,6 +8,11 @@ modification time of every source file of the package and of the recipe. The fir
 it (and pays the imports); later calls print it in well under a second. The texts live in
 ``$HF_CONSTRAINED_CACHE`` or ``~/.cache/hf_constrained/help`` (``$XDG_CACHE_HOME`` honoured); a
 folder that cannot be written only means no cache.
+
+The short ``--help`` of every recipe also ships with the package (``help_texts.json``, rendered by
+``python -m hf_constrained.help_cache --write`` with the ``transformers`` and ``trl`` versions it
+records): where the installed versions are those, even the first call prints it without importing
+anything heavy. A test renders every recipe's help afresh and compares it with the shipped text.
 """
 
 from __future__ import annotations
@@ -15,12 +20,15 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import json
 import os
 from collections.abc import Callable
 from importlib import metadata
 from typing import Optional
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+SHIPPED = os.path.join(PACKAGE_DIR, "help_texts.json")
+"""The recipes' short help texts, with the versions they were rendered with."""
 
 
 def cache_dir() -> str:
@@ -53,9 +61,43 @@ def help_key(command: str, kind: str, recipe_file: Optional[str]) -> str:
     return digest.hexdigest()[:32]
 
 
+def _versions() -> dict[str, str]:
+    return {"transformers": _version("transformers"), "trl": _version("trl")}
+
+
+def shipped_help(command: str, kind: str) -> Optional[str]:
+    """The shipped short help of ``command``, where the installed versions are the ones it was rendered with."""
+    if kind != "help":
+        return None
+    try:
+        with open(SHIPPED, encoding="utf-8") as f:
+            shipped = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if shipped.get("versions") != _versions():
+        return None
+    return shipped.get("texts", {}).get(command)
+
+
+def render_help(render: Callable[[], int]) -> tuple[int, str]:
+    """``render()``'s exit status and what it printed (argparse exits after printing the help)."""
+    buffer = io.StringIO()
+    code = 0
+    with contextlib.redirect_stdout(buffer):
+        try:
+            code = render()
+        except SystemExit as exit_:
+            code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+    return code, buffer.getvalue()
+
+
 def cached_help(command: str, kind: str, recipe_file: Optional[str], render: Callable[[], int]) -> int:
-    """Print the help text of ``command`` (``kind``: ``"help"`` or ``"help-all"``): the cached one, or
-    ``render()``'s output (its stdout, cached when it exits with status 0)."""
+    """Print the help text of ``command`` (``kind``: ``"help"`` or ``"help-all"``): the shipped one, the
+    cached one, or ``render()``'s output (its stdout, cached when it exits with status 0)."""
+    text = shipped_help(command, kind)
+    if text is not None:
+        print(text, end="")
+        return 0
     path = os.path.join(cache_dir(), f"{command}-{kind}-{help_key(command, kind, recipe_file)}.txt")
     try:
         with open(path, encoding="utf-8") as f:
@@ -63,14 +105,7 @@ def cached_help(command: str, kind: str, recipe_file: Optional[str], render: Cal
         return 0
     except OSError:
         pass
-    buffer = io.StringIO()
-    code = 0
-    with contextlib.redirect_stdout(buffer):
-        try:
-            code = render()
-        except SystemExit as exit_:  # argparse exits after printing the help
-            code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
-    text = buffer.getvalue()
+    code, text = render_help(render)
     print(text, end="")
     if code == 0 and text:
         try:
@@ -84,4 +119,32 @@ def cached_help(command: str, kind: str, recipe_file: Optional[str], render: Cal
     return code
 
 
-__all__ = ["cache_dir", "cached_help", "help_key"]
+def write_shipped() -> dict[str, str]:
+    """Render every recipe's short help and write :data:`SHIPPED` (run after changing a recipe's flags)."""
+    from .cli import run_recipe
+    from .recipes import RECIPES
+
+    texts = {}
+    os.environ["COLUMNS"] = "100"  # argparse wraps to the terminal: the shipped texts at one fixed width
+    for recipe in RECIPES:
+        code, text = render_help(lambda recipe=recipe: run_recipe(recipe, ["--help"]))
+        if code != 0:
+            raise RuntimeError(f"hf-constrained {recipe.command} --help exited with {code}")
+        texts[recipe.command] = text
+    tmp = f"{SHIPPED}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump({"versions": _versions(), "texts": texts}, f, indent=1, sort_keys=True)
+        f.write("\n")
+    os.replace(tmp, SHIPPED)
+    return texts
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:] != ["--write"]:
+        raise SystemExit("usage: python -m hf_constrained.help_cache --write")
+    write_shipped()
+
+
+__all__ = ["cache_dir", "cached_help", "help_key", "render_help", "shipped_help", "write_shipped"]

@@ -108,6 +108,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 from transformers import AutoTokenizer, CLIPModel, TrainerCallback
 
 from hf_constrained.clip import (
@@ -123,6 +124,7 @@ from hf_constrained.clip.tiny import tiny_clip, word_tokenizer
 from hf_constrained.config import ConstrainedTrainingArguments
 from hf_constrained.constraint import Constraint
 from hf_constrained.non_forgetting import ReferenceCorrectDataset, forgetting_statistic
+from hf_constrained.progress import StepProgressBar
 from hf_constrained.publishable import publishable_values
 from hf_constrained.recipe_args import parse_with_config
 from hf_constrained.redact import redact_command
@@ -350,7 +352,7 @@ def pretrain_old_model(cfg: DemoConfig, cache_dir: str, log: Callable[[str], Non
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.stage1_lr, weight_decay=0.01)
     torch.manual_seed(cfg.seed)
     model.train()
-    for _ in range(cfg.stage1_epochs):
+    for _ in tqdm(range(cfg.stage1_epochs), desc="stage 1: training the old model", unit="epoch", leave=False):
         x = bank[torch.arange(len(idx)) * STAGE1_COPIES + torch.as_tensor(rng.integers(0, STAGE1_COPIES, len(idx)))]
         perm = torch.as_tensor(rng.permutation(len(idx)))
         for start in range(0, len(idx), 128):
@@ -629,7 +631,7 @@ def finetune(cfg: DemoConfig, old_path: str, penalty: str, pools: Optional[Pools
         trainer = KeptStepTrainer(
             model=model, args=args, train_dataset=RowDataset(target_rows(data, cfg)), data_collator=collate,
             constraints=constraints, contrastive_temperature=cfg.temperature,
-            callbacks=[selection] if selection else None,
+            callbacks=[c for c in (selection, StepProgressBar(f"stage 2: fine-tuning ({penalty})")) if c],
         )
         trainer.remove_callback(PrinterCallback)  # the report below says what matters
         if selection is not None:

@@ -51,6 +51,38 @@ def test_a_recipes_help_is_printed_from_the_cache_without_importing_it(capsys, m
         cli.main(["quickstart", "--help-all"])
 
 
+def test_the_shipped_help_is_each_recipes_help_rendered_now(monkeypatch):
+    """The short help texts shipped with the package (printed without importing a recipe) are what the
+    recipes render now: a flag added to a recipe without `python -m hf_constrained.help_cache --write` fails."""
+    import json
+
+    from hf_constrained import help_cache
+
+    with open(help_cache.SHIPPED, encoding="utf-8") as f:
+        shipped = json.load(f)
+    if shipped["versions"] != help_cache._versions():
+        pytest.skip(f"the shipped help was rendered with {shipped['versions']}, not the installed versions")
+    monkeypatch.setenv("COLUMNS", "100")
+    assert sorted(shipped["texts"]) == sorted(r.command for r in RECIPES)
+    for recipe in RECIPES:
+        code, text = help_cache.render_help(lambda recipe=recipe: cli.run_recipe(recipe, ["--help"]))
+        assert code == 0 and text == shipped["texts"][recipe.command], recipe.command
+
+
+def test_a_shipped_help_is_printed_without_importing_the_recipe(capsys, monkeypatch, tmp_path):
+    from hf_constrained import help_cache
+
+    monkeypatch.setenv("HF_CONSTRAINED_CACHE", str(tmp_path))  # an empty cache: the first call
+    monkeypatch.setattr(help_cache, "shipped_help", lambda command, kind: f"shipped help of {command}\n")
+
+    def no_import(*args, **kwargs):
+        raise AssertionError("the recipe was imported")
+
+    monkeypatch.setattr(cli, "run_recipe", no_import)
+    assert cli.main(["llm", "--help"]) == 0
+    assert capsys.readouterr().out == "shipped help of llm\n"
+
+
 def test_the_demo_takes_a_config_file(tmp_path):
     from hf_constrained.recipe_args import parse_with_config
     from hf_constrained.recipes import demo_clip_digits as demo
