@@ -27,7 +27,7 @@ from typing import Any, Optional, Sequence
 from .checkpointing import checkpoint_folders, checkpoint_problem
 from .errors import RecipeConfigError
 from .extras import MissingExtraError, extra_for_module, install_hint
-from .help_cache import cached_help
+from .help_cache import SHIPPED, cached_help, render_help, versions
 from .recipes import RECIPES, Recipe, shipped_recipe_files
 from .safety.figures import plot_log_history
 from .safety.report import SAFETY_REPORT_NAME, SAFETY_RULES, SafetyReport, format_number
@@ -278,5 +278,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 141  # 128 + SIGPIPE, as a process killed by the signal
 
 
+def write_shipped_help() -> dict[str, str]:
+    """Render every recipe's short ``--help`` and write the package's shipped texts
+    (:data:`~hf_constrained.help_cache.SHIPPED`); run after changing a recipe's flags:
+    ``python -m hf_constrained.cli --write-shipped-help``."""
+    texts = {}
+    os.environ["COLUMNS"] = "100"  # argparse wraps to the terminal: the shipped texts at one fixed width
+    for recipe in RECIPES:
+        code, text = render_help(lambda recipe=recipe: run_recipe(recipe, ["--help"]))
+        if code != 0:
+            raise RuntimeError(f"hf-constrained {recipe.command} --help exited with {code}")
+        texts[recipe.command] = text
+    tmp = f"{SHIPPED}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump({"versions": versions(), "texts": texts}, f, indent=1, sort_keys=True)
+        f.write("\n")
+    os.replace(tmp, SHIPPED)
+    return texts
+
+
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    sys.exit(write_shipped_help() and 0 if sys.argv[1:] == ["--write-shipped-help"] else main())

@@ -10,7 +10,7 @@ it (and pays the imports); later calls print it in well under a second. The text
 folder that cannot be written only means no cache.
 
 The short ``--help`` of every recipe also ships with the package (``help_texts.json``, rendered by
-``python -m hf_constrained.help_cache --write`` with the ``transformers`` and ``trl`` versions it
+``python -m hf_constrained.cli --write-shipped-help`` with the ``transformers`` and ``trl`` versions it
 records): where the installed versions are those, even the first call prints it without importing
 anything heavy. A test renders every recipe's help afresh and compares it with the shipped text.
 """
@@ -61,7 +61,7 @@ def help_key(command: str, kind: str, recipe_file: Optional[str]) -> str:
     return digest.hexdigest()[:32]
 
 
-def _versions() -> dict[str, str]:
+def versions() -> dict[str, str]:
     return {"transformers": _version("transformers"), "trl": _version("trl")}
 
 
@@ -74,7 +74,7 @@ def shipped_help(command: str, kind: str) -> Optional[str]:
             shipped = json.load(f)
     except (OSError, ValueError):
         return None
-    if shipped.get("versions") != _versions():
+    if shipped.get("versions") != versions():
         return None
     return shipped.get("texts", {}).get(command)
 
@@ -119,32 +119,4 @@ def cached_help(command: str, kind: str, recipe_file: Optional[str], render: Cal
     return code
 
 
-def write_shipped() -> dict[str, str]:
-    """Render every recipe's short help and write :data:`SHIPPED` (run after changing a recipe's flags)."""
-    from .cli import run_recipe
-    from .recipes import RECIPES
-
-    texts = {}
-    os.environ["COLUMNS"] = "100"  # argparse wraps to the terminal: the shipped texts at one fixed width
-    for recipe in RECIPES:
-        code, text = render_help(lambda recipe=recipe: run_recipe(recipe, ["--help"]))
-        if code != 0:
-            raise RuntimeError(f"hf-constrained {recipe.command} --help exited with {code}")
-        texts[recipe.command] = text
-    tmp = f"{SHIPPED}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump({"versions": _versions(), "texts": texts}, f, indent=1, sort_keys=True)
-        f.write("\n")
-    os.replace(tmp, SHIPPED)
-    return texts
-
-
-if __name__ == "__main__":
-    import sys
-
-    if sys.argv[1:] != ["--write"]:
-        raise SystemExit("usage: python -m hf_constrained.help_cache --write")
-    write_shipped()
-
-
-__all__ = ["cache_dir", "cached_help", "help_key", "render_help", "shipped_help", "write_shipped"]
+__all__ = ["SHIPPED", "cache_dir", "cached_help", "help_key", "render_help", "shipped_help", "versions"]

@@ -25,6 +25,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # recipe help texts rendered by the tests are cached in a folder of this run, not in ~/.cache
 os.environ.setdefault("HF_CONSTRAINED_CACHE", tempfile.mkdtemp(prefix="hf_constrained_test_cache_"))
+# the user-level ledger of certificate looks, for what runs before a test's own ledger is set (module- and
+# session-scoped fixtures, the processes they start): never the user's ~/.cache one
+os.environ["HF_CONSTRAINED_LEDGER"] = os.path.join(tempfile.mkdtemp(prefix="hf_constrained_test_ledger_"),
+                                                   "certification_ledger.json")
 
 
 def import_script(folder: str, name: str) -> ModuleType:

@@ -53,14 +53,14 @@ def test_a_recipes_help_is_printed_from_the_cache_without_importing_it(capsys, m
 
 def test_the_shipped_help_is_each_recipes_help_rendered_now(monkeypatch):
     """The short help texts shipped with the package (printed without importing a recipe) are what the
-    recipes render now: a flag added to a recipe without `python -m hf_constrained.help_cache --write` fails."""
+    recipes render now: a flag added to a recipe without `python -m hf_constrained.cli --write-shipped-help` fails."""
     import json
 
     from hf_constrained import help_cache
 
     with open(help_cache.SHIPPED, encoding="utf-8") as f:
         shipped = json.load(f)
-    if shipped["versions"] != help_cache._versions():
+    if shipped["versions"] != help_cache.versions():
         pytest.skip(f"the shipped help was rendered with {shipped['versions']}, not the installed versions")
     monkeypatch.setenv("COLUMNS", "100")
     assert sorted(shipped["texts"]) == sorted(r.command for r in RECIPES)

@@ -120,7 +120,10 @@ def test_resume_from_a_sharded_checkpoint_is_exact(ranks):
 
 
 @pytest.mark.slow  # starts processes
-def test_certificate_report_and_gate_on_the_gathered_model(ranks, tmp_path):
+def test_certificate_report_and_gate_on_the_gathered_model(ranks, tmp_path, monkeypatch):
+    # the one-process run below is another scenario on the same certification rows: a ledger of its own,
+    # so that it is the first look, as the FSDP run's certificate was
+    monkeypatch.setenv("HF_CONSTRAINED_LEDGER", str(tmp_path / "single-ledger.json"))
     out = ranks[0]["out"]
     c0, c1 = (r["certified"] for r in ranks)
     # the released weights are the full, gathered ones
