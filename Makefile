@@ -25,6 +25,8 @@ demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m hf_constrained.recipes.demo_clip_digits
 
 test: $(STAMP)
+	# the linter first (pyproject.toml: line length 120, pycodestyle, pyflakes, import order)
+	$(VENV)/bin/ruff check .
 	# one thread per xdist worker: the tests use tiny models, threads would only contend
 	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(PY) -m pytest -q -n 2 --dist loadgroup tests
 
