@@ -30,6 +30,17 @@ def z_value(confidence: float) -> float:
     return float(norm.ppf(confidence))
 
 
+def group_difference_share(grouped: bool, absolute: bool) -> float:
+    """The share of ``delta`` each one-sided bound of a group-mean difference gets (a union bound):
+    1 for a plain mean, 1/2 for ``m0 - m1`` (an upper end of one group, a lower end of the other),
+    1/4 for ``|m0 - m1|`` (both ends of both groups). The certificate's group bounds and the
+    certificate-sized training margins use the same split, so a margin sized here is what the
+    certificate will need."""
+    if not grouped:
+        return 1.0
+    return 0.25 if absolute else 0.5
+
+
 def mean_and_standard_error(values: Sequence[float] | np.ndarray) -> tuple[float, float, int]:
     """Mean, CLT standard error ``s / sqrt(n)`` (``s`` with ``n - 1`` degrees of freedom) and ``n``."""
     v = np.asarray(values, dtype=np.float64).reshape(-1)

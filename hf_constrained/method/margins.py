@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from ..statistics import z_value
+from ..statistics import group_difference_share, z_value
 from .rows import batch_variances
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -133,7 +133,7 @@ class RowSpread:
             if c.certify_dataset is None or c.certify_statistic is not None or c.value_range is None:
                 uncertifiable.append(c.name)
                 continue
-            share = 1.0 if c.group_key is None else (0.25 if c.outer is not None else 0.5)
+            share = group_difference_share(grouped=c.group_key is not None, absolute=c.outer is not None)
             cert_log[k] = math.log(2.0 / (certificate_delta * share))
             cert_range[k] = float(c.value_range[1]) - float(c.value_range[0])
             cert_rows[k] = len(c.certify_dataset)

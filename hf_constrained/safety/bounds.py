@@ -49,6 +49,8 @@ import numpy as np
 from scipy.stats import beta as beta_distribution
 from scipy.stats import binom, norm
 
+from ..statistics import group_difference_share
+
 BOUNDS = ("hoeffding_bentkus", "clopper_pearson", "paired_change", "betting", "clt")
 """The bound names :func:`upper_bound` accepts; all but ``"clt"`` are valid at every ``n``."""
 
@@ -352,7 +354,7 @@ def difference_upper_bound(values: Sequence[float] | np.ndarray, groups: Sequenc
         if part.size == 0:
             raise ValueError(f"{what}: group {label} has no rows on the certification split, so the difference of "
                              "group means has no bound")
-    share = delta / (4.0 if absolute else 2.0)
+    share = delta * group_difference_share(grouped=True, absolute=absolute)
     seed = order_seed if order_seed is not None or bound not in ORDER_DEPENDENT_BOUNDS else new_order_seed()
     up0 = upper_bound(v0, value_range, share, bound, what=f"{what} (group 0)", order_seed=seed)
     lo1 = lower_bound(v1, value_range, share, bound, what=f"{what} (group 1)", order_seed=seed)
