@@ -102,3 +102,8 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # an orderly shutdown: a process that exits with the gloo group still up can abort in teardown
+    # ("terminate called without an active exception"), failing a launch whose work was all done
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
