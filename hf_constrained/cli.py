@@ -249,8 +249,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         try:
             kind = "help-all" if "--help-all" in rest else "help" if {"-h", "--help"} & set(rest) else None
             if kind is not None:  # printed from the cache after the first time: no torch import
-                return cached_help(args.recipe.command, kind, _recipe_source(args.recipe),
-                                   lambda: run_recipe(args.recipe, rest))
+                code, text = cached_help(args.recipe.command, kind, _recipe_source(args.recipe),
+                                         lambda: run_recipe(args.recipe, rest))
+                print(text, end="")
+                return code
             return run_recipe(args.recipe, rest)
         except (MissingExtraError, RecipeConfigError) as exc:  # settings, found before anything loads
             print(f"hf-constrained {args.recipe.command}: error: {exc}", file=sys.stderr)

@@ -91,22 +91,20 @@ def render_help(render: Callable[[], int]) -> tuple[int, str]:
     return code, buffer.getvalue()
 
 
-def cached_help(command: str, kind: str, recipe_file: Optional[str], render: Callable[[], int]) -> int:
-    """Print the help text of ``command`` (``kind``: ``"help"`` or ``"help-all"``): the shipped one, the
-    cached one, or ``render()``'s output (its stdout, cached when it exits with status 0)."""
+def cached_help(command: str, kind: str, recipe_file: Optional[str], render: Callable[[], int]) -> tuple[int, str]:
+    """The exit status and help text of ``command`` (``kind``: ``"help"`` or ``"help-all"``) for the
+    command line to print: the shipped one, the cached one, or ``render()``'s output (its stdout,
+    cached when it exits with status 0)."""
     text = shipped_help(command, kind)
     if text is not None:
-        print(text, end="")
-        return 0
+        return 0, text
     path = os.path.join(cache_dir(), f"{command}-{kind}-{help_key(command, kind, recipe_file)}.txt")
     try:
         with open(path, encoding="utf-8") as f:
-            print(f.read(), end="")
-        return 0
+            return 0, f.read()
     except OSError:
         pass
     code, text = render_help(render)
-    print(text, end="")
     if code == 0 and text:
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -116,7 +114,7 @@ def cached_help(command: str, kind: str, recipe_file: Optional[str], render: Cal
             os.replace(tmp, path)
         except OSError:
             pass  # no cache, same output
-    return code
+    return code, text
 
 
 __all__ = ["SHIPPED", "cache_dir", "cached_help", "help_key", "render_help", "shipped_help", "versions"]

@@ -61,7 +61,9 @@ def test_the_shipped_help_is_each_recipes_help_rendered_now(monkeypatch):
     with open(help_cache.SHIPPED, encoding="utf-8") as f:
         shipped = json.load(f)
     if shipped["versions"] != help_cache.versions():
-        pytest.skip(f"the shipped help was rendered with {shipped['versions']}, not the installed versions")
+        # rendered with other transformers/trl versions: never printed here, every help is rendered afresh
+        assert all(help_cache.shipped_help(r.command, "help") is None for r in RECIPES)
+        return
     monkeypatch.setenv("COLUMNS", "100")
     assert sorted(shipped["texts"]) == sorted(r.command for r in RECIPES)
     for recipe in RECIPES:
