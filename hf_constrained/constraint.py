@@ -435,3 +435,16 @@ def constraints_per_value(
             )
         )
     return out
+
+
+def checked_constraints(constraints: Sequence[Constraint]) -> list[Constraint]:
+    """``constraints`` as a list, each a :class:`Constraint` and every name used once."""
+    constraints = list(constraints)
+    for c in constraints:
+        if not isinstance(c, Constraint):
+            raise TypeError(f"constraints must be Constraint objects, got {type(c).__name__}")
+    names = [c.name for c in constraints]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"duplicate constraint names: {duplicates}")
+    return constraints

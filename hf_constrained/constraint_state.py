@@ -21,8 +21,10 @@ import os
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
+from transformers.trainer_callback import TrainerState
 
-from .checkpointing import CheckpointError, check_named_checkpoint, latest_complete_checkpoint
+from .checkpointing import TRAINER_STATE_NAME, CheckpointError, check_named_checkpoint, latest_complete_checkpoint
+from .trainer_internals import trainer_load_checkpoint, trainer_restore_batch_size
 
 if TYPE_CHECKING:
     from .trainer import ConstrainedTrainer
@@ -146,6 +148,23 @@ def library_state(trainer: "ConstrainedTrainer") -> Optional[dict[str, Any]]:
     return None
 
 
+def finished_at(trainer: "ConstrainedTrainer", checkpoint: str) -> bool:
+    """Whether ``checkpoint`` was written at (or past) ``max_steps``; then its weights and state
+    are loaded and nothing is trained (the Trainer would check its bound only after one more step)."""
+    path = os.path.join(checkpoint, TRAINER_STATE_NAME)
+    if trainer.args.max_steps <= 0 or not os.path.isfile(path):
+        return False
+    state = TrainerState.load_from_json(path)
+    if state.global_step < trainer.args.max_steps:
+        return False
+    logger.info("checkpoint %s is at step %d, max_steps is %d: nothing to train", checkpoint,
+                state.global_step, trainer.args.max_steps)
+    trainer_load_checkpoint(trainer, checkpoint, trainer.model)
+    trainer_restore_batch_size(trainer, state.train_batch_size)  # what Trainer.train restores on resume
+    trainer.state = state
+    return True
+
+
 def prepare_resume(trainer: "ConstrainedTrainer", resume_from_checkpoint: Optional[Union[str, bool]],
                    state_name: str) -> Optional[Union[str, bool]]:
     """The checkpoint ``trainer.train`` resumes from, checked, with the constraint state loaded.
@@ -177,5 +196,5 @@ def prepare_resume(trainer: "ConstrainedTrainer", resume_from_checkpoint: Option
 
 
 __all__ = ["BASE_STATE_KEYS", "CONSTRAINT_STATE_KEYS", "ConstraintStateMissingError", "atomic_torch_save",
-           "checkpoint_state_is_finite",
+           "checkpoint_state_is_finite", "finished_at",
            "library_state", "load_constraint_state", "non_finite_state", "prepare_resume"]

@@ -117,6 +117,18 @@ def full_state_dict_save(trainer: Any, enabled: bool = True) -> Iterator[None]:
         plugin.state_dict_type = sharded
 
 
+def check_fsdp_set_up(trainer: Any) -> None:
+    """Refuse a run where FSDP was requested but Accelerate set up something else: the model would
+    silently train unsharded."""
+    if fsdp_requested(trainer.args) and not trainer.is_fsdp_enabled:
+        raise ValueError(
+            "FSDP was requested (an Accelerate FSDP config, ACCELERATE_USE_FSDP or --fsdp), but Accelerate set up "
+            f"{trainer.accelerator.distributed_type} without FSDP (on CPU only FSDP version 2 with several processes "
+            "runs: fsdp_version: 2 in the Accelerate config), so the model would not be sharded. On CPU use "
+            "recipes/accelerate_configs/fsdp.yaml with --use_cpu true, or multi_gpu.yaml (DDP)."
+        )
+
+
 def configure_ddp_for_constraints(args: TrainingArguments) -> None:
     """Pick or check the DDP settings of a constrained run (before the Trainer builds its
     Accelerator); a setting that cannot work is a :class:`ValueError` with the fix."""

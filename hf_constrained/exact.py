@@ -126,7 +126,18 @@ def constraint_statistics(model: nn.Module, constraints: Sequence[Constraint], b
     return {c.name: out[c.name] for c in constraints}
 
 
-__all__ = ["RowValues", "SPLITS", "constraint_statistics", "row_values", "split_data"]
+__all__ = ["RowValues", "SPLITS", "constraint_metrics", "constraint_statistics", "row_values", "split_data"]
+
+
+def constraint_metrics(values: dict[str, float], constraints: Sequence[Constraint], prefix: str = "eval"
+                       ) -> dict[str, float]:
+    """``{prefix}_constraint/<name>``, the largest violation ``max_k h_k - tol_k`` and whether all hold."""
+    metrics = {f"{prefix}_constraint/{n}": v for n, v in values.items()}
+    if values:
+        violations = [values[c.name] - c.tolerance for c in constraints]
+        metrics[f"{prefix}_constraint_max_violation"] = max(violations)
+        metrics[f"{prefix}_constraints_satisfied"] = float(all(v <= 0 for v in violations))
+    return metrics
 
 
 def is_absolute_value(outer: Any) -> bool:

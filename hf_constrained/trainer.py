@@ -22,7 +22,6 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 from tqdm.auto import tqdm
-from transformers.trainer_callback import TrainerState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, IntervalStrategy, TrainOutput, rotate_checkpoints
 
 from . import exact
@@ -30,48 +29,33 @@ from .batches import BatchMaker, pinned_to
 from .checkpointing import mark_complete, mark_incomplete
 from .clipping import PENALTY_GRAD_NORM_KEY, ClipMonitor
 from .config import ConstrainedTrainingArguments
-from .constraint import Constraint, ConstraintValueError  # noqa: F401  (ConstraintValueError: re-exported)
-from .constraint_state import atomic_torch_save, checkpoint_state_is_finite, library_state, prepare_resume
+from .constraint import Constraint, ConstraintValueError, checked_constraints  # noqa: F401 (re-exported)
+from .constraint_state import atomic_torch_save, checkpoint_state_is_finite, finished_at, library_state, prepare_resume
 from .distributed import (
     GradientCoverageCallback,
+    check_fsdp_set_up,
     configure_ddp_for_constraints,
     fsdp2_on_cpu,
-    fsdp_requested,
     full_state_dict_save,
     uses_ddp,
 )
 from .method.engine import ConstraintEngine
 from .method.estimators import run_precision
 from .method.penalties import make_penalty
-from .method.regularisers import ObjectiveRegulariser
+from .method.regularisers import ObjectiveRegulariser, RegularisedObjective
 from .preflight import preflight_constraints
 from .safety.gate import SafetyMixin
 from .safety.splits import check_certification_splits
 from .statistics import ConstraintStatistic
 from .trainer_internals import (
     TrainerInternals,
-    trainer_load_checkpoint,
     trainer_prepare_input,
-    trainer_restore_batch_size,
     trainer_run_dir,
 )
 
 logger = logging.getLogger(__name__)
 
 CONSTRAINT_STATE_NAME = "constraint_state.pt"
-TRAINER_STATE_NAME = "trainer_state.json"  # the Trainer's own state file in a checkpoint
-
-
-def _checked(constraints: Sequence[Constraint]) -> list[Constraint]:
-    constraints = list(constraints)
-    for c in constraints:
-        if not isinstance(c, Constraint):
-            raise TypeError(f"constraints must be Constraint objects, got {type(c).__name__}")
-    names = [c.name for c in constraints]
-    duplicates = sorted({n for n in names if names.count(n) > 1})
-    if duplicates:
-        raise ValueError(f"duplicate constraint names: {duplicates}")
-    return constraints
 
 
 class ConstrainedTrainer(SafetyMixin, TrainerInternals):
@@ -83,9 +67,8 @@ class ConstrainedTrainer(SafetyMixin, TrainerInternals):
         constraints: the constraints (see :class:`~hf_constrained.Constraint` and
             :func:`~hf_constrained.constraints_per_value`). With penalty ``none`` they are
             not trained on but still evaluated exactly by :meth:`evaluate`.
-        regulariser: an optional change of the objective on every training micro-batch (replay of old
-            rows, KL or L2 to the old model: :mod:`hf_constrained.method.regularisers`); it combines
-            with any ``constraint_penalty``.
+        regulariser: an optional change of the objective on every training micro-batch (replay, KL or L2
+            to the old model: :mod:`hf_constrained.method.regularisers`), with any ``constraint_penalty``.
         **kwargs: passed to ``Trainer``.
 
     The objective is whatever ``Trainer.compute_loss`` computes (the model's loss or
@@ -104,11 +87,8 @@ class ConstrainedTrainer(SafetyMixin, TrainerInternals):
             raise TypeError(f"ConstrainedTrainer needs ConstrainedTrainingArguments, got {type(args).__name__}")
         if args is None:
             args = ConstrainedTrainingArguments(output_dir="trainer_output")
-        self.constraints: list[Constraint] = _checked(constraints)
-        if regulariser is not None and not isinstance(regulariser, ObjectiveRegulariser):
-            raise TypeError(f"regulariser must be an ObjectiveRegulariser, got {type(regulariser).__name__}")
-        self.regulariser = regulariser
-        self._regulariser_draw: tuple[int, int] = (-1, 0)  # (global step, micro-batches of it so far)
+        self.constraints: list[Constraint] = checked_constraints(constraints)
+        self.regularised = None if regulariser is None else RegularisedObjective(regulariser)
         m = len(self.constraints)
         self.penalty = make_penalty(args.constraint_penalty, args.penalty_beta)
         if self.penalty.active and m == 0:
@@ -129,13 +109,7 @@ class ConstrainedTrainer(SafetyMixin, TrainerInternals):
             super().__init__(model=model, args=args, **kwargs)
         finally:
             args.eval_strategy = eval_strategy
-        if fsdp_requested(self.args) and not self.is_fsdp_enabled:
-            raise ValueError(
-                "FSDP was requested (an Accelerate FSDP config, ACCELERATE_USE_FSDP or --fsdp), but Accelerate set up "
-                f"{self.accelerator.distributed_type} without FSDP (on CPU only FSDP version 2 with several processes "
-                "runs: fsdp_version: 2 in the Accelerate config), so the model would not be sharded. On CPU use "
-                "recipes/accelerate_configs/fsdp.yaml with --use_cpu true, or multi_gpu.yaml (DDP)."
-            )
+        check_fsdp_set_up(self)
         if self.penalty.active and uses_ddp(self.args):
             self.add_callback(GradientCoverageCallback())
         # certification rows must be touched by nothing else: refuse an overlap before any training
@@ -205,8 +179,10 @@ class ConstrainedTrainer(SafetyMixin, TrainerInternals):
                      num_items_in_batch: Optional[Union[torch.Tensor, int]] = None) -> Any:
         result = self.compute_objective_loss(model, inputs, return_outputs=return_outputs,
                                              num_items_in_batch=num_items_in_batch)
-        if self.in_training_step and self.regulariser is not None:
-            result = self._regularised(model, result, inputs, num_items_in_batch)
+        if self.in_training_step and self.regularised is not None:
+            result = self.regularised(model, result, inputs, self.state.global_step,
+                                      self.current_gradient_accumulation_steps,
+                                      self._objective_is_scaled_for_ga(num_items_in_batch))
         if not (self.in_training_step and self.penalty.active) or self._constraint_step == self.state.global_step:
             return result
         self._constraint_step = self.state.global_step
@@ -218,20 +194,6 @@ class ConstrainedTrainer(SafetyMixin, TrainerInternals):
             loss, outputs = result
             return loss + penalty_loss.to(loss.dtype), outputs
         return result + penalty_loss.to(result.dtype)
-
-    def _regularised(self, model: nn.Module, result: Any, inputs: Any, num_items_in_batch: Any) -> Any:
-        """The objective changed by the regulariser (its one dispatch point, ``apply``). The regulariser sees
-        the micro-batch's own mean objective: a loss the Trainer already scaled for gradient accumulation is
-        unscaled for it and rescaled after. The micro-batch's number fixes the old rows it reads."""
-        step, micro = self._regulariser_draw
-        micro = micro + 1 if step == self.state.global_step else 0
-        self._regulariser_draw = (self.state.global_step, micro)
-        windows = self.current_gradient_accumulation_steps
-        draw = self.state.global_step * windows + micro
-        scale = windows if self._objective_is_scaled_for_ga(num_items_in_batch) else 1
-        loss = result[0] if isinstance(result, tuple) else result
-        loss = self.regulariser.apply(model, loss * scale, inputs, draw) / scale
-        return (loss, result[1]) if isinstance(result, tuple) else loss
 
     def training_step(self, model: nn.Module, inputs: dict[str, Any],
                       num_items_in_batch: Optional[Union[torch.Tensor, int]] = None) -> torch.Tensor:
@@ -338,12 +300,7 @@ class ConstrainedTrainer(SafetyMixin, TrainerInternals):
 
     def constraint_metrics(self, values: dict[str, float], prefix: str = "eval") -> dict[str, float]:
         """``{prefix}_constraint/<name>``, the largest violation and whether all hold."""
-        metrics = {f"{prefix}_constraint/{n}": v for n, v in values.items()}
-        if values:
-            violations = [values[c.name] - c.tolerance for c in self.constraints]
-            metrics[f"{prefix}_constraint_max_violation"] = max(violations)
-            metrics[f"{prefix}_constraints_satisfied"] = float(all(v <= 0 for v in violations))
-        return metrics
+        return exact.constraint_metrics(values, self.constraints, prefix)
 
     def _loggable(self, metrics: dict[str, float]) -> dict[str, float]:
         """Per-constraint values only up to ``log_constraint_estimates_max`` constraints (the logs
@@ -431,29 +388,13 @@ class ConstrainedTrainer(SafetyMixin, TrainerInternals):
 
     def train(self, resume_from_checkpoint: Optional[Union[str, bool]] = None, *args: Any, **kwargs: Any) -> Any:
         resume_from_checkpoint = prepare_resume(self, resume_from_checkpoint, CONSTRAINT_STATE_NAME)
-        if resume_from_checkpoint and self._finished_at(str(resume_from_checkpoint)):
+        if resume_from_checkpoint and finished_at(self, str(resume_from_checkpoint)):
             return TrainOutput(self.state.global_step, 0.0, {})
         if self.penalty.active:
             self.preflight_constraints()
-        if self.regulariser is not None:
-            self.regulariser.bind(self.model, self._to_device)
+        if self.regularised is not None:
+            self.regularised.regulariser.bind(self.model, self._to_device)
         return super().train(resume_from_checkpoint, *args, **kwargs)
-
-    def _finished_at(self, checkpoint: str) -> bool:
-        """Whether ``checkpoint`` was written at (or past) ``max_steps``; then its weights and state
-        are loaded and nothing is trained (the Trainer would check its bound only after one more step)."""
-        path = os.path.join(checkpoint, TRAINER_STATE_NAME)
-        if self.args.max_steps <= 0 or not os.path.isfile(path):
-            return False
-        state = TrainerState.load_from_json(path)
-        if state.global_step < self.args.max_steps:
-            return False
-        logger.info("checkpoint %s is at step %d, max_steps is %d: nothing to train", checkpoint,
-                    state.global_step, self.args.max_steps)
-        trainer_load_checkpoint(self, checkpoint, self.model)
-        trainer_restore_batch_size(self, state.train_batch_size)  # what Trainer.train restores on resume
-        self.state = state
-        return True
 
 
 __all__ = ["CONSTRAINT_STATE_NAME", "ConstrainedTrainer", "ConstraintValueError"]

@@ -95,6 +95,30 @@ class ObjectiveRegulariser(ABC):
         return {"name": self.name}
 
 
+class RegularisedObjective:
+    """How a trainer applies a regulariser: once per training micro-batch, to that micro-batch's own
+    mean objective (a loss the Trainer already scaled for gradient accumulation is unscaled for
+    :meth:`ObjectiveRegulariser.apply` and rescaled after), with the micro-batch's number as ``draw``
+    (``global_step * accumulation_steps + micro-batch``), so that a resumed run reads the same old rows."""
+
+    def __init__(self, regulariser: ObjectiveRegulariser) -> None:
+        if not isinstance(regulariser, ObjectiveRegulariser):
+            raise TypeError(f"regulariser must be an ObjectiveRegulariser, got {type(regulariser).__name__}")
+        self.regulariser = regulariser
+        self._last: tuple[int, int] = (-1, 0)  # (global step, micro-batches of it so far)
+
+    def __call__(self, model: nn.Module, result: Any, inputs: Any, global_step: int, accumulation_steps: int,
+                 scaled_for_accumulation: bool) -> Any:
+        """``result`` (a loss, or ``(loss, outputs)``) with the loss regularised."""
+        step, micro = self._last
+        micro = micro + 1 if step == global_step else 0
+        self._last = (global_step, micro)
+        scale = accumulation_steps if scaled_for_accumulation else 1
+        loss = result[0] if isinstance(result, tuple) else result
+        loss = self.regulariser.apply(model, loss * scale, inputs, global_step * accumulation_steps + micro) / scale
+        return (loss, result[1]) if isinstance(result, tuple) else loss
+
+
 def _batch_rows(inputs: Any) -> int:
     """Rows of a batch (its first tensor's length)."""
     if isinstance(inputs, dict):
@@ -305,6 +329,7 @@ __all__ = [
     "L2ToOld",
     "ObjectiveRegulariser",
     "OldRowStream",
+    "RegularisedObjective",
     "Replay",
     "kl_old_new",
     "make_regulariser",
