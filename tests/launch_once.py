@@ -8,6 +8,7 @@ for its files (the directory is new for every pytest run: nothing stale is reuse
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 from typing import Callable
 
@@ -26,3 +27,10 @@ def launch_once(tmp_path_factory, name: str, launch: Callable[[Path], None]) -> 
             launch(out)
             (out / "done").write_text("ok")
     return out
+
+
+def free_port() -> int:
+    """A TCP port on the loopback that is free now, for a launch's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

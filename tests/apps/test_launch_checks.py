@@ -5,13 +5,13 @@ machine without GPUs ran two independent copies writing into one folder)."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from launch_once import free_port
 
 from hf_constrained import launch
 from hf_constrained.launch import check_multi_process_launch, multi_process_launch_problem
@@ -42,16 +42,12 @@ def test_only_the_first_process_says_it(monkeypatch):
     assert first.value.code == second.value.code == 2 and len(said) == 1
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _launch(*flags: str, tmp_path: Path) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "accelerate.commands.launch",
            "--config_file", str(ROOT / "recipes" / "accelerate_configs" / "multi_gpu.yaml"), "--num_processes", "2",
-           "--main_process_port", str(_free_port()), str(ROOT / "tests" / "distributed" / "parse_only.py"),
+           "--main_process_port", str(free_port()), str(ROOT / "tests" / "distributed" / "parse_only.py"),
            "--output_dir", str(tmp_path / "out"), "--report_to", "none", *flags]
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
                PYTHONPATH=str(ROOT))

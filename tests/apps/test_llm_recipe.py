@@ -6,7 +6,6 @@ import importlib.util
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import UploadRecorder
+from launch_once import free_port
 from recipe_outputs import assert_report_checks, run_card_snippet
 
 from hf_constrained.recipes.tiny_lm import char_tokenizer, tiny_causal_lm
@@ -250,10 +250,6 @@ def test_mistyped_model_path_fails_before_any_model_loads(setup, tmp_path, monke
         assert f"--model_name_or_path={mistyped!r}" in str(raised.value)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow
@@ -261,7 +257,7 @@ def test_two_process_run(setup, tmp_path):
     out = tmp_path / "ddp"
     cmd = [sys.executable, "-m", "accelerate.commands.launch",
            "--config_file", str(ROOT / "recipes" / "accelerate_configs" / "multi_gpu.yaml"), "--num_processes", "2",
-           "--main_process_port", str(_free_port()), str(RECIPE)] + _flags(setup, out, max_steps=2)
+           "--main_process_port", str(free_port()), str(RECIPE)] + _flags(setup, out, max_steps=2)
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from launch_once import launch_once
+from launch_once import free_port, launch_once
 from scale_tiny import StopAt, make_trainer
 
 pytestmark = pytest.mark.slow  # every test here starts processes
@@ -20,12 +20,6 @@ HERE = Path(__file__).resolve().parents[1]  # tests/
 CONFIGS = HERE.parent / "recipes" / "accelerate_configs"
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _launch(out: Path) -> None:
@@ -33,7 +27,7 @@ def _launch(out: Path) -> None:
     one.add_callback(StopAt(3))
     one.train()  # a 1-process checkpoint at step 3
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "multi_gpu.yaml"),
-           "--num_processes", "2", "--main_process_port", str(_free_port()),
+           "--num_processes", "2", "--main_process_port", str(free_port()),
            str(HERE / "distributed" / "run_ddp_reliability.py"), "--out", str(out),
            "--checkpoint", str(out / "one" / "checkpoint-3")]
 

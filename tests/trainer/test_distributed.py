@@ -37,7 +37,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch_once import launch_once
+from launch_once import free_port, launch_once
 from scale_tiny import (
     Recorder,
     TinyClassifier,
@@ -59,12 +59,6 @@ STEPS = 6
 TOL = 1e-5
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _launch_two_processes(out: Path) -> None:
@@ -72,7 +66,7 @@ def _launch_two_processes(out: Path) -> None:
         sys.executable, "-m", "accelerate.commands.launch",
         # the shipped DDP config; with use_cpu=True in the training arguments the ranks run on CPU (gloo)
         "--config_file", str(CONFIGS / "multi_gpu.yaml"), "--num_processes", "2",
-        "--main_process_port", str(_free_port()),
+        "--main_process_port", str(free_port()),
         str(HERE / "distributed" / "run_ddp_check.py"),
         "--out", str(out), "--per-device-batch", "4", "--constraint-batch", "3", "--steps", str(STEPS),
         "--contrastive", "--extra", "--fused", "--two-split",

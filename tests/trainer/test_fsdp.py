@@ -21,7 +21,6 @@ sharded (TRANSFORMER_BASED_WRAP over ``_no_split_modules``). Asserted:
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -29,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 from fsdp_tiny import certified_trainer
-from launch_once import launch_once
+from launch_once import free_port, launch_once
 from safetensors.torch import load_file
 from scale_tiny import TinyClassifier, make_trainer, snapshot
 
@@ -41,15 +40,11 @@ STEPS = 6
 TOL = 1e-5
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _launch(out: Path) -> None:
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "fsdp.yaml"),
-           "--num_processes", "2", "--mixed_precision", "no", "--main_process_port", str(_free_port()),
+           "--num_processes", "2", "--mixed_precision", "no", "--main_process_port", str(free_port()),
            str(HERE / "distributed" / "run_fsdp_check.py"), "--out", str(out), "--steps", str(STEPS)]
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
@@ -185,7 +180,7 @@ def test_llm_recipe_under_fsdp_on_two_cpu_processes(tmp_path):
         (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "fsdp.yaml"),
-           "--num_processes", "2", "--mixed_precision", "no", "--main_process_port", str(_free_port()),
+           "--num_processes", "2", "--mixed_precision", "no", "--main_process_port", str(free_port()),
            str(HERE.parent / "recipes" / "llm_non_forgetting.py"),
            "--model_name_or_path", str(tmp_path / "llama"), "--dataset_name", str(tmp_path / "sort.jsonl"),
            "--protected_datasets", f"reverse={tmp_path / 'reverse.jsonl'}", str(tmp_path / "copy.jsonl"),
