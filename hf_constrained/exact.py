@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from .batches import BatchMaker
 from .constraint import Constraint
@@ -30,6 +31,27 @@ Progress = Callable[[range, str], Any]
 
 RowValues = dict[str, tuple[np.ndarray, Optional[np.ndarray]]]
 """Constraint name -> (per-row values, per-row group 0/1 or ``None``), float64 on the host."""
+
+
+def progress_bars(disable: bool) -> Progress:
+    """A :data:`Progress` with a tqdm bar over long passes (20 batches or more), unless ``disable``."""
+    def progress(items: Any, description: str) -> Any:
+        return tqdm(items, desc=description, leave=False, disable=disable or len(items) < 20)
+    return progress
+
+
+def in_eval_mode(run: Callable[..., Any], model: nn.Module, constraints: Sequence[Constraint], batches: BatchMaker,
+                 **kwargs: Any) -> Any:
+    """``run(model, constraints, batches, **kwargs)`` (a pass of this module) with the model in eval mode,
+    restored after; a ``split`` other than :data:`SPLITS` is refused before any pass."""
+    if kwargs.get("split", "eval") not in SPLITS:
+        raise ValueError(f"split must be one of {list(SPLITS)}, got {kwargs['split']!r}")
+    was_training = model.training
+    model.eval()
+    try:
+        return run(model, constraints, batches, **kwargs)
+    finally:
+        model.train(was_training)
 
 
 def split_data(c: Constraint, split: str) -> Any:

@@ -21,7 +21,6 @@ from typing import Any, Optional, Union
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, IntervalStrategy, TrainOutput, rotate_checkpoints
 
 from . import exact
@@ -44,8 +43,10 @@ from .method.estimators import run_precision
 from .method.penalties import make_penalty
 from .method.regularisers import ObjectiveRegulariser, RegularisedObjective
 from .preflight import preflight_constraints
-from .safety.gate import SafetyMixin
+from .safety.loop import SafetyLoop
 from .safety.splits import check_certification_splits
+from .safety.trainer_state import best_checkpoint_restored
+from .safety.view import RunView
 from .statistics import ConstraintStatistic
 from .trainer_internals import (
     TrainerInternals,
@@ -58,7 +59,7 @@ logger = logging.getLogger(__name__)
 CONSTRAINT_STATE_NAME = "constraint_state.pt"
 
 
-class ConstrainedTrainer(SafetyMixin, TrainerInternals):
+class ConstrainedTrainer(TrainerInternals):
     """A :class:`transformers.Trainer` that trains under constraints ``h_k(w) <= tol_k``.
 
     Args:
@@ -69,13 +70,12 @@ class ConstrainedTrainer(SafetyMixin, TrainerInternals):
             not trained on but still evaluated exactly by :meth:`evaluate`.
         regulariser: an optional change of the objective on every training micro-batch (replay, KL or L2
             to the old model: :mod:`hf_constrained.method.regularisers`), with any ``constraint_penalty``.
-        **kwargs: passed to ``Trainer``.
+        **kwargs: passed to ``Trainer``, except ``model_card_info`` and ``reference_constraint_values``: to the
+            safety loop (:class:`~hf_constrained.safety.loop.SafetyLoop`, held as ``trainer.safety``).
 
-    The objective is whatever ``Trainer.compute_loss`` computes (the model's loss or
-    ``compute_loss_func``); subclasses may override :meth:`compute_objective_loss`.
-    Constraint batches are collated by the constraint's ``collate_fn``; without one, by the
-    trainer's ``data_collator`` when one other than ``default_data_collator`` was given, else
-    by :func:`~hf_constrained.batches.collate_examples`.
+    The objective is whatever ``Trainer.compute_loss`` computes (subclasses may override
+    :meth:`compute_objective_loss`). Constraint batches are collated by the constraint's ``collate_fn``, else by a
+    ``data_collator`` given to the trainer, else by :func:`~hf_constrained.batches.collate_examples`.
     """
 
     args: ConstrainedTrainingArguments
@@ -88,6 +88,7 @@ class ConstrainedTrainer(SafetyMixin, TrainerInternals):
         if args is None:
             args = ConstrainedTrainingArguments(output_dir="trainer_output")
         self.constraints: list[Constraint] = checked_constraints(constraints)
+        safety_options = {k: kwargs.pop(k) for k in ("model_card_info", "reference_constraint_values") if k in kwargs}
         self.regularised = None if regulariser is None else RegularisedObjective(regulariser)
         m = len(self.constraints)
         self.penalty = make_penalty(args.constraint_penalty, args.penalty_beta)
@@ -99,16 +100,16 @@ class ConstrainedTrainer(SafetyMixin, TrainerInternals):
             raise ValueError(f"constraints_per_step must be in [1, {m}] (there are {m} constraints), got {num_sampled}")
         if self.penalty.active:
             configure_ddp_for_constraints(args)  # before the Trainer builds the Accelerator from args
-        # Constraint-only periodic evaluation: the Trainer refuses eval_strategy without an eval_dataset, but
-        # with constraints evaluate() has something to evaluate (their exact values), so the check is passed
-        # with the strategy off and the strategy restored right after.
-        eval_strategy = args.eval_strategy
+        # Constraint-only periodic evaluation: the Trainer refuses eval_strategy without an eval_dataset, but evaluate()
+        # has the constraints' exact values to evaluate, so the check is passed with the strategy off, then restored.
+        eval_strategy, push = args.eval_strategy, args.push_to_hub
         if m > 0 and kwargs.get("eval_dataset") is None and args.eval_strategy != "no":
             args.eval_strategy = IntervalStrategy.NO
+        args.push_to_hub = push and not m  # with constraints the first push the safety gate passes creates the repo
         try:
             super().__init__(model=model, args=args, **kwargs)
         finally:
-            args.eval_strategy = eval_strategy
+            args.eval_strategy, args.push_to_hub = eval_strategy, push
         check_fsdp_set_up(self)
         if self.penalty.active and uses_ddp(self.args):
             self.add_callback(GradientCoverageCallback())
@@ -136,19 +137,52 @@ class ConstrainedTrainer(SafetyMixin, TrainerInternals):
         # the exact values of the latest evaluation, all m of them (logs hold them only for small m)
         self.last_constraint_values: dict[str, float] = {}
         self.last_constraint_values_step: Optional[int] = None
+        view = RunView(tuple(self.constraints), self.args, self.engine, self.certification_fingerprints)
+        self.safety = SafetyLoop(self, view, **safety_options)  # reports, certificates, cards, the push gate
+        self.safety.attach(self.callback_handler, push_to_hub=push)  # its callback; a deferred push checks the Hub now
 
     def create_accelerator_and_postprocess(self) -> None:
         """The Trainer's Accelerator; an FSDP2 request on CPU processes shards too (:func:`fsdp2_on_cpu`)."""
         with fsdp2_on_cpu(self.args):
             super().create_accelerator_and_postprocess()
 
+    # ------------------------------------------------------------------ the safety loop's Trainer hooks
     def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False, *,
                    push: Optional[bool] = None) -> None:
-        """Under FSDP2 with a sharded state dict, the model a user saves (the release) gets its full, gathered
-        weights (:func:`full_state_dict_save`); checkpoints stay sharded. Call it on every process. ``push``:
-        see :meth:`SafetyMixin.save_model <hf_constrained.safety.gate.SafetyMixin.save_model>`."""
+        """``Trainer.save_model`` plus the card and safety report beside the weights (``SafetyLoop.model_saved``),
+        then a user call's gated push (``args.push_to_hub``) unless ``push=False``. Under FSDP2 the release gets
+        full, gathered weights (:func:`full_state_dict_save`). Call it on every process."""
         with full_state_dict_save(self, enabled=not _internal_call):
-            super().save_model(output_dir, _internal_call, push=push)
+            super().save_model(output_dir, _internal_call=True)
+            self.safety.model_saved(output_dir or self.args.output_dir)
+            if self.args.push_to_hub and not _internal_call and push is not False:
+                self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def push_to_hub(self, *args: Any, allow_unsafe: bool = False, safety_rule: Optional[str] = None,
+                    **kwargs: Any) -> Any:
+        """``Trainer.push_to_hub`` behind the safety gate (``SafetyLoop.check_safe_to_push``): refused before any
+        repository or upload when the weights fail ``safety_rule``, unless ``allow_unsafe`` (the card says UNSAFE)."""
+        with self.safety.gated_push(allow_unsafe=allow_unsafe, safety_rule=safety_rule):
+            return super().push_to_hub(*args, **kwargs)
+
+    def push_checkpoint(self, checkpoint_folder: str) -> None:
+        """Checkpoint pushes (``hub_strategy``) of folders whose weights pass ``SafetyLoop.may_push_checkpoint``."""
+        if self.safety.may_push_checkpoint(checkpoint_folder):
+            if self.hub_model_id is None:
+                self.init_hf_repo()  # the first push that passed the gate creates the repository
+            super().push_checkpoint(checkpoint_folder)
+
+    def create_model_card(self, *args: Any, **kwargs: Any) -> None:
+        """With constraints the constrained card (``SafetyLoop.create_model_card``); without, the Trainer's."""
+        (self.safety.create_model_card if self.constraints else super().create_model_card)(*args, **kwargs)
+
+    def is_new_best(self, metrics: dict[str, float], trial: Any) -> bool:
+        best = self.safety.is_new_best(metrics)  # feasible checkpoints first; None: the Trainer's rule
+        return super().is_new_best(metrics, trial) if best is None else best
+
+    def save_state(self) -> None:
+        super().save_state()
+        self.safety.publish_trainer_state()  # without local paths
 
     def _to_device(self, batch: Any) -> Any:
         """A collated constraint batch on the device. On CUDA the tensors are pinned and copied with
@@ -156,11 +190,6 @@ class ConstrainedTrainer(SafetyMixin, TrainerInternals):
         if self.args.device.type != "cuda" or getattr(self, "is_deepspeed_enabled", False):
             return trainer_prepare_input(self, batch)  # the Trainer's placement (dtype, DeepSpeed)
         return pinned_to(batch, self.args.device)
-
-    def _progress(self, items: Any, description: str) -> Any:
-        """A progress bar over long passes (20 batches or more) on the main process."""
-        return tqdm(items, desc=description, leave=False, disable=self.args.disable_tqdm or len(items) < 20
-                    or not self.is_world_process_zero())
 
     # ------------------------------------------------------------------ the step
     def compute_objective_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
@@ -222,8 +251,7 @@ class ConstrainedTrainer(SafetyMixin, TrainerInternals):
         return {} if self.engine is None else self.engine.estimates()
 
     def constraint_margins(self) -> dict[str, float]:
-        """The margin in force for each constraint that has one (explicit, or from a confidence):
-        the hinge's indicator acts on ``u_k + margin > tol_k``. Empty when no margin is configured."""
+        """The margin in force per constraint that has one: the hinge's indicator acts on ``u_k + margin > tol_k``."""
         return {} if self.engine is None else self.engine.spread.margins()
 
     def constraint_noise(self) -> dict[str, float]:
@@ -232,13 +260,9 @@ class ConstrainedTrainer(SafetyMixin, TrainerInternals):
 
     # ------------------------------------------------------------------ logging
     def add_metrics_to_next_log(self, metrics: dict[str, float]) -> None:
-        """Queue ``metrics`` for the Trainer's next log entry (training or evaluation).
-
-        The way for a callback to report extra metrics: calling ``trainer.log`` from
-        ``on_step_end`` makes the Trainer skip its own log of that step (``on_log`` resets
-        ``control.should_log``). Set ``control.should_log = True`` as well to have the entry at
-        this step (see :class:`~hf_constrained.callbacks.PeriodicMetricsCallback`).
-        """
+        """Queue ``metrics`` for the Trainer's next log entry: the way for a callback to report extra metrics
+        (``trainer.log`` from ``on_step_end`` would make the Trainer skip its own log of that step). Set
+        ``control.should_log = True`` too for an entry at this step (see ``callbacks.PeriodicMetricsCallback``)."""
         self._pending_log_metrics.update(metrics)
 
     def log(self, logs: dict[str, float], start_time: Optional[float] = None) -> None:
@@ -258,40 +282,26 @@ class ConstrainedTrainer(SafetyMixin, TrainerInternals):
     # ------------------------------------------------------------------ exact evaluation
     def constraint_statistics(self, model: Optional[nn.Module] = None, split: str = "eval",
                               confidence: float = 0.95) -> dict[str, ConstraintStatistic]:
-        """Exact value of every constraint on its data (a full pass, not the estimator), with its
-        one-sided upper confidence bound where the constraint gives per-row values
-        (:func:`hf_constrained.exact.constraint_statistics`).
-
-        Args:
-            model: the model to evaluate (default: the trainer's; under FSDP the wrapped one).
-            split: ``"eval"`` uses each constraint's ``eval_dataset`` (falling back to its
-                training data), ``"train"`` its training data.
-            confidence: the one-sided confidence of the bounds.
-        """
+        """Exact value of every constraint on its data (a full pass, not the estimator), with a one-sided upper
+        bound at ``confidence`` where it gives per-row values (:func:`hf_constrained.exact.constraint_statistics`),
+        for ``model`` (default: the trainer's; under FSDP the wrapped one) on ``split``: ``"eval"`` (each
+        constraint's ``eval_dataset``, falling back to its training data) or ``"train"`` (its training data)."""
         return self._exact_pass(exact.constraint_statistics, model, split=split, confidence=confidence)
 
     def _exact_pass(self, run: Any, model: Optional[nn.Module], **kwargs: Any) -> Any:
-        """``run(model, constraints, batches, ...)`` of :mod:`hf_constrained.exact` with the model in
-        eval mode (restored after), the eval batch size, autocast and progress bars."""
-        if kwargs.get("split", "eval") not in exact.SPLITS:
-            raise ValueError(f"split must be one of {list(exact.SPLITS)}, got {kwargs['split']!r}")
+        """``run`` of :mod:`hf_constrained.exact` in eval mode, with the eval batch size, autocast and progress bars."""
         if model is None:  # FSDP shards the parameters: only the wrapped module's forward gathers them
             model = self.model_wrapped if getattr(self, "is_fsdp_enabled", False) else self.model
-        was_training = model.training
-        model.eval()
-        try:
-            return run(model, self.constraints, self.batches, context=self.compute_loss_context_manager,
-                       batch_size=self.args.constraint_eval_batch_size or self.args.per_device_eval_batch_size,
-                       progress=self._progress, **kwargs)
-        finally:
-            model.train(was_training)
+        progress = exact.progress_bars(self.args.disable_tqdm or not self.is_world_process_zero())
+        batch_size = self.args.constraint_eval_batch_size or self.args.per_device_eval_batch_size
+        return exact.in_eval_mode(run, model, self.constraints, self.batches, batch_size=batch_size, progress=progress,
+                                  context=self.compute_loss_context_manager, **kwargs)
 
     def constraint_row_values(self, model: Optional[nn.Module] = None, split: str = "certify") -> dict[str, Any]:
         """Per-row values of each certification statistic on its ``certify_dataset``, the only place
         those rows are read (:func:`hf_constrained.exact.certification_values`)."""
         if split != "certify":
-            raise ValueError("constraint_row_values reads the certification split only (split='certify'), "
-                             f"got {split!r}")
+            raise ValueError(f"constraint_row_values reads the certification split only ('certify'), got {split!r}")
         return self._exact_pass(exact.certification_values, model)
 
     def evaluate_constraints(self, model: Optional[nn.Module] = None, split: str = "eval") -> dict[str, float]:
@@ -303,22 +313,17 @@ class ConstrainedTrainer(SafetyMixin, TrainerInternals):
         return exact.constraint_metrics(values, self.constraints, prefix)
 
     def _loggable(self, metrics: dict[str, float]) -> dict[str, float]:
-        """Per-constraint values only up to ``log_constraint_estimates_max`` constraints (the logs
-        and ``log_history``, which every checkpoint copies); the summaries always."""
+        """Per-constraint values only up to ``log_constraint_estimates_max`` constraints; the summaries always."""
         if len(self.constraints) <= self.args.log_constraint_estimates_max:
             return dict(metrics)
         return {k: v for k, v in metrics.items() if "_constraint/" not in k}
 
     def evaluate(self, eval_dataset: Any = None, ignore_keys: Optional[list[str]] = None,
                  metric_key_prefix: str = "eval") -> dict[str, float]:
-        """The Trainer's evaluation plus the exact value of every constraint (a full pass).
-
-        Without an objective ``eval_dataset`` only the constraints are evaluated, so periodic
-        evaluation (``eval_strategy``) and feasible-checkpoint selection work on constraints
-        alone (e.g. ``metric_for_best_model="constraint_max_violation"``). The returned metrics
-        hold every constraint's value; the logged entry holds them only for at most
-        ``log_constraint_estimates_max`` constraints (see :attr:`last_constraint_values`).
-        """
+        """The Trainer's evaluation plus the exact value of every constraint (a full pass). Without an objective
+        ``eval_dataset`` only the constraints are evaluated, so periodic evaluation and feasible-checkpoint selection
+        work on constraints alone (e.g. ``metric_for_best_model="constraint_max_violation"``). The returned metrics
+        hold every constraint's value; the log entry only up to ``log_constraint_estimates_max`` of them."""
         values = self.evaluate_constraints() if self.constraints else {}
         if values:
             self.last_constraint_values = dict(values)
@@ -336,8 +341,7 @@ class ConstrainedTrainer(SafetyMixin, TrainerInternals):
 
     # ------------------------------------------------------------------ state and checkpoints
     def constraint_state_dict(self) -> dict[str, Any]:
-        """Everything needed to resume the constraint part exactly: the engine's state and the
-        step whose constraint part has run."""
+        """What resumes the constraint part exactly: the engine's state and the step whose constraint part ran."""
         state = {"names": [], "estimator": None, "streams": [], "next_draw": None} if self.engine is None \
             else self.engine.state_dict()
         return {**state, "constraint_step": self._constraint_step}
@@ -350,16 +354,11 @@ class ConstrainedTrainer(SafetyMixin, TrainerInternals):
         self._constraint_step = state["constraint_step"]
 
     def save_checkpoint(self, model: nn.Module, trial: Any) -> None:
-        """The Trainer's checkpoint save made complete-or-ignored (:mod:`hf_constrained.checkpointing`).
-
-        No public hook of the Trainer runs between the last file of a checkpoint and the rotation
-        of old ones, so the rotation is deferred: the Trainer saves with ``save_total_limit``
-        unset, then the constraint state and the completeness marker are written (only when the
-        trainer keeps state of its own: without constraints the checkpoint holds the Trainer's
-        files only), and only then is the checkpoint pushed (``hub_strategy``, through the safety
-        gate) and are old checkpoints rotated. A kill at any moment leaves the previous complete
-        checkpoint.
-        """
+        """The Trainer's checkpoint save made complete-or-ignored (:mod:`hf_constrained.checkpointing`): no public
+        hook runs between a checkpoint's last file and the rotation of old ones, so the Trainer saves with
+        ``save_total_limit`` unset, then the constraint state and completeness marker are written (when the trainer
+        keeps state of its own), and only then is the checkpoint pushed (``hub_strategy``, through the safety gate)
+        and are old ones rotated. A kill at any moment leaves the previous complete checkpoint."""
         run_dir = trainer_run_dir(self, trial)  # the Trainer's own run folder (hp search trials)
         folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         if self.args.should_save:
@@ -371,7 +370,7 @@ class ConstrainedTrainer(SafetyMixin, TrainerInternals):
             super().save_checkpoint(model, trial)
         finally:
             self.args.save_total_limit, self.args.push_to_hub = limit, push
-        self.publish_checkpoint_state(folder)  # trainer_state.json without local paths
+        self.safety.publish_checkpoint_state(folder)  # trainer_state.json without local paths
         state = library_state(self)  # None with nothing of our own to keep: the Trainer's files only
         if state is not None and self.args.should_save:  # subclasses may keep objective estimators here
             atomic_torch_save(state, os.path.join(folder, CONSTRAINT_STATE_NAME))
@@ -394,7 +393,8 @@ class ConstrainedTrainer(SafetyMixin, TrainerInternals):
             self.preflight_constraints()
         if self.regularised is not None:
             self.regularised.regulariser.bind(self.model, self._to_device)
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        with best_checkpoint_restored(self, resume_from_checkpoint):  # trainer_state.json stores it without its path
+            return super().train(resume_from_checkpoint, *args, **kwargs)
 
 
 __all__ = ["CONSTRAINT_STATE_NAME", "ConstrainedTrainer", "ConstraintValueError"]

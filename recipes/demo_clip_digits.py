@@ -557,18 +557,6 @@ def demo_constraints(cfg: DemoConfig, pools: Pools, rows_fn: ForgettingRows, col
                        metadata={"class": name, "requirement": cfg.tolerance}) for name in pools.constraint]
 
 
-class KeptStepTrainer(ContrastiveConstrainedTrainer):
-    """The demo's trainer: its safety report names the step of the checkpoint the demo's own selection kept
-    (:class:`FeasibleCheckpointSelection` loads those weights after training), not the last step."""
-
-    kept_step: Optional[int] = None
-
-    def weights_origin(self) -> Optional[tuple[int, Optional[str]]]:
-        if self.kept_step is not None:
-            return self.kept_step, None  # kept in memory by the selection: no checkpoint folder to name
-        return super().weights_origin()
-
-
 RUN_FILES = {"report": "safety_report.json", "card": "README.md", "figures": "figures"}
 """What :func:`finetune` writes into a run folder besides the model (``finish_run``'s files)."""
 
@@ -628,7 +616,7 @@ def finetune(cfg: DemoConfig, old_path: str, penalty: str, pools: Optional[Pools
             constraint_proxy_indicator=cfg.proxy_indicator,
             constraint_indicator_batch_size=cfg.indicator_batch_size or None,
         )
-        trainer = KeptStepTrainer(
+        trainer = ContrastiveConstrainedTrainer(
             model=model, args=args, train_dataset=RowDataset(target_rows(data, cfg)), data_collator=collate,
             constraints=constraints, contrastive_temperature=cfg.temperature,
             callbacks=[c for c in (selection, StepProgressBar(f"stage 2: fine-tuning ({penalty})")) if c],
@@ -654,7 +642,8 @@ def finetune(cfg: DemoConfig, old_path: str, penalty: str, pools: Optional[Pools
             h_test[f"non_forgetting/{name}"], h_bound[f"non_forgetting/{name}"] = stat.value, stat.upper_bound
         acc = zero_shot_accuracy(model, pools.test_all, zs, collate, DIGIT_NAMES, batch_size=512)
         if output_dir is not None:
-            trainer.kept_step = kept
+            # the report names the step the demo's own selection kept (its weights are in memory, no folder)
+            trainer.safety.declare_weights_origin(kept)
             files = write_run(cfg, trainer, tokenizer, penalty, acc, old_acc, command)
     log(f"  {penalty:>13}: kept step {kept}, {time.time() - t0:.0f}s")
     return {"penalty": penalty, "accuracy": acc, "h_train": h_train, "h_selection": h_selection, "h_test": h_test,
@@ -664,8 +653,8 @@ def finetune(cfg: DemoConfig, old_path: str, penalty: str, pools: Optional[Pools
             "files": files}
 
 
-def write_run(cfg: DemoConfig, trainer: KeptStepTrainer, tokenizer: Any, penalty: str, acc: dict[str, float],
-              old_acc: Optional[dict[str, float]], command: Optional[str]) -> dict[str, str]:
+def write_run(cfg: DemoConfig, trainer: ContrastiveConstrainedTrainer, tokenizer: Any, penalty: str,
+              acc: dict[str, float], old_acc: Optional[dict[str, float]], command: Optional[str]) -> dict[str, str]:
     """Save the kept model and tokenizer into the trainer's output folder and end the run with
     :func:`hf_constrained.finish_run`: safety report (the same certificate: the same model, statistic and
     images), model card and training-curve figures. Returns the files written, relative to the folder."""

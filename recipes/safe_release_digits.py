@@ -17,7 +17,7 @@ scikit-learn's digits, offline, on a CPU:
    Clopper-Pearson bound at ``--delta``), so "certified" reads "with probability >= 1 - delta,
    at most forget_tolerance of each old digit's images are forgotten"; it writes the safety
    report, the model card, the figures and ``results.json``;
-6. the push gate is checked offline (``trainer.check_safe_to_push()``); ``--hub_model_id``
+6. the push gate is checked offline (``trainer.safety.check_safe_to_push()``); ``--hub_model_id``
    pushes for real. The exit status is 1 when the gate refuses.
 
 The images unseen by the old model are split, stratified by digit, into fine-tuning (30%),
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(results, f, indent=1)
     print(report.render())
     try:
-        trainer.check_safe_to_push(allow_unsafe=opts.allow_unsafe)
+        trainer.safety.check_safe_to_push(allow_unsafe=opts.allow_unsafe)
         print("push gate: open" + (" (override)" if not report.all_satisfied else ""))
         if training_args.hub_model_id:
             trainer.push_to_hub(allow_unsafe=opts.allow_unsafe)

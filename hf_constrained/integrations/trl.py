@@ -8,10 +8,10 @@ padding-free batches), its loss and metrics. The constraints bring their own dat
 collate function, so a packed objective does not affect them.
 
 The class composes by inheritance, ``ConstrainedSFTTrainer(ConstrainedTrainer, SFTTrainer)``,
-whose method resolution order is ConstrainedTrainer -> SafetyMixin -> TrainerInternals -> SFTTrainer -> Trainer:
+whose method resolution order is ConstrainedTrainer -> TrainerInternals -> SFTTrainer -> Trainer:
 ``ConstrainedTrainer.compute_loss`` asks the next class in that order for the objective, so
 the objective is ``SFTTrainer.compute_loss`` and the penalty is added on top; the safety
-report, model cards and gated ``push_to_hub`` are this library's.
+report, model cards and gated ``push_to_hub`` are this library's (the trainer's safety loop, ``trainer.safety``).
 
 :class:`ConstrainedSFTConfig` is ``SFTConfig`` plus the constraint fields of
 :class:`~hf_constrained.ConstrainedTrainingArguments` (``constraint_penalty``,
@@ -76,7 +76,7 @@ class ConstrainedSFTTrainer(ConstrainedTrainer, SFTTrainer):
         constraints: the constraints, each with its own data and collate function (e.g.
             :func:`hf_constrained.non_forgetting.non_forgetting_constraints`).
         **kwargs: passed to ``SFTTrainer`` (and ``model_card_info`` /
-            ``reference_constraint_values`` to the safety mixin).
+            ``reference_constraint_values`` to the safety loop, ``trainer.safety``).
 
     With ``peft_config`` TRL wraps the model in PEFT inside the constructor, after the
     constraints were built: compute the old model's reference values on the plain model

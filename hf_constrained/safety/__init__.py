@@ -1,7 +1,7 @@
 """The safety loop: is the fine-tuned model safe to publish?
 
 Modules, each importing only those above it (no trainer import anywhere here: the
-trainer imports :mod:`~hf_constrained.safety.gate`, never the other way round):
+trainer imports :mod:`~hf_constrained.safety.loop`, never the other way round):
 
 - :mod:`~hf_constrained.safety.report`: :class:`SafetyReport` (exact held-out constraint
   values, old model's values, tolerances, verdict), its JSON file and text/Markdown tables;
@@ -12,10 +12,13 @@ trainer imports :mod:`~hf_constrained.safety.gate`, never the other way round):
 - :mod:`~hf_constrained.safety.card`: the model card of a report (``huggingface_hub.ModelCard``);
 - :mod:`~hf_constrained.safety.figures`: training-curve figures of a log history and report;
 - :mod:`~hf_constrained.safety.tensorboard`: TensorBoard with the constraint scalars grouped;
-- :mod:`~hf_constrained.safety.evaluation`: building a report from a trainer's public methods;
-- :mod:`~hf_constrained.safety.finish`: :func:`finish_run`, report + card + figures in one call;
-- :mod:`~hf_constrained.safety.gate`: the Trainer side, :class:`SafetyMixin` (selection hook,
-  cards next to every checkpoint, the gated ``push_to_hub``).
+- :mod:`~hf_constrained.safety.view`: :class:`RunView`, the run as the loop reads it (constraints,
+  arguments, the engine's settings), and the trainer operations it uses (:class:`SafetyHost`);
+- :mod:`~hf_constrained.safety.evaluation`: building a report from a run's view;
+- :mod:`~hf_constrained.safety.loop`: :class:`SafetyLoop`, the component the trainer holds
+  (``trainer.safety``: selection, reports, cards next to every checkpoint, the gated push),
+  driven by :class:`~hf_constrained.safety.loop.SafetyLoopCallback`;
+- :mod:`~hf_constrained.safety.finish`: :func:`finish_run`, report + card + figures in one call.
 
 The report names are imported eagerly (plain data, no torch); the rest on first use, so
 ``hf-constrained report`` starts without loading transformers.
@@ -32,13 +35,15 @@ if TYPE_CHECKING:  # pragma: no cover
     from .card import ModelCardInfo
     from .evaluation import build_safety_report
     from .finish import finish_run
-    from .gate import SafetyMixin
+    from .loop import SafetyLoop
+    from .view import RunView
 
 _LAZY = {
     "ModelCardInfo": ".card",
     "build_safety_report": ".evaluation",
     "finish_run": ".finish",
-    "SafetyMixin": ".gate",
+    "SafetyLoop": ".loop",
+    "RunView": ".view",
 }
 
 
@@ -49,7 +54,8 @@ __all__ = [
     "SAFETY_REPORT_NAME",
     "ConstraintResult",
     "ModelCardInfo",
-    "SafetyMixin",
+    "RunView",
+    "SafetyLoop",
     "SafetyReport",
     "UnsafeModelError",
     "build_safety_report",

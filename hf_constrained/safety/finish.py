@@ -15,52 +15,32 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterator, Mapping
-from typing import Any, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Optional
 
 from ..checkpointing import checkpoint_folders, is_complete_checkpoint
 from ..extras import install_hint
 from ..redact import redact_command
-from .card import ModelCardInfo
 from .certify import DEFAULT_DELTA, Certificate, best_certified
 from .evaluation import (
     DEFAULT_CONFIDENCE,
-    ReportableTrainer,
-    build_safety_report,
+    HoldsSafetyLoop,
     certified_statistics,
-    certify_models,
     checkpoint_step,
     old_model_constraint_values,
 )
 from .figures import figures_available, plot_log_history, require_figures
 from .fingerprint import weights_fingerprint
-from .report import DEFAULT_SAFETY_RULE, SafetyReport, UnsafeModelError, check_safety_rule
+from .report import SafetyReport, UnsafeModelError, check_safety_rule
 from .selection import evaluation_records, metric_key
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .loop import SafetyLoop
 
 logger = logging.getLogger(__name__)
 
 
-class FinishableTrainer(ReportableTrainer, Protocol):
-    """A :class:`~hf_constrained.safety.evaluation.ReportableTrainer` with the safety gate's
-    methods (:class:`~hf_constrained.safety.gate.SafetyMixin`) and ``save_state``."""
-
-    model_card_info: Optional[ModelCardInfo]
-    reference_constraint_values: Optional[dict[str, float]]
-    safety_rule: str
-    safety_confidence: float
-    safety_delta: float
-
-    def set_safety_report(self, report: SafetyReport) -> None: ...
-
-    def save_safety_report(self, report: SafetyReport, directory: str) -> str: ...
-
-    def write_model_card(self, directory: Optional[str] = None, report: Optional[SafetyReport] = None,
-                         **card_kwargs: Any) -> Optional[str]: ...
-
-    def save_state(self) -> None: ...
-
-
 def finish_run(
-    trainer: FinishableTrainer,
+    trainer: HoldsSafetyLoop,
     *,
     old_model: Optional[Any] = None,
     old_model_values: Optional[Mapping[str, float]] = None,
@@ -90,7 +70,7 @@ def finish_run(
     ``plots``, ``figures/constraints.png`` and ``figures/objective.png``.
 
     Args:
-        trainer: the trainer, after training.
+        trainer: the trainer, after training (its safety loop, ``trainer.safety``, does the work).
         old_model / old_model_values: the old model (or its constraint values) for
             the "old model" column; see :func:`build_safety_report`.
         base_model_name: the Hub id or path of the model that was fine-tuned.
@@ -120,7 +100,7 @@ def finish_run(
             test can go furthest in); the certified candidate with the best selection-split
             objective (``metric_for_best_model``) is loaded into the trainer and released.
         safety_rule: what decides the verdict, here and in later ``push_to_hub`` calls
-            (default: the trainer's ``safety_rule``, which is ``"certified"`` unless set):
+            (default: ``trainer.safety.rule``, which is ``"certified"`` unless set):
             ``"certified"``: the certificate on each constraint's
             ``certify_dataset`` (rows nothing else touched) certifies the model at ``delta``
             with a finite-sample bound (:mod:`hf_constrained.safety.certify`); a run with a
@@ -139,8 +119,9 @@ def finish_run(
             once, at INFO when it passes and WARNING when not; ``False`` when the caller shows
             ``report.render()`` itself, so that it appears once.
     """
-    safety_rule = check_safety_rule(safety_rule if safety_rule is not None
-                                    else getattr(trainer, "safety_rule", DEFAULT_SAFETY_RULE))
+    loop = trainer.safety
+    view, host = loop.view, loop.host
+    safety_rule = check_safety_rule(safety_rule if safety_rule is not None else loop.rule)
     if plots:
         require_figures()  # asked for: fail before anything is written
     elif plots is None:
@@ -148,7 +129,7 @@ def finish_run(
         if not plots:
             logger.warning("no training-curve figures: matplotlib is not installed (%s); the report and the card "
                            "are written without them", install_hint("figures"))
-    info = getattr(trainer, "model_card_info", None) or ModelCardInfo()
+    info = loop.model_card_info
     if base_model_name is not None:
         info.base_model = base_model_name
     if dataset_description is not None:
@@ -158,39 +139,38 @@ def finish_run(
     if eval_dataset is not None:
         info.eval_dataset = eval_dataset
     if reproduce_command is not None:
-        info.reproduce_command = redact_command(reproduce_command, trainer.args.output_dir)  # no secret, no path
+        info.reproduce_command = redact_command(reproduce_command, view.output_dir)  # no secret, no path
     if license is not None:
         info.license = license
     if task is not None:
         info.task = task
     if population is not None:
         info.population = population
-    trainer.model_card_info = info
-    old = old_model_constraint_values(trainer, old_model, old_model_values)
+    old = old_model_constraint_values(view, host, old_model, old_model_values)
     if old is not None:
-        trainer.reference_constraint_values = old
-    trainer.safety_rule, trainer.safety_confidence, trainer.safety_delta = safety_rule, confidence, delta
+        loop.reference_values = old
+    loop.rule, loop.confidence, loop.delta = safety_rule, confidence, delta
     if candidates not in ("final", "checkpoints"):
         raise ValueError(f"candidates must be 'final' or 'checkpoints', got {candidates!r}")
-    certificate, candidate, released = (certify_checkpoints(trainer, delta) if candidates == "checkpoints"
+    certificate, candidate, released = (certify_checkpoints(loop, delta) if candidates == "checkpoints"
                                         else (None, 0, None))
-    report = build_safety_report(trainer, objective_metrics=objective_metrics, confidence=confidence,
-                                 safety_rule=safety_rule, extra_columns=extra_columns, delta=delta,
-                                 certificate=certificate, certificate_candidate=candidate, checkpoint=released,
-                                 statistics=certified_statistics(trainer, old_model))
+    report = loop.new_report(objective_metrics=objective_metrics, confidence=confidence, safety_rule=safety_rule,
+                             extra_columns=extra_columns, delta=delta, certificate=certificate,
+                             certificate_candidate=candidate, checkpoint=released,
+                             statistics=certified_statistics(view, host, old_model))
     if released is not None:
         report.global_step = checkpoint_step(released)
-    trainer.set_safety_report(report)
-    if trainer.is_world_process_zero():
-        out = trainer.args.output_dir
+    loop.set_report(report)
+    if host.is_world_process_zero():
+        out = view.output_dir
         os.makedirs(out, exist_ok=True)
         # names the weight files in ``out`` when the trainer saved them from these weights
-        trainer.save_safety_report(report, out)
-        trainer.write_model_card(out, report=report)
-        trainer.save_state()
+        loop.save_report(report, out)
+        loop.write_model_card(out, report=report)
+        host.save_state()
         if plots:
             try:
-                plot_log_history(trainer.state.log_history, os.path.join(out, "figures"), report=report,
+                plot_log_history(host.state.log_history, os.path.join(out, "figures"), report=report,
                                  title=report.model_name)
             except ValueError as exc:  # nothing to plot must not lose the report written above
                 logger.warning("no training-curve figures: %s", exc)
@@ -200,42 +180,43 @@ def finish_run(
     return report
 
 
-def certify_checkpoints(trainer: Any, delta: float) -> tuple[Optional[Certificate], int, Optional[str]]:
+def certify_checkpoints(loop: SafetyLoop, delta: float) -> tuple[Optional[Certificate], int, Optional[str]]:
     """Certify every complete checkpoint of the output directory in training order (then the
     final weights when they are none of them) and load the released one into the trainer:
     the certified candidate with the best selection-split objective, else the final weights.
     Returns the certificate, the released candidate's index and, when the trainer's weights
     were replaced, the checkpoint they now come from."""
+    args, state, model = loop.view.args, loop.host.state, loop.host.model
     # training order (checkpoint_folders lists the newest first)
-    folders = [f for f in reversed(checkpoint_folders(trainer.args.output_dir)) if is_complete_checkpoint(f)]
-    current = weights_fingerprint(trainer.model)
+    folders = [f for f in reversed(checkpoint_folders(args.output_dir)) if is_complete_checkpoint(f)]
+    current = weights_fingerprint(model)
     fingerprints: list[Optional[str]] = []
 
     def models() -> Iterator[Any]:
         for folder in folders:  # one copy of the model at a time
-            model = trainer.checkpoint_model(folder)
-            fingerprints.append(weights_fingerprint(model))
-            yield model
+            candidate = loop.checkpoint_model(folder)
+            fingerprints.append(weights_fingerprint(candidate))
+            yield candidate
         if current not in fingerprints:
             fingerprints.append(current)
             yield None  # the model in the trainer
 
-    certificate = certify_models(trainer, models(), delta=delta, procedure="fixed_sequence")
+    certificate = loop.certify(models(), delta=delta, procedure="fixed_sequence")
     if certificate is None:
         return None, 0, None
-    steps = [checkpoint_step(f) for f in folders] + ([trainer.state.global_step] if len(fingerprints) > len(folders)
+    steps = [checkpoint_step(f) for f in folders] + ([state.global_step] if len(fingerprints) > len(folders)
                                                      else [])
     final = fingerprints.index(current)
-    key = trainer.args.metric_for_best_model
+    key = args.metric_for_best_model
     objective: list[Optional[float]] = [None] * len(steps)
     if key is not None:
-        by_step = {r.step: r.metric for r in evaluation_records(trainer.state.log_history, metric_key(key))}
+        by_step = {r.step: r.metric for r in evaluation_records(state.log_history, metric_key(key))}
         objective = [by_step.get(s) for s in steps]
-    release = best_certified(certificate, objective, bool(trainer.args.greater_is_better))
+    release = best_certified(certificate, objective, bool(args.greater_is_better))
     if release is None or release == final:
         return certificate, final, None
     logger.info("releasing %s: the certified checkpoint with the best selection objective", folders[release])
-    trainer.model.load_state_dict(trainer.checkpoint_model(folders[release]).state_dict())
+    model.load_state_dict(loop.checkpoint_model(folders[release]).state_dict())
     return certificate, release, folders[release]
 
 
@@ -251,4 +232,4 @@ def push_last(trainer: Any, allow_unsafe: bool = False) -> int:
     return 0
 
 
-__all__ = ["FinishableTrainer", "certify_checkpoints", "finish_run", "push_last"]
+__all__ = ["certify_checkpoints", "finish_run", "push_last"]

@@ -406,7 +406,7 @@ class SafetyReport:
         if not os.path.isfile(path):
             raise FileNotFoundError(
                 f"no safety report at {path}: hf_constrained.finish_run(trainer, ...) writes one into the output "
-                "directory after training, trainer.build_safety_report(checkpoint=DIR) into a checkpoint, and "
+                "directory after training, trainer.safety.build_report(checkpoint=DIR) into a checkpoint, and "
                 "every checkpoint evaluated during training (eval_strategy) gets its own"
             )
         with open(path, encoding="utf-8") as f:
@@ -529,7 +529,7 @@ class SafetyReport:
         cert = self.certificate
         if cert is None and self.statistics:
             return ("NOT CERTIFIED: these weights were evaluated, not certified (an evaluation during training); "
-                    "finish_run or trainer.build_safety_report() certifies them on the certification rows")
+                    "finish_run or trainer.safety.build_report() certifies them on the certification rows")
         if cert is None:
             return ("NOT CERTIFIED: no constraint has a certification split (certify_dataset), so nothing was tested "
                     "on data that training and selection never touched")

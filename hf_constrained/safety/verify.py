@@ -67,7 +67,7 @@ def check_run_dir(run_dir: str, rule: Optional[str] = None) -> CheckResult:
     if stored_digest is None:
         return _stale(f"{path} has no {CONTENT_DIGEST_KEY}: it was not written by this version of hf_constrained "
                       "(or was written by hand), so it cannot be verified; evaluate again (finish_run or "
-                      "trainer.build_safety_report) to write a verifiable report")
+                      "trainer.safety.build_report) to write a verifiable report")
     if stored_digest != report_content_digest(data):
         return _stale(f"{path} was edited after it was written (its {CONTENT_DIGEST_KEY} does not match its "
                       "content): its verdict cannot be trusted; evaluate again to write a new report")
@@ -97,13 +97,13 @@ def check_run_dir(run_dir: str, rule: Optional[str] = None) -> CheckResult:
     if recorded is None and files_now is not None:
         return _stale(f"{path} does not record the weight files in {folder}: it may describe other weights "
                       "(saved elsewhere, or replaced since); evaluate these files again "
-                      "(trainer.build_safety_report(checkpoint=DIR))", report)
+                      "(trainer.safety.build_report(checkpoint=DIR))", report)
     if recorded is not None and files_now is None:
         return _stale(f"the weights that {path} describes are missing from {folder}", report)
     if recorded != files_now:
         return _stale(f"the weight files in {folder} changed after {path} was written (recorded {recorded}, "
                       f"now {files_now}): the report no longer describes them; evaluate them again "
-                      "(trainer.build_safety_report(checkpoint=DIR))", report)
+                      "(trainer.safety.build_report(checkpoint=DIR))", report)
     where = ("the report is intact and describes the weight files next to it" if files_now is not None
              else "the report is intact; no weight files here: it describes weights evaluated in memory")
     # the message is the report's own verdict line, nothing prefixed that could contradict it

@@ -87,7 +87,7 @@ def main() -> None:
     trainer.save_model()  # as the recipes do before finish_run: the release, with its full weights
     report = finish_run(trainer, old_model_values={c.name: 0.0 for c in trainer.constraints}, plots=False)
     try:
-        trainer.check_safe_to_push()
+        trainer.safety.check_safe_to_push()
         gate = "open"
     except Exception as exc:  # the gate's refusal is part of the result
         gate = f"refused: {type(exc).__name__}: {exc}"

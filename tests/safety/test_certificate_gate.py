@@ -73,7 +73,7 @@ def test_a_point_pass_without_a_certified_bound_is_refused(tmp_path, capsys):
     assert not report.certified and not report.all_satisfied and report.failed == ["rate"]
     assert report.summary().startswith("NOT CERTIFIED at delta = 0.05: certified bound above tolerance for rate")
     with pytest.raises(UnsafeModelError, match="NOT CERTIFIED"):
-        trainer.check_safe_to_push()
+        trainer.safety.check_safe_to_push()
     card = (tmp_path / "run" / "README.md").read_text()
     assert "> **NOT CERTIFIED" in card and "not-certified" in card
     assert main(["report", str(tmp_path / "run"), "--check"]) == 1

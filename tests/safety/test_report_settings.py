@@ -1,7 +1,9 @@
 """A report records the settings the run used, for every option of the library's arguments.
 
 The options are read from the argument dataclass itself (no hand list of names): an option added
-later without being recorded fails here. The engine resolves some options (``constraints_per_step``
+later without being recorded fails here. Reports are built the way every report is, by the safety loop the
+trainer holds (``trainer.safety``, reading the run through its typed view), and checked in memory, in the
+``safety_report.json`` it writes and in the model card. The engine resolves some options (``constraints_per_step``
 unset means all m constraints, ``msvr_gamma_prime="theory"`` a number): the report records the
 resolved value the run used, not the configured spelling and not a default.
 """
@@ -20,6 +22,7 @@ from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments, Con
 from hf_constrained.constraint import CertifyStatistic
 from hf_constrained.method.estimators import theory_gamma_prime
 from hf_constrained.safety.evaluation import build_safety_report, library_option_names
+from hf_constrained.safety.report import SafetyReport
 
 M = 4  # constraints: constraints_per_step < M is a real choice
 
@@ -44,7 +47,7 @@ def _report(tmp_path, **options):
     torch.manual_seed(0)
     trainer = ConstrainedTrainer(model=ThetaModel(ThetaConfig()), args=args, train_dataset=objective_data(),
                                  constraints=constraints)
-    return trainer, build_safety_report(trainer, objective_metrics={})
+    return trainer, trainer.safety.build_report(objective_metrics={})
 
 
 def _changed_value(field: dataclasses.Field):
@@ -92,6 +95,26 @@ def test_every_option_is_recorded_as_the_run_used_it(tmp_path):
         recorded = report.method[name]
         assert recorded == pytest.approx(expected) if isinstance(expected, float) else recorded == expected, name
         assert recorded != default.method[name], f"{name}: the report does not follow the option"
+        # what the loop writes and what it holds as the weights' report record the same settings
+        trainer.safety.save_report(report, str(tmp_path / "written"))
+        assert SafetyReport.load(str(tmp_path / "written")).method == report.method, name
+        assert trainer.safety.current_report().method == report.method, name
+
+
+def test_the_card_and_every_report_path_record_the_runs_settings(tmp_path):
+    """Every way a report is made (the loop's report, the function form, a report from logged metrics, a
+    checkpoint's) records the settings the run used, and the card shows them."""
+    trainer, report = _report(tmp_path, constraints_per_step=3, msvr_gamma_prime="theory", penalty_beta=7.5)
+    run = trainer.safety.view.method_settings()
+    assert run["constraints_per_step"] == 3 and run["penalty_beta"] == 7.5
+    assert report.method == run
+    assert build_safety_report(trainer, objective_metrics={}).method == run
+    assert trainer.safety.report_from_metrics(trainer.evaluate()).method == run
+    trainer.save_model(str(tmp_path / "saved"))
+    assert trainer.safety.build_report(checkpoint=str(tmp_path / "saved")).method == run
+    card = (tmp_path / "saved" / "README.md").read_text(encoding="utf-8")
+    assert [k for k, v in run.items() if f"| {k} | {v} |" not in card] == []  # every setting, as the run used it
+    assert SafetyReport.load(str(tmp_path / "saved")).method == run
 
 
 def test_recorded_sampling_is_the_engines(tmp_path):

@@ -93,7 +93,7 @@ def test_override_uploads_with_unsafe_card_whose_numbers_are_the_reports(tmp_pat
     first = card_body(card)[0]
     assert first.startswith("> **UNSAFE: 2 of 2 constraints FAIL on held-out data**")
     assert "allow_unsafe=True" in card and "constraints-violated" in card
-    assert report.to_dict() == trainer.safety_report.to_dict()
+    assert report.to_dict() == trainer.safety.report.to_dict()
     assert report.constraints[0].value == pytest.approx(theta_at(4), rel=1e-5)
     assert_card_matches_report(card, report)
     # the override is per call: a card written afterwards no longer claims it
@@ -181,22 +181,22 @@ def test_report_is_tied_to_the_weights_it_describes(tmp_path, hub):
     trainer = trained(tmp_path, steps=2)
     report = finish_run(trainer, old_model_values={"theta_cap": 0.0, "scaled_theta": 0.0}, plots=False)
     assert report.all_satisfied and report.weights_fingerprint.startswith("sha256:")
-    assert trainer.current_safety_report() is report
+    assert trainer.safety.current_report() is report
     evaluated = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     trainer.model.load_state_dict(unsafe_state_dict())
-    assert trainer.current_safety_report() is None  # the report no longer describes these weights
+    assert trainer.safety.current_report() is None  # the report no longer describes these weights
     trainer.create_model_card()
     card = (tmp_path / "run" / "README.md").read_text()
     assert card_body(card)[0].startswith("> **NOT CHECKED") and "constraints hold on held-out data" not in card
     with pytest.raises(UnsafeModelError) as err:
-        trainer.check_safe_to_push()
+        trainer.safety.check_safe_to_push()
     assert "weights changed after the last safety report" in str(err.value)
     with pytest.raises(UnsafeModelError) as err:
         trainer.push_to_hub()
     assert "UNSAFE: 2 of 2" in str(err.value) and hub.calls == []
-    refused = trainer.safety_report  # the re-evaluation, of the weights now in the model
+    refused = trainer.safety.report  # the re-evaluation, of the weights now in the model
     assert refused.constraints[0].value == pytest.approx(10.0) and refused.constraints[0].old_value == 0.0
-    assert refused.weights_fingerprint == trainer.current_weights_fingerprint() != report.weights_fingerprint
+    assert refused.weights_fingerprint == trainer.safety.weights_fingerprint() != report.weights_fingerprint
     # back to the evaluated weights: evaluated again, SAFE, pushed
     trainer.model.load_state_dict(evaluated)
     trainer.push_to_hub()
@@ -247,7 +247,7 @@ def test_checkpoints_between_evaluations_are_not_checked_and_not_flagged(tmp_pat
 
     trainer = make_trainer(str(tmp_path / "run"), tolerance=2.0, max_steps=4, eval_steps=2, save_steps=1,
                            load_best_model_at_end=False, metric_for_best_model=None)
-    with caplog.at_level(logging.WARNING, logger="hf_constrained.safety.gate"):
+    with caplog.at_level(logging.WARNING, logger="hf_constrained.safety.loop"):
         trainer.train()
     assert "weights changed" not in caplog.text
     for step in (1, 2, 3, 4):
@@ -265,7 +265,7 @@ def test_checkpoint_push_decides_on_the_folders_weights_not_the_models(tmp_path,
     trainer = make_trainer(str(tmp_path / "run"), tolerance=2.0, max_steps=4, push_to_hub=True,
                            hub_model_id="user/theta", hub_strategy="every_save")
     trainer.train()
-    assert trainer.current_safety_report().all_satisfied  # the feasible best (step 2) is in memory
+    assert trainer.safety.current_report().all_satisfied  # the feasible best (step 2) is in memory
     unsafe = tmp_path / "run" / "checkpoint-4"
     if folder_report == "a safe one copied from another checkpoint":
         shutil.copy(tmp_path / "run" / "checkpoint-2" / "safety_report.json", unsafe / "safety_report.json")

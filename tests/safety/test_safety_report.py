@@ -133,13 +133,13 @@ def test_every_checkpoint_has_a_card_and_report_of_its_own_weights(run):
 def test_on_demand_report_for_a_checkpoint_leaves_the_model_alone(run):
     trainer, _, out = run
     before = float(trainer.model.theta.detach())
-    report = trainer.build_safety_report(checkpoint=str(out / "checkpoint-4"))
+    report = trainer.safety.build_report(checkpoint=str(out / "checkpoint-4"))
     assert float(trainer.model.theta.detach()) == before
     assert report.global_step == 4 and not report.all_satisfied and report.failed == ["theta_cap", "scaled_theta"]
     assert report.constraints[1].value == pytest.approx(theta_at(4), rel=1e-5)
     assert report.objective_metrics["eval_loss"] == pytest.approx((theta_at(4) - 5.0) ** 2, rel=1e-5)
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        trainer.build_safety_report(checkpoint=str(out / "checkpoint-99"))
+        trainer.safety.build_report(checkpoint=str(out / "checkpoint-99"))
 
 
 def test_tensorboard_groups_constraint_scalars(run):

@@ -79,10 +79,10 @@ def test_load_best_keeps_best_feasible_checkpoint(feasible_run):
     assert trainer.state.best_global_step == 2
     assert math.isclose(float(trainer.model.theta.detach()), theta_at(2), rel_tol=1e-5)
     assert trainer.state.best_metric == pytest.approx(losses[2])
-    selection = trainer.feasible_selection()
+    selection = trainer.safety.feasible_selection()
     assert selection.any_feasible and selection.num_feasible == 2 and selection.num_evaluations == 6
     # the report of the loaded model records where the weights come from
-    report = trainer.current_safety_report()
+    report = trainer.safety.current_report()
     assert report.global_step == 2 and report.checkpoint.endswith("checkpoint-2") and report.all_satisfied
 
 
@@ -99,7 +99,7 @@ def test_no_feasible_checkpoint_is_said_clearly(tmp_path, caplog):
     """Tolerance -1: nothing is feasible; the least-violating checkpoint (step 1) is loaded,
     training warns, and the report records it."""
     trainer = make_trainer(str(tmp_path / "run"), tolerance=-1.0, max_steps=4)
-    with caplog.at_level(logging.WARNING, logger="hf_constrained.safety.gate"):
+    with caplog.at_level(logging.WARNING, logger="hf_constrained.safety.loop"):
         trainer.train()
     assert any("no feasible checkpoint" in r.getMessage() for r in caplog.records)
     assert trainer.state.best_model_checkpoint.endswith("checkpoint-1")

@@ -74,7 +74,7 @@ def test_upper_bound_matches_numpy(tmp_path, confidence):
                            save_strategy="no", load_best_model_at_end=False, metric_for_best_model=None,
                            trainer_cls=StatsTrainer)
     trainer.train()
-    report = trainer.build_safety_report(confidence=confidence)
+    report = trainer.safety.build_report(confidence=confidence)
     theta = float(trainer.model.theta.detach())
     scaled = report.constraints[1]
     assert scaled.value == pytest.approx(float(HELD_OUT_X.mean() * theta), rel=1e-6)
@@ -107,7 +107,7 @@ def test_verdicts_and_rules(finished, hub, capsys):  # noqa: F811 (fixture)
     printed = capsys.readouterr().out
     assert "UNSAFE: 1 of 2" in printed and "upper bound (95% CLT)" in printed
     with pytest.raises(ValueError, match="safety_rule must be one of certified, point, upper_bound"):
-        trainer.check_safe_to_push(safety_rule="lower")
+        trainer.safety.check_safe_to_push(safety_rule="lower")
 
 
 def test_finish_run_with_the_bound_rule_is_unsafe(tmp_path):
@@ -120,7 +120,7 @@ def test_finish_run_with_the_bound_rule_is_unsafe(tmp_path):
     assert main(["report", str(tmp_path / "run"), "--check"]) == 1  # the report's own rule
     assert main(["report", str(tmp_path / "run"), "--check", "--rule", "point"]) == 0
     with pytest.raises(UnsafeModelError):
-        trainer.check_safe_to_push()  # finish_run's rule stays in force
+        trainer.safety.check_safe_to_push()  # finish_run's rule stays in force
 
 
 def test_bounds_margins_and_extra_columns_in_json_table_and_card(finished):

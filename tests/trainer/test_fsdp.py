@@ -140,7 +140,7 @@ def test_certificate_report_and_gate_on_the_gathered_model(ranks, tmp_path, monk
     for name, bound in report.certified_bounds().items():
         assert c0["bounds"][name] == pytest.approx(bound, abs=1e-12), name
     assert c0["certified"] == c1["certified"] == report.certified
-    single.check_safe_to_push()  # raises when the gate refuses
+    single.safety.check_safe_to_push()  # raises when the gate refuses
     assert c0["gate"] == c1["gate"] == "open"
     got = {row["name"]: row for row in c0["report"]["constraints"]}
     for row in report.to_dict()["constraints"]:

@@ -109,7 +109,7 @@ def build(variant: str, out: str, callbacks: Optional[list] = None, **overrides:
                                  **common)
     # a scalar constraint has no certification split: the gate runs under the explicit, uncertified point rule
     # (the certificate itself is tested in test_certificate_gate.py)
-    trainer.safety_rule = "point"
+    trainer.safety.rule = "point"
     return trainer
 
 
@@ -473,10 +473,14 @@ def test_library_file_names_agree():
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_callbacks_are_the_trainers(tmp_path, variant):
-    """The Trainer's callbacks, in the Trainer's order; with constraints the TensorBoard one
-    groups the constraint scalars (a subclass of the stock callback, in its place)."""
+    """The Trainer's callbacks, in the Trainer's order. With constraints the library adds its behaviour as
+    callbacks the trainer holds (TRL style), never by replacing one of the Trainer's: the TensorBoard one groups
+    the constraint scalars (a subclass of the stock callback, in its place) and the callback driving the safety
+    loop the trainer holds comes last, once. Without constraints: exactly the Trainer's callbacks."""
     pytest.importorskip("tensorboard")
     from transformers.integrations import TensorBoardCallback
+
+    from hf_constrained.safety.loop import SafetyLoopCallback
 
     kinds = []
     for kind in ("trainer", variant):
@@ -484,5 +488,8 @@ def test_callbacks_are_the_trainers(tmp_path, variant):
         kinds.append([type(cb) for cb in trainer.callback_handler.callbacks])
     if variant == "none":
         assert kinds[0] == kinds[1]
-    else:
-        assert [TensorBoardCallback if issubclass(k, TensorBoardCallback) else k for k in kinds[1]] == kinds[0]
+        return
+    *trainers, last = kinds[1]
+    assert [TensorBoardCallback if issubclass(k, TensorBoardCallback) else k for k in trainers] == kinds[0]
+    assert last is SafetyLoopCallback and SafetyLoopCallback not in trainers
+    assert trainer.callback_handler.callbacks[-1].loop is trainer.safety  # it drives the loop this trainer holds
