@@ -236,8 +236,10 @@ def test_no_method_named_in_a_hint_is_missing(tmp_path):
 
     with pytest.raises(FileNotFoundError) as err:
         SafetyReport.load(str(tmp_path))
-    methods = re.findall(r"trainer\.(\w+)\(", str(err.value))
-    assert methods and all(hasattr(ConstrainedTrainer, m) for m in methods), methods
+    from hf_constrained.safety.loop import SafetyLoop
+
+    methods = re.findall(r"trainer\.(safety\.)?(\w+)\(", str(err.value))
+    assert methods and all(hasattr(SafetyLoop if loop else ConstrainedTrainer, m) for loop, m in methods), methods
 
 
 def test_checkpoints_between_evaluations_are_not_checked_and_not_flagged(tmp_path, caplog):
@@ -296,7 +298,7 @@ def test_checkpoint_push_during_training_never_evaluates_an_unreported_folder(tm
     os.remove(folder / "safety_report.json")
     hub.calls.clear()
     monkeypatch.setattr(trainer, "is_in_train", True)
-    monkeypatch.setattr(trainer, "_checkpoint_safety_report",
+    monkeypatch.setattr(trainer.safety, "checkpoint_report",
                         lambda *a, **k: pytest.fail("the folder was evaluated during training"))
     trainer.push_checkpoint(str(folder))
     assert hub.calls == []
