@@ -116,8 +116,8 @@ def test_no_safety_module_reads_a_trainer_by_attribute_name():
 def test_a_resumed_runs_report_records_the_seed_it_continued(tmp_path):
     """The view reads the engine's settings when a report is built, not when the trainer was built: a run that
     resumed a checkpoint continues that checkpoint's sampling seed, and its report says so."""
-    first = make_trainer(str(tmp_path / "first"), max_steps=1, constraint_sampling_seed=11)
-    resumed = make_trainer(str(tmp_path / "resumed"), max_steps=1, constraint_sampling_seed=22)
+    first = make_trainer(str(tmp_path / "first"), max_steps=1, constraint_seed=11)
+    resumed = make_trainer(str(tmp_path / "resumed"), max_steps=1, constraint_seed=22)
     assert resumed.safety.view.method_settings()["constraint_seed"] == 22
     resumed.load_constraint_state_dict(first.constraint_state_dict())
     report = resumed.safety.build_report(objective_metrics={})
