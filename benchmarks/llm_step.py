@@ -12,7 +12,9 @@ once before training, one shared row function: the fused step), the hinge with b
 * a constrained variant per ``--variants`` entry ``|B_k|:|B_c|:gamma'`` (``all`` for |B_c| = m):
   ``8:all:0.1`` is the recipe's default (``constraint_batch_size`` 8, every constraint each
   step, the library's gamma' 0.1, whose look-ahead evaluates the next step's constraint rows
-  without grad).
+  without grad). The constraint rows join the objective's forward (the model has no dropout:
+  :mod:`hf_constrained.method.shared_forward`); a ``:separate`` suffix gives them their own forward
+  and backward graph, as on a model with dropout.
 
 Variants alternate for ``--rounds`` rounds in one process; each ratio is of the median step
 times (optimizer steps, ``gradient_accumulation_steps`` micro-batches each). On CUDA each
@@ -88,18 +90,22 @@ class TokenRows(torch.utils.data.Dataset):
                 "labels": [-100] * self.prompt + ids[self.prompt:]}
 
 
-def parse_variant(text: str) -> tuple[int, Optional[int], float]:
-    """``"|B_k|:|B_c|:gamma'"`` -> (constraint_batch_size, constraints_per_step or None for all, gamma')."""
+def parse_variant(text: str) -> tuple[int, Optional[int], float, bool]:
+    """``"|B_k|:|B_c|:gamma'[:separate]"`` -> (constraint_batch_size, constraints_per_step or None for all,
+    gamma', whether the constraint rows get their own forward instead of the objective's)."""
+    parts = text.split(":")
     try:
-        bk, bc, gp = text.split(":")
-        return int(bk), None if bc == "all" else int(bc), float(gp)
+        if len(parts) == 4 and parts[3] != "separate":
+            raise ValueError(parts[3])
+        bk, bc, gp = parts[:3]
+        return int(bk), None if bc == "all" else int(bc), float(gp), len(parts) == 4
     except ValueError:
-        raise SystemExit(f"--variants: {text!r} is not |B_k|:|B_c|:gamma' (e.g. 8:all:0.1)") from None
+        raise SystemExit(f"--variants: {text!r} is not |B_k|:|B_c|:gamma'[:separate] (e.g. 8:all:0.1)") from None
 
 
 def variant_key(text: str) -> str:
-    bk, bc, gp = parse_variant(text)
-    return f"bk{bk}_bc{'all' if bc is None else bc}_gp{gp:g}"
+    bk, bc, gp, separate = parse_variant(text)
+    return f"bk{bk}_bc{'all' if bc is None else bc}_gp{gp:g}" + ("_separate" if separate else "")
 
 
 def make_trainer(a: argparse.Namespace, variant: Optional[str], steps: int) -> ConstrainedTrainer:
@@ -118,7 +124,7 @@ def make_trainer(a: argparse.Namespace, variant: Optional[str], steps: int) -> C
     if variant is None:
         args = ConstrainedTrainingArguments(constraint_penalty="none", **common)
         return ConstrainedTrainer(model=model, args=args, train_dataset=train, data_collator=collate)
-    bk, bc, gp = parse_variant(variant)
+    bk, bc, gp, separate = parse_variant(variant)
     args = ConstrainedTrainingArguments(constraint_penalty="hinge", penalty_beta=RECIPE["penalty_beta"],
                                         constraint_batch_size=bk, constraints_per_step=bc, msvr_gamma_prime=gp,
                                         **common)
@@ -126,8 +132,11 @@ def make_trainer(a: argparse.Namespace, variant: Optional[str], steps: int) -> C
     constraints = non_forgetting_constraints(
         model, causal_lm_per_example_loss, protected, collate, relative_tolerance=RECIPE["relative_tolerance"],
         batch_size=RECIPE["reference_batch_size"], row_fn=ReferenceGap(causal_lm_per_example_loss))
-    return ConstrainedTrainer(model=model, args=args, train_dataset=train, data_collator=collate,
-                              constraints=constraints)
+    trainer = ConstrainedTrainer(model=model, args=args, train_dataset=train, data_collator=collate,
+                                 constraints=constraints)
+    if separate:
+        trainer._forward_shareable = False  # the rows in their own forward (the library shares it where it can)
+    return trainer
 
 
 def main() -> None:
@@ -176,7 +185,7 @@ def main() -> None:
     rows = {"objective_rows_per_step": a.batch * a.accumulation}
     for key, variant in keys.items():
         if variant is not None:
-            bk, bc, gp = parse_variant(variant)
+            bk, bc, gp, _ = parse_variant(variant)
             with_grad = bk * (len(TASKS) if bc is None else bc)
             rows[key] = {"constraint_rows_with_grad": with_grad, "lookahead_rows_no_grad": with_grad if gp > 0 else 0}
     result = {

@@ -61,6 +61,8 @@ from .batches import collate_examples, fetch_rows
 from .constraint import CertifyStatistic, Constraint
 from .per_sample_loss import (
     PaddingCollator,
+    causal_lm_labels,
+    causal_lm_losses_from_logits,
     causal_lm_per_example_loss,
     sequence_classification_per_example_loss,
 )
@@ -306,10 +308,28 @@ class ReferenceGap:
         self.per_sample = as_per_sample_loss(loss)
 
     def __call__(self, model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
+        self._check(batch)
+        return self._gap(self.per_sample(model, batch), batch)
+
+    @property
+    def reads_causal_lm_logits(self) -> bool:
+        """True when the per-example loss is the causal-LM one: the rows' values can then be read from the
+        logits of a forward shared with the objective (:mod:`hf_constrained.method.shared_forward`)."""
+        return self.per_sample is causal_lm_per_example_loss
+
+    def values_from_logits(self, logits: torch.Tensor, batch: Mapping[str, Any]) -> torch.Tensor:
+        """``l(w, x) - l(w_old, x)`` per row from the logits of the batch's rows (possibly wider)."""
+        self._check(batch)
+        return self._gap(causal_lm_losses_from_logits(logits, causal_lm_labels(batch)), batch)
+
+    @staticmethod
+    def _check(batch: Mapping[str, Any]) -> None:
         if REFERENCE_KEY not in batch:
             raise KeyError(f"constraint batch has no {REFERENCE_KEY!r}: wrap the data in ReferenceLossDataset "
                            "(non_forgetting_constraints does)")
-        current = self.per_sample(model, batch)
+
+    @staticmethod
+    def _gap(current: torch.Tensor, batch: Mapping[str, Any]) -> torch.Tensor:
         return current - torch.as_tensor(batch[REFERENCE_KEY]).to(current)
 
     def __repr__(self) -> str:

@@ -64,8 +64,14 @@ def causal_lm_per_example_loss(model: nn.Module, batch: Mapping[str, Any]) -> to
 
     Raises ``ValueError`` when a row has no label token (nothing to measure).
     """
-    labels = causal_lm_labels(batch)
-    logits = model(**model_inputs(batch)).logits
+    return causal_lm_losses_from_logits(model(**model_inputs(batch)).logits, causal_lm_labels(batch))
+
+
+def causal_lm_losses_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """:func:`causal_lm_per_example_loss` from the logits of a forward pass already made, shape (rows,).
+    ``logits`` may be wider than ``labels`` (rows padded further on the right): the extra positions are
+    ignored."""
+    logits = logits[:, : labels.shape[1]]
     shift_labels = labels[:, 1:].to(logits.device)
     scored = shift_labels != IGNORE_INDEX
     counts = scored.sum(dim=1)

@@ -42,6 +42,7 @@ from .method.engine import ConstraintEngine
 from .method.estimators import run_precision
 from .method.penalties import make_penalty
 from .method.regularisers import ObjectiveRegulariser, RegularisedObjective
+from .method.shared_forward import SharedObjectiveForward, trains_as_it_evaluates
 from .preflight import preflight_constraints
 from .safety.loop import SafetyLoop
 from .safety.splits import check_certification_splits
@@ -50,6 +51,7 @@ from .safety.view import RunView
 from .statistics import ConstraintStatistic
 from .trainer_internals import (
     TrainerInternals,
+    trainer_objective_is_model_loss,
     trainer_prepare_input,
     trainer_run_dir,
 )
@@ -131,6 +133,7 @@ class ConstrainedTrainer(TrainerInternals):
             indicator_batch_size=self.args.constraint_indicator_batch_size)
         self.in_training_step = False  # True inside training_step (subclasses' objectives read it)
         self._constraint_step = -1  # global step whose constraint part has run (once per accumulation window)
+        self._forward_shareable: Optional[bool] = None
         self._eval_constraint_metrics: dict[str, float] = {}
         self._pending_log_metrics: dict[str, float] = {}
         self.clip_monitor = ClipMonitor(self.args.max_grad_norm, active=self.penalty.active)
@@ -206,16 +209,24 @@ class ConstrainedTrainer(TrainerInternals):
 
     def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Optional[Union[torch.Tensor, int]] = None) -> Any:
-        result = self.compute_objective_loss(model, inputs, return_outputs=return_outputs,
-                                             num_items_in_batch=num_items_in_batch)
+        def objective(batch: dict[str, Any], outputs: bool = return_outputs) -> Any:
+            return self.compute_objective_loss(model, batch, return_outputs=outputs,
+                                               num_items_in_batch=num_items_in_batch)
+        penalised = self.in_training_step and self.penalty.active and self._constraint_step != self.state.global_step
+        shared = None  # the constraint rows in the objective's forward, where that changes no value
+        if penalised and self.regularised is None and self.objective_forward_shareable():
+            shared = SharedObjectiveForward.for_inputs(inputs, lambda merged: objective(merged, True))
+        result = objective(inputs) if shared is None else None
         if self.in_training_step and self.regularised is not None:
             result = self.regularised(model, result, inputs, self.state.global_step,
                                       self.current_gradient_accumulation_steps,
                                       self._objective_is_scaled_for_ga(num_items_in_batch))
-        if not (self.in_training_step and self.penalty.active) or self._constraint_step == self.state.global_step:
+        if not penalised:
             return result
         self._constraint_step = self.state.global_step
-        penalty_loss = self.engine.penalty_loss(model, self.state.global_step)
+        penalty_loss = self.engine.penalty_loss(model, self.state.global_step, shared)
+        if result is None:  # shared, unless no row group of this draw could join
+            result = shared.objective_result(return_outputs) if shared.loss is not None else objective(inputs)
         if not self._objective_is_scaled_for_ga(num_items_in_batch):
             # the Trainer divides the summed loss by the window length; the penalty counts once per window
             penalty_loss = penalty_loss * self.current_gradient_accumulation_steps
@@ -223,6 +234,15 @@ class ConstrainedTrainer(TrainerInternals):
             loss, outputs = result
             return loss + penalty_loss.to(loss.dtype), outputs
         return result + penalty_loss.to(result.dtype)
+
+    def objective_forward_shareable(self) -> bool:
+        """Whether constraint rows may join the objective's forward (:func:`trainer_objective_is_model_loss` and a
+        model that trains as it evaluates: :mod:`.method.shared_forward`)."""
+        if self._forward_shareable is None:
+            self._forward_shareable = (trainer_objective_is_model_loss(self, ConstrainedTrainer)
+                                       and trains_as_it_evaluates(self.model))
+            logger.info("constraint rows %s the objective's forward", "share" if self._forward_shareable else "skip")
+        return self._forward_shareable
 
     def training_step(self, model: nn.Module, inputs: dict[str, Any],
                       num_items_in_batch: Optional[Union[torch.Tensor, int]] = None) -> torch.Tensor:

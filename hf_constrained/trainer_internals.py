@@ -174,6 +174,17 @@ def trainer_load_checkpoint(trainer: Trainer, checkpoint: str, model: nn.Module)
     trainer._load_from_checkpoint(checkpoint, model=model)
 
 
+def trainer_objective_is_model_loss(trainer: Trainer, owner: type) -> bool:
+    """The objective is the model's own loss on the Trainer's batch: ``owner.compute_objective_loss`` is not
+    overridden, the next ``compute_loss`` after ``owner`` in the class order is ``Trainer.compute_loss`` (not a
+    subclass's, e.g. TRL's, which reads more than the loss from the outputs), and neither ``label_smoother``
+    nor ``compute_loss_func`` is set."""
+    order = type(trainer).__mro__
+    next_loss = next(c for c in order[order.index(owner) + 1:] if "compute_loss" in c.__dict__)
+    return (type(trainer).compute_objective_loss is owner.compute_objective_loss and next_loss is Trainer
+            and trainer.label_smoother is None and trainer.compute_loss_func is None)
+
+
 def trainer_restore_batch_size(trainer: Trainer, batch_size: Optional[int]) -> None:
     """Restore the train batch size a checkpoint's ``trainer_state.json`` records, as ``Trainer.train``
     does on resume: only with ``auto_find_batch_size`` and a recorded size
@@ -187,6 +198,7 @@ __all__ = [
     "TrainerInternals",
     "trainer_load_checkpoint",
     "trainer_num_items_in_batch",
+    "trainer_objective_is_model_loss",
     "trainer_prepare_input",
     "trainer_prepare_inputs",
     "trainer_restore_batch_size",

@@ -152,7 +152,8 @@ class ModelArguments:
     use_peft: bool = field(default=False, metadata={"help": "Train a LoRA adapter instead of every parameter."})
     lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
     lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha."})
-    lora_dropout: float = field(default=0.05, metadata={"help": "LoRA dropout."})
+    lora_dropout: float = field(default=0.0, metadata={
+        "help": "LoRA dropout (above 0 the constraint rows cannot share the objective's forward: docs/scale.md)"})
     lora_target_modules: Optional[list[str]] = field(default=None, metadata={
         "help": "LoRA target modules (e.g. q_proj v_proj, or all-linear); default: PEFT's for the model type."})
     lora_modules_to_save: Optional[list[str]] = field(default=None, metadata={

@@ -42,6 +42,7 @@ from .rows import (
 
 if TYPE_CHECKING:  # pragma: no cover
     from .engine import ConstraintDraw
+    from .shared_forward import SharedObjectiveForward
 
 
 @contextlib.contextmanager
@@ -163,16 +164,21 @@ class DrawValues:
         return {gi: list(units.values()) for gi, units in buckets.items()}, scalar_pos
 
     def row_outputs(self, model: nn.Module, group: RowGroup, units: list[RowUnit], *, need_grad: bool,
-                    batch: Any = None) -> tuple[Any, list[tuple[int, int]], torch.Tensor]:
+                    batch: Any = None, shared: Optional["SharedObjectiveForward"] = None
+                    ) -> tuple[Any, list[tuple[int, int]], torch.Tensor]:
         """ONE collate call (unless ``batch``, a kept ``(batch, slices)``, is given) and ONE ``row_fn``
-        call for ``units``."""
+        call for ``units``; or, where ``shared`` takes the group, the rows in the objective's forward."""
         batch, slices = self.batches.units(units, group.collate) if batch is None else batch
-        with measured_as_certified(model):
-            outputs = group.row_fn(model, batch)
+        if shared is not None and shared.take(group.row_fn):
+            outputs = shared(model, group.row_fn, batch)  # training mode: shared only where it equals eval mode
+        else:
+            with measured_as_certified(model):
+                outputs = group.row_fn(model, batch)
         return batch, self.check_row_outputs(units, slices, outputs, need_grad=need_grad), outputs
 
     # ------------------------------------------------------------------ evaluation
-    def evaluate(self, model: nn.Module, draw: "ConstraintDraw", *, need_grad: bool
+    def evaluate(self, model: nn.Module, draw: "ConstraintDraw", *, need_grad: bool,
+                 shared: Optional["SharedObjectiveForward"] = None
                  ) -> tuple[Optional[torch.Tensor], torch.Tensor, Optional[torch.Tensor]]:
         """h_k(w; B_k) of every constraint of ``draw`` at the current parameters.
 
@@ -183,7 +189,8 @@ class DrawValues:
         row sums, sums of squares and counts (``None`` without row-wise constraints).
 
         A no-grad evaluation (the look-ahead) keeps its collated batches in ``draw``: the step
-        evaluates the same rows next, with grad.
+        evaluates the same rows next, with grad. ``shared``: the objective's micro-batch, whose forward
+        the first row group that can joins (:mod:`~hf_constrained.method.shared_forward`).
         """
         ids = draw.constraint_ids.tolist()
         n = len(ids)
@@ -195,7 +202,7 @@ class DrawValues:
         for gi, units in buckets.items():
             kept = draw.kept_batches.pop(("group", gi), None)
             batch, slices, outputs = self.row_outputs(model, self.row_groups[gi], units, need_grad=need_grad,
-                                                      batch=kept)
+                                                      batch=kept, shared=shared)
             if not need_grad:
                 draw.kept_batches[("group", gi)] = (shallow_copy(batch), _unit_spans(units))
             values, owners = row_values_and_owners(self.constraints, units, slices, outputs, batch)

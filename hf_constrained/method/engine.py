@@ -50,6 +50,7 @@ from .margins import RowSpread
 from .penalties import Penalty
 from .rows import stats_dtype
 from .sampling import ConstraintBatchStream, ConstraintSampler
+from .shared_forward import SharedObjectiveForward
 
 logger = logging.getLogger(__name__)
 
@@ -288,8 +289,10 @@ class ConstraintEngine:
             rows.append(drawn[owner])
         return rows
 
-    def penalty_loss(self, model: nn.Module, step: int) -> torch.Tensor:
-        """Lines 3-9 of step ``step``: the loss whose gradient is G_2.
+    def penalty_loss(self, model: nn.Module, step: int, shared: Optional[SharedObjectiveForward] = None
+                     ) -> torch.Tensor:
+        """Lines 3-9 of step ``step``: the loss whose gradient is G_2. With ``shared`` (the objective's
+        micro-batch) a row group's rows may join the objective's forward (:mod:`.shared_forward`).
 
         Host synchronisations (on a GPU): one for the finite check (``check_finite``), one for the
         group counts of ``group_key`` constraints, the collective of a multi-process run.
@@ -298,7 +301,7 @@ class ConstraintEngine:
         self.next_draw = None
         ids_cpu = draw.constraint_ids.cpu()                                          # line 3 (and 5: draw)
         ids = ids_cpu.to(self.device, non_blocking=True)
-        values, current, stats = self.values.evaluate(model, draw, need_grad=True)  # h_k(w_t; B_k^t)
+        values, current, stats = self.values.evaluate(model, draw, need_grad=True, shared=shared)  # h_k(w_t; B_k^t)
         estimate = draw.estimate_draw
         if self.indicator_values is not None:  # two-split: the estimate follows rows no gradient uses
             with torch.no_grad():

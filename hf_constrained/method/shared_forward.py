@@ -1,0 +1,150 @@
+"""The objective's forward pass shared with the constraint rows: one model call per step.
+
+Algorithm 1 takes the objective's stochastic gradient G_1 (line 4) and the constraint part
+G_2 = grad of ``(1/|B_c|) sum_k weight(u_k) h_k(w_t; B_k^t)`` (lines 6 and 9) at the same
+parameters w_t. When the constraints' rows are token batches of a causal LM, as the objective's
+rows are, both can come from ONE forward: the constraint rows are appended to the objective's
+micro-batch (right-padded to one width, ``labels`` -100 on them, so the model's own loss is still the
+objective's loss on the objective's rows and is not changed by them), and each constraint row's
+per-example loss is read from its slice of the logits. One forward and one backward instead of two of
+each: on a GPU a small step is bound by kernel launches more than by rows (docs/scale.md).
+
+It changes no value, so it is used only where that holds:
+
+* the row function declares that it can read its rows from logits (``values_from_logits``, e.g.
+  :class:`~hf_constrained.non_forgetting.ReferenceGap` over
+  :func:`~hf_constrained.per_sample_loss.causal_lm_per_example_loss`);
+* the model has no active dropout or other training-mode noise (:func:`trains_as_it_evaluates`):
+  constraint values are measured in eval mode
+  (:func:`~hf_constrained.method.draw_values.measured_as_certified`), the objective in training mode,
+  and the two agree only without dropout;
+* the objective batch holds only ``input_ids``, ``attention_mask`` and ``labels``, as 2-D tensors.
+
+Otherwise (and for the look-ahead, which runs at other parameters) the rows get their own forward. The
+values agree with the separate forward up to floating-point reassociation in the batched kernels.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Mapping
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from ..per_sample_loss import IGNORE_INDEX, model_inputs
+
+SHAREABLE_KEYS = frozenset({"input_ids", "attention_mask", "labels"})
+_NOISE_WORDS = ("dropout", "pdrop", "jitter", "noise")
+
+
+def trains_as_it_evaluates(model: nn.Module) -> bool:
+    """True when training mode computes the same values as eval mode: no dropout module with p > 0 and
+    no configuration entry of a dropout, drop probability or router noise above 0 (functional dropout in
+    attention reads its probability from the configuration, not from a module)."""
+    for module in model.modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
+            return False
+        config = getattr(module, "config", None)
+        if config is not None and _config_has_noise(config):
+            return False
+    return True
+
+
+def _config_has_noise(config: Any, depth: int = 0) -> bool:
+    for key, value in vars(config).items():
+        if hasattr(value, "to_dict") and depth < 2:  # nested configurations (text_config, vision_config)
+            if _config_has_noise(value, depth + 1):
+                return True
+        elif (isinstance(value, numbers.Real) and not isinstance(value, bool) and value > 0
+              and any(word in key for word in _NOISE_WORDS)):
+            return True
+    return False
+
+
+class SharedObjectiveForward:
+    """The objective's micro-batch, waiting to be run together with one row group's constraint rows.
+
+    Args:
+        inputs: the objective's micro-batch (the Trainer's inputs).
+        objective: ``objective(merged_inputs) -> (loss, outputs)``: the objective's loss on a batch,
+            returning the model's outputs (with ``logits``) too.
+
+    :meth:`take` says whether a row group's rows can join; :meth:`__call__` is then called in place of the
+    group's ``row_fn(model, batch)``. After the engine has run, :meth:`objective_result` is the objective's
+    loss (and outputs, cut to the objective's rows), or ``None`` when no group joined.
+    """
+
+    def __init__(self, inputs: Mapping[str, Any], objective: Callable[[dict[str, Any]], Any]) -> None:
+        self.inputs = inputs
+        self.objective = objective
+        self.loss: Optional[torch.Tensor] = None
+        self.outputs: Any = None
+
+    @classmethod
+    def for_inputs(cls, inputs: Mapping[str, Any], objective: Callable[[dict[str, Any]], Any]
+                   ) -> Optional["SharedObjectiveForward"]:
+        """``None`` when the objective's batch has keys other than :data:`SHAREABLE_KEYS` or ragged shapes."""
+        if not isinstance(inputs, Mapping) or "labels" not in inputs or not set(inputs) <= SHAREABLE_KEYS:
+            return None
+        tensors = list(inputs.values())
+        if not all(isinstance(t, torch.Tensor) and t.dim() == 2 for t in tensors):
+            return None
+        if len({tuple(t.shape) for t in tensors}) != 1:
+            return None
+        return cls(inputs, objective)
+
+    def take(self, row_fn: Any) -> bool:
+        """Whether ``row_fn``'s rows join the objective's forward (the first group that can, only)."""
+        return self.loss is None and callable(getattr(row_fn, "values_from_logits", None)) \
+            and getattr(row_fn, "reads_causal_lm_logits", False)
+
+    def __call__(self, model: nn.Module, row_fn: Any, batch: Mapping[str, Any]) -> torch.Tensor:
+        rows = model_inputs(batch)
+        if not set(rows) <= SHAREABLE_KEYS:
+            raise ValueError(f"constraint rows with keys {sorted(rows)} cannot share the objective's forward")
+        merged = merge_right_padded(self.inputs, rows)
+        n = self.inputs["input_ids"].shape[0]
+        self.loss, outputs = self.objective(merged)
+        logits = outputs["logits"]
+        outputs["logits"] = logits[:n]
+        self.outputs = outputs
+        return row_fn.values_from_logits(logits[n:], batch)
+
+    def objective_result(self, return_outputs: bool) -> Any:
+        if self.loss is None:
+            return None
+        return (self.loss, self.outputs) if return_outputs else self.loss
+
+
+def merge_right_padded(objective: Mapping[str, torch.Tensor], rows: Mapping[str, torch.Tensor]
+                       ) -> dict[str, torch.Tensor]:
+    """The objective's rows, then the constraint rows, padded on the right to one width: padding has
+    attention mask 0 and label -100; the constraint rows carry no label (their loss is read from the
+    logits), so the model's loss is the objective's. Under the causal mask no real token attends to
+    padding after it, and position ids start at 0 in every row, so no row's logits change."""
+    width = max(objective["input_ids"].shape[1], rows["input_ids"].shape[1])
+    device = objective["input_ids"].device
+
+    def pad(t: torch.Tensor, value: int) -> torch.Tensor:
+        t = t.to(device)
+        return t if t.shape[1] == width else nn.functional.pad(t, (0, width - t.shape[1]), value=value)
+
+    n_rows = rows["input_ids"].shape[0]
+    obj_mask = objective.get("attention_mask")
+    if obj_mask is None:
+        obj_mask = torch.ones_like(objective["input_ids"])
+    row_mask = rows.get("attention_mask")
+    if row_mask is None:
+        row_mask = torch.ones_like(rows["input_ids"])
+    return {
+        "input_ids": torch.cat([pad(objective["input_ids"], 0), pad(rows["input_ids"], 0)]),
+        "attention_mask": torch.cat([pad(obj_mask, 0), pad(row_mask, 0).to(obj_mask.dtype)]),
+        "labels": torch.cat([pad(objective["labels"], IGNORE_INDEX),
+                             torch.full((n_rows, width), IGNORE_INDEX, dtype=objective["labels"].dtype,
+                                        device=device)]),
+    }
+
+
+__all__ = ["SHAREABLE_KEYS", "SharedObjectiveForward", "merge_right_padded", "trains_as_it_evaluates"]
