@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import numbers
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -240,6 +242,20 @@ _REAL_FIELDS = ("penalty_beta", "msvr_gamma", "objective_msvr_gamma")
 _INT_FIELDS = ("constraint_batch_size", "log_constraint_estimates_max")
 _OPTIONAL_INT_FIELDS = ("constraints_per_step", "constraint_eval_batch_size", "constraint_seed",
                         "constraint_indicator_batch_size")
+
+
+@contextlib.contextmanager
+def arguments_set(args: TrainingArguments, **values: Any) -> Iterator[TrainingArguments]:
+    """``args`` with ``values`` for the time of the block, each restored after it (also on an error): how the
+    trainer hides one of the user's settings from a Trainer step that must not act on it."""
+    saved = {name: getattr(args, name) for name in values}
+    for name, value in values.items():
+        setattr(args, name, value)
+    try:
+        yield args
+    finally:
+        for name, value in saved.items():
+            setattr(args, name, value)
 
 
 def _check_types(args: ConstrainedTrainingArguments) -> None:

@@ -27,6 +27,7 @@ from .checkpointing import TRAINER_STATE_NAME, CheckpointError, check_named_chec
 from .trainer_internals import trainer_load_checkpoint, trainer_restore_batch_size
 
 if TYPE_CHECKING:
+    from .method.engine import ConstraintEngine
     from .trainer import ConstrainedTrainer
 
 logger = logging.getLogger(__name__)
@@ -134,6 +135,19 @@ class ConstraintStateMissingError(CheckpointError, FileNotFoundError):
     checkpoint it cannot use) and a ``FileNotFoundError`` (as before)."""
 
 
+def engine_state_dict(engine: Optional[ConstraintEngine]) -> dict[str, Any]:
+    """The engine's state for a checkpoint (``ConstraintEngine.state_dict``); without constraints, the empty one."""
+    return {"names": [], "estimator": None, "streams": [], "next_draw": None} if engine is None else engine.state_dict()
+
+
+def load_engine_state_dict(engine: Optional[ConstraintEngine], state: dict[str, Any]) -> None:
+    """Load a checkpoint's engine state; a checkpoint with constraints into a trainer without them is an error."""
+    if engine is not None:
+        engine.load_state_dict(state)
+    elif state["names"]:
+        raise ValueError(f"checkpoint constraints {state['names']} do not match this trainer's []")
+
+
 def library_state(trainer: "ConstrainedTrainer") -> Optional[dict[str, Any]]:
     """What ``trainer`` saves as its constraint state, or ``None`` when it has nothing of its
     own: no constraints and no state a subclass added to ``constraint_state_dict`` (e.g. the
@@ -196,5 +210,5 @@ def prepare_resume(trainer: "ConstrainedTrainer", resume_from_checkpoint: Option
 
 
 __all__ = ["BASE_STATE_KEYS", "CONSTRAINT_STATE_KEYS", "ConstraintStateMissingError", "atomic_torch_save",
-           "checkpoint_state_is_finite", "finished_at",
-           "library_state", "load_constraint_state", "non_finite_state", "prepare_resume"]
+           "checkpoint_state_is_finite", "engine_state_dict", "finished_at", "library_state", "load_constraint_state",
+           "load_engine_state_dict", "non_finite_state", "prepare_resume"]

@@ -162,6 +162,14 @@ def constraint_metrics(values: dict[str, float], constraints: Sequence[Constrain
     return metrics
 
 
+def loggable(metrics: dict[str, float], num_constraints: int, max_logged: int) -> dict[str, float]:
+    """Per-constraint values only up to ``max_logged`` constraints (``log_constraint_estimates_max``: the logs and
+    ``log_history``, which every checkpoint copies); the summaries always."""
+    if num_constraints <= max_logged:
+        return dict(metrics)
+    return {k: v for k, v in metrics.items() if "_constraint/" not in k}
+
+
 def is_absolute_value(outer: Any) -> bool:
     """Whether a constraint's ``outer`` is the identity (``None``: False) or ``|x|`` (True), checked
     on test points; the certificate bounds a group difference or its absolute value, nothing else."""

@@ -23,11 +23,11 @@ import torch
 from torch import nn
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, IntervalStrategy, TrainOutput, rotate_checkpoints
 
-from . import exact
+from . import constraint_state, exact
 from .batches import BatchMaker, pinned_to
 from .checkpointing import mark_complete, mark_incomplete
 from .clipping import PENALTY_GRAD_NORM_KEY, ClipMonitor
-from .config import ConstrainedTrainingArguments
+from .config import ConstrainedTrainingArguments, arguments_set
 from .constraint import Constraint, ConstraintValueError, checked_constraints  # noqa: F401 (re-exported)
 from .constraint_state import atomic_torch_save, checkpoint_state_is_finite, finished_at, library_state, prepare_resume
 from .distributed import (
@@ -65,11 +65,9 @@ class ConstrainedTrainer(TrainerInternals):
     """A :class:`transformers.Trainer` that trains under constraints ``h_k(w) <= tol_k``.
 
     Args:
-        model, args, ...: as for ``Trainer``; ``args`` must be
-            :class:`~hf_constrained.ConstrainedTrainingArguments`.
-        constraints: the constraints (see :class:`~hf_constrained.Constraint` and
-            :func:`~hf_constrained.constraints_per_value`). With penalty ``none`` they are
-            not trained on but still evaluated exactly by :meth:`evaluate`.
+        model, args, ...: as for ``Trainer``; ``args`` must be :class:`~hf_constrained.ConstrainedTrainingArguments`.
+        constraints: the constraints (:class:`~hf_constrained.Constraint`, ``constraints_per_value``, ...).
+            With penalty ``none`` they are not trained on but still evaluated exactly by :meth:`evaluate`.
         regulariser: an optional change of the objective on every training micro-batch (replay, KL or L2
             to the old model: :mod:`hf_constrained.method.regularisers`), with any ``constraint_penalty``.
         **kwargs: passed to ``Trainer``, except ``model_card_info`` and ``reference_constraint_values``: to the
@@ -104,14 +102,11 @@ class ConstrainedTrainer(TrainerInternals):
             configure_ddp_for_constraints(args)  # before the Trainer builds the Accelerator from args
         # Constraint-only periodic evaluation: the Trainer refuses eval_strategy without an eval_dataset, but evaluate()
         # has the constraints' exact values to evaluate, so the check is passed with the strategy off, then restored.
-        eval_strategy, push = args.eval_strategy, args.push_to_hub
-        if m > 0 and kwargs.get("eval_dataset") is None and args.eval_strategy != "no":
-            args.eval_strategy = IntervalStrategy.NO
-        args.push_to_hub = push and not m  # with constraints the first push the safety gate passes creates the repo
-        try:
+        hidden: dict[str, Any] = {"push_to_hub": False} if m else {}  # the first push the gate passes creates the repo
+        if m and kwargs.get("eval_dataset") is None and args.eval_strategy != "no":
+            hidden["eval_strategy"] = IntervalStrategy.NO
+        with arguments_set(args, **hidden):
             super().__init__(model=model, args=args, **kwargs)
-        finally:
-            args.eval_strategy, args.push_to_hub = eval_strategy, push
         check_fsdp_set_up(self)
         if self.penalty.active and uses_ddp(self.args):
             self.add_callback(GradientCoverageCallback())
@@ -137,12 +132,11 @@ class ConstrainedTrainer(TrainerInternals):
         self._eval_constraint_metrics: dict[str, float] = {}
         self._pending_log_metrics: dict[str, float] = {}
         self.clip_monitor = ClipMonitor(self.args.max_grad_norm, active=self.penalty.active)
-        # the exact values of the latest evaluation, all m of them (logs hold them only for small m)
-        self.last_constraint_values: dict[str, float] = {}
+        self.last_constraint_values: dict[str, float] = {}  # the latest evaluation's exact values, all m (logs: few)
         self.last_constraint_values_step: Optional[int] = None
         view = RunView(tuple(self.constraints), self.args, self.engine, self.certification_fingerprints)
         self.safety = SafetyLoop(self, view, **safety_options)  # reports, certificates, cards, the push gate
-        self.safety.attach(self.callback_handler, push_to_hub=push)  # its callback; a deferred push checks the Hub now
+        self.safety.attach(self.callback_handler, push_to_hub=self.args.push_to_hub)  # a deferred push: Hub checked now
 
     def create_accelerator_and_postprocess(self) -> None:
         """The Trainer's Accelerator; an FSDP2 request on CPU processes shards too (:func:`fsdp2_on_cpu`)."""
@@ -188,8 +182,8 @@ class ConstrainedTrainer(TrainerInternals):
         self.safety.publish_trainer_state()  # without local paths
 
     def _to_device(self, batch: Any) -> Any:
-        """A collated constraint batch on the device. On CUDA the tensors are pinned and copied with
-        ``non_blocking=True``: a pageable copy would block the host until the device is idle."""
+        """A collated constraint batch on the device; on CUDA pinned and copied ``non_blocking`` (a pageable copy
+        would block the host until the device is idle)."""
         if self.args.device.type != "cuda" or getattr(self, "is_deepspeed_enabled", False):
             return trainer_prepare_input(self, batch)  # the Trainer's placement (dtype, DeepSpeed)
         return pinned_to(batch, self.args.device)
@@ -332,12 +326,6 @@ class ConstrainedTrainer(TrainerInternals):
         """``{prefix}_constraint/<name>``, the largest violation and whether all hold."""
         return exact.constraint_metrics(values, self.constraints, prefix)
 
-    def _loggable(self, metrics: dict[str, float]) -> dict[str, float]:
-        """Per-constraint values only up to ``log_constraint_estimates_max`` constraints; the summaries always."""
-        if len(self.constraints) <= self.args.log_constraint_estimates_max:
-            return dict(metrics)
-        return {k: v for k, v in metrics.items() if "_constraint/" not in k}
-
     def evaluate(self, eval_dataset: Any = None, ignore_keys: Optional[list[str]] = None,
                  metric_key_prefix: str = "eval") -> dict[str, float]:
         """The Trainer's evaluation plus the exact value of every constraint (a full pass). Without an objective
@@ -349,11 +337,12 @@ class ConstrainedTrainer(TrainerInternals):
             self.last_constraint_values = dict(values)
             self.last_constraint_values_step = self.state.global_step
         cmetrics = self.constraint_metrics(values, metric_key_prefix) if self.constraints else {}
+        logged = exact.loggable(cmetrics, len(self.constraints), self.args.log_constraint_estimates_max)
         if eval_dataset is None and self.eval_dataset is None and self.constraints:
-            self.log(self._loggable(cmetrics))
+            self.log(logged)
             self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, cmetrics)
             return cmetrics
-        self._eval_constraint_metrics = self._loggable(cmetrics)  # merged into the evaluation's log entry
+        self._eval_constraint_metrics = logged  # merged into the evaluation's log entry
         metrics = super().evaluate(eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
         self._eval_constraint_metrics = {}
         metrics.update(cmetrics)
@@ -362,34 +351,25 @@ class ConstrainedTrainer(TrainerInternals):
     # ------------------------------------------------------------------ state and checkpoints
     def constraint_state_dict(self) -> dict[str, Any]:
         """What resumes the constraint part exactly: the engine's state and the step whose constraint part ran."""
-        state = {"names": [], "estimator": None, "streams": [], "next_draw": None} if self.engine is None \
-            else self.engine.state_dict()
-        return {**state, "constraint_step": self._constraint_step}
+        return {**constraint_state.engine_state_dict(self.engine), "constraint_step": self._constraint_step}
 
     def load_constraint_state_dict(self, state: dict[str, Any]) -> None:
-        if self.engine is not None:
-            self.engine.load_state_dict(state)
-        elif state["names"]:
-            raise ValueError(f"checkpoint constraints {state['names']} do not match this trainer's []")
+        constraint_state.load_engine_state_dict(self.engine, state)
         self._constraint_step = state["constraint_step"]
 
     def save_checkpoint(self, model: nn.Module, trial: Any) -> None:
         """The Trainer's checkpoint save made complete-or-ignored (:mod:`hf_constrained.checkpointing`): no public
-        hook runs between a checkpoint's last file and the rotation of old ones, so the Trainer saves with
-        ``save_total_limit`` unset, then the constraint state and completeness marker are written (when the trainer
-        keeps state of its own), and only then is the checkpoint pushed (``hub_strategy``, through the safety gate)
-        and are old ones rotated. A kill at any moment leaves the previous complete checkpoint."""
+        hook runs between a checkpoint's last file and the rotation of old ones, so the Trainer saves without
+        ``save_total_limit``, the constraint state and completeness marker are written (when it keeps state of its
+        own), then the checkpoint is pushed (gated) and old ones rotated. A kill leaves the last complete one."""
         run_dir = trainer_run_dir(self, trial)  # the Trainer's own run folder (hp search trials)
         folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         if self.args.should_save:
             mark_incomplete(folder)  # re-saving a step: the folder stops being complete before any file changes
         self.accelerator.wait_for_everyone()
         limit, push = self.args.save_total_limit, self.args.push_to_hub
-        self.args.save_total_limit, self.args.push_to_hub = None, False
-        try:
+        with arguments_set(self.args, save_total_limit=None, push_to_hub=False):
             super().save_checkpoint(model, trial)
-        finally:
-            self.args.save_total_limit, self.args.push_to_hub = limit, push
         self.safety.publish_checkpoint_state(folder)  # trainer_state.json without local paths
         state = library_state(self)  # None with nothing of our own to keep: the Trainer's files only
         if state is not None and self.args.should_save:  # subclasses may keep objective estimators here

@@ -170,3 +170,11 @@ def test_transformers_range_is_bounded_and_holds_the_installed_version():
     (req,) = [Requirement(d) for d in deps if Requirement(d).name == "transformers"]
     assert any(s.operator in ("<", "<=", "~=", "==") for s in req.specifier), f"no upper bound: {req}"
     assert Version(transformers.__version__) in req.specifier
+
+
+def test_the_trainer_module_stays_small():
+    """``hf_constrained/trainer.py`` adapts Algorithm 1 to the Trainer and delegates the rest (the method engine,
+    exact evaluation, checkpoint state, the safety loop it holds): at most 400 lines, so that it stays readable."""
+    with open(os.path.join(REPO, "hf_constrained", "trainer.py"), encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    assert len(lines) <= 400, f"hf_constrained/trainer.py has {len(lines)} lines: move a concern out"
