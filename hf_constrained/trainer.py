@@ -42,7 +42,7 @@ from .method.engine import ConstraintEngine
 from .method.estimators import run_precision
 from .method.penalties import make_penalty
 from .method.regularisers import ObjectiveRegulariser, RegularisedObjective
-from .method.shared_forward import SharedObjectiveForward, trains_as_it_evaluates
+from .method.shared_forward import SharedObjectiveForward, causal_lm_head, trains_as_it_evaluates
 from .preflight import preflight_constraints
 from .safety.loop import SafetyLoop
 from .safety.splits import check_certification_splits
@@ -203,14 +203,14 @@ class ConstrainedTrainer(TrainerInternals):
 
     def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Optional[Union[torch.Tensor, int]] = None) -> Any:
-        def objective(batch: dict[str, Any], outputs: bool = return_outputs) -> Any:
-            return self.compute_objective_loss(model, batch, return_outputs=outputs,
+        def objective(runner: Any = model, outputs: bool = return_outputs) -> Any:  # runner: the model, or merged
+            return self.compute_objective_loss(runner, inputs, return_outputs=outputs,
                                                num_items_in_batch=num_items_in_batch)
         penalised = self.in_training_step and self.penalty.active and self._constraint_step != self.state.global_step
         shared = None  # the constraint rows in the objective's forward, where that changes no value
         if penalised and self.regularised is None and self.objective_forward_shareable():
             shared = SharedObjectiveForward.for_inputs(inputs, lambda merged: objective(merged, True))
-        result = objective(inputs) if shared is None else None
+        result = objective() if shared is None else None
         if self.in_training_step and self.regularised is not None:
             result = self.regularised(model, result, inputs, self.state.global_step,
                                       self.current_gradient_accumulation_steps,
@@ -220,7 +220,7 @@ class ConstrainedTrainer(TrainerInternals):
         self._constraint_step = self.state.global_step
         penalty_loss = self.engine.penalty_loss(model, self.state.global_step, shared)
         if result is None:  # shared, unless no row group of this draw could join
-            result = shared.objective_result(return_outputs) if shared.loss is not None else objective(inputs)
+            result = shared.objective_result(return_outputs) if shared.loss is not None else objective()
         if not self._objective_is_scaled_for_ga(num_items_in_batch):
             # the Trainer divides the summed loss by the window length; the penalty counts once per window
             penalty_loss = penalty_loss * self.current_gradient_accumulation_steps
@@ -234,6 +234,7 @@ class ConstrainedTrainer(TrainerInternals):
         model that trains as it evaluates: :mod:`.method.shared_forward`)."""
         if self._forward_shareable is None:
             self._forward_shareable = (trainer_objective_is_model_loss(self, ConstrainedTrainer)
+                                       and causal_lm_head(self.model) is not None
                                        and trains_as_it_evaluates(self.model))
             logger.info("constraint rows %s the objective's forward", "share" if self._forward_shareable else "skip")
         return self._forward_shareable

@@ -4,9 +4,9 @@ Algorithm 1 takes the objective's stochastic gradient G_1 (line 4) and the const
 G_2 = grad of ``(1/|B_c|) sum_k weight(u_k) h_k(w_t; B_k^t)`` (lines 6 and 9) at the same
 parameters w_t. When the constraints' rows are token batches of a causal LM, as the objective's
 rows are, both can come from ONE forward: the constraint rows are appended to the objective's
-micro-batch (right-padded to one width, ``labels`` -100 on them, so the model's own loss is still the
-objective's loss on the objective's rows and is not changed by them), and each constraint row's
-per-example loss is read from its slice of the logits. One forward and one backward instead of two of
+micro-batch (right-padded to one width), the objective's loss is the model's own ``loss_function`` on
+the objective's slice of the logits (:class:`MergedForward`), and each constraint row's per-example
+loss is read from its slice. One forward and one backward instead of two of
 each: on a GPU a small step is bound by kernel launches more than by rows (docs/scale.md).
 
 It changes no value, so it is used only where that holds:
@@ -33,7 +33,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from ..per_sample_loss import IGNORE_INDEX, model_inputs
+from ..per_sample_loss import model_inputs
 
 SHAREABLE_KEYS = frozenset({"input_ids", "attention_mask", "labels"})
 _NOISE_WORDS = ("dropout", "pdrop", "jitter", "noise")
@@ -47,8 +47,8 @@ def trains_as_it_evaluates(model: nn.Module) -> bool:
         if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
             return False
         config = getattr(module, "config", None)
-        if config is not None and _config_has_noise(config):
-            return False
+        if config is not None and (_config_has_noise(config) or getattr(config, "output_router_logits", False)):
+            return False  # a router's auxiliary loss would be added to the model's loss on the objective's rows
     return True
 
 
@@ -68,22 +68,23 @@ class SharedObjectiveForward:
 
     Args:
         inputs: the objective's micro-batch (the Trainer's inputs).
-        objective: ``objective(merged_inputs) -> (loss, outputs)``: the objective's loss on a batch,
-            returning the model's outputs (with ``logits``) too.
+        objective: ``objective(model_like) -> (loss, outputs)``: the objective's loss on ``inputs``, computed
+            by calling ``model_like(**inputs)`` as it would call the model (the Trainer's ``compute_loss``).
 
     :meth:`take` says whether a row group's rows can join; :meth:`__call__` is then called in place of the
-    group's ``row_fn(model, batch)``. After the engine has run, :meth:`objective_result` is the objective's
-    loss (and outputs, cut to the objective's rows), or ``None`` when no group joined.
+    group's ``row_fn(model, batch)``: it runs the objective through :class:`MergedForward`, which makes ONE
+    model call over the objective's and the group's rows. After the engine has run,
+    :meth:`objective_result` is the objective's loss (and outputs), or ``None`` when no group joined.
     """
 
-    def __init__(self, inputs: Mapping[str, Any], objective: Callable[[dict[str, Any]], Any]) -> None:
+    def __init__(self, inputs: Mapping[str, Any], objective: Callable[[Any], Any]) -> None:
         self.inputs = inputs
         self.objective = objective
         self.loss: Optional[torch.Tensor] = None
         self.outputs: Any = None
 
     @classmethod
-    def for_inputs(cls, inputs: Mapping[str, Any], objective: Callable[[dict[str, Any]], Any]
+    def for_inputs(cls, inputs: Mapping[str, Any], objective: Callable[[Any], Any]
                    ) -> Optional["SharedObjectiveForward"]:
         """``None`` when the objective's batch has keys other than :data:`SHAREABLE_KEYS` or ragged shapes."""
         if not isinstance(inputs, Mapping) or "labels" not in inputs or not set(inputs) <= SHAREABLE_KEYS:
@@ -104,13 +105,9 @@ class SharedObjectiveForward:
         rows = model_inputs(batch)
         if not set(rows) <= SHAREABLE_KEYS:
             raise ValueError(f"constraint rows with keys {sorted(rows)} cannot share the objective's forward")
-        merged = merge_right_padded(self.inputs, rows)
-        n = self.inputs["input_ids"].shape[0]
-        self.loss, outputs = self.objective(merged)
-        logits = outputs["logits"]
-        outputs["logits"] = logits[:n]
-        self.outputs = outputs
-        return row_fn.values_from_logits(logits[n:], batch)
+        merged = MergedForward(model, rows)
+        self.loss, self.outputs = self.objective(merged)
+        return row_fn.values_from_logits(merged.row_logits, batch)
 
     def objective_result(self, return_outputs: bool) -> Any:
         if self.loss is None:
@@ -118,33 +115,63 @@ class SharedObjectiveForward:
         return (self.loss, self.outputs) if return_outputs else self.loss
 
 
+class MergedForward:
+    """Called as the model with the objective's inputs: ONE forward of the model over the objective's rows
+    and ``rows`` (:func:`merge_right_padded`, no labels, so the model reduces no loss), then the causal-LM
+    model's own ``loss_function`` on the objective's logits and labels (with ``num_items_in_batch`` when the
+    caller passes it), as the model's forward computes its loss. The constraint rows' logits are kept in
+    :attr:`row_logits`. Neither the model's loss nor its float32 upcast ever covers the constraint rows."""
+
+    def __init__(self, model: nn.Module, rows: Mapping[str, torch.Tensor]) -> None:
+        self.model = model
+        self.rows = rows
+        self.row_logits: Optional[torch.Tensor] = None
+
+    def __call__(self, **inputs: Any) -> Any:
+        labels = inputs.pop("labels")
+        loss_kwargs = {k: inputs.pop(k) for k in list(inputs) if k not in SHAREABLE_KEYS}
+        n, width = labels.shape
+        outputs = self.model(**merge_right_padded(inputs, self.rows))
+        logits = outputs["logits"]
+        self.row_logits = logits[n:]
+        head = causal_lm_head(self.model)
+        outputs["logits"] = logits[:n, :width]
+        outputs["loss"] = head.loss_function(logits=outputs["logits"], labels=labels,
+                                             vocab_size=head.config.get_text_config().vocab_size, **loss_kwargs)
+        return outputs
+
+
+def causal_lm_head(model: nn.Module) -> Any:
+    """The Hugging Face causal-LM module inside ``model`` (through DDP, PEFT or other wrappers): the first
+    module that has ``loss_function`` and a configuration and whose class is a ``...ForCausalLM`` or
+    ``...LMHeadModel``; ``None`` when there is none."""
+    for module in model.modules():
+        name = type(module).__name__
+        if hasattr(module, "loss_function") and hasattr(module, "config") \
+                and (name.endswith("ForCausalLM") or name.endswith("LMHeadModel")):
+            return module
+    return None
+
+
 def merge_right_padded(objective: Mapping[str, torch.Tensor], rows: Mapping[str, torch.Tensor]
                        ) -> dict[str, torch.Tensor]:
-    """The objective's rows, then the constraint rows, padded on the right to one width: padding has
-    attention mask 0 and label -100; the constraint rows carry no label (their loss is read from the
-    logits), so the model's loss is the objective's. Under the causal mask no real token attends to
-    padding after it, and position ids start at 0 in every row, so no row's logits change."""
+    """The objective's rows, then the constraint rows (``input_ids`` and ``attention_mask``), padded on the
+    right to one width with attention mask 0. Under the causal mask no real token attends to padding after
+    it, and position ids start at 0 in every row, so no row's logits change."""
     width = max(objective["input_ids"].shape[1], rows["input_ids"].shape[1])
     device = objective["input_ids"].device
 
-    def pad(t: torch.Tensor, value: int) -> torch.Tensor:
+    def pad(t: torch.Tensor) -> torch.Tensor:
         t = t.to(device)
-        return t if t.shape[1] == width else nn.functional.pad(t, (0, width - t.shape[1]), value=value)
+        return t if t.shape[1] == width else nn.functional.pad(t, (0, width - t.shape[1]), value=0)
 
-    n_rows = rows["input_ids"].shape[0]
-    obj_mask = objective.get("attention_mask")
-    if obj_mask is None:
-        obj_mask = torch.ones_like(objective["input_ids"])
-    row_mask = rows.get("attention_mask")
-    if row_mask is None:
-        row_mask = torch.ones_like(rows["input_ids"])
-    return {
-        "input_ids": torch.cat([pad(objective["input_ids"], 0), pad(rows["input_ids"], 0)]),
-        "attention_mask": torch.cat([pad(obj_mask, 0), pad(row_mask, 0).to(obj_mask.dtype)]),
-        "labels": torch.cat([pad(objective["labels"], IGNORE_INDEX),
-                             torch.full((n_rows, width), IGNORE_INDEX, dtype=objective["labels"].dtype,
-                                        device=device)]),
-    }
+    def mask(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        m = batch.get("attention_mask")
+        return torch.ones_like(batch["input_ids"]) if m is None else m
+
+    return {"input_ids": torch.cat([pad(objective["input_ids"]), pad(rows["input_ids"])]),
+            "attention_mask": torch.cat([pad(mask(objective)), pad(mask(rows)).to(mask(objective).dtype)])}
 
 
-__all__ = ["SHAREABLE_KEYS", "SharedObjectiveForward", "merge_right_padded", "trains_as_it_evaluates"]
+__all__ = ["SHAREABLE_KEYS", "MergedForward", "SharedObjectiveForward", "causal_lm_head", "merge_right_padded",
+           "trains_as_it_evaluates"]

@@ -8,7 +8,12 @@ from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments
-from hf_constrained.method.shared_forward import SharedObjectiveForward, merge_right_padded, trains_as_it_evaluates
+from hf_constrained.method.shared_forward import (
+    MergedForward,
+    SharedObjectiveForward,
+    merge_right_padded,
+    trains_as_it_evaluates,
+)
 from hf_constrained.non_forgetting import ReferenceGap, non_forgetting_constraints
 from hf_constrained.per_sample_loss import PaddingCollator, causal_lm_per_example_loss
 
@@ -117,12 +122,28 @@ def test_only_where_no_value_changes(tmp_path):
     assert SharedObjectiveForward.for_inputs(batch, print) is not None
 
 
-def test_merge_pads_on_the_right_and_keeps_the_rows_out_of_the_loss():
-    objective = {"input_ids": torch.tensor([[5, 6, 7]]), "attention_mask": torch.tensor([[1, 1, 1]]),
-                 "labels": torch.tensor([[-100, 6, 7]])}
+def test_merge_pads_on_the_right():
+    objective = {"input_ids": torch.tensor([[5, 6, 7]]), "attention_mask": torch.tensor([[1, 1, 1]])}
     rows = {"input_ids": torch.tensor([[1, 2, 3, 4, 9], [3, 4, 0, 0, 0]]),
             "attention_mask": torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]])}
     merged = merge_right_padded(objective, rows)
     assert merged["input_ids"].tolist() == [[5, 6, 7, 0, 0], [1, 2, 3, 4, 9], [3, 4, 0, 0, 0]]
     assert merged["attention_mask"].tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]
-    assert merged["labels"].tolist() == [[-100, 6, 7, -100, -100]] + [[-100] * 5] * 2
+
+
+def test_merged_forward_gives_the_models_own_loss_and_logits(tmp_path):
+    """One call over objective and constraint rows: the objective's loss and logits are the model's own on
+    the objective's rows alone (with and without num_items_in_batch), the rows' logits their own."""
+    model = llama(tmp_path)
+    collate = PaddingCollator(pad_token_id=0)
+    objective = collate([Rows(3, 7)[i] for i in range(3)])
+    rows = collate([Rows(4, 8)[i] for i in range(4)])
+    for kwargs in ({}, {"num_items_in_batch": torch.tensor(9)}):
+        merged = MergedForward(model, {k: rows[k] for k in ("input_ids", "attention_mask")})
+        out = merged(**objective, **kwargs)
+        alone = model(**objective, **kwargs)
+        assert torch.allclose(out["loss"], alone.loss, rtol=0, atol=1e-12)
+        assert torch.allclose(out["logits"], alone.logits, rtol=0, atol=1e-12)
+        by_themselves = model(input_ids=rows["input_ids"], attention_mask=rows["attention_mask"]).logits
+        width = rows["input_ids"].shape[1]
+        assert torch.allclose(merged.row_logits[:, :width], by_themselves, rtol=0, atol=1e-12)
