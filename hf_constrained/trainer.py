@@ -157,8 +157,7 @@ class ConstrainedTrainer(TrainerInternals):
 
     def push_to_hub(self, *args: Any, allow_unsafe: bool = False, safety_rule: Optional[str] = None,
                     **kwargs: Any) -> Any:
-        """``Trainer.push_to_hub`` behind the safety gate (``SafetyLoop.check_safe_to_push``): refused before any
-        repository or upload when the weights fail ``safety_rule``, unless ``allow_unsafe`` (the card says UNSAFE)."""
+        """``Trainer.push_to_hub`` behind the safety gate (``SafetyLoop.gated_push``: refused unless ``allow_unsafe``)."""
         with self.safety.gated_push(allow_unsafe=allow_unsafe, safety_rule=safety_rule):
             return super().push_to_hub(*args, **kwargs)
 
