@@ -157,7 +157,7 @@ class ConstrainedTrainer(TrainerInternals):
 
     def push_to_hub(self, *args: Any, allow_unsafe: bool = False, safety_rule: Optional[str] = None,
                     **kwargs: Any) -> Any:
-        """``Trainer.push_to_hub`` behind the safety gate (``SafetyLoop.gated_push``: refused unless ``allow_unsafe``)."""
+        """``Trainer.push_to_hub`` behind the safety gate (``SafetyLoop.gated_push``; ``allow_unsafe`` overrides)."""
         with self.safety.gated_push(allow_unsafe=allow_unsafe, safety_rule=safety_rule):
             return super().push_to_hub(*args, **kwargs)
 
