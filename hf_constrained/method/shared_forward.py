@@ -133,9 +133,11 @@ class MergedForward:
         n, width = labels.shape
         outputs = self.model(**merge_right_padded(inputs, self.rows))
         logits = outputs["logits"]
-        self.row_logits = logits[n:]
+        # split, not two slices: one backward node that concatenates the two gradients, where two slices
+        # would each scatter into a zero tensor of the full logits' size
+        objective_logits, self.row_logits = logits.split([n, logits.shape[0] - n])
         head = causal_lm_head(self.model)
-        outputs["logits"] = logits[:n, :width]
+        outputs["logits"] = objective_logits if objective_logits.shape[1] == width else objective_logits[:, :width]
         outputs["loss"] = head.loss_function(logits=outputs["logits"], labels=labels,
                                              vocab_size=head.config.get_text_config().vocab_size, **loss_kwargs)
         return outputs
