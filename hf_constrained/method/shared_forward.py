@@ -151,7 +151,8 @@ def causal_lm_head(model: nn.Module) -> Any:
         name = type(module).__name__
         if hasattr(module, "loss_function") and hasattr(module, "config") \
                 and (name.endswith("ForCausalLM") or name.endswith("LMHeadModel")):
-            return module
+            # outputs as tuples (return_dict off) carry no named logits to split
+            return module if getattr(module.config, "return_dict", True) else None
     return None
 
 
