@@ -117,8 +117,8 @@ def _med_worst(values: list[float], worst: Any) -> dict[str, float]:
     return {"median": statistics.median(values), "worst": worst(values)}
 
 
-def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Median and worst over the seeds of every (method, value)."""
+def summarize(rows: list[dict[str, Any]], target: str = "new_task_accuracy") -> list[dict[str, Any]]:
+    """Median and worst over the seeds of every (method, value); ``target``: the rows' target metric."""
     settings: dict[tuple[str, Any], list[dict[str, Any]]] = {}
     for r in rows:
         settings.setdefault((r["method"], r["value"]), []).append(r)
@@ -126,37 +126,41 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for (method, value), rs in settings.items():
         bounds = [r["largest_bound"] for r in rs if r["largest_bound"] is not None]
         out.append({"method": method, "knob": rs[0]["knob"], "value": value, "seeds": [r["seed"] for r in rs],
-                    "new_task_accuracy": _med_worst([r["new_task_accuracy"] for r in rs], min),
+                    target: _med_worst([r[target] for r in rs], min),
                     "worst_old_change": _med_worst([r["worst_old_change"] for r in rs], min),
                     "old_task_change": {t: _med_worst([r["old_task_change"][t] for r in rs], min)
-                                        for t in ex.OLD_TASKS},
+                                        for t in rs[0]["old_task_change"]},
                     "largest_bound": _med_worst(bounds, max) if bounds else None,
                     "seeds_certified_claim": sum(bool(r["certified_claim"]) for r in rs),
                     "seconds_per_step": statistics.median(r["seconds_per_step"] for r in rs)})
     return out
 
 
-def dominates(a: dict[str, Any], b: dict[str, Any]) -> bool:
+def dominates(a: dict[str, Any], b: dict[str, Any], target: str = "new_task_accuracy") -> bool:
     """``a`` reaches at least ``b``'s median new-task accuracy at the same or a smaller median worst drop,
     and is strictly better in one of the two."""
-    acc_a, acc_b = a["new_task_accuracy"]["median"], b["new_task_accuracy"]["median"]
+    acc_a, acc_b = a[target]["median"], b[target]["median"]
     drop_a, drop_b = a["worst_old_change"]["median"], b["worst_old_change"]["median"]  # changes: higher is better
     return acc_a >= acc_b and drop_a >= drop_b and (acc_a > acc_b or drop_a > drop_b)
 
 
-def frontier(settings: list[dict[str, Any]]) -> dict[str, Any]:
+def frontier(settings: list[dict[str, Any]], target: str = "new_task_accuracy") -> dict[str, Any]:
     """Per method, its settings on its own frontier; over all methods, each setting's dominators."""
     per_method = {}
     for method in dict.fromkeys(s["method"] for s in settings):
         mine = [s for s in settings if s["method"] == method]
-        per_method[method] = [s["value"] for s in mine if not any(dominates(o, s) for o in mine)]
-    dominated_by = {f"{s['method']}={s['value']}": [f"{o['method']}={o['value']}" for o in settings if dominates(o, s)]
+        per_method[method] = [s["value"] for s in mine if not any(dominates(o, s, target) for o in mine)]
+    dominated_by = {f"{s['method']}={s['value']}": [f"{o['method']}={o['value']}" for o in settings
+                                                   if dominates(o, s, target)]
                     for s in settings}
     return {"per_method": per_method, "dominated_by": dominated_by}
 
 
-def plot(settings: list[dict[str, Any]], path: str, claim: float) -> None:
-    """Median new-task exact match against the median worst old-task change, one line per method."""
+def plot(settings: list[dict[str, Any]], path: str, claim: float, target: str = "new_task_accuracy",
+         title: str = "Forgetting frontier, offline LLM example",
+         xlabel: str = "worst old-task exact-match change (points, median over seeds)",
+         ylabel: str = "new-task exact match (%, median)") -> None:
+    """Median new-task exact match (``target``) against the median worst old-task change, one line per method."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -165,15 +169,15 @@ def plot(settings: list[dict[str, Any]], path: str, claim: float) -> None:
     for method in dict.fromkeys(s["method"] for s in settings):
         mine = sorted((s for s in settings if s["method"] == method), key=lambda s: s["worst_old_change"]["median"])
         xs = [100 * s["worst_old_change"]["median"] for s in mine]
-        ys = [100 * s["new_task_accuracy"]["median"] for s in mine]
+        ys = [100 * s[target]["median"] for s in mine]
         ax.plot(xs, ys, marker="o", label=method)
         for s, x, y in zip(mine, xs, ys):
             if s["value"] is not None:
                 ax.annotate(f"{s['value']:g}", (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
     ax.axvline(-100 * claim, color="grey", linestyle=":", linewidth=1, label=f"goal: {-100 * claim:g} points")
-    ax.set_xlabel("worst old-task exact-match change (points, median over seeds)")
-    ax.set_ylabel("new-task exact match (%, median)")
-    ax.set_title("Forgetting frontier, offline LLM example")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -195,14 +199,15 @@ def format_table(settings: list[dict[str, Any]], claim: float) -> str:
     return "\n".join(lines)
 
 
-def parse_values(specs: list[str]) -> dict[str, tuple[float, ...]]:
-    """``method=v1,v2`` overrides of the knob values."""
+def parse_values(specs: list[str], methods: Optional[dict[str, Method]] = None) -> dict[str, tuple[float, ...]]:
+    """``method=v1,v2`` overrides of the knob values (of ``methods``, default :data:`METHODS`)."""
+    methods = METHODS if methods is None else methods
     out = {}
     for spec in specs:
         method, _, values = spec.partition("=")
-        if method not in METHODS or METHODS[method].knob is None or not values:
+        if method not in methods or methods[method].knob is None or not values:
             raise SystemExit(f"--values {spec!r}: give method=v1,v2 for a method with a knob "
-                             f"({[m for m, d in METHODS.items() if d.knob]})")
+                             f"({[m for m, d in methods.items() if d.knob]})")
         out[method] = tuple(float(v) for v in values.split(","))
     return out
 

@@ -104,7 +104,7 @@ import tempfile
 import textwrap
 import time
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -123,6 +123,7 @@ from hf_constrained.clip.data import CLIPCollator, RowDataset
 from hf_constrained.clip.tiny import tiny_clip, word_tokenizer
 from hf_constrained.config import ConstrainedTrainingArguments
 from hf_constrained.constraint import Constraint
+from hf_constrained.method.regularisers import KLToOld, ObjectiveRegulariser, Replay
 from hf_constrained.non_forgetting import ReferenceCorrectDataset, forgetting_statistic
 from hf_constrained.progress import StepProgressBar
 from hf_constrained.publishable import publishable_values
@@ -557,6 +558,58 @@ def demo_constraints(cfg: DemoConfig, pools: Pools, rows_fn: ForgettingRows, col
                        metadata={"class": name, "requirement": cfg.tolerance}) for name in pools.constraint]
 
 
+BASELINES = ("replay", "kl")
+"""What users do instead of constraints (``benchmarks/forgetting_frontier_demo.py``): a ``(name, value)`` given to
+:func:`finetune` as ``regulariser`` (:func:`baseline_regulariser`)."""
+
+
+class ZeroShotMeanLoss:
+    """``(model, batch) -> scalar``: the mean zero-shot cross-entropy of a batch of protected images, the loss whose
+    per-row increase over the old model's the non-forgetting constraints bound (:class:`ForgettingRows`)."""
+
+    def __init__(self, loss: ZeroShotLoss) -> None:
+        self.loss = loss
+
+    def __call__(self, model: torch.nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+        return self.loss.per_sample(model, batch).mean()
+
+
+class ZeroShotLogits:
+    """``(model, batch) -> (rows, classes)``: the zero-shot class logits the KL anchor compares."""
+
+    def __init__(self, loss: ZeroShotLoss) -> None:
+        self.loss = loss
+
+    def __call__(self, model: torch.nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+        return self.loss.logits(model, batch["pixel_values"])
+
+
+def baseline_regulariser(spec: Optional[tuple[str, float]], old_model: torch.nn.Module, pools: Pools,
+                         zs: ZeroShotLoss, collate: CLIPCollator, cfg: DemoConfig) -> Optional[ObjectiveRegulariser]:
+    """The baseline ``(name, value)`` of a run, added to the contrastive objective (Algorithm 2's F):
+
+    * ``("replay", r)``: protected images mixed into every step at share r of the rows
+      (:class:`~hf_constrained.method.regularisers.Replay`: ``round(r / (1 - r) * batch_size)`` of them), scored
+      by their zero-shot cross-entropy, the loss the non-forgetting constraints read;
+    * ``("kl", lam)``: ``lam * KL(p_old || p_w)`` of the zero-shot class distribution on ``batch_size`` protected
+      images per step (:class:`~hf_constrained.method.regularisers.KLToOld`; the old model is ``old_model``,
+      copied now, before training).
+
+    Both read only the constraint pools D_k (the protected images the constraints read, with their augmented
+    copies): never the selection, held-out or certification images. ``old_model`` must still be the old model.
+    """
+    if spec is None:
+        return None
+    name, value = spec
+    old_rows = torch.utils.data.ConcatDataset([pools.constraint[k] for k in pools.constraint])
+    if name == "replay":
+        return Replay(old_rows, value, collate, loss_fn=ZeroShotMeanLoss(zs), seed=cfg.seed)
+    if name == "kl":
+        return KLToOld(old_model, old_rows, value, collate, rows_per_step=cfg.batch_size,
+                       logits_fn=ZeroShotLogits(zs), seed=cfg.seed)
+    raise ValueError(f"unknown baseline {name!r}: one of {list(BASELINES)}")
+
+
 RUN_FILES = {"report": "safety_report.json", "card": "README.md", "figures": "figures"}
 """What :func:`finetune` writes into a run folder besides the model (``finish_run``'s files)."""
 
@@ -568,7 +621,9 @@ def run_folder(seed: int | str, penalty: str) -> str:
 
 def finetune(cfg: DemoConfig, old_path: str, penalty: str, pools: Optional[Pools] = None,
              log: Callable[[str], None] = logger.info, output_dir: Optional[str] = None,
-             old_acc: Optional[dict[str, float]] = None, command: Optional[str] = None) -> dict[str, Any]:
+             old_acc: Optional[dict[str, float]] = None, command: Optional[str] = None,
+             regulariser: Optional[tuple[str, float]] = None,
+             callbacks: Sequence[TrainerCallback] = ()) -> dict[str, Any]:
     """Contrastive fine-tuning toward the target digit with one non-forgetting constraint per other digit.
 
     Returns the kept model's per-class test accuracy, the exact constraint values on D_k
@@ -579,6 +634,12 @@ def finetune(cfg: DemoConfig, old_path: str, penalty: str, pools: Optional[Pools
     :func:`hf_constrained.finish_run` writes its safety report, model card and figures beside them
     (``old_acc``: the old model's held-out accuracies, for the card's table; ``command``: the command
     the card shows); the returned ``files`` names them, relative to ``output_dir``.
+
+    ``regulariser``: a baseline ``(name, value)`` (:func:`baseline_regulariser`: replay or KL to the old model)
+    added to the objective, with any ``penalty`` (the forgetting benchmark runs them with ``"none"``); its
+    checkpoint is kept by the same rule as a constrained run's (feasible on the selection split first), and the
+    record gains ``regulariser`` (its settings). ``callbacks``: more trainer callbacks, called before the
+    demo's own (e.g. a step timer that leaves out the selection's evaluations).
     """
     from transformers.trainer_callback import PrinterCallback
 
@@ -599,8 +660,10 @@ def finetune(cfg: DemoConfig, old_path: str, penalty: str, pools: Optional[Pools
         forgotten = (largest_share_forgotten(model, pools.selection, zs, collate)
                      if cfg.select_on == "forgotten" else None)
         selection = FeasibleCheckpointSelection(
-            cfg.select_every, pools.target_selection, zs, collate, use_constraints=penalty != "none",
+            cfg.select_every, pools.target_selection, zs, collate,
+            use_constraints=penalty != "none" or regulariser is not None,
             requirement=cfg.select_forget_rate if forgotten is not None else cfg.tolerance, largest_value=forgotten)
+    baseline = baseline_regulariser(regulariser, model, pools, zs, collate, cfg)  # before training: the old model
     files: dict[str, str] = {}
     with contextlib.ExitStack() as stack:
         out_dir = output_dir or stack.enter_context(tempfile.TemporaryDirectory())
@@ -618,8 +681,9 @@ def finetune(cfg: DemoConfig, old_path: str, penalty: str, pools: Optional[Pools
         )
         trainer = ContrastiveConstrainedTrainer(
             model=model, args=args, train_dataset=RowDataset(target_rows(data, cfg)), data_collator=collate,
-            constraints=constraints, contrastive_temperature=cfg.temperature,
-            callbacks=[c for c in (selection, StepProgressBar(f"stage 2: fine-tuning ({penalty})")) if c],
+            constraints=constraints, contrastive_temperature=cfg.temperature, regulariser=baseline,
+            callbacks=[*callbacks, *(c for c in (selection, StepProgressBar(f"stage 2: fine-tuning ({penalty})"))
+                                     if c)],
         )
         trainer.remove_callback(PrinterCallback)  # the report below says what matters
         if selection is not None:
@@ -645,12 +709,16 @@ def finetune(cfg: DemoConfig, old_path: str, penalty: str, pools: Optional[Pools
             # the report names the step the demo's own selection kept (its weights are in memory, no folder)
             trainer.safety.declare_weights_origin(kept)
             files = write_run(cfg, trainer, tokenizer, penalty, acc, old_acc, command)
-    log(f"  {penalty:>13}: kept step {kept}, {time.time() - t0:.0f}s")
-    return {"penalty": penalty, "accuracy": acc, "h_train": h_train, "h_selection": h_selection, "h_test": h_test,
-            "h_test_bound": h_bound, "kept_step": kept, "margins": margins,
-            "certificate": certificate_summary(certificate, [c.name for c in constraints]),
-            "selection": [asdict(r) for r in selection.records] if selection is not None else [],
-            "files": files}
+    log(f"  {penalty if baseline is None else f'{penalty}+{baseline.name}':>13}: kept step {kept}, "
+        f"{time.time() - t0:.0f}s")
+    record = {"penalty": penalty, "accuracy": acc, "h_train": h_train, "h_selection": h_selection, "h_test": h_test,
+              "h_test_bound": h_bound, "kept_step": kept, "margins": margins,
+              "certificate": certificate_summary(certificate, [c.name for c in constraints]),
+              "selection": [asdict(r) for r in selection.records] if selection is not None else [],
+              "files": files}
+    if baseline is not None:  # a run without one records what it always did
+        record["regulariser"] = baseline.settings()
+    return record
 
 
 def write_run(cfg: DemoConfig, trainer: ContrastiveConstrainedTrainer, tokenizer: Any, penalty: str,

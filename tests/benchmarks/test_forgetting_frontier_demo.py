@@ -1,0 +1,69 @@
+"""benchmarks/forgetting_frontier_demo.py end to end on tiny demo settings (seconds): every method runs with the same
+demo settings, steps and seed, and the JSON holds each run's target gain, paired protected-digit changes,
+certificate (a first look each) and time per step, with forgetting_frontier.py's summary and frontier."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import import_script
+
+ffd = import_script("benchmarks", "forgetting_frontier_demo")
+TINY = ["--stage1_epochs", "2", "--max_steps", "2", "--constraint_copies", "1", "--eval_copies", "1",
+        "--select_every", "0", "--batch_size", "16"]
+
+
+def test_every_method_runs_on_the_same_demo_settings(tmp_path):
+    out, figure = tmp_path / "frontier.json", tmp_path / "frontier.png"
+    one_value = [f"{m}={d.values[0]:g}" for m, d in ffd.METHODS.items() if d.knob]
+    result = ffd.main(["--seeds", "0", "--workers", "1", "--values", *one_value, "--json", str(out),
+                       "--figure", str(figure), "--cache_dir", str(tmp_path / "cache"), *TINY])
+    saved = json.loads(out.read_text())
+    assert saved["runs"] == json.loads(json.dumps(result["runs"]))
+    assert figure.stat().st_size > 0 and not (tmp_path / "frontier.json.partial.jsonl").exists()
+    runs = saved["runs"]
+    assert [r["method"] for r in runs] == list(ffd.METHODS)
+    protected = {n for n in ffd.demo.DIGIT_NAMES if n != "nine"}
+    for r in runs:
+        assert r["seed"] == 0 and r["steps"] == 2 and r["target"] == "nine"
+        assert set(r["old_task_change"]) == protected
+        assert r["worst_old_change"] == min(r["old_task_change"].values())
+        assert r["old_task_change"][r["worst_old_class"]] == r["worst_old_change"]
+        assert r["target_gain"] == pytest.approx(r["target_accuracy"] - r["old_target_accuracy"])
+        assert r["largest_bound"] == max(r["upper_bounds"].values())
+        # every run is the first look at its certification images, at 0.9 delta, whatever ran before it
+        assert r["look"] == 1 and r["level"] == pytest.approx(0.9 * 0.05)
+        assert r["certified_claim"] == all(b <= 0.15 for b in r["upper_bounds"].values())
+        assert r["seconds_per_step"] > 0 and r["cpu_seconds_per_step"] > 0
+    by = {r["method"]: r for r in runs}
+    assert by["none"]["regulariser"] is None and by["hinge"]["regulariser"] is None
+    assert by["replay"]["regulariser"]["ratio"] == 0.5 and by["kl"]["regulariser"]["lam"] == 1.0
+    assert len(saved["settings"]) == len(ffd.METHODS) and all("target_gain" in s for s in saved["settings"])
+    assert set(saved["frontier"]["per_method"]) == set(ffd.METHODS)
+    assert saved["chosen"]["values"] == {"none": None, "replay": 0.5, "kl": 1.0, "hinge": 10.0}
+    assert saved["config"]["demo"]["steps"] == 2 and "<local>" in saved["command"]
+
+
+def test_the_chosen_setting_gains_most_within_the_stated_drop():
+    def setting(method, value, gain, drop):
+        return {"method": method, "value": value, "target_gain": {"median": gain},
+                "worst_old_change": {"median": drop}}
+
+    settings = [setting("replay", 0.5, 0.30, -0.04), setting("replay", 0.75, 0.20, -0.02),
+                setting("kl", 1, 0.40, -0.06), setting("kl", 3, 0.35, -0.05)]
+    assert ffd.choose(settings, 0.03) == {"replay": 0.75, "kl": 3}  # kl: none within 3 points, the smallest drop
+    assert ffd.choose(settings, 0.05) == {"replay": 0.5, "kl": 3}
+    settings.append(setting("kl", 10, 0.10, -0.03))
+    assert ffd.choose(settings, 0.03) == {"replay": 0.75, "kl": 10}
+    front = ffd.ff.frontier(settings, target="target_gain")
+    assert front["per_method"] == {"replay": [0.5, 0.75], "kl": [1, 3, 10]}
+    assert front["dominated_by"]["kl=10"] == ["replay=0.75"] and front["dominated_by"]["kl=3"] == []
+
+
+def test_flags_the_benchmark_sets_are_refused():
+    with pytest.raises(SystemExit, match="--penalties"):
+        ffd.demo_settings(["--penalties", "hinge"])
+    with pytest.raises(SystemExit, match="--values 'none=1'"):
+        ffd.ff.parse_values(["none=1"], methods=ffd.METHODS)
+    assert ffd.demo_settings(["--penalty_beta", "3"])["beta"] == 3.0
