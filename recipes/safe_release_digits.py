@@ -64,6 +64,7 @@ from hf_constrained import (
 from hf_constrained.extras import require_extra
 from hf_constrained.publishable import publishable_command
 from hf_constrained.recipe_args import parse_recipe_args
+from hf_constrained.safety.splits import check_certify_fraction
 
 OLD_DIGITS = list(range(8))
 NEW_DIGITS = [8, 9]
@@ -154,8 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     seed = training_args.seed
 
-    if not 0.0 <= opts.audit_fraction < 1.0:
-        raise ValueError(f"--audit_fraction must be in [0, 1), got {opts.audit_fraction}")
+    check_certify_fraction(opts.audit_fraction, "--audit_fraction")
     load_digits = require_extra("sklearn.datasets", "recipes", "the safe-release recipe's digits").load_digits
     train_test_split = require_extra("sklearn.model_selection", "recipes", "the safe-release recipe's splits"
                                      ).train_test_split
