@@ -489,8 +489,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
             row_fn=gap, certify_datasets={"refusals": safety.certify} if certifying else None,
             correct=causal_lm_per_example_correct, forget_tolerance=data.forget_tolerance,
             old_correct_on_rows=certifying and args.constraint_proxy_indicator)
-    certification = {c.name: {"rows": len(c.certify_dataset), "fraction_of_held_out": data.certify_fraction,
-                              "seed": args.seed} for c in constraints if c.certify_dataset is not None}
+    certification = {c.name: {"rows": len(c.certify.dataset), "fraction_of_held_out": data.certify_fraction,
+                              "seed": args.seed} for c in constraints if c.certifiable}
     for name, split in certification.items():
         floor = 1.0 - data.delta ** (1.0 / split["rows"])  # the bound with nothing forgotten
         if floor > data.forget_tolerance:

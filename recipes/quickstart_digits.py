@@ -58,7 +58,13 @@ from sklearn.datasets import load_digits
 from torch import nn
 from transformers import PretrainedConfig, PrinterCallback
 
-from hf_constrained import CertifyStatistic, ConstrainedTrainer, ConstrainedTrainingArguments, constraints_per_value
+from hf_constrained import (
+    Certification,
+    CertifyStatistic,
+    ConstrainedTrainer,
+    ConstrainedTrainingArguments,
+    constraints_per_value,
+)
 from hf_constrained.publishable import publishable_command, publishable_values
 from hf_constrained.recipe_args import given_flags, parse_recipe_args
 from hf_constrained.safety.evaluation import certify_models
@@ -177,11 +183,12 @@ def run(args: ConstrainedTrainingArguments, bound: float, opts: Optional[Quickst
         description="the digit's error rate")
     constraints = constraints_per_value(constraint_data, "labels", row_fn=per_image_cross_entropy,
                                         name="digit{value}", tolerance=bound, eval_dataset=test,
-                                        certify_statistic=statistic)
+                                        certify=None if statistic is None else Certification(statistic=statistic))
     if certify_rows is not None:
         labels = np.asarray(certify_rows["labels"])
-        for c in constraints:
-            c.certify_dataset = certify_rows.select(np.flatnonzero(labels == c.metadata["value"]))
+        for c in constraints:  # each digit's own certification rows
+            c.certify = dataclasses.replace(
+                c.certify, dataset=certify_rows.select(np.flatnonzero(labels == c.metadata["value"])))
     torch.manual_seed(args.seed)
     trainer = ConstrainedTrainer(model=DigitClassifier(), args=args, train_dataset=train, constraints=constraints)
     trainer.remove_callback(PrinterCallback)

@@ -40,6 +40,7 @@ Every field of ``ConstrainedTrainingArguments`` is a flag (``--penalty_beta``, `
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -54,6 +55,7 @@ from datasets import Dataset
 from torch import nn
 
 from hf_constrained import (
+    Certification,
     CertifyStatistic,
     ConstrainedTrainer,
     ConstrainedTrainingArguments,
@@ -184,11 +186,11 @@ def main(argv: list[str] | None = None) -> int:
     constraints = constraints_per_value(
         rows["train"], "labels", values=OLD_DIGITS, name="forget_digit_{value}", tolerance=opts.tolerance,
         eval_dataset=rows["select"], row_fn=loss_change,
-        certify_statistic=CertifyStatistic(forgotten, tolerance=opts.forget_tolerance, value_range=(0.0, 1.0),
-                                           bound="clopper_pearson",
-                                           description="share of the digit's images forgotten"))
-    for c in constraints:
-        c.certify_dataset = certify_of[c.metadata["value"]]
+        certify=Certification(statistic=CertifyStatistic(
+            forgotten, tolerance=opts.forget_tolerance, value_range=(0.0, 1.0), bound="clopper_pearson",
+            description="share of the digit's images forgotten")))
+    for c in constraints:  # each digit's own certification images
+        c.certify = dataclasses.replace(c.certify, dataset=certify_of[c.metadata["value"]])
 
     model = DigitMLP()
     model.load_state_dict(old.state_dict())

@@ -120,7 +120,8 @@ def split_for_indicator(constraints: Sequence[Constraint], fraction: float, seed
                 for rows in (np.sort(order[n_ind:]), np.sort(order[:n_ind])))
         for views, data in zip((grad_views, ind_views), parts_of[id(c.dataset)]):
             # a view for drawing batches only (no held-out, certification or calibration data of its own)
-            view = dict(dataset=data, fn=None if c.rowwise else c.fn, eval_dataset=None, certify_dataset=None,
+            view = dict(dataset=data, fn=None if c.rowwise else c.fn, eval_dataset=None,
+                        certify=None if c.certify is None else dataclasses.replace(c.certify, dataset=None),
                         independent_rows=None, confidence=None, margin=None)
             stat = c.certify_statistic
             if proxy and views is ind_views and stat is not None:
@@ -128,7 +129,7 @@ def split_for_indicator(constraints: Sequence[Constraint], fraction: float, seed
                     raise ValueError(f"constraint {c.name!r}: a proxy indicator needs a constraint without outer (its "
                                      "gradient weight is the indicator of the statistic alone)")
                 view.update(fn=None, row_fn=stat.row_fn, row_transform=None, group_key=None, exact_fn=None,
-                            tolerance=float(stat.tolerance), certify_statistic=None, value_range=None)
+                            tolerance=float(stat.tolerance), certify=None)
             views.append(dataclasses.replace(c, **view))
     return grad_views, ind_views
 

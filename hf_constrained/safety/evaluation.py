@@ -147,15 +147,16 @@ def certify_run(view: RunView, host: SafetyHost, models: Iterable[Any] = (None,)
     the run's ledger (:mod:`hf_constrained.safety.ledger`).
 
     A certifiable constraint must declare the range of its per-row values
-    (``Constraint.value_range`` or its ``certify_statistic``): an error names it otherwise.
+    (``Constraint.certify``'s ``value_range`` or its ``statistic``): an error names it otherwise.
     """
     certifiable = view.certifiable()
     if not certifiable:
         return None
     unranged = [c.name for c in certifiable if c.certification_range() is None]
     if unranged:
-        raise ValueError(f"constraint(s) {unranged} have a certify_dataset but no value_range: a finite-sample bound "
-                         "needs the range of the per-row values (e.g. Constraint(value_range=(0, 1)) for a rate, "
+        raise ValueError(f"constraint(s) {unranged} have a certification split but no value range: a finite-sample "
+                         "bound needs the range of the per-row values (e.g. Certification(dataset=..., "
+                         "value_range=(0, 1)) for a rate, "
                          "(-1, 1) for a paired 0/1 change)")
     candidates = [host.constraint_row_values(model=m, split="certify") for m in models]
     return certify(candidates, {c.name: c.certification_tolerance() for c in certifiable},

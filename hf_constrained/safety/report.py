@@ -531,8 +531,8 @@ class SafetyReport:
             return ("NOT CERTIFIED: these weights were evaluated, not certified (an evaluation during training); "
                     "finish_run or trainer.safety.build_report() certifies them on the certification rows")
         if cert is None:
-            return ("NOT CERTIFIED: no constraint has a certification split (certify_dataset), so nothing was tested "
-                    "on data that training and selection never touched")
+            return ("NOT CERTIFIED: no constraint has a certification split (Constraint.certify), so nothing was "
+                    "tested on data that training and selection never touched")
         names = list(cert.get("tolerance", {}))
         sentence = guarantee_sentence(cert["delta"], {k: self.statistic_description(k) for k in names},
                                       cert.get("bound", {}), cert.get("num_rows", {}), cert["num_candidates"],

@@ -205,9 +205,10 @@ def check_certification_splits(constraints: Sequence[Any], others: Optional[Mapp
             own = hashed(c.certify_dataset, keys)
             if common:
                 raise ValueError(
-                    f"constraint {c.name!r}: {len(common)} of the {len(own)} rows of its certify_dataset also appear "
-                    f"in {what}. Certification rows must be touched by nothing else (no gradient, no evaluation "
-                    "during training, no checkpoint selection): split them off before training")
+                    f"constraint {c.name!r}: {len(common)} of the {len(own)} rows of its certification split "
+                    f"(certify.dataset) also appear in {what}. Certification rows must be touched by nothing else "
+                    "(no gradient, no evaluation during training, no checkpoint selection): split them off before "
+                    "training")
         fingerprints[c.name] = split_fingerprint(hashes)
     return fingerprints
 

@@ -11,7 +11,7 @@ from safety_tiny import ThetaConfig, ThetaModel, objective_data
 
 from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments, Constraint, finish_run
 from hf_constrained.cli import main
-from hf_constrained.constraint import CertifyStatistic
+from hf_constrained.constraint import Certification, CertifyStatistic
 from hf_constrained.safety.bounds import clopper_pearson_upper_bound, hoeffding_bentkus_upper_bound
 from hf_constrained.safety.report import SafetyReport, UnsafeModelError
 
@@ -106,15 +106,17 @@ def test_certification_rows_shared_with_training_or_selection_are_refused_before
                                         constraint_penalty="none")
     what = {"dataset": "training rows of constraint 'rate'", "eval_dataset": "held-out \\(selection\\) rows",
             "objective": "the objective's train_dataset"}[where]
-    with pytest.raises(ValueError, match=f"constraint 'rate': 5 of the 30 rows of its certify_dataset also appear "
-                                         f"in .*{what}"):
+    with pytest.raises(ValueError, match=f"constraint 'rate': 5 of the 30 rows of its certification split "
+                                         f"\\(certify.dataset\\) also appear in .*{what}"):
         ConstrainedTrainer(model=ThetaModel(ThetaConfig()), args=args, train_dataset=train,
                            constraints=[Constraint("rate", row_fn=scaled_rate, **constraint_kw)])
 
 
 def test_certification_needs_a_declared_range_and_never_clips(tmp_path):
-    with pytest.raises(ValueError, match="constraint 'rate': certify_dataset needs value_range"):
-        Constraint("rate", row_fn=scaled_rate, dataset=rows(1, 5), certify_dataset=rows(3, 5))
+    with pytest.raises(ValueError, match=r"constraint 'rate': certify=Certification\(dataset=...\) needs value_range"):
+        Constraint("rate", row_fn=scaled_rate, dataset=rows(1, 5), certify=Certification(dataset=rows(3, 5)))
+    with pytest.raises(ValueError, match=r"constraint 'rate': certify=Certification\(dataset=...\) needs value_range"):
+        Constraint("rate", row_fn=scaled_rate, dataset=rows(1, 5), certify_dataset=rows(3, 5))  # the old name
     # a tolerance above the declared range says nothing: an error naming the constraint before training
     with pytest.raises(ValueError, match="constraint 'rate': tolerance 0.2 cannot be expressed"):
         make(tmp_path, tolerance=0.2, value_range=(0.0, 0.05))
