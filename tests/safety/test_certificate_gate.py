@@ -28,7 +28,7 @@ def rows(seed, n, low=0.0, high=0.4):
 def make(tmp_path, *, tolerance=0.2, certify=True, steps=2, **constraint_kw):
     kw = dict(dataset=rows(1, 40), eval_dataset=rows(2, 40), tolerance=tolerance)
     if certify:
-        kw.update(certify_dataset=rows(3, 300), value_range=(0.0, 1.0))
+        kw.update(certify=Certification(dataset=rows(3, 300), value_range=(0.0, 1.0)))
     kw.update(constraint_kw)
     args = ConstrainedTrainingArguments(
         output_dir=str(tmp_path / "run"), per_device_train_batch_size=4, learning_rate=0.1, optim="sgd",
@@ -95,8 +95,8 @@ def test_a_run_without_a_certification_split_is_never_safe(tmp_path):
 def test_certification_rows_shared_with_training_or_selection_are_refused_before_training(tmp_path, where):
     certify_rows = rows(3, 30)
     overlap = Dataset.from_dict({"x": list(certify_rows["x"][:5]) + list(rows(9, 20)["x"])})
-    constraint_kw = dict(dataset=rows(1, 40), eval_dataset=rows(2, 40), certify_dataset=certify_rows,
-                         value_range=(0, 1))
+    constraint_kw = dict(dataset=rows(1, 40), eval_dataset=rows(2, 40),
+                         certify=Certification(dataset=certify_rows, value_range=(0, 1)))
     train = objective_data()
     if where == "objective":
         train = Dataset.from_dict({"x": list(overlap["x"]), "labels": [0.0] * len(overlap)})
@@ -149,8 +149,8 @@ def test_checkpoints_are_certified_in_training_order_and_the_best_certified_is_r
     testing in training order certifies the early checkpoints, stops at the first that fails, and
     the release is the certified checkpoint with the best selection objective (the latest certified)."""
     def make_saving(tolerance):
-        kw = dict(dataset=rows(1, 40), eval_dataset=rows(2, 40), tolerance=tolerance, certify_dataset=rows(3, 300),
-                  value_range=(0.0, 1.0))
+        kw = dict(dataset=rows(1, 40), eval_dataset=rows(2, 40), tolerance=tolerance,
+                  certify=Certification(dataset=rows(3, 300), value_range=(0.0, 1.0)))
         args = ConstrainedTrainingArguments(
             output_dir=str(tmp_path / "run"), per_device_train_batch_size=4, learning_rate=0.1, optim="sgd",
             weight_decay=0.0, max_grad_norm=0.0, lr_scheduler_type="constant", report_to=[], disable_tqdm=True,
