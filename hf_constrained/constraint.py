@@ -49,7 +49,7 @@ class CertifyStatistic:
 
     Args:
         row_fn: ``row_fn(model, batch)`` returning one value per row of a batch of the
-            constraint's ``certify_dataset`` (e.g. ``old_correct - new_correct`` in {-1, 0, 1},
+            constraint's certification split (e.g. ``old_correct - new_correct`` in {-1, 0, 1},
             so that "accuracy on class k falls by at most eps" is a bounded mean).
         tolerance: the statistic must be <= tolerance on the population.
         value_range: (low, high) every per-row value lies in (a value outside is an error).
@@ -232,7 +232,7 @@ class Constraint:
                                  f"dataset's {len(self.dataset)} rows")
         self._check_certification()
         for attr, data in (("dataset", self.dataset), ("eval_dataset", self.eval_dataset),
-                           ("certify.dataset", self.certify_dataset)):
+                           ("certify.dataset", None if self.certify is None else self.certify.dataset)):
             if data is not None:
                 try:
                     size = len(data)
@@ -255,9 +255,13 @@ class Constraint:
                 raise ValueError(f"constraint {self.name!r}: {what} must be finite with low < high, got {value!r}")
             return low, high
 
-        if self.value_range is not None:
-            self.value_range = checked_range(self.value_range, "certify.value_range")
-        stat = self.certify_statistic
+        cert = self.certify
+        if cert is None:
+            return
+        if cert.value_range is not None:
+            cert = self.certify = dataclasses.replace(cert, value_range=checked_range(cert.value_range,
+                                                                                       "certify.value_range"))
+        stat = cert.statistic
         if stat is not None:
             if not isinstance(stat, CertifyStatistic):
                 raise TypeError(f"constraint {self.name!r}: certify.statistic must be a CertifyStatistic, got "
@@ -267,13 +271,13 @@ class Constraint:
             checked_range(stat.value_range, "certify.statistic.value_range")
             if not math.isfinite(float(stat.tolerance)):
                 raise ValueError(f"constraint {self.name!r}: certify.statistic.tolerance must be finite")
-        if self.certify_dataset is not None:
+        if cert.dataset is not None:
             if self.dataset is None:
                 raise ValueError(f"constraint {self.name!r}: a data-free constraint has no certification split")
             if stat is None and self.row_fn is None:
                 raise ValueError(f"constraint {self.name!r}: certification needs per-row values: declare the "
                                  "constraint with row_fn, or give certify=Certification(statistic=...)")
-            if stat is None and self.value_range is None:
+            if stat is None and cert.value_range is None:
                 raise ValueError(f"constraint {self.name!r}: certify=Certification(dataset=...) needs "
                                  "value_range=(low, high), the range of its per-row values (e.g. (0, 1) for a rate), "
                                  "or a statistic: the certificate's finite-sample bound depends on it")
@@ -285,22 +289,25 @@ class Constraint:
     @property
     def certifiable(self) -> bool:
         """It has a certification split and per-row values to bound there."""
-        return self.certify_dataset is not None
+        return self.certify is not None and self.certify.dataset is not None
 
     def certification_tolerance(self) -> float:
         """The tolerance the certificate tests (the statistic's, else the constraint's)."""
-        stat = self.certify_statistic
+        stat = self._statistic()
         return float(stat.tolerance) if stat is not None else self.tolerance
 
     def certification_range(self) -> Optional[tuple[float, float]]:
         """The range of the per-row values the certificate bounds (``None`` if undeclared)."""
-        stat = self.certify_statistic
+        stat = self._statistic()
         if stat is not None:
             return (float(stat.value_range[0]), float(stat.value_range[1]))
-        return self.value_range
+        return None if self.certify is None else self.certify.value_range
+
+    def _statistic(self) -> Optional[CertifyStatistic]:
+        return None if self.certify is None else self.certify.statistic
 
     def certification_bound(self) -> str:
-        stat = self.certify_statistic
+        stat = self._statistic()
         return stat.bound if stat is not None else "hoeffding_bentkus"  # bounds.DEFAULT_BOUND
 
     def apply_outer(self, inner: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ No indicator row ever reaches a gradient, so u_k estimates the constraint on row
 not fitted to (Cotter et al., ICML 2019: the constraint side on an independent split). Each step
 then evaluates both parts' batches: one extra forward without grad, over ``indicator_batch_size``
 rows (default |B_k|; the larger, the less noise u_k keeps). With ``proxy_indicator`` the
-estimate of a constraint that declares a certification statistic (``Constraint.certify_statistic``)
+estimate of a constraint that declares a certification statistic (``Constraint.certify.statistic``)
 tracks that statistic on the indicator rows (e.g. the share of a class's examples forgotten), against
 the statistic's tolerance, while the gradient still follows the differentiable surrogate: a proxy
 constraint in Cooper's sense.
@@ -96,7 +96,7 @@ def split_for_indicator(constraints: Sequence[Constraint], fraction: float, seed
     constraints of every threshold on one set of positives), so no row is an indicator row of one
     and a gradient row of another; datasets that merely hold copies of the same rows are split
     independently. The indicator part holds ``round(fraction * n)`` rows; both parts need one.
-    With ``proxy``, the indicator view of a constraint with a ``certify_statistic`` evaluates that
+    With ``proxy``, the indicator view of a constraint with a ``certify.statistic`` evaluates that
     statistic (its ``row_fn``, tolerance, no ``outer``)."""
     if not 0.0 < fraction < 1.0:
         raise ValueError(f"constraint_indicator_fraction must be in (0, 1), got {fraction}")
@@ -123,7 +123,7 @@ def split_for_indicator(constraints: Sequence[Constraint], fraction: float, seed
             view = dict(dataset=data, fn=None if c.rowwise else c.fn, eval_dataset=None,
                         certify=None if c.certify is None else dataclasses.replace(c.certify, dataset=None),
                         independent_rows=None, confidence=None, margin=None)
-            stat = c.certify_statistic
+            stat = None if c.certify is None else c.certify.statistic
             if proxy and views is ind_views and stat is not None:
                 if c.outer is not None:
                     raise ValueError(f"constraint {c.name!r}: a proxy indicator needs a constraint without outer (its "

@@ -107,7 +107,7 @@ def split_fingerprint(hashes: Iterable[bytes]) -> str:
 def _group_counts(c: Any, group_key: str) -> Optional[tuple[int, int]]:
     """Rows of group 0 and group 1 of a constraint's certification split (its collated rows'
     ``group_key``), or ``None`` when they cannot be read without the model."""
-    data, collate = c.certify_dataset, c.collate_fn or collate_examples
+    data, collate = c.certify.dataset, c.collate_fn or collate_examples
     counts = [0, 0]
     try:
         for start in range(0, len(data), _CHUNK):
@@ -132,12 +132,12 @@ def check_certifiable(constraints: Sequence[Any], delta: float = DEFAULT_DELTA) 
     level = first_look_delta(delta)
     out = []
     for c in constraints:
-        if getattr(c, "certify_dataset", None) is None or c.certification_range() is None:
+        if not getattr(c, "certifiable", False) or c.certification_range() is None:
             continue
-        stat = c.certify_statistic
+        stat = c.certify.statistic
         group_key = stat.group_key if stat is not None else c.group_key
         absolute = bool(stat.absolute) if stat is not None else c.outer is not None
-        rows: tuple[int, ...] = (len(c.certify_dataset),)
+        rows: tuple[int, ...] = (len(c.certify.dataset),)
         if group_key is not None:
             counts = _group_counts(c, group_key)
             if counts is None:
@@ -157,7 +157,7 @@ def check_certification_splits(constraints: Sequence[Any], others: Optional[Mapp
     split can certify its tolerance at all (:func:`check_certifiable`, at the default delta).
 
     Args:
-        constraints: the run's constraints; those with a ``certify_dataset`` are checked
+        constraints: the run's constraints; those with a ``certify.dataset`` are checked
             against every constraint's ``dataset`` and ``eval_dataset`` and against ``others``.
         others: further datasets by name.
         train_dataset, eval_dataset: the objective's data (``eval_dataset`` may be a dict of them).
@@ -168,7 +168,7 @@ def check_certification_splits(constraints: Sequence[Any], others: Optional[Mapp
     Raises:
         ValueError naming the constraint, how many rows overlap and with which data.
     """
-    certifying = [c for c in constraints if getattr(c, "certify_dataset", None) is not None]
+    certifying = [c for c in constraints if getattr(c, "certifiable", False)]
     if not certifying:
         return {}
     check_certifiable(certifying)
@@ -194,15 +194,15 @@ def check_certification_splits(constraints: Sequence[Any], others: Optional[Mapp
 
     fingerprints = {}
     for c in certifying:
-        fields = _fields(c.certify_dataset)
-        hashes = row_hashes(c.certify_dataset)
+        fields = _fields(c.certify.dataset)
+        hashes = row_hashes(c.certify.dataset)
         for what, data in sources:
             other = _fields(data)
             keys = None if fields is None or other is None else fields & other
             if keys is not None and not keys:
                 continue  # no field in common: rows of another kind
-            common = hashed(c.certify_dataset, keys) & hashed(data, keys)
-            own = hashed(c.certify_dataset, keys)
+            common = hashed(c.certify.dataset, keys) & hashed(data, keys)
+            own = hashed(c.certify.dataset, keys)
             if common:
                 raise ValueError(
                     f"constraint {c.name!r}: {len(common)} of the {len(own)} rows of its certification split "
