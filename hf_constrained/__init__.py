@@ -23,7 +23,13 @@ from .lazy_import import lazy_attributes
 if TYPE_CHECKING:  # pragma: no cover
     from .clip.contrastive import ContrastiveConstrainedTrainer
     from .config import ConstrainedTrainingArguments
-    from .constraint import CertifyStatistic, Constraint, ConstraintValueError, constraints_per_value
+    from .constraint import (
+        Certification,
+        CertifyStatistic,
+        Constraint,
+        ConstraintValueError,
+        constraints_per_value,
+    )
     from .non_forgetting import non_forgetting_constraints
     from .safety.certify import Certificate, certify
     from .safety.evaluation import build_safety_report
@@ -38,6 +44,7 @@ _LAZY = {
     "ConstrainedTrainer": ".trainer",
     "ConstrainedTrainingArguments": ".config",
     "Constraint": ".constraint",
+    "Certification": ".constraint",
     "CertifyStatistic": ".constraint",
     "Certificate": ".safety.certify",
     "certify": ".safety.certify",
@@ -63,6 +70,7 @@ def __dir__() -> list[str]:
 # linters and type checkers see the names of the TYPE_CHECKING block above as re-exports
 __all__ = [
     "Certificate",
+    "Certification",
     "CertifyStatistic",
     "ConstrainedTrainer",
     "ConstrainedTrainingArguments",

@@ -120,17 +120,18 @@ class ConstrainedTrainingArguments(TrainingArguments):
     )
     constraint_certificate_delta: Optional[float] = field(
         default=None,
-        metadata={"help": "Margins sized to the certificate: every constraint with a certify_dataset and a value_range "
-                  "is trained to tol_k minus the width its certificate's bound will need at that delta and the "
-                  "certification split's size (empirical Bernstein, from the running spread of the per-row values), "
-                  "so that a run feasible in training is likely to certify. In (0, 1); exclusive with "
+        metadata={"help": "Margins sized to the certificate: every constraint whose certify has a dataset and a "
+                  "value_range is trained to tol_k minus the width its certificate's bound will need at that delta "
+                  "and the certification split's size (empirical Bernstein, from the running spread of the per-row "
+                  "values), so that a run feasible in training is likely to certify. In (0, 1); exclusive with "
                   "constraint_confidence and constraint_margin (Constraint.margin / .confidence override it)."},
     )
     constraint_proxy_indicator: bool = field(
         default=False,
         metadata={"help": "With two-split estimation: the estimate (and the hinge's indicator) of every constraint "
-                  "that declares a certify_statistic tracks that statistic on the indicator rows, against its "
-                  "tolerance, while the gradient follows the constraint's differentiable surrogate."},
+                  "that declares a certification statistic (Certification.statistic) tracks that statistic on the "
+                  "indicator rows, against its tolerance, while the gradient follows the constraint's "
+                  "differentiable surrogate."},
     )
     constraint_indicator_fraction: Optional[float] = field(
         default=None,

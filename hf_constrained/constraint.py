@@ -14,6 +14,8 @@ constraint is ``outer(inner) <= tolerance``; the gradient weight is chained thro
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import hashlib
 import math
 import numbers
@@ -47,7 +49,7 @@ class CertifyStatistic:
 
     Args:
         row_fn: ``row_fn(model, batch)`` returning one value per row of a batch of the
-            constraint's ``certify_dataset`` (e.g. ``old_correct - new_correct`` in {-1, 0, 1},
+            constraint's certification split (e.g. ``old_correct - new_correct`` in {-1, 0, 1},
             so that "accuracy on class k falls by at most eps" is a bounded mean).
         tolerance: the statistic must be <= tolerance on the population.
         value_range: (low, high) every per-row value lies in (a value outside is an error).
@@ -71,6 +73,38 @@ class CertifyStatistic:
     group_key: Optional[str] = None
     absolute: bool = False
     old_model_value: Optional[float] = None
+
+
+@dataclass(frozen=True)
+class Certification:
+    """How a constraint is certified, as one value: on which rows, what is measured there and the
+    range of the values measured (the three vary together: a statistic's range is the statistic's,
+    and both mean nothing without rows).
+
+    Args:
+        dataset: the certification split: rows of the constraint's population that only the
+            certificate reads (never a gradient, a look-ahead, an evaluation during training,
+            checkpoint selection or a default). A trainer whose certification rows coincide with
+            any training or selection rows refuses to start. ``None`` declares the statistic
+            before the rows are carved (e.g. ``dataclasses.replace(cert, dataset=rows)`` later);
+            such a constraint is not certified.
+        statistic: a :class:`CertifyStatistic` when the certificate should measure something
+            other than the training surrogate (it carries its own tolerance and range).
+        value_range: (low, high) of the constraint's own per-row values, when ``statistic`` is
+            ``None`` (e.g. ``(0, 1)`` for a rate); the certificate's finite-sample bounds need it.
+
+    ``Constraint(certify=Certification(dataset=rows, value_range=(0, 1)))`` certifies the
+    constraint's own per-row values; ``Certification(dataset=rows, statistic=stat)`` a proxy
+    statistic (e.g. the share of examples forgotten for a loss constraint).
+    """
+
+    dataset: Optional[Any] = None
+    statistic: Optional[CertifyStatistic] = None
+    value_range: Optional[tuple[float, float]] = None
+
+
+_CERTIFY_ALIASES = {"certify_dataset": "dataset", "certify_statistic": "statistic", "value_range": "value_range"}
+"""The earlier separate ``Constraint`` fields, kept for one release as aliases of ``Constraint.certify``'s parts."""
 
 
 class ConstraintValueError(RuntimeError):
@@ -123,15 +157,12 @@ class Constraint:
             margin counts instead of ``len(dataset)`` (e.g. the number of original images
             when ``dataset`` holds several augmented copies of each: correlated copies do
             not shrink the standard error ``s / sqrt(n)``). Default: ``len(dataset)``.
-        certify_dataset: the certification split: rows of the constraint's population that
-            only the certificate reads (never a gradient, a look-ahead, an evaluation during
-            training, checkpoint selection or a default). A trainer whose certification rows
-            coincide with any training or selection rows refuses to start.
-        value_range: (low, high) that every per-row value of the constraint lies in (e.g.
-            ``(0, 1)`` for a rate); the finite-sample bounds of the certificate need it.
-        certify_statistic: a :class:`CertifyStatistic` when the certificate should measure
-            something other than the training surrogate (default: the constraint's own
-            per-row values, its tolerance and ``value_range``).
+        certify: how the constraint is certified, a :class:`Certification` (its split, the
+            statistic measured there and the range of the values); ``None``: not certified.
+        certify_dataset, certify_statistic, value_range: the earlier separate names of
+            ``certify.dataset``, ``certify.statistic`` and ``certify.value_range``, kept for one
+            release: as keywords they build (or replace that part of) ``certify``; as attributes
+            they read it, and setting one replaces that part of ``certify``.
     """
 
     name: str
@@ -149,11 +180,12 @@ class Constraint:
     confidence: Optional[float] = None
     margin: Optional[float] = None
     independent_rows: Optional[int] = None
-    certify_dataset: Optional[Any] = None
-    value_range: Optional[tuple[float, float]] = None
-    certify_statistic: Optional[CertifyStatistic] = None
+    certify: Optional[Certification] = None
 
     def __post_init__(self) -> None:
+        if self.certify is not None and not isinstance(self.certify, Certification):
+            raise TypeError(f"constraint {self.name!r}: certify must be a Certification, got "
+                            f"{type(self.certify).__name__}")
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"a constraint needs a non-empty string name, got {self.name!r}")
         if self.row_fn is not None:
@@ -199,8 +231,8 @@ class Constraint:
                 raise ValueError(f"constraint {self.name!r}: independent_rows={self.independent_rows} exceeds the "
                                  f"dataset's {len(self.dataset)} rows")
         self._check_certification()
-        for attr in ("dataset", "eval_dataset", "certify_dataset"):
-            data = getattr(self, attr)
+        for attr, data in (("dataset", self.dataset), ("eval_dataset", self.eval_dataset),
+                           ("certify.dataset", None if self.certify is None else self.certify.dataset)):
             if data is not None:
                 try:
                     size = len(data)
@@ -223,28 +255,32 @@ class Constraint:
                 raise ValueError(f"constraint {self.name!r}: {what} must be finite with low < high, got {value!r}")
             return low, high
 
-        if self.value_range is not None:
-            self.value_range = checked_range(self.value_range, "value_range")
-        stat = self.certify_statistic
+        cert = self.certify
+        if cert is None:
+            return
+        if cert.value_range is not None:
+            cert = self.certify = dataclasses.replace(cert, value_range=checked_range(cert.value_range,
+                                                                                       "certify.value_range"))
+        stat = cert.statistic
         if stat is not None:
             if not isinstance(stat, CertifyStatistic):
-                raise TypeError(f"constraint {self.name!r}: certify_statistic must be a CertifyStatistic, got "
+                raise TypeError(f"constraint {self.name!r}: certify.statistic must be a CertifyStatistic, got "
                                 f"{type(stat).__name__}")
             if not callable(stat.row_fn):
-                raise TypeError(f"constraint {self.name!r}: certify_statistic.row_fn must be callable")
-            checked_range(stat.value_range, "certify_statistic.value_range")
+                raise TypeError(f"constraint {self.name!r}: certify.statistic.row_fn must be callable")
+            checked_range(stat.value_range, "certify.statistic.value_range")
             if not math.isfinite(float(stat.tolerance)):
-                raise ValueError(f"constraint {self.name!r}: certify_statistic.tolerance must be finite")
-        if self.certify_dataset is not None:
+                raise ValueError(f"constraint {self.name!r}: certify.statistic.tolerance must be finite")
+        if cert.dataset is not None:
             if self.dataset is None:
                 raise ValueError(f"constraint {self.name!r}: a data-free constraint has no certification split")
             if stat is None and self.row_fn is None:
                 raise ValueError(f"constraint {self.name!r}: certification needs per-row values: declare the "
-                                 "constraint with row_fn, or give a certify_statistic")
-            if stat is None and self.value_range is None:
-                raise ValueError(f"constraint {self.name!r}: certify_dataset needs value_range=(low, high), the range "
-                                 "of its per-row values (e.g. (0, 1) for a rate): the certificate's finite-sample "
-                                 "bound depends on it")
+                                 "constraint with row_fn, or give certify=Certification(statistic=...)")
+            if stat is None and cert.value_range is None:
+                raise ValueError(f"constraint {self.name!r}: certify=Certification(dataset=...) needs "
+                                 "value_range=(low, high), the range of its per-row values (e.g. (0, 1) for a rate), "
+                                 "or a statistic: the certificate's finite-sample bound depends on it")
 
     @property
     def data_free(self) -> bool:
@@ -253,22 +289,25 @@ class Constraint:
     @property
     def certifiable(self) -> bool:
         """It has a certification split and per-row values to bound there."""
-        return self.certify_dataset is not None
+        return self.certify is not None and self.certify.dataset is not None
 
     def certification_tolerance(self) -> float:
         """The tolerance the certificate tests (the statistic's, else the constraint's)."""
-        stat = self.certify_statistic
+        stat = self._statistic()
         return float(stat.tolerance) if stat is not None else self.tolerance
 
     def certification_range(self) -> Optional[tuple[float, float]]:
         """The range of the per-row values the certificate bounds (``None`` if undeclared)."""
-        stat = self.certify_statistic
+        stat = self._statistic()
         if stat is not None:
             return (float(stat.value_range[0]), float(stat.value_range[1]))
-        return self.value_range
+        return None if self.certify is None else self.certify.value_range
+
+    def _statistic(self) -> Optional[CertifyStatistic]:
+        return None if self.certify is None else self.certify.statistic
 
     def certification_bound(self) -> str:
-        stat = self.certify_statistic
+        stat = self._statistic()
         return stat.bound if stat is not None else "hoeffding_bentkus"  # bounds.DEFAULT_BOUND
 
     def apply_outer(self, inner: torch.Tensor) -> torch.Tensor:
@@ -324,6 +363,43 @@ class Constraint:
         outputs = self.row_fn(model, batch)
         values = self.row_values(outputs)
         return self.reduce_rows(values, self.row_groups(batch, values.shape[0], values.device))
+
+
+def _certify_alias(name: str, part: str) -> property:
+    """``Constraint.<name>``: ``certify.<part>`` (None without ``certify``); setting it replaces that part."""
+
+    def get(self: Constraint) -> Any:
+        return None if self.certify is None else getattr(self.certify, part)
+
+    def set_(self: Constraint, value: Any) -> None:
+        if value is None and self.certify is None:
+            return
+        self.certify = dataclasses.replace(self.certify or Certification(), **{part: value})
+
+    return property(get, set_, doc=f"Alias of ``certify.{part}`` (the earlier separate field, kept for one release).")
+
+
+for _name, _part in _CERTIFY_ALIASES.items():
+    setattr(Constraint, _name, _certify_alias(_name, _part))
+
+_dataclass_init = Constraint.__init__
+
+
+@functools.wraps(_dataclass_init)
+def _init_with_aliases(self: Constraint, *args: Any, certify_dataset: Optional[Any] = None,
+                       value_range: Optional[tuple[float, float]] = None,
+                       certify_statistic: Optional[CertifyStatistic] = None, **kwargs: Any) -> None:
+    """The dataclass's ``__init__``, also taking the earlier separate keywords (aliases for one release): each
+    one given replaces that part of ``certify``. Not fields, so ``dataclasses.replace`` carries ``certify``."""
+    given = {part: value for part, value in (("dataset", certify_dataset), ("value_range", value_range),
+                                             ("statistic", certify_statistic)) if value is not None}
+    base = kwargs.get("certify")
+    if given and (base is None or isinstance(base, Certification)):  # anything else: __post_init__'s TypeError
+        kwargs["certify"] = dataclasses.replace(base or Certification(), **given)
+    _dataclass_init(self, *args, **kwargs)
+
+
+Constraint.__init__ = _init_with_aliases  # type: ignore[method-assign]
 
 
 def _hashable(value: Any) -> Any:

@@ -190,18 +190,18 @@ def certification_values(model: nn.Module, constraints: Sequence[Constraint], ba
                          batch_size: int, context: Callable[[], Any] = contextlib.nullcontext,
                          progress: Optional[Progress] = None) -> dict[str, Any]:
     """Per-row values of each certifiable constraint's certification statistic on its
-    ``certify_dataset``: name -> a 1-D float64 array (its ``certify_statistic.row_fn``, else the
+    ``certify.dataset``: name -> a 1-D float64 array (its ``certify.statistic.row_fn``, else the
     constraint's own per-row values), or :class:`~hf_constrained.safety.certify.GroupRows` for a
     difference of group means (``outer=abs``: its absolute value). See
     :mod:`hf_constrained.safety.certify`."""
     out: dict[str, Any] = {}
     for c in constraints:
-        if c.certify_dataset is None:
+        if not c.certifiable:
             continue
-        stat = c.certify_statistic
+        stat = c.certify.statistic
         values, groups = [], []
         bar = None if progress is None else (lambda starts, name=c.name: progress(starts, f"certify {name}"))
-        for _, batch in batches.in_order(c.certify_dataset, batches.collate_of(c), batch_size, bar):
+        for _, batch in batches.in_order(c.certify.dataset, batches.collate_of(c), batch_size, bar):
             with context():
                 v = stat.row_fn(model, batch) if stat is not None else c.row_values(c.row_fn(model, batch))
             v = v.detach().double().reshape(-1)

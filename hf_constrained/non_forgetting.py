@@ -58,7 +58,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .batches import collate_examples, fetch_rows
-from .constraint import CertifyStatistic, Constraint
+from .constraint import Certification, CertifyStatistic, Constraint
 from .per_sample_loss import (
     PaddingCollator,
     causal_lm_labels,
@@ -448,7 +448,8 @@ class NonForgettingConstraint(Constraint):
             metadata.update(certifiable_target=target, statement_delta=float(delta))
         return cls(name=name.format(task=task), row_fn=row_fn if row_fn is not None else ReferenceGap(loss),
                    dataset=train, tolerance=tol, eval_dataset=held_out, collate_fn=collate_fn, metadata=metadata,
-                   certify_dataset=certify_rows, certify_statistic=statistic, margin=margin)
+                   certify=None if certify_rows is None and statistic is None
+                   else Certification(dataset=certify_rows, statistic=statistic), margin=margin)
 
 
 def non_forgetting_constraints(old_model: nn.Module, loss: Union[PerSampleLoss, Any], datasets: Mapping[str, Any],

@@ -312,7 +312,7 @@ class ConstrainedTrainer(TrainerInternals):
                                   context=self.compute_loss_context_manager, **kwargs)
 
     def constraint_row_values(self, model: Optional[nn.Module] = None, split: str = "certify") -> dict[str, Any]:
-        """Per-row values of each certification statistic on its ``certify_dataset``, the only place
+        """Per-row values of each certification statistic on its ``certify.dataset``, the only place
         those rows are read (:func:`hf_constrained.exact.certification_values`)."""
         if split != "certify":
             raise ValueError(f"constraint_row_values reads the certification split only ('certify'), got {split!r}")

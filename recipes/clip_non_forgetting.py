@@ -36,11 +36,11 @@ import contextlib
 import json
 import logging
 import os
-import random
 import sys
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
+import numpy as np
 import torch
 from transformers import CLIPModel, CLIPProcessor, set_seed
 
@@ -67,6 +67,7 @@ from hf_constrained.publishable import publishable_command, publishable_path, pu
 from hf_constrained.recipe_args import parse_recipe_args
 from hf_constrained.safety.bounds import clopper_pearson_upper_bound
 from hf_constrained.safety.finish import push_last
+from hf_constrained.safety.splits import carve_certification, check_certify_fraction
 
 logger = logging.getLogger("clip_non_forgetting")
 RESULTS_FILE = "non_forgetting_results.json"
@@ -201,24 +202,16 @@ def build_data(script: ScriptArguments) -> dict:
 def split_certification(rows: dict, protected: list[str], fraction: float, seed: int, what: str
                         ) -> tuple[dict, dict]:
     """(rows left, certification rows) per protected class: ``round(fraction * n)`` of each class's n
-    rows, drawn with ``seed`` (at least one each side); other classes' rows stay as they are."""
-    if not 0.0 <= fraction < 1.0:
-        raise ValueError(f"--certify_fraction must be in [0, 1), got {fraction}")
+    rows (at least one each side), carved by the library's ``carve_certification`` from one generator
+    seeded by ``seed``, class after class; other classes' rows stay as they are."""
+    check_certify_fraction(fraction)
     left, certify = dict(rows), {}
     if fraction == 0:
         return left, certify
-    rng = random.Random(seed)
+    rng = np.random.default_rng(seed)  # one stream for all classes, seeded by the run's seed alone
     for c in protected:
-        pool = list(rows.get(c, []))
-        if len(pool) < 2:
-            raise ValueError(f"--certify_fraction {fraction}: protected class {c!r} has {len(pool)} {what} image(s); "
-                             "certifying needs at least 2 (one to certify, one left), or pass --certify_fraction 0")
-        order = list(range(len(pool)))
-        rng.shuffle(order)
-        n = min(len(pool) - 1, max(1, int(round(fraction * len(pool)))))
-        chosen = set(order[:n])
-        certify[c] = [pool[i] for i in sorted(chosen)]
-        left[c] = [pool[i] for i in range(len(pool)) if i not in chosen]
+        left[c], certify[c] = carve_certification(list(rows.get(c, [])), fraction, rng,
+                                                  name=f"protected class {c!r}", unit=f"{what} image(s)")
     return left, certify
 
 

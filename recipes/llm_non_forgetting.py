@@ -84,6 +84,7 @@ from hf_constrained.per_sample_loss import causal_lm_per_example_correct
 from hf_constrained.publishable import publishable_command, publishable_path, publishable_values
 from hf_constrained.recipe_args import RecipeConfigError, parse_recipe_args
 from hf_constrained.safety.finish import push_last
+from hf_constrained.safety.splits import carve_certification, check_certify_fraction
 from hf_constrained.text_data import SFTPaddingCollator, load_text_dataset, tokenize_sft
 
 logger = logging.getLogger("llm_non_forgetting")
@@ -293,7 +294,8 @@ class Splits(NamedTuple):
 def split_rows(rows: Any, data: ConstraintDataArguments, name: str, source: str, seed: int,
                certify: bool = False) -> Splits:
     """``rows`` split in disjoint parts: ``eval_fraction`` of them held out and, with ``certify``,
-    ``certify_fraction`` of those set aside as the certification split (both seeded by ``seed``)."""
+    ``certify_fraction`` of those set aside as the certification split by the library's
+    ``carve_certification`` (both seeded by ``seed``)."""
     if data.eval_fraction <= 0:
         return Splits(rows, None, None)
     if len(rows) < 2:
@@ -302,12 +304,9 @@ def split_rows(rows: Any, data: ConstraintDataArguments, name: str, source: str,
     train, held_out = parts["train"], parts["test"]
     if not certify or data.certify_fraction <= 0:
         return Splits(train, held_out, None)
-    if len(held_out) < 2:
-        raise ValueError(f"{name} ({source}): {len(held_out)} held-out row(s); --certify_fraction "
-                         f"{data.certify_fraction} needs at least 2 (one held out, one certifying): raise "
-                         "--eval_fraction or pass --certify_fraction 0 (no certificate)")
-    parts = held_out.train_test_split(test_size=data.certify_fraction, seed=seed)
-    return Splits(train, parts["train"], parts["test"])
+    held_out, certify_rows = carve_certification(held_out, data.certify_fraction, seed, name=f"{name} ({source})",
+                                                 unit="held-out row(s)", more="a larger --eval_fraction")
+    return Splits(train, held_out, certify_rows)
 
 
 def load_raw(source: str, split: str, config_name: Optional[str], max_rows: Optional[int], seed: int) -> Any:
@@ -366,8 +365,7 @@ def check_arguments(config: RecipeArguments) -> None:
             raise ValueError(f"--{flag} must be >= 0, got {getattr(data, flag)}")
     if args.max_length is not None and args.max_length < 2:
         raise ValueError(f"--max_length must be >= 2, got {args.max_length}")
-    if not 0.0 <= data.certify_fraction < 1.0:
-        raise ValueError(f"--certify_fraction must be in [0, 1), got {data.certify_fraction}")
+    check_certify_fraction(data.certify_fraction)
     if data.certify_fraction > 0 and data.eval_fraction <= 0:
         raise ValueError(f"--certify_fraction {data.certify_fraction} splits the held-out rows, but --eval_fraction "
                          "is 0: raise --eval_fraction or pass --certify_fraction 0 (no certificate)")
@@ -491,8 +489,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
             row_fn=gap, certify_datasets={"refusals": safety.certify} if certifying else None,
             correct=causal_lm_per_example_correct, forget_tolerance=data.forget_tolerance,
             old_correct_on_rows=certifying and args.constraint_proxy_indicator)
-    certification = {c.name: {"rows": len(c.certify_dataset), "fraction_of_held_out": data.certify_fraction,
-                              "seed": args.seed} for c in constraints if c.certify_dataset is not None}
+    certification = {c.name: {"rows": len(c.certify.dataset), "fraction_of_held_out": data.certify_fraction,
+                              "seed": args.seed} for c in constraints if c.certifiable}
     for name, split in certification.items():
         floor = 1.0 - data.delta ** (1.0 / split["rows"])  # the bound with nothing forgotten
         if floor > data.forget_tolerance:

@@ -58,10 +58,17 @@ from sklearn.datasets import load_digits
 from torch import nn
 from transformers import PretrainedConfig, PrinterCallback
 
-from hf_constrained import CertifyStatistic, ConstrainedTrainer, ConstrainedTrainingArguments, constraints_per_value
+from hf_constrained import (
+    Certification,
+    CertifyStatistic,
+    ConstrainedTrainer,
+    ConstrainedTrainingArguments,
+    constraints_per_value,
+)
 from hf_constrained.publishable import publishable_command, publishable_values
 from hf_constrained.recipe_args import given_flags, parse_recipe_args
 from hf_constrained.safety.evaluation import certify_models
+from hf_constrained.safety.splits import carve_certification, check_certify_fraction
 
 # the recipe's defaults for the training arguments (each can be overridden by a flag or --config)
 TRAINING_DEFAULTS = dict(
@@ -124,8 +131,7 @@ def make_parts(seed: int = 0, certify_fraction: float = 0.0) -> tuple[Dataset, D
     The unseen rows are the 400 test images and, with ``certify_fraction`` > 0, also the training images of
     digits 7-9 left out to make them rare; ``certify_fraction`` of each digit's unseen rows (seeded) become its
     certification rows, read only by the certificate, and the rest its test rows."""
-    if not 0.0 <= certify_fraction < 1.0:
-        raise ValueError(f"--certify_fraction must be in [0, 1), got {certify_fraction}")
+    certify_fraction = check_certify_fraction(certify_fraction)
     digits = load_digits()
     x = (digits.data / 16.0).astype(np.float32)
     y = digits.target
@@ -139,17 +145,10 @@ def make_parts(seed: int = 0, certify_fraction: float = 0.0) -> tuple[Dataset, D
     if certify_fraction <= 0:
         return make(train), make(constraint), make(test), None
     unseen = np.concatenate([test, left_out])
-    split_rng = np.random.default_rng([seed, 1])  # its own stream: the other parts do not depend on the fraction
-    certify, kept = [], []
-    for digit in range(10):
-        rows = split_rng.permutation(unseen[y[unseen] == digit])
-        n = int(round(certify_fraction * len(rows)))
-        if n < 1 or n >= len(rows):
-            raise ValueError(f"--certify_fraction {certify_fraction}: digit {digit} has {len(rows)} unseen rows, "
-                             f"{n} would certify; each digit needs both test and certification rows")
-        certify.append(rows[:n])
-        kept.append(rows[n:])
-    return make(train), make(constraint), make(np.sort(np.concatenate(kept))), make(np.sort(np.concatenate(certify)))
+    # its own stream ([seed, 1]): the other parts do not depend on the fraction
+    kept, certify = carve_certification(unseen, certify_fraction, [seed, 1], labels=y[unseen], classes=range(10),
+                                        name="digit", unit="unseen row(s)")
+    return make(train), make(constraint), make(np.sort(kept)), make(np.sort(certify))
 
 
 def make_splits(seed: int = 0) -> tuple[Dataset, Dataset, Dataset]:
@@ -184,11 +183,12 @@ def run(args: ConstrainedTrainingArguments, bound: float, opts: Optional[Quickst
         description="the digit's error rate")
     constraints = constraints_per_value(constraint_data, "labels", row_fn=per_image_cross_entropy,
                                         name="digit{value}", tolerance=bound, eval_dataset=test,
-                                        certify_statistic=statistic)
+                                        certify=None if statistic is None else Certification(statistic=statistic))
     if certify_rows is not None:
         labels = np.asarray(certify_rows["labels"])
-        for c in constraints:
-            c.certify_dataset = certify_rows.select(np.flatnonzero(labels == c.metadata["value"]))
+        for c in constraints:  # each digit's own certification rows
+            c.certify = dataclasses.replace(
+                c.certify, dataset=certify_rows.select(np.flatnonzero(labels == c.metadata["value"])))
     torch.manual_seed(args.seed)
     trainer = ConstrainedTrainer(model=DigitClassifier(), args=args, train_dataset=train, constraints=constraints)
     trainer.remove_callback(PrinterCallback)
@@ -228,8 +228,7 @@ def check_recipe_flags(opts: QuickstartArguments, args: ConstrainedTrainingArgum
         raise ValueError(f"--seed {args.seed} is not used with --seeds {opts.seeds}: put every seed in --seeds")
     if opts.seeds and not all(s.strip().lstrip("-").isdigit() for s in opts.seeds.split(",")):
         raise ValueError(f"--seeds {opts.seeds!r}: expected comma-separated integers, e.g. 0,1,2")
-    if not 0.0 <= opts.certify_fraction < 1.0:
-        raise ValueError(f"--certify_fraction must be in [0, 1), got {opts.certify_fraction}")
+    check_certify_fraction(opts.certify_fraction)
     if not 0.0 <= opts.error_tolerance <= 1.0:
         raise ValueError(f"--error_tolerance is an error rate, in [0, 1]; got {opts.error_tolerance}")
     if not 0.0 < opts.delta < 1.0:

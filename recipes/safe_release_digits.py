@@ -40,6 +40,7 @@ Every field of ``ConstrainedTrainingArguments`` is a flag (``--penalty_beta``, `
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -54,6 +55,7 @@ from datasets import Dataset
 from torch import nn
 
 from hf_constrained import (
+    Certification,
     CertifyStatistic,
     ConstrainedTrainer,
     ConstrainedTrainingArguments,
@@ -64,6 +66,7 @@ from hf_constrained import (
 from hf_constrained.extras import require_extra
 from hf_constrained.publishable import publishable_command
 from hf_constrained.recipe_args import parse_recipe_args
+from hf_constrained.safety.splits import check_certify_fraction
 
 OLD_DIGITS = list(range(8))
 NEW_DIGITS = [8, 9]
@@ -154,8 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     seed = training_args.seed
 
-    if not 0.0 <= opts.audit_fraction < 1.0:
-        raise ValueError(f"--audit_fraction must be in [0, 1), got {opts.audit_fraction}")
+    check_certify_fraction(opts.audit_fraction, "--audit_fraction")
     load_digits = require_extra("sklearn.datasets", "recipes", "the safe-release recipe's digits").load_digits
     train_test_split = require_extra("sklearn.model_selection", "recipes", "the safe-release recipe's splits"
                                      ).train_test_split
@@ -184,11 +186,11 @@ def main(argv: list[str] | None = None) -> int:
     constraints = constraints_per_value(
         rows["train"], "labels", values=OLD_DIGITS, name="forget_digit_{value}", tolerance=opts.tolerance,
         eval_dataset=rows["select"], row_fn=loss_change,
-        certify_statistic=CertifyStatistic(forgotten, tolerance=opts.forget_tolerance, value_range=(0.0, 1.0),
-                                           bound="clopper_pearson",
-                                           description="share of the digit's images forgotten"))
-    for c in constraints:
-        c.certify_dataset = certify_of[c.metadata["value"]]
+        certify=Certification(statistic=CertifyStatistic(
+            forgotten, tolerance=opts.forget_tolerance, value_range=(0.0, 1.0), bound="clopper_pearson",
+            description="share of the digit's images forgotten")))
+    for c in constraints:  # each digit's own certification images
+        c.certify = dataclasses.replace(c.certify, dataset=certify_of[c.metadata["value"]])
 
     model = DigitMLP()
     model.load_state_dict(old.state_dict())

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import TrainerCallback
 
-from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments, Constraint
+from hf_constrained import Certification, ConstrainedTrainer, ConstrainedTrainingArguments, Constraint
 
 NUM_FEATURES = 6
 NUM_GROUPS = 4
@@ -252,11 +252,12 @@ def disjoint_trainer(output_dir: str, row_fn: Any, statistic: Any = None, **over
     train_rows, _ = make_rows(128, 0)
     c_rows, c_groups = make_rows(96, 1)
     shared = ListDataset(make_rows(60, 2)[0])  # rows of their own
-    constraints = [Constraint(name=f"group{k}", row_fn=row_fn, tolerance=0.25, certify_statistic=statistic,
+    constraints = [Constraint(name=f"group{k}", row_fn=row_fn, tolerance=0.25,
+                              certify=Certification(statistic=statistic),
                               dataset=ListDataset([r for r, gk in zip(c_rows, c_groups) if gk == k]))
                    for k in range(NUM_GROUPS - 1)]
     constraints += [Constraint(name=f"all{j}", row_fn=row_fn, tolerance=0.3 + 0.1 * j, dataset=shared,
-                               certify_statistic=statistic) for j in range(2)]
+                               certify=Certification(statistic=statistic)) for j in range(2)]
     kw: dict[str, Any] = dict(constraints_per_step=3, max_steps=8)
     kw.update(overrides)
     return ConstrainedTrainer(model=TinyClassifier(), args=tiny_args(output_dir, **kw),

@@ -36,6 +36,7 @@ from ..extras import require_extra
 from ..publishable import publishable_command
 from ..safety.evaluation import certify_models
 from ..safety.finish import finish_run, push_last
+from ..safety.splits import check_certify_fraction
 from .data import TABULAR_LOADERS, TabularSplit, load_tabular_csv
 from .icppac import ICPPACConfig, ICPPACTrainer
 from .model import MLPConfig, MLPForScoring
@@ -124,8 +125,7 @@ class ROCFairnessArguments:
         self.decay_list = _floats(self.lr_decay_at, "lr_decay_at") if self.lr_decay_at.strip() else []
         if any(not 0 < f < 1 for f in self.decay_list):
             raise ValueError(f"lr_decay_at fractions must be in (0, 1), got {self.decay_list}")
-        if not 0.0 <= self.certify_fraction < 1.0:
-            raise ValueError(f"--certify_fraction must be in [0, 1), got {self.certify_fraction}")
+        check_certify_fraction(self.certify_fraction)
 
 
 def _score_bound(text: Any, thresholds: Sequence[float]) -> Optional[float]:

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 from transformers import TrainerCallback
 
-from ..constraint import CertifyStatistic, Constraint
+from ..constraint import Certification, CertifyStatistic, Constraint
 from ..method.sampling import ConstraintBatchStream
 from ..trainer import ConstrainedTrainer
 from .model import model_scores
@@ -410,12 +410,12 @@ def roc_fairness_constraints(train: RowSource, eval_data: Optional[RowSource] = 
                 name=constraint_name(kind, tau), row_fn=roc_row_scores, row_transform=SigmoidRate(tau, temperature),
                 group_key=GROUP_KEY, dataset=data, eval_dataset=eval_rows, tolerance=float(kappa),
                 collate_fn=collate_rows, outer=torch.abs, exact_fn=_ExactGap(tau, temperature),
-                certify_dataset=certify_rows,
                 # certified: the hard |TPR/FPR gap| at tau (each group's 0/1 rate, exact Clopper-Pearson bounds);
                 # trained: the soft rates' gap (the surrogate)
-                certify_statistic=None if certify_rows is None else CertifyStatistic(
-                    HardRate(tau), tolerance=float(kappa), value_range=(0.0, 1.0), bound="clopper_pearson",
-                    description=f"hard {kind.upper()} gap at {tau:g}", group_key=GROUP_KEY, absolute=True),
+                certify=None if certify_rows is None else Certification(
+                    dataset=certify_rows, statistic=CertifyStatistic(
+                        HardRate(tau), tolerance=float(kappa), value_range=(0.0, 1.0), bound="clopper_pearson",
+                        description=f"hard {kind.upper()} gap at {tau:g}", group_key=GROUP_KEY, absolute=True)),
                 metadata={"kind": kind, "label": y, "threshold": tau, "kappa": float(kappa),
                           "noise_scale": float(kappa), "temperature": temperature},
             ))

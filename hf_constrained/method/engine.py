@@ -19,7 +19,7 @@ No indicator row ever reaches a gradient, so u_k estimates the constraint on row
 not fitted to (Cotter et al., ICML 2019: the constraint side on an independent split). Each step
 then evaluates both parts' batches: one extra forward without grad, over ``indicator_batch_size``
 rows (default |B_k|; the larger, the less noise u_k keeps). With ``proxy_indicator`` the
-estimate of a constraint that declares a certification statistic (``Constraint.certify_statistic``)
+estimate of a constraint that declares a certification statistic (``Constraint.certify.statistic``)
 tracks that statistic on the indicator rows (e.g. the share of a class's examples forgotten), against
 the statistic's tolerance, while the gradient still follows the differentiable surrogate: a proxy
 constraint in Cooper's sense.
@@ -96,7 +96,7 @@ def split_for_indicator(constraints: Sequence[Constraint], fraction: float, seed
     constraints of every threshold on one set of positives), so no row is an indicator row of one
     and a gradient row of another; datasets that merely hold copies of the same rows are split
     independently. The indicator part holds ``round(fraction * n)`` rows; both parts need one.
-    With ``proxy``, the indicator view of a constraint with a ``certify_statistic`` evaluates that
+    With ``proxy``, the indicator view of a constraint with a ``certify.statistic`` evaluates that
     statistic (its ``row_fn``, tolerance, no ``outer``)."""
     if not 0.0 < fraction < 1.0:
         raise ValueError(f"constraint_indicator_fraction must be in (0, 1), got {fraction}")
@@ -120,15 +120,16 @@ def split_for_indicator(constraints: Sequence[Constraint], fraction: float, seed
                 for rows in (np.sort(order[n_ind:]), np.sort(order[:n_ind])))
         for views, data in zip((grad_views, ind_views), parts_of[id(c.dataset)]):
             # a view for drawing batches only (no held-out, certification or calibration data of its own)
-            view = dict(dataset=data, fn=None if c.rowwise else c.fn, eval_dataset=None, certify_dataset=None,
+            view = dict(dataset=data, fn=None if c.rowwise else c.fn, eval_dataset=None,
+                        certify=None if c.certify is None else dataclasses.replace(c.certify, dataset=None),
                         independent_rows=None, confidence=None, margin=None)
-            stat = c.certify_statistic
+            stat = None if c.certify is None else c.certify.statistic
             if proxy and views is ind_views and stat is not None:
                 if c.outer is not None:
                     raise ValueError(f"constraint {c.name!r}: a proxy indicator needs a constraint without outer (its "
                                      "gradient weight is the indicator of the statistic alone)")
                 view.update(fn=None, row_fn=stat.row_fn, row_transform=None, group_key=None, exact_fn=None,
-                            tolerance=float(stat.tolerance), certify_statistic=None, value_range=None)
+                            tolerance=float(stat.tolerance), certify=None)
             views.append(dataclasses.replace(c, **view))
     return grad_views, ind_views
 

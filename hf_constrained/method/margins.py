@@ -17,10 +17,10 @@ constraint) and the rows per batch, and from them
   ``u_k + margin > tol_k``, so the constraint also holds on unseen data of the same population
   with confidence c (the one-sided CLT bound of :mod:`hf_constrained.statistics`);
 * the margin sized to the certificate (``certificate_delta``): for a constraint with a
-  ``certify_dataset`` and a ``value_range`` (certifying its own per-row values), the width that
+  ``certify.dataset`` and a ``certify.value_range`` (certifying its own per-row values), the width that
   the certificate's bound will need at its n and delta, by the empirical-Bernstein rule
   (Maurer & Pontil 2009): ``sqrt(2 s_k^2 log(2/delta) / n) + 7 R log(2/delta) / (3 (n - 1))``
-  with ``R`` the range's width and ``n = |certify_dataset|``; a difference of two group means
+  with ``R`` the range's width and ``n = |certify.dataset|``; a difference of two group means
   takes each group's width at ``delta/2`` (``delta/4`` with ``outer=abs``) over its share of the
   rows, as the certificate does. Training then aims at ``tol_k`` minus that width, so that a run
   feasible in training is likely to certify.
@@ -130,16 +130,16 @@ class RowSpread:
         for k, c in enumerate(self.constraints):
             if certificate_delta is None or c.margin is not None or c.confidence is not None:
                 continue
-            if c.certify_dataset is None or c.certify_statistic is not None or c.value_range is None:
+            if not c.certifiable or c.certify.statistic is not None or c.certify.value_range is None:
                 uncertifiable.append(c.name)
                 continue
             share = group_difference_share(grouped=c.group_key is not None, absolute=c.outer is not None)
             cert_log[k] = math.log(2.0 / (certificate_delta * share))
-            cert_range[k] = float(c.value_range[1]) - float(c.value_range[0])
-            cert_rows[k] = len(c.certify_dataset)
+            cert_range[k] = float(c.certify.value_range[1]) - float(c.certify.value_range[0])
+            cert_rows[k] = len(c.certify.dataset)
         if uncertifiable:
             logger.warning("certificate_delta=%s sizes no margin for %d constraint(s) that do not certify their own "
-                           "per-row values (no certify_dataset or value_range, or a certify_statistic): %s",
+                           "per-row values (no certify.dataset or certify.value_range, or a certify.statistic): %s",
                            certificate_delta, len(uncertifiable), uncertifiable[:10])
         self.cert_log, self.cert_range = cert_log.to(device, dtype), cert_range.to(device, dtype)
         self.cert_rows = cert_rows.to(device, dtype)

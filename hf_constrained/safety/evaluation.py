@@ -135,27 +135,28 @@ def constraint_results(view: RunView, values: Mapping[str, float],
 # ---------------------------------------------------------------------- certification
 def not_certifiable(view: RunView) -> list[str]:
     """Constraints (other than data-free ones, which are exact) without a certification split."""
-    return [c.name for c in view.constraints if not c.data_free and c.certify_dataset is None]
+    return [c.name for c in view.constraints if not c.data_free and not c.certifiable]
 
 
 def certify_run(view: RunView, host: SafetyHost, models: Iterable[Any] = (None,), *, delta: float = DEFAULT_DELTA,
                 procedure: str = "fixed_sequence") -> Optional[Certificate]:
     """Certify candidate models (in the order given, fixed before the certification data is
     read; ``None`` is the trainer's model; an iterable is consumed one model at a time) on
-    each constraint's ``certify_dataset`` with :func:`~hf_constrained.safety.certify.certify`;
+    each constraint's ``certify.dataset`` with :func:`~hf_constrained.safety.certify.certify`;
     ``None`` when no constraint has one. Each call is a look at the certification splits, counted in
     the run's ledger (:mod:`hf_constrained.safety.ledger`).
 
     A certifiable constraint must declare the range of its per-row values
-    (``Constraint.value_range`` or its ``certify_statistic``): an error names it otherwise.
+    (``Constraint.certify``'s ``value_range`` or its ``statistic``): an error names it otherwise.
     """
     certifiable = view.certifiable()
     if not certifiable:
         return None
     unranged = [c.name for c in certifiable if c.certification_range() is None]
     if unranged:
-        raise ValueError(f"constraint(s) {unranged} have a certify_dataset but no value_range: a finite-sample bound "
-                         "needs the range of the per-row values (e.g. Constraint(value_range=(0, 1)) for a rate, "
+        raise ValueError(f"constraint(s) {unranged} have a certification split but no value range: a finite-sample "
+                         "bound needs the range of the per-row values (e.g. Certification(dataset=..., "
+                         "value_range=(0, 1)) for a rate, "
                          "(-1, 1) for a paired 0/1 change)")
     candidates = [host.constraint_row_values(model=m, split="certify") for m in models]
     return certify(candidates, {c.name: c.certification_tolerance() for c in certifiable},
@@ -180,7 +181,7 @@ def certified_statistics(view: RunView, host: SafetyHost, old_model: Optional[An
         old_values = {k: point_value(v) for k, v in rows.items()}
     out = {}
     for c in certifiable:
-        stat = c.certify_statistic
+        stat = c.certify.statistic
         old = old_values.get(c.name)
         if old is None and stat is not None:
             old = stat.old_model_value
@@ -229,7 +230,7 @@ def evaluate_report(
         confidence: the level of the upper confidence bounds (from ``host.constraint_statistics``;
             data-free constraints are exact).
         safety_rule: ``"certified"`` (default: the finite-sample certificate on each
-            constraint's ``certify_dataset`` decides), or the uncertified ``"point"`` (a
+            constraint's ``certify.dataset`` decides), or the uncertified ``"point"`` (a
             constraint holds when its held-out value is within tolerance) and
             ``"upper_bound"`` (when its CLT upper confidence bound is).
         delta: the certificate's error level (with probability at least ``1 - delta`` over the
@@ -387,7 +388,7 @@ def build_safety_report(trainer: HoldsSafetyLoop, **kwargs: Any) -> SafetyReport
 
 def certify_models(trainer: HoldsSafetyLoop, models: Iterable[Any] = (None,), *, delta: float = DEFAULT_DELTA,
                    procedure: str = "fixed_sequence") -> Optional[Certificate]:
-    """Certify candidate models on each constraint's ``certify_dataset`` (:func:`certify_run`; ``None`` is the
+    """Certify candidate models on each constraint's ``certify.dataset`` (:func:`certify_run`; ``None`` is the
     trainer's model): :meth:`SafetyLoop.certify <hf_constrained.safety.loop.SafetyLoop.certify>`."""
     return trainer.safety.certify(models, delta=delta, procedure=procedure)
 

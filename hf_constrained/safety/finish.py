@@ -102,7 +102,7 @@ def finish_run(
         safety_rule: what decides the verdict, here and in later ``push_to_hub`` calls
             (default: ``trainer.safety.rule``, which is ``"certified"`` unless set):
             ``"certified"``: the certificate on each constraint's
-            ``certify_dataset`` (rows nothing else touched) certifies the model at ``delta``
+            ``certify.dataset`` (rows nothing else touched) certifies the model at ``delta``
             with a finite-sample bound (:mod:`hf_constrained.safety.certify`); a run with a
             constraint lacking such a split is NOT CERTIFIED. The uncertified rules:
             ``"point"`` (each held-out value within its tolerance) and ``"upper_bound"``

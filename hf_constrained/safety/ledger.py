@@ -270,7 +270,8 @@ class CertificationLedger:
                         f"{number - 1} time(s) already and its error budget (delta={budget:g}, "
                         f"{self.spending.name}) is spent: a further certificate on the same rows would void the "
                         "guarantee of every certificate computed on them. Certify on fresh certification rows "
-                        "(a new certify_dataset that no training, selection or earlier certificate has read)")
+                        "(a new Certification(dataset=...) that no training, selection or earlier certificate has "
+                        "read)")
                 out[fp] = Look(fingerprint=fp, look=number, budget=budget, delta_spent=float(level),
                                spending=self.spending.name, key=key, order_seed=order_seed,
                                constraints=tuple(names),

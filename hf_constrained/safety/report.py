@@ -47,7 +47,7 @@ EXACT_HOLDS = "holds (exact, data-free)"
 EXACT_FAILS = "fails (exact, data-free)"
 HOLDS = "holds"
 FAILS = "fails"
-# what a certified statistic is when the constraint declares no certify_statistic
+# what a certified statistic is when the constraint declares no certify.statistic
 CONSTRAINT_ITSELF = "the constraint's own value (mean of its per-row values)"
 
 
@@ -192,7 +192,7 @@ class SafetyReport:
         certificate: :meth:`Certificate.to_dict() <hf_constrained.safety.certify.Certificate.to_dict>`
             of the certification of these weights (``None`` without a certification split).
         certificate_candidate: which candidate of the certificate these weights are.
-        not_certifiable: constraints without a certification split (``certify_dataset``): a
+        not_certifiable: constraints without a certification split (``certify.dataset``): a
             run with any is not certified.
         statistics: per certifiable constraint, what the certificate measures: ``description``
             (the statistic and its unit, e.g. "share of the task's examples forgotten"), ``proxy``
@@ -531,8 +531,8 @@ class SafetyReport:
             return ("NOT CERTIFIED: these weights were evaluated, not certified (an evaluation during training); "
                     "finish_run or trainer.safety.build_report() certifies them on the certification rows")
         if cert is None:
-            return ("NOT CERTIFIED: no constraint has a certification split (certify_dataset), so nothing was tested "
-                    "on data that training and selection never touched")
+            return ("NOT CERTIFIED: no constraint has a certification split (Constraint.certify), so nothing was "
+                    "tested on data that training and selection never touched")
         names = list(cert.get("tolerance", {}))
         sentence = guarantee_sentence(cert["delta"], {k: self.statistic_description(k) for k in names},
                                       cert.get("bound", {}), cert.get("num_rows", {}), cert["num_candidates"],

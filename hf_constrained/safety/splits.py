@@ -7,6 +7,10 @@ hashed by its content (every field: tensors and arrays by dtype, shape and bytes
 numbers), so a copy of a row is found whatever dataset object holds it. The split's
 fingerprint (SHA-256 over its sorted row hashes and its size) is recorded in the report and
 the card.
+
+:func:`carve_certification` sets a certification split aside in the first place: a seeded share of
+the rows (of each class's rows, when given labels), drawn with a generator that depends on the seed
+alone, never on the data, so the split is fixed before anything reads a row.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import numpy as np
 
@@ -103,7 +107,7 @@ def split_fingerprint(hashes: Iterable[bytes]) -> str:
 def _group_counts(c: Any, group_key: str) -> Optional[tuple[int, int]]:
     """Rows of group 0 and group 1 of a constraint's certification split (its collated rows'
     ``group_key``), or ``None`` when they cannot be read without the model."""
-    data, collate = c.certify_dataset, c.collate_fn or collate_examples
+    data, collate = c.certify.dataset, c.collate_fn or collate_examples
     counts = [0, 0]
     try:
         for start in range(0, len(data), _CHUNK):
@@ -128,12 +132,12 @@ def check_certifiable(constraints: Sequence[Any], delta: float = DEFAULT_DELTA) 
     level = first_look_delta(delta)
     out = []
     for c in constraints:
-        if getattr(c, "certify_dataset", None) is None or c.certification_range() is None:
+        if not getattr(c, "certifiable", False) or c.certification_range() is None:
             continue
-        stat = c.certify_statistic
+        stat = c.certify.statistic
         group_key = stat.group_key if stat is not None else c.group_key
         absolute = bool(stat.absolute) if stat is not None else c.outer is not None
-        rows: tuple[int, ...] = (len(c.certify_dataset),)
+        rows: tuple[int, ...] = (len(c.certify.dataset),)
         if group_key is not None:
             counts = _group_counts(c, group_key)
             if counts is None:
@@ -153,7 +157,7 @@ def check_certification_splits(constraints: Sequence[Any], others: Optional[Mapp
     split can certify its tolerance at all (:func:`check_certifiable`, at the default delta).
 
     Args:
-        constraints: the run's constraints; those with a ``certify_dataset`` are checked
+        constraints: the run's constraints; those with a ``certify.dataset`` are checked
             against every constraint's ``dataset`` and ``eval_dataset`` and against ``others``.
         others: further datasets by name.
         train_dataset, eval_dataset: the objective's data (``eval_dataset`` may be a dict of them).
@@ -164,7 +168,7 @@ def check_certification_splits(constraints: Sequence[Any], others: Optional[Mapp
     Raises:
         ValueError naming the constraint, how many rows overlap and with which data.
     """
-    certifying = [c for c in constraints if getattr(c, "certify_dataset", None) is not None]
+    certifying = [c for c in constraints if getattr(c, "certifiable", False)]
     if not certifying:
         return {}
     check_certifiable(certifying)
@@ -190,22 +194,89 @@ def check_certification_splits(constraints: Sequence[Any], others: Optional[Mapp
 
     fingerprints = {}
     for c in certifying:
-        fields = _fields(c.certify_dataset)
-        hashes = row_hashes(c.certify_dataset)
+        fields = _fields(c.certify.dataset)
+        hashes = row_hashes(c.certify.dataset)
         for what, data in sources:
             other = _fields(data)
             keys = None if fields is None or other is None else fields & other
             if keys is not None and not keys:
                 continue  # no field in common: rows of another kind
-            common = hashed(c.certify_dataset, keys) & hashed(data, keys)
-            own = hashed(c.certify_dataset, keys)
+            common = hashed(c.certify.dataset, keys) & hashed(data, keys)
+            own = hashed(c.certify.dataset, keys)
             if common:
                 raise ValueError(
-                    f"constraint {c.name!r}: {len(common)} of the {len(own)} rows of its certify_dataset also appear "
-                    f"in {what}. Certification rows must be touched by nothing else (no gradient, no evaluation "
-                    "during training, no checkpoint selection): split them off before training")
+                    f"constraint {c.name!r}: {len(common)} of the {len(own)} rows of its certification split "
+                    f"(certify.dataset) also appear in {what}. Certification rows must be touched by nothing else "
+                    "(no gradient, no evaluation during training, no checkpoint selection): split them off before "
+                    "training")
         fingerprints[c.name] = split_fingerprint(hashes)
     return fingerprints
 
 
 __all__ = ["check_certifiable", "check_certification_splits", "row_hash", "row_hashes", "split_fingerprint"]
+
+
+SeedLike = Union[int, Sequence[int], np.random.Generator]
+
+
+def check_certify_fraction(fraction: float, flag: str = "--certify_fraction") -> float:
+    """``fraction`` as a float in [0, 1) (0: no certification split), or a ``ValueError`` naming ``flag``."""
+    value = float(fraction)
+    if not 0.0 <= value < 1.0:  # NaN fails both comparisons
+        raise ValueError(f"{flag} must be in [0, 1), got {fraction}")
+    return value
+
+
+def _take(rows: Any, positions: np.ndarray) -> Any:
+    """The rows at ``positions`` (sorted), in the container ``rows`` came in."""
+    if hasattr(rows, "select") and callable(rows.select):  # a datasets.Dataset
+        return rows.select(positions.tolist())
+    if isinstance(rows, np.ndarray):
+        return rows[positions]
+    return [rows[int(i)] for i in positions]
+
+
+def carve_certification(rows: Any, fraction: float, seed: SeedLike, *, labels: Optional[Sequence[Any]] = None,
+                        classes: Optional[Sequence[Any]] = None, flag: str = "--certify_fraction",
+                        name: str = "the data", unit: str = "row(s)", more: str = "more rows"
+                        ) -> tuple[Any, Optional[Any]]:
+    """(rows left, certification rows): ``round(fraction * n)`` of the n rows, clipped to keep at least one
+    on each side, set aside as a certification split, drawn with ``seed`` alone (not the data).
+
+    The draw is ``numpy.random.default_rng(seed).permutation(n)``, its first rows certify (``seed`` may
+    also be a ``numpy.random.Generator``, to draw several carvings from one stream). Both parts keep
+    the rows' stored order and the container they came in (a ``datasets.Dataset`` by ``select``, a numpy
+    array by index, anything else indexable as a list); the certificate permutes its rows again with
+    its own recorded seed before any order-dependent bound.
+
+    With ``labels`` (one per row), each class in ``classes`` (default: the sorted distinct labels) is
+    carved on its own, in that order from one generator, so every class gets its share; rows of other
+    classes stay in the rows left. ``fraction`` 0 returns ``(rows, None)``.
+
+    Raises ``ValueError`` naming ``flag`` when ``fraction`` is outside [0, 1), and naming ``name`` (with
+    ``labels``: ``name`` and the class) and its count of ``unit`` when fewer than 2 rows are there to
+    share out; ``more`` says how to get more rows (e.g. the flag that sets them).
+    """
+    fraction = check_certify_fraction(fraction, flag)
+    if fraction == 0:
+        return rows, None
+    rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
+    n_rows = len(rows)
+    if labels is None:
+        groups = [(name, np.arange(n_rows))]
+    else:
+        labels = np.asarray(labels)
+        if len(labels) != n_rows:
+            raise ValueError(f"carve_certification: {len(labels)} labels for {n_rows} rows of {name}")
+        order = sorted(set(labels.tolist())) if classes is None else list(classes)
+        groups = [(f"{name} {c}", np.flatnonzero(labels == c)) for c in order]
+    chosen = []
+    for what, positions in groups:
+        if len(positions) < 2:
+            raise ValueError(f"{flag} {fraction:g}: {what} has {len(positions)} {unit}; certifying needs at least "
+                             f"2 (one to certify, one left): {more}, or {flag} 0 (no certificate)")
+        n = min(len(positions) - 1, max(1, int(round(fraction * len(positions)))))
+        chosen.append(positions[rng.permutation(len(positions))[:n]])
+    certify = np.sort(np.concatenate(chosen))
+    left = np.setdiff1d(np.arange(n_rows), certify, assume_unique=True)
+    return _take(rows, left), _take(rows, certify)

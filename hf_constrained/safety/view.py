@@ -112,8 +112,8 @@ class RunView:
         return [c.name for c in self.constraints]
 
     def certifiable(self) -> list[Constraint]:
-        """The constraints with a certification split (``certify_dataset``)."""
-        return [c for c in self.constraints if c.certify_dataset is not None]
+        """The constraints with a certification split (``certify.dataset``)."""
+        return [c for c in self.constraints if c.certifiable]
 
     def method_settings(self) -> dict[str, Any]:
         """The method and its settings as recorded in reports and cards (Algorithm 1 and its parameters,

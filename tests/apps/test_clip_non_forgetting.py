@@ -163,13 +163,13 @@ def test_certification_rows_count_images_right_before_and_wrong_now(setup):
                for k, c in enumerate(CLASSES[:2])}
     constraints = non_forgetting_constraints(model, loss, by_class, collate, certify_datasets=certify,
                                              forget_tolerance={"clear": 0.1, "rainy": 0.3}, batch_size=4)
-    assert [c.certify_dataset is not None for c in constraints] == [True, True, False]
+    assert [c.certifiable for c in constraints] == [True, True, False]
     for c, tol in zip(constraints[:2], (0.1, 0.3)):
-        stat = c.certify_statistic
+        stat = c.certify.statistic
         assert (stat.tolerance, stat.bound, stat.value_range) == (tol, "clopper_pearson", (0.0, 1.0))
         k = CLASSES.index(c.metadata["task"])
         idx = (labels == k).nonzero().flatten()
-        cb = collate([c.certify_dataset[i] for i in range(len(c.certify_dataset))])
+        cb = collate([c.certify.dataset[i] for i in range(len(c.certify.dataset))])
         torch.testing.assert_close(cb[CORRECT_KEY].double(), old_right[idx])
         with torch.no_grad():
             torch.testing.assert_close(stat.row_fn(new, cb), old_right[idx] * (1 - new_right[idx]))

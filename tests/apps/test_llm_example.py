@@ -1,6 +1,7 @@
 """The tiny-LM example (recipes/llm_tiny_example.py, ``hf-constrained llm-example``) runs end to
 end on a few steps, and its exact-match accuracy (one teacher-forced pass) agrees with step-by-step greedy decoding."""
 
+import dataclasses
 import json
 
 import pytest
@@ -72,7 +73,7 @@ def test_example_runs_and_exact_match_is_greedy_decoding(tmp_path):
 def test_certification_rows_are_independent_draws_named_by_their_draw():
     """The add task has 100 problems, so fresh draws repeat training rows' text; the certification rows are
     named by their draw (not their text) and the trainer accepts them, while a copied training row is refused."""
-    from hf_constrained import Constraint
+    from hf_constrained import Certification, Constraint
     from hf_constrained.non_forgetting import ReferenceLossDataset
     from hf_constrained.safety.splits import check_certification_splits
 
@@ -85,9 +86,9 @@ def test_certification_rows_are_independent_draws_named_by_their_draw():
     wrapped = ReferenceLossDataset(certify, [0.0] * len(certify))  # the reference pass keeps the names
     assert wrapped.row_identities() == [f"add/certify/{i}" for i in range(64)]
     c = Constraint(name="add", row_fn=lambda m, b: b, dataset=constraint_rows["add"], eval_dataset=held_out["add"],
-                   certify_dataset=wrapped, value_range=(0, 1))
+                   certify=Certification(dataset=wrapped, value_range=(0, 1)))
     assert set(check_certification_splits([c])) == {"add"}
-    c.certify_dataset = constraint_rows["add"].select(range(5))
+    c.certify = dataclasses.replace(c.certify, dataset=constraint_rows["add"].select(range(5)))
     with pytest.raises(ValueError, match="also appear"):
         check_certification_splits([c])
     with pytest.raises(ValueError, match="--forget_tolerance"):

@@ -223,12 +223,12 @@ def test_certification_rows_measure_the_share_of_examples_forgotten(causal_lm, l
                                              certify_datasets=certify, correct=causal_lm_per_example_correct,
                                              forget_tolerance=0.25)
     c = constraints[0]
-    assert c.certify_statistic.tolerance == 0.25 and c.certify_statistic.bound == "clopper_pearson"
+    assert c.certify.statistic.tolerance == 0.25 and c.certify.statistic.bound == "clopper_pearson"
     assert c.certification_range() == (0.0, 1.0)
     rows = [lm_rows[i] for i in range(4, 8)]
     old_right = _direct_exact_match(causal_lm, rows)
     assert old_right.tolist() == [1.0] * 4
-    batch = collate([c.certify_dataset[i] for i in range(4)])
+    batch = collate([c.certify.dataset[i] for i in range(4)])
     torch.testing.assert_close(batch[CORRECT_KEY].double(), old_right)
     torch.testing.assert_close(causal_lm_per_example_correct(new, batch), _direct_exact_match(new, rows))
     forgotten = ForgottenRows(causal_lm_per_example_correct)(new, batch)
@@ -300,10 +300,10 @@ def test_points_lost_is_the_paired_change_with_its_own_bound(causal_lm, lm_rows,
     (c,) = non_forgetting_constraints(causal_lm, causal_lm_per_example_loss, {"reverse": lm_rows.select(range(4))},
                                       collate, certify_datasets={"reverse": rows},
                                       correct=causal_lm_per_example_correct, accuracy_drop_tolerance=0.3)
-    stat = c.certify_statistic
+    stat = c.certify.statistic
     assert isinstance(stat.row_fn, PairedChange) and stat.bound == "paired_change" and stat.value_range == (-1.0, 1.0)
     assert stat.tolerance == 0.3 and c.certification_tolerance() == 0.3
-    batch = collate([c.certify_dataset[i] for i in range(len(rows))])
+    batch = collate([c.certify.dataset[i] for i in range(len(rows))])
     new = _perturbed(causal_lm, scale=0.5)
     change = stat.row_fn(new, batch)
     old_right, new_right = _direct_exact_match(causal_lm, list(rows)), _direct_exact_match(new, list(rows))
@@ -358,7 +358,7 @@ def test_the_proxy_margin_is_sized_from_the_statement_and_a_small_split_warns_be
                                       collate, batch_size=8, certify_datasets={"reverse": certify},
                                       correct=causal_lm_per_example_correct, accuracy_drop_tolerance=0.05,
                                       old_correct_on_rows=True)
-    target = certifiable_target(c.certify_statistic, 200, 0.05)
+    target = certifiable_target(c.certify.statistic, 200, 0.05)
     assert target is not None and c.margin == pytest.approx(0.05 - target) and c.margin > 0
     assert c.metadata["certifiable_target"] == target
     # without the proxy (no old correctness on the training rows) the loss constraint keeps its own units

@@ -8,7 +8,7 @@ import pytest
 import torch
 from scale_tiny import NUM_GROUPS, ListDataset, TinyClassifier, make_rows, per_row_ce, tiny_args
 
-from hf_constrained import ConstrainedTrainer, Constraint
+from hf_constrained import Certification, ConstrainedTrainer, Constraint
 
 
 def make(tmp_path, n_certify=40, **overrides):
@@ -19,13 +19,15 @@ def make(tmp_path, n_certify=40, **overrides):
     # every row carries the gap's group label: the constraints share one row_fn, so their rows collate together
     rows = [dict(r, g=torch.tensor(int(gk >= 2))) for r, gk in zip(rows, groups)]
     cert = [dict(r, g=torch.tensor(int(gk >= 2))) for r, gk in zip(cert, cert_groups)]
-    constraints = [Constraint(name=f"group{k}", row_fn=per_row_ce, tolerance=0.25, value_range=(0.0, 20.0),
+    constraints = [Constraint(name=f"group{k}", row_fn=per_row_ce, tolerance=0.25,
                               dataset=ListDataset([r for r, g in zip(rows, groups) if g == k]),
-                              certify_dataset=ListDataset([r for r, g in zip(cert, cert_groups) if g == k]))
+                              certify=Certification(
+                                  dataset=ListDataset([r for r, g in zip(cert, cert_groups) if g == k]),
+                                  value_range=(0.0, 20.0)))
                for k in range(NUM_GROUPS)]
     constraints.append(Constraint(name="gap", row_fn=per_row_ce, dataset=ListDataset(rows), tolerance=0.1,
-                                  group_key="g", outer=torch.abs, value_range=(0.0, 20.0),
-                                  certify_dataset=ListDataset(cert)))
+                                  group_key="g", outer=torch.abs,
+                                  certify=Certification(dataset=ListDataset(cert), value_range=(0.0, 20.0))))
     kw = dict(constraints_per_step=5, max_steps=4, constraint_certificate_delta=0.05)
     kw.update(overrides)
     return ConstrainedTrainer(model=TinyClassifier(), args=tiny_args(str(tmp_path), **kw),
@@ -47,10 +49,10 @@ def test_margins_are_the_certificates_bound_width(tmp_path):
     rows = spread.rows.detach().cpu().numpy().reshape(-1, 2)
     for k, c in enumerate(trainer.constraints):
         if c.group_key is None:
-            expected = eb_width(var[k, 0], len(c.certify_dataset), 0.05, 20.0)
+            expected = eb_width(var[k, 0], len(c.certify.dataset), 0.05, 20.0)
         else:  # each group over its share of the certification rows, at delta / 4 (|difference|)
             share = rows[k] / rows[k].sum()
-            expected = sum(eb_width(var[k, g], len(c.certify_dataset) * share[g], 0.05 / 4, 20.0) for g in (0, 1))
+            expected = sum(eb_width(var[k, g], len(c.certify.dataset) * share[g], 0.05 / 4, 20.0) for g in (0, 1))
         assert margins[c.name] == pytest.approx(expected, rel=1e-6), c.name
         assert margins[c.name] > 0
 

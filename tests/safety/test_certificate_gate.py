@@ -11,7 +11,7 @@ from safety_tiny import ThetaConfig, ThetaModel, objective_data
 
 from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments, Constraint, finish_run
 from hf_constrained.cli import main
-from hf_constrained.constraint import CertifyStatistic
+from hf_constrained.constraint import Certification, CertifyStatistic
 from hf_constrained.safety.bounds import clopper_pearson_upper_bound, hoeffding_bentkus_upper_bound
 from hf_constrained.safety.report import SafetyReport, UnsafeModelError
 
@@ -28,7 +28,7 @@ def rows(seed, n, low=0.0, high=0.4):
 def make(tmp_path, *, tolerance=0.2, certify=True, steps=2, **constraint_kw):
     kw = dict(dataset=rows(1, 40), eval_dataset=rows(2, 40), tolerance=tolerance)
     if certify:
-        kw.update(certify_dataset=rows(3, 300), value_range=(0.0, 1.0))
+        kw.update(certify=Certification(dataset=rows(3, 300), value_range=(0.0, 1.0)))
     kw.update(constraint_kw)
     args = ConstrainedTrainingArguments(
         output_dir=str(tmp_path / "run"), per_device_train_batch_size=4, learning_rate=0.1, optim="sgd",
@@ -95,8 +95,8 @@ def test_a_run_without_a_certification_split_is_never_safe(tmp_path):
 def test_certification_rows_shared_with_training_or_selection_are_refused_before_training(tmp_path, where):
     certify_rows = rows(3, 30)
     overlap = Dataset.from_dict({"x": list(certify_rows["x"][:5]) + list(rows(9, 20)["x"])})
-    constraint_kw = dict(dataset=rows(1, 40), eval_dataset=rows(2, 40), certify_dataset=certify_rows,
-                         value_range=(0, 1))
+    constraint_kw = dict(dataset=rows(1, 40), eval_dataset=rows(2, 40),
+                         certify=Certification(dataset=certify_rows, value_range=(0, 1)))
     train = objective_data()
     if where == "objective":
         train = Dataset.from_dict({"x": list(overlap["x"]), "labels": [0.0] * len(overlap)})
@@ -106,15 +106,17 @@ def test_certification_rows_shared_with_training_or_selection_are_refused_before
                                         constraint_penalty="none")
     what = {"dataset": "training rows of constraint 'rate'", "eval_dataset": "held-out \\(selection\\) rows",
             "objective": "the objective's train_dataset"}[where]
-    with pytest.raises(ValueError, match=f"constraint 'rate': 5 of the 30 rows of its certify_dataset also appear "
-                                         f"in .*{what}"):
+    with pytest.raises(ValueError, match=f"constraint 'rate': 5 of the 30 rows of its certification split "
+                                         f"\\(certify.dataset\\) also appear in .*{what}"):
         ConstrainedTrainer(model=ThetaModel(ThetaConfig()), args=args, train_dataset=train,
                            constraints=[Constraint("rate", row_fn=scaled_rate, **constraint_kw)])
 
 
 def test_certification_needs_a_declared_range_and_never_clips(tmp_path):
-    with pytest.raises(ValueError, match="constraint 'rate': certify_dataset needs value_range"):
-        Constraint("rate", row_fn=scaled_rate, dataset=rows(1, 5), certify_dataset=rows(3, 5))
+    with pytest.raises(ValueError, match=r"constraint 'rate': certify=Certification\(dataset=...\) needs value_range"):
+        Constraint("rate", row_fn=scaled_rate, dataset=rows(1, 5), certify=Certification(dataset=rows(3, 5)))
+    with pytest.raises(ValueError, match=r"constraint 'rate': certify=Certification\(dataset=...\) needs value_range"):
+        Constraint("rate", row_fn=scaled_rate, dataset=rows(1, 5), certify_dataset=rows(3, 5))  # the old name
     # a tolerance above the declared range says nothing: an error naming the constraint before training
     with pytest.raises(ValueError, match="constraint 'rate': tolerance 0.2 cannot be expressed"):
         make(tmp_path, tolerance=0.2, value_range=(0.0, 0.05))
@@ -147,8 +149,8 @@ def test_checkpoints_are_certified_in_training_order_and_the_best_certified_is_r
     testing in training order certifies the early checkpoints, stops at the first that fails, and
     the release is the certified checkpoint with the best selection objective (the latest certified)."""
     def make_saving(tolerance):
-        kw = dict(dataset=rows(1, 40), eval_dataset=rows(2, 40), tolerance=tolerance, certify_dataset=rows(3, 300),
-                  value_range=(0.0, 1.0))
+        kw = dict(dataset=rows(1, 40), eval_dataset=rows(2, 40), tolerance=tolerance,
+                  certify=Certification(dataset=rows(3, 300), value_range=(0.0, 1.0)))
         args = ConstrainedTrainingArguments(
             output_dir=str(tmp_path / "run"), per_device_train_batch_size=4, learning_rate=0.1, optim="sgd",
             weight_decay=0.0, max_grad_norm=0.0, lr_scheduler_type="constant", report_to=[], disable_tqdm=True,

@@ -10,7 +10,7 @@ import torch
 from datasets import Dataset
 from safety_tiny import ThetaConfig, ThetaModel, objective_data
 
-from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments, Constraint, finish_run
+from hf_constrained import Certification, ConstrainedTrainer, ConstrainedTrainingArguments, Constraint, finish_run
 from hf_constrained.safety.bounds import clopper_pearson_upper_bound, clopper_pearson_upper_bounds
 from hf_constrained.safety.certify import certify
 from hf_constrained.safety.ledger import (
@@ -133,7 +133,7 @@ def train(out, steps):
         max_steps=steps, logging_steps=1, save_strategy="no", constraint_penalty="none", constraint_batch_size=4)
     torch.manual_seed(0)
     constraint = Constraint("rate", row_fn=scaled_rate, dataset=rows(1, 40), eval_dataset=rows(2, 40), tolerance=0.2,
-                            certify_dataset=rows(3, 300), value_range=(0.0, 1.0))
+                            certify=Certification(dataset=rows(3, 300), value_range=(0.0, 1.0)))
     trainer = ConstrainedTrainer(model=ThetaModel(ThetaConfig()), args=args, train_dataset=objective_data(),
                                  constraints=[constraint])
     trainer.train()

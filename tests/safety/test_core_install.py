@@ -44,8 +44,8 @@ SCRIPT = "import sys\nHIDDEN = set(sys.argv[2].split(','))\n" + HIDE_PREAMBLE + 
     from datasets import Dataset
     from transformers import PretrainedConfig, PreTrainedModel
 
-    from hf_constrained import (ConstrainedTrainer, ConstrainedTrainingArguments, Constraint, UnsafeModelError,
-                                finish_run)
+    from hf_constrained import (Certification, ConstrainedTrainer, ConstrainedTrainingArguments, Constraint,
+                                UnsafeModelError, finish_run)
     from hf_constrained.extras import MissingExtraError
 
     class Config(PretrainedConfig):
@@ -77,7 +77,8 @@ SCRIPT = "import sys\nHIDDEN = set(sys.argv[2].split(','))\n" + HIDE_PREAMBLE + 
         trainer = ConstrainedTrainer(
             model=Theta(Config()), args=args, train_dataset=Dataset.from_dict({"x": [1.0] * 16}),
             constraints=[Constraint("rate", row_fn=rate, dataset=rows(1, 40), eval_dataset=rows(2, 40),
-                                    tolerance=tolerance, certify_dataset=rows(3, 300), value_range=(0.0, 1.0))])
+                                    tolerance=tolerance,
+                                    certify=Certification(dataset=rows(3, 300), value_range=(0.0, 1.0)))])
         trainer.train()
         return trainer, finish_run(trainer, eval_dataset="synthetic")
 

@@ -131,7 +131,7 @@ def test_a_failed_certificate_says_why_in_one_line_everywhere(tmp_path, capsys):
 
 def test_a_run_without_certification_rows_says_so_in_one_line(tmp_path):
     report = finish_run(make(tmp_path, certify=False), plots=False)
-    assert report.summary() == ("NOT CERTIFIED: no constraint has a certification split (certify_dataset), so "
+    assert report.summary() == ("NOT CERTIFIED: no constraint has a certification split (Constraint.certify), so "
                                 "nothing was tested on data that training and selection never touched")
     assert_one_verdict(report)
     assert [v.word for v in report.verdicts()] == [NO_CERTIFICATION_SPLIT]

@@ -18,7 +18,7 @@ import torch
 from datasets import Dataset
 from safety_tiny import ThetaConfig, ThetaModel, objective_data
 
-from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments, Constraint
+from hf_constrained import Certification, ConstrainedTrainer, ConstrainedTrainingArguments, Constraint
 from hf_constrained.constraint import CertifyStatistic
 from hf_constrained.method.estimators import theory_gamma_prime
 from hf_constrained.safety.evaluation import build_safety_report, library_option_names
@@ -42,8 +42,8 @@ def _report(tmp_path, **options):
         use_cpu=True, seed=0, max_steps=1, save_strategy="no", **options)
     stat = CertifyStatistic(scaled_rate, tolerance=0.2, value_range=(0.0, 1.0), description="rate")
     constraints = [Constraint(f"rate{k}", row_fn=scaled_rate, dataset=_rows(k, 40), eval_dataset=_rows(10 + k, 20),
-                              certify_dataset=_rows(20 + k, 30), value_range=(0.0, 1.0), tolerance=0.2,
-                              certify_statistic=stat) for k in range(M)]
+                              certify=Certification(dataset=_rows(20 + k, 30), statistic=stat, value_range=(0.0, 1.0)),
+                              tolerance=0.2) for k in range(M)]
     torch.manual_seed(0)
     trainer = ConstrainedTrainer(model=ThetaModel(ThetaConfig()), args=args, train_dataset=objective_data(),
                                  constraints=constraints)
