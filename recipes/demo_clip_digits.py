@@ -122,7 +122,7 @@ from hf_constrained.clip import (
 from hf_constrained.clip.data import CLIPCollator, RowDataset
 from hf_constrained.clip.tiny import tiny_clip, word_tokenizer
 from hf_constrained.config import ConstrainedTrainingArguments
-from hf_constrained.constraint import Constraint
+from hf_constrained.constraint import Certification, Constraint
 from hf_constrained.method.regularisers import KLToOld, ObjectiveRegulariser, Replay
 from hf_constrained.non_forgetting import ReferenceCorrectDataset, forgetting_statistic
 from hf_constrained.progress import StepProgressBar
@@ -553,8 +553,8 @@ def demo_constraints(cfg: DemoConfig, pools: Pools, rows_fn: ForgettingRows, col
                        row_transform=FORGETTING[cfg.forgetting], collate_fn=collate,
                        confidence=cfg.confidence if calibrated else None, margin=proxy_margin,
                        independent_rows=len(pools.constraint[name]) // cfg.constraint_copies if calibrated else None,
-                       certify_dataset=pools.certify.get(name),
-                       certify_statistic=statistic if name in pools.certify else None,
+                       certify=Certification(dataset=pools.certify[name], statistic=statistic)
+                       if name in pools.certify else None,
                        metadata={"class": name, "requirement": cfg.tolerance}) for name in pools.constraint]
 
 
@@ -737,7 +737,7 @@ def write_run(cfg: DemoConfig, trainer: ContrastiveConstrainedTrainer, tokenizer
     extra = {"new accuracy": {c: acc[k] for c, k in names.items()}}
     if old_acc is not None:
         extra = {"old accuracy": {c: old_acc[k] for c, k in names.items()}, **extra}
-    n_cert = sorted(len(c.certify_dataset) for c in trainer.constraints if c.certify_dataset is not None)
+    n_cert = sorted(len(c.certify.dataset) for c in trainer.constraints if c.certify is not None)
     finish_run(
         trainer, old_model_values={c: 0.0 for c in names},
         base_model_name=f"digits CLIP (stage 1 of the demo, seed {cfg.seed})",
