@@ -76,6 +76,6 @@ part clip_step $LAUNCH benchmarks/step_overhead.py --model "$MODEL" $COMMON $SIZ
 part clip_scaling $PY benchmarks/constraint_scaling.py --model "$MODEL" $COMMON $SIZES $SC \
   --out "$OUT/clip_scaling.json"
 part llm_step $PY benchmarks/llm_step.py --model "$LLM_MODEL" $COMMON $LLM \
-  --variants 8:all:0.1,8:all:0.1:separate,2:all:0.1,2:all:0 --out "$OUT/llm_step.json"
+  --variants 8:all:0.1,8:all:0.1:separate,8:all:0,2:all:0.1,2:all:0 --out "$OUT/llm_step.json"
 echo "suite: $([ $status = 0 ] && echo all parts done || echo SOME PARTS FAILED) in $SECONDS s"
 exit $status
