@@ -10,9 +10,9 @@ once before training, one shared row function: the fused step), the hinge with b
 * ``unconstrained``: the same trainer with ``constraint_penalty="none"`` and no constraints
   (the recipe with ``--constraint_penalty none``);
 * a constrained variant per ``--variants`` entry ``|B_k|:|B_c|:gamma'`` (``all`` for |B_c| = m):
-  ``8:all:0.1`` is the recipe's default (``constraint_batch_size`` 8, every constraint each
-  step, the library's gamma' 0.1, whose look-ahead evaluates the next step's constraint rows
-  without grad). The constraint rows join the objective's forward (the model has no dropout:
+  ``8:all:0`` is the recipe's default (``constraint_batch_size`` 8, every constraint each
+  step, gamma' 0: no look-ahead); ``8:all:0.1`` adds the library's default gamma' 0.1, whose
+  look-ahead evaluates the next step's constraint rows without grad. The constraint rows join the objective's forward (the model has no dropout:
   :mod:`hf_constrained.method.shared_forward`); a ``:separate`` suffix gives them their own forward
   and backward graph, as on a model with dropout.
 
@@ -55,7 +55,7 @@ LLAMA_SIZES: dict[str, dict[str, Any]] = {
                  intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True, rope_theta=1000000.0),
 }
 # recipes/configs/llm_non_forgetting_lora.yaml
-RECIPE = dict(batch=8, accumulation=2, constraint_batch=8, per_step="all", gamma_prime=0.1, relative_tolerance=0.02,
+RECIPE = dict(batch=8, accumulation=2, constraint_batch=8, per_step="all", gamma_prime=0.0, relative_tolerance=0.02,
               reference_batch_size=16, lora_r=16, lora_alpha=32, learning_rate=1e-4, penalty_beta=10.0)
 TASKS = ("math", "code", "refusals")
 
@@ -151,8 +151,8 @@ def main() -> None:
                         help="gradient_accumulation_steps (recipe: 2)")
     parser.add_argument("--seq-len", type=int, default=128, help="tokens per row (half prompt, half completion)")
     parser.add_argument("--constraint-rows", type=int, default=64, help="rows per protected task")
-    parser.add_argument("--variants", default="8:all:0.1",
-                        help="comma-separated constrained variants |B_k|:|B_c|:gamma' (recipe default: 8:all:0.1)")
+    parser.add_argument("--variants", default="8:all:0",
+                        help="comma-separated constrained variants |B_k|:|B_c|:gamma' (recipe default: 8:all:0)")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2)
@@ -197,7 +197,7 @@ def main() -> None:
         "device": a.device, "bf16": a.bf16, "clock": clock, "seq_len": a.seq_len,
         "per_device_train_batch_size": a.batch, "gradient_accumulation_steps": a.accumulation,
         "num_constraints": len(TASKS), "constraint_rows_per_task": a.constraint_rows, "rows": rows,
-        "recipe_default_variant": "bk8_bcall_gp0.1",
+        "recipe_default_variant": "bk8_bcall_gp0",
         "steps_timed_per_round": a.steps - a.warmup, "rounds": a.rounds,
         "step_time": stats,
         "ratio_to_unconstrained": {k: stats[k]["median_s"] / base for k in keys if k != "unconstrained"},

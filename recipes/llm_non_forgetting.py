@@ -259,7 +259,9 @@ def parse_arguments(argv: Optional[list[str]] = None, use_trl: Optional[bool] = 
         parser_class = TrlParser
     dataset, training, model, data = parse_recipe_args(
         _dataclass_types(use_trl), argv, description=__doc__.split("\n\n")[0], parser_class=parser_class,
-        replaced_flags=REPLACED_FLAGS, defaults={"output_dir": "outputs/llm_non_forgetting"})
+        replaced_flags=REPLACED_FLAGS,
+        # the constraint step sized for a language model (docs/scale.md): 8 rows per protected set, no look-ahead
+        defaults={"output_dir": "outputs/llm_non_forgetting", "constraint_batch_size": 8, "msvr_gamma_prime": "0"})
     lora_flags = sorted(given & {"lora_r", "lora_alpha", "lora_dropout", "lora_target_modules",
                                  "lora_target_parameters", "lora_modules_to_save", "use_rslora", "use_dora"})
     if lora_flags and not model.use_peft:
