@@ -12,7 +12,8 @@ knob swept over a few values:
 * ``l2``: ``lam / 2 * ||w - w_old||^2`` (:class:`~hf_constrained.method.regularisers.L2ToOld`);
 * ``hinge`` / ``squared_hinge`` (ours): the example's constrained run, knob the forgetting tolerance of its
   proxy indicator (``forget_tolerance``); ``hinge_beta``: the hinge, knob beta;
-* ``hinge+replay``: the hinge (at ``--combo_tolerance``) with replay at share ``ratio``.
+* ``hinge+replay`` / ``hinge+kl``: the hinge (at ``--combo_tolerance``) with replay at share ``ratio`` / with
+  the KL anchor at weight ``lam``.
 
 Every baseline reads the same old rows as the constraints (512 per task); none reads the held-out or the
 certification rows. Per run: the new task's held-out exact match (the target metric); every old task's
@@ -73,17 +74,19 @@ METHODS: dict[str, Method] = {
     "squared_hinge": Method("squared_hinge", "forget_tolerance", (0.1,), example_field="forget_tolerance"),
     "hinge_beta": Method("hinge", "penalty_beta", (20.0,), example_field="penalty_beta"),
     "hinge+replay": Method("hinge", "ratio", (0.25, 0.5), regulariser="replay"),
+    "hinge+kl": Method("hinge", "lam", (1.0,), regulariser="kl"),
 }
+COMBINATIONS = ("hinge+replay", "hinge+kl")  # the hinge at --combo_tolerance plus a baseline
 
 
 def run_spec(method: str, value: float, cfg: ex.ExampleArguments,
              combo_tolerance: float) -> tuple[str, ex.ExampleArguments, Optional[tuple[str, float]]]:
     """(penalty, the example's settings, baseline) of one run."""
     m = METHODS[method]
-    run_cfg = cfg
+    run_cfg = dataclasses.replace(cfg, kl_to_old=0.0)  # each method's own terms only (hinge+kl sets its KL)
     if m.example_field is not None:
         run_cfg = dataclasses.replace(run_cfg, **{m.example_field: value})
-    if method == "hinge+replay":
+    if method in COMBINATIONS:
         run_cfg = dataclasses.replace(run_cfg, forget_tolerance=combo_tolerance)
     return m.penalty, run_cfg, (None if m.regulariser is None else (m.regulariser, value))
 
@@ -95,7 +98,18 @@ def one_run(job: tuple[str, str, float, int, ex.ExampleArguments, float]) -> dic
     penalty, run_cfg, baseline = run_spec(method, value, cfg, combo_tolerance)
     record = ex.finetune(old_path, penalty, seed, run_cfg, regulariser=baseline)
     return {"method": method, "knob": METHODS[method].knob, "value": None if math.isnan(value) else value,
-            "steps": run_cfg.max_steps, **record}
+            "steps": run_cfg.max_steps, "constraint_settings": constraint_settings(penalty, run_cfg), **record}
+
+
+def constraint_settings(penalty: str, cfg: ex.ExampleArguments) -> Optional[dict[str, Any]]:
+    """The constrained run's own settings (recorded per run; None for a run without constraints)."""
+    if penalty == "none":
+        return None
+    return {"penalty": penalty, "penalty_beta": cfg.penalty_beta, "forget_tolerance": cfg.forget_tolerance,
+            "constraint_margin": cfg.constraint_margin, "constraint_batch_size": cfg.constraint_batch_size,
+            "constraint_indicator_fraction": cfg.constraint_indicator_fraction,
+            "constraint_proxy_indicator": cfg.constraint_proxy_indicator, "msvr_gamma": cfg.msvr_gamma,
+            "learning_rate": cfg.learning_rate, "max_steps": cfg.max_steps}
 
 
 def run_row(run: dict[str, Any], old: dict[str, dict], claim: float) -> dict[str, Any]:
@@ -110,7 +124,9 @@ def run_row(run: dict[str, Any], old: dict[str, dict], claim: float) -> dict[str
             "forgotten": None if cert is None else cert["forgotten"],
             "certification_rows": None if cert is None else cert["num_rows"],
             "certified_claim": None if cert is None else cert["largest_bound"] <= claim,
-            "seconds_per_step": run["seconds_per_step"], "regulariser": run["regulariser"]}
+            "certificate_level": None if cert is None else cert.get("level"),
+            "seconds_per_step": run["seconds_per_step"], "regulariser": run["regulariser"],
+            "constraint_settings": run.get("constraint_settings")}
 
 
 def _med_worst(values: list[float], worst: Any) -> dict[str, float]:
@@ -217,7 +233,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4],
                    help="fine-tuning seeds (0-4 choose the settings; 100-104 report them)")
     p.add_argument("--combo_tolerance", type=float, default=0.1,
-                   help="the hinge's forget_tolerance in hinge+replay")
+                   help="the hinge's forget_tolerance in hinge+replay and hinge+kl")
     p.add_argument("--claim", type=float, default=0.03,
                    help="the certified claim reported: at most this share of each old task's rows forgotten")
     p.add_argument("--json", default="outputs/forgetting_frontier/results.json")
@@ -249,7 +265,7 @@ def included_rows(path: str, cfg: ex.ExampleArguments, old_sha256: str, combo_to
     if saved["old_model_sha256"] != old_sha256:
         raise SystemExit(f"--include {path}: another old model (sha256 {saved['old_model_sha256'][:12]})")
     rows = saved["runs"]
-    if any(r["method"] == "hinge+replay" for r in rows) and saved["config"]["benchmark"]["combo_tolerance"] != \
+    if any(r["method"] in COMBINATIONS for r in rows) and saved["config"]["benchmark"]["combo_tolerance"] != \
             combo_tolerance:
         raise SystemExit(f"--include {path}: its hinge+replay runs use --combo_tolerance "
                          f"{saved['config']['benchmark']['combo_tolerance']}, this run {combo_tolerance}")

@@ -52,6 +52,7 @@ constraint batches) and the new task's training rows. Results depend on the thre
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import hashlib
 import json
 import logging
@@ -65,6 +66,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
@@ -91,6 +93,7 @@ from hf_constrained.publishable import publishable_command, publishable_values
 from hf_constrained.recipe_args import parse_recipe_args
 from hf_constrained.recipes.tiny_lm import char_tokenizer, tiny_causal_lm
 from hf_constrained.safety.evaluation import certify_models
+from hf_constrained.safety.ledger import LEDGER_ENV
 from hf_constrained.text_data import tokenize_sft
 
 logger = logging.getLogger("llm_tiny_example")
@@ -269,6 +272,8 @@ def finetune(old_path: str, penalty: str, seed: int, cfg: ExampleArguments,
                                              forget_tolerance=cfg.forget_tolerance)
     if cfg.constraint_proxy_indicator and penalty != "none":
         add_old_correctness(model, constraints, collate)
+    if regulariser is None and penalty != "none" and cfg.kl_to_old > 0:
+        regulariser = ("kl", cfg.kl_to_old)  # the constrained run's own anchor (--kl_to_old)
     baseline = baseline_regulariser(regulariser, model, constraint_rows, collate, seed)
     with tempfile.TemporaryDirectory() as tmp:
         trainer = ConstrainedTrainer(
@@ -282,16 +287,39 @@ def finetune(old_path: str, penalty: str, seed: int, cfg: ExampleArguments,
         trainer.remove_callback(PrinterCallback)
         train_seconds = trainer.train().metrics["train_runtime"]
         h_eval = trainer.evaluate_constraints(split="eval")
-        certificate = certify_models(trainer, delta=cfg.delta)  # the final weights, on the certification rows
+        with study_ledger(tmp):  # the final weights, on the certification rows: this run's first look
+            certificate = certify_models(trainer, delta=cfg.delta)
     metrics = evaluate(model, held_out, collate)
     cert = None if certificate is None else {
         "certified": certificate.is_certified(0), "forgotten": certificate.values[0],
         "upper_bounds": certificate.upper_bounds[0], "largest_bound": max(certificate.upper_bounds[0].values()),
-        "num_rows": certificate.num_rows, "forget_tolerance": cfg.forget_tolerance, "delta": cfg.delta}
+        "num_rows": certificate.num_rows, "forget_tolerance": cfg.forget_tolerance, "delta": cfg.delta,
+        "looks": dict(certificate.looks), "level": certificate.level}
     return {"penalty": penalty, "seed": seed, "held_out": metrics, "h_held_out": h_eval,
             "tolerance": cfg.tolerance, "certificate": cert, "seconds": round(time.time() - t0, 1),
             "regulariser": None if baseline is None else baseline.settings(),
             "seconds_per_step": train_seconds / max(cfg.max_steps, 1)}
+
+
+@contextlib.contextmanager
+def study_ledger(folder: str) -> Iterator[None]:
+    """Count this run's certificate looks in a ledger of its own (``folder``), not the user-level one.
+
+    Every run of this example (and of ``benchmarks/forgetting_frontier.py``) is one simulated release: one
+    method, one seed, certified once on the task's certification rows, as the one user who ran it would
+    certify it (the first look of :mod:`hf_constrained.safety.ledger`, at ``delta_1`` = 0.9 delta under the
+    default spending). The runs of a study share those rows, and counting them as looks of one user would
+    test the tenth run at delta * 1e-9 and refuse the seventh; a user who certifies several models of
+    their own on one split keeps the user-level ledger (the library's default)."""
+    saved = os.environ.get(LEDGER_ENV)
+    os.environ[LEDGER_ENV] = os.path.join(folder, "study_ledger.json")
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(LEDGER_ENV, None)
+        else:
+            os.environ[LEDGER_ENV] = saved
 
 
 def add_old_correctness(old_model: torch.nn.Module, constraints: list[Any], collate: PaddingCollator) -> None:
@@ -479,6 +507,9 @@ class ExampleArguments:
         "help": "certified: at most this share of each old task's examples forgotten (exact before, not now)"})
     delta: float = field(default=0.05, metadata={"help": "the certificate's error level"})
     constraint_batch_size: int = field(default=32, metadata={"help": "constraint rows per task and step"})
+    kl_to_old: float = field(default=0.0, metadata={
+        "help": "the constrained run's objective also adds this weight times KL(old || new) on 32 of the old tasks' "
+                "constraint rows per step (0: none; the unconstrained run never has it)"})
     tolerance: float = field(default=0.2, metadata={"help": "h_k <= tolerance (nats per answer token)"})
     learned_accuracy: float = field(default=0.9, metadata={"help": "held-out new-task accuracy that counts as learned"})
     old_model: Optional[str] = field(default=None, metadata={"help": "reuse (or create) the old model in this folder"})
@@ -511,6 +542,8 @@ class ExampleArguments:
         if self.constraint_margin is not None and not (math.isfinite(self.constraint_margin)
                                                        and self.constraint_margin >= 0):
             raise ValueError(f"--constraint_margin must be a finite number >= 0, got {self.constraint_margin}")
+        if not (math.isfinite(self.kl_to_old) and self.kl_to_old >= 0):
+            raise ValueError(f"--kl_to_old must be a finite number >= 0, got {self.kl_to_old}")
         if self.workers < 1:
             raise ValueError(f"--workers must be >= 1, got {self.workers}")
         if self.threads < 1:
