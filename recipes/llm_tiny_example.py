@@ -10,23 +10,29 @@
 3. Held-out per-task loss and exact-match accuracy (greedy decoding; computed in one
    teacher-forced pass: the greedy answer is exact iff every answer token, EOS included,
    is the argmax given the correct prefix), old vs new.
-4. A certificate per run: on 512 certification rows per old task (``--certify_rows``; independent
+4. A certificate per run: on 2000 certification rows per old task (``--certify_rows``; independent
    draws of the task's generator, fixed across seeds, read by nothing but the certificate), the
    share of rows the old model answered exactly and the new one no longer does (teacher-forced
-   exact match, ``causal_lm_per_example_correct``), bounded by Clopper-Pearson at ``--delta``
-   0.05. CERTIFIED: at most ``--forget_tolerance`` of each old task's examples forgotten.
-   The tasks are small (``add`` has 100 problems), so certification rows can repeat a training
-   row's text: they are named by their draw, and the claim is about each task's distribution,
-   the one the training rows come from too, not about problems never trained on.
+   exact match, ``causal_lm_per_example_correct``), bounded by Clopper-Pearson. CERTIFIED: at most
+   ``--forget_tolerance`` of each old task's examples forgotten, so at most that many points of its
+   accuracy lost. Each run is one release, certified once: the first look at the rows (level 0.9 *
+   ``--delta`` = 0.045 under the default spending, :func:`study_ledger`). The tasks are small (``add``
+   has 100 problems), so certification rows can repeat a training row's text: they are named by their
+   draw, and the claim is about each task's distribution, the one the training rows come from too, not
+   about problems never trained on.
 
-   The constrained run (defaults, chosen on seeds 0-4): two-split estimation
-   (``--constraint_indicator_fraction 0.5``: half of each old task's 512 constraint rows drive the
-   estimate and the hinge's indicator, the other half the gradient) with a proxy indicator
-   (``--constraint_proxy_indicator``: the indicator follows the certificate's statistic, the share
-   of the indicator rows forgotten, against ``--forget_tolerance`` 0.4 minus ``--constraint_margin``
-   0.1, while the gradient follows the loss change h_k); 300 steps. ``--forget_tolerance 0.4`` is
-   what the model supports, not the data (a rate over 512 rows with nothing forgotten has a bound of
-   1 - 0.05^(1/512) = 0.006): the 15 hinge runs on seeds 0-4 had largest bounds of 0.19-0.30.
+   The claim is the user's, stated before any data: ``--forget_tolerance 0.03`` ("at most 3% of each old
+   task forgotten", at most 3 points lost), at delta 0.05; 2000 rows per task are what that claim needs
+   (``benchmarks/certification_size.py``). The method's own settings (defaults chosen on seeds 0-4 by
+   ``benchmarks/forgetting_frontier.py``, docs/benchmarks.md): two-split estimation with a quarter of each
+   old task's 512 constraint rows driving the indicator (``--constraint_indicator_fraction 0.25``; the
+   other 384 rows the gradient), a proxy indicator (``--constraint_proxy_indicator``: it follows the
+   certificate's statistic, the share of the indicator rows forgotten, against the claim minus
+   ``--constraint_margin`` 0.01, while the gradient follows the loss change h_k), beta 2, 8 constraint
+   rows per task and step, and a KL anchor to the old model on the old rows (``--kl_to_old 1``). On the
+   tuning seeds no setting tried certified the 3% claim (the best came within a factor of about two of
+   it, largest bounds 0.04-0.08): these defaults are the closest, and the example says NOT CERTIFIED
+   where the claim is not met.
 
 Goals, over the seeds (median and worst reported): the unconstrained run forgets some old task
 (its held-out h_k exceeds ``--tolerance``); the constrained run is certified, and learns the new
@@ -34,13 +40,14 @@ task (held-out exact match >= ``--learned_accuracy``), each in at least 80% of t
 ``--seeds 0 1 2 3 4``). One seed by default, a few minutes; the wider evaluation is a flag away:
 
     python recipes/llm_tiny_example.py --seeds 100 101 102 103 104 --json benchmarks/results/llm_example.json
-    python recipes/llm_tiny_example.py --penalty_beta 10 --seeds 0
+    python recipes/llm_tiny_example.py --penalty_beta 5 --kl_to_old 0 --seeds 0
     hf-constrained llm-example --config my_settings.yaml       # any flag below, as YAML
 
 The fine-tuning flags carry the names of ``ConstrainedTrainingArguments``
 (``--constraint_penalty``, ``--penalty_beta``, ``--max_steps``, ``--learning_rate``,
 ``--lr_scheduler_type``, ``--msvr_gamma``, ``--constraint_batch_size``,
 ``--constraint_indicator_fraction``, ``--constraint_proxy_indicator``, ``--constraint_margin``);
+``--kl_to_old`` adds the KL anchor (``hf_constrained.method.regularisers.KLToOld``) to the constrained run;
 a flag the example does not list is an error.
 
 The old model is trained by every invocation, deterministically (seed 0, ``--threads`` torch
@@ -484,30 +491,31 @@ class ExampleArguments:
     constraint_penalty: str = field(default="hinge", metadata={
         "help": "penalty of the constrained run (each seed also runs unconstrained, penalty none)",
         "choices": ["hinge", "squared_hinge"]})
-    penalty_beta: float = field(default=5.0, metadata={"help": "penalty parameter beta of the constrained run"})
+    penalty_beta: float = field(default=2.0, metadata={"help": "penalty parameter beta of the constrained run"})
     msvr_gamma: float = field(default=0.8, metadata={"help": "MSVR gamma of the constraint estimates"})
-    constraint_indicator_fraction: Optional[float] = field(default=0.5, metadata={
+    constraint_indicator_fraction: Optional[float] = field(default=0.25, metadata={
         "help": "two-split estimation of the constrained run: this share of each old task's constraint rows drives "
                 "the estimate and the hinge's indicator, the rest the gradient (in (0, 1); 0: one split, as in the "
                 "paper)"})
     constraint_proxy_indicator: bool = field(default=True, metadata={
         "help": "with --constraint_indicator_fraction: the indicator follows the certificate's statistic (the share "
                 "of the indicator rows forgotten) against --forget_tolerance; the gradient follows the loss change"})
-    constraint_margin: Optional[float] = field(default=0.1, metadata={
+    constraint_margin: Optional[float] = field(default=0.01, metadata={
         "help": "the constrained run's margin: the hinge acts when the estimate exceeds its tolerance minus this "
                 "(with --constraint_proxy_indicator a share of rows, else nats per answer token)"})
     new_rows: int = field(default=2000, metadata={"help": "training rows of the new task"})
     constraint_rows: int = field(default=512, metadata={"help": "constraint rows per old task"})
     held_out_rows: int = field(default=512, metadata={"help": "held-out rows per task"})
-    certify_rows: int = field(default=512, metadata={
+    certify_rows: int = field(default=2000, metadata={
         "help": "certification rows per old task (independent draws, read only by the certificate; 0: none). A "
                 "claim of at most 3%% of each old task forgotten (so at most 3 points lost) at delta 0.05 needs "
                 "2000 (benchmarks/certification_size.py, docs/benchmarks.md)"})
-    forget_tolerance: float = field(default=0.4, metadata={
-        "help": "certified: at most this share of each old task's examples forgotten (exact before, not now)"})
+    forget_tolerance: float = field(default=0.03, metadata={
+        "help": "the claim, stated before the data: certified at most this share of each old task's examples "
+                "forgotten (exact before, not now), so at most this many points of its accuracy lost"})
     delta: float = field(default=0.05, metadata={"help": "the certificate's error level"})
-    constraint_batch_size: int = field(default=32, metadata={"help": "constraint rows per task and step"})
-    kl_to_old: float = field(default=0.0, metadata={
+    constraint_batch_size: int = field(default=8, metadata={"help": "constraint rows per task and step"})
+    kl_to_old: float = field(default=1.0, metadata={
         "help": "the constrained run's objective also adds this weight times KL(old || new) on 32 of the old tasks' "
                 "constraint rows per step (0: none; the unconstrained run never has it)"})
     tolerance: float = field(default=0.2, metadata={"help": "h_k <= tolerance (nats per answer token)"})
