@@ -447,10 +447,16 @@ def format_per_seed(summary: dict[str, Any], cfg: ExampleArguments) -> str:
     return "\n".join(lines)
 
 
+def constrained_name(cfg: ExampleArguments) -> str:
+    """The constrained run in words: its penalty, beta and KL anchor."""
+    anchor = f", KL {cfg.kl_to_old:g}" if cfg.kl_to_old else ""
+    return f"{cfg.constraint_penalty} (beta {cfg.penalty_beta:g}{anchor})"
+
+
 def format_table(summary: dict[str, Any], cfg: ExampleArguments) -> str:
     old, table = summary["old_model"], summary["table"]
     lines = [f"| task | old model: accuracy / loss | unconstrained: accuracy / loss / h | "
-             f"{cfg.constraint_penalty} (beta {cfg.penalty_beta:g}): accuracy / loss / h |", "|---|---|---|---|"]
+             f"{constrained_name(cfg)}: accuracy / loss / h |", "|---|---|---|---|"]
     for t in (*OLD_TASKS, NEW_TASK):
         cells = [f"{100 * old[t]['accuracy']:.1f}% / {old[t]['loss']:.3f}"]
         for p in ("none", cfg.constraint_penalty):
