@@ -10,21 +10,27 @@ knob swept over a few values:
 * ``kl``: ``lam * KL(p_old || p_new)`` on 32 old-task rows per step
   (:class:`~hf_constrained.method.regularisers.KLToOld`);
 * ``l2``: ``lam / 2 * ||w - w_old||^2`` (:class:`~hf_constrained.method.regularisers.L2ToOld`);
-* ``hinge`` / ``squared_hinge`` (ours): the example's constrained run, knob the forgetting tolerance of its
-  proxy indicator (``forget_tolerance``); ``hinge_beta``: the hinge, knob beta;
-* ``hinge+replay``: the hinge (at ``--combo_tolerance``) with replay at share ``ratio``.
+* ``hinge`` / ``squared_hinge`` (ours): the example's constrained run without its KL anchor (``--kl_to_old``),
+  knob the forgetting tolerance of its proxy indicator (``forget_tolerance``); ``hinge_beta``: the hinge, knob
+  beta;
+* ``hinge+replay`` / ``hinge+kl``: the hinge (at ``--combo_tolerance``, default the example's
+  ``--forget_tolerance``) with replay at share ``ratio`` / with the KL anchor at weight ``lam`` (``hinge+kl`` at
+  lam 1 is the example's default constrained run).
 
 Every baseline reads the same old rows as the constraints (512 per task); none reads the held-out or the
 certification rows. Per run: the new task's held-out exact match (the target metric); every old task's
 held-out exact-match change against the old model on the same 512 rows (paired by row); the certificate's
-largest Clopper-Pearson bound on the share of an old task's certification rows forgotten (delta 0.05; a
-bound on the forgotten share also bounds the accuracy lost) and whether it certifies ``--claim``; the
-training time per step. The summary gives median and worst over seeds per setting, and the frontier: per
-method, the settings no other setting of it beats on both median new-task accuracy and median worst drop.
+largest Clopper-Pearson bound on the share of an old task's certification rows forgotten (a bound on the
+forgotten share also bounds the accuracy lost; each run is certified once, as the first look at the rows, at
+0.9 delta: ``certificate_level``) and whether it certifies ``--claim``; the training time per step; the
+regulariser's and the constraints' settings. The summary gives median and worst over seeds per setting, and the
+frontier: per method, the settings no other setting of it beats on both median new-task accuracy and median
+worst drop.
 
-    python benchmarks/forgetting_frontier.py --seeds 0 1 2 --json benchmarks/results/forgetting_frontier_tuning.json
-    python benchmarks/forgetting_frontier.py --seeds 100 101 102 103 104 --values replay=0.5 ... \\
-        --json benchmarks/results/forgetting_frontier_llm.json --figure benchmarks/results/forgetting_frontier_llm.png
+    python benchmarks/forgetting_frontier.py --seeds 0 1 2 --methods hinge hinge+kl --values hinge=0.03 \
+        hinge+kl=1 --penalty_beta 2 --json outputs/forgetting_frontier/tuning.json
+    python benchmarks/forgetting_frontier.py --seeds 100 101 102 103 104 --methods hinge+kl hinge replay kl none \
+        --values hinge+kl=1 hinge=0.03 replay=0.5 kl=1 --json benchmarks/results/forgetting_frontier_llm_100-104.json
 
 Flags this script does not know go to the example (``--max_steps 3``, ``--old_model DIR``, ...), so every
 method runs with the same example settings; ``--seeds``, ``--json`` and ``--workers`` are this script's.
@@ -69,21 +75,23 @@ METHODS: dict[str, Method] = {
     "replay": Method("none", "ratio", (0.25, 0.5, 0.75), regulariser="replay"),
     "kl": Method("none", "lam", (1.0, 5.0), regulariser="kl"),
     "l2": Method("none", "lam", (0.1, 1.0, 10.0), regulariser="l2"),
-    "hinge": Method("hinge", "forget_tolerance", (0.4, 0.1, 0.03), example_field="forget_tolerance"),
-    "squared_hinge": Method("squared_hinge", "forget_tolerance", (0.1,), example_field="forget_tolerance"),
-    "hinge_beta": Method("hinge", "penalty_beta", (20.0,), example_field="penalty_beta"),
+    "hinge": Method("hinge", "forget_tolerance", (0.03, 0.1), example_field="forget_tolerance"),
+    "squared_hinge": Method("squared_hinge", "forget_tolerance", (0.03,), example_field="forget_tolerance"),
+    "hinge_beta": Method("hinge", "penalty_beta", (5.0,), example_field="penalty_beta"),
     "hinge+replay": Method("hinge", "ratio", (0.25, 0.5), regulariser="replay"),
+    "hinge+kl": Method("hinge", "lam", (1.0,), regulariser="kl"),
 }
+COMBINATIONS = ("hinge+replay", "hinge+kl")  # the hinge at --combo_tolerance plus a baseline
 
 
 def run_spec(method: str, value: float, cfg: ex.ExampleArguments,
              combo_tolerance: float) -> tuple[str, ex.ExampleArguments, Optional[tuple[str, float]]]:
     """(penalty, the example's settings, baseline) of one run."""
     m = METHODS[method]
-    run_cfg = cfg
+    run_cfg = dataclasses.replace(cfg, kl_to_old=0.0)  # each method's own terms only (hinge+kl sets its KL)
     if m.example_field is not None:
         run_cfg = dataclasses.replace(run_cfg, **{m.example_field: value})
-    if method == "hinge+replay":
+    if method in COMBINATIONS:
         run_cfg = dataclasses.replace(run_cfg, forget_tolerance=combo_tolerance)
     return m.penalty, run_cfg, (None if m.regulariser is None else (m.regulariser, value))
 
@@ -95,7 +103,18 @@ def one_run(job: tuple[str, str, float, int, ex.ExampleArguments, float]) -> dic
     penalty, run_cfg, baseline = run_spec(method, value, cfg, combo_tolerance)
     record = ex.finetune(old_path, penalty, seed, run_cfg, regulariser=baseline)
     return {"method": method, "knob": METHODS[method].knob, "value": None if math.isnan(value) else value,
-            "steps": run_cfg.max_steps, **record}
+            "steps": run_cfg.max_steps, "constraint_settings": constraint_settings(penalty, run_cfg), **record}
+
+
+def constraint_settings(penalty: str, cfg: ex.ExampleArguments) -> Optional[dict[str, Any]]:
+    """The constrained run's own settings (recorded per run; None for a run without constraints)."""
+    if penalty == "none":
+        return None
+    return {"penalty": penalty, "penalty_beta": cfg.penalty_beta, "forget_tolerance": cfg.forget_tolerance,
+            "constraint_margin": cfg.constraint_margin, "constraint_batch_size": cfg.constraint_batch_size,
+            "constraint_indicator_fraction": cfg.constraint_indicator_fraction,
+            "constraint_proxy_indicator": cfg.constraint_proxy_indicator, "msvr_gamma": cfg.msvr_gamma,
+            "learning_rate": cfg.learning_rate, "max_steps": cfg.max_steps}
 
 
 def run_row(run: dict[str, Any], old: dict[str, dict], claim: float) -> dict[str, Any]:
@@ -110,7 +129,9 @@ def run_row(run: dict[str, Any], old: dict[str, dict], claim: float) -> dict[str
             "forgotten": None if cert is None else cert["forgotten"],
             "certification_rows": None if cert is None else cert["num_rows"],
             "certified_claim": None if cert is None else cert["largest_bound"] <= claim,
-            "seconds_per_step": run["seconds_per_step"], "regulariser": run["regulariser"]}
+            "certificate_level": None if cert is None else cert.get("level"),
+            "seconds_per_step": run["seconds_per_step"], "regulariser": run["regulariser"],
+            "constraint_settings": run.get("constraint_settings")}
 
 
 def _med_worst(values: list[float], worst: Any) -> dict[str, float]:
@@ -221,8 +242,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--values", nargs="*", default=[], help="method=v1,v2: the knob values of a method")
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4],
                    help="fine-tuning seeds (0-4 choose the settings; 100-104 report them)")
-    p.add_argument("--combo_tolerance", type=float, default=0.1,
-                   help="the hinge's forget_tolerance in hinge+replay")
+    p.add_argument("--combo_tolerance", type=float, default=None,
+                   help="the hinge's forget_tolerance in hinge+replay and hinge+kl (default: the example's "
+                        "--forget_tolerance)")
     p.add_argument("--claim", type=float, default=0.03,
                    help="the certified claim reported: at most this share of each old task's rows forgotten")
     p.add_argument("--json", default="outputs/forgetting_frontier/results.json")
@@ -254,9 +276,9 @@ def included_rows(path: str, cfg: ex.ExampleArguments, old_sha256: str, combo_to
     if saved["old_model_sha256"] != old_sha256:
         raise SystemExit(f"--include {path}: another old model (sha256 {saved['old_model_sha256'][:12]})")
     rows = saved["runs"]
-    if any(r["method"] == "hinge+replay" for r in rows) and saved["config"]["benchmark"]["combo_tolerance"] != \
+    if any(r["method"] in COMBINATIONS for r in rows) and saved["config"]["benchmark"]["combo_tolerance"] != \
             combo_tolerance:
-        raise SystemExit(f"--include {path}: its hinge+replay runs use --combo_tolerance "
+        raise SystemExit(f"--include {path}: its hinge combinations use --combo_tolerance "
                          f"{saved['config']['benchmark']['combo_tolerance']}, this run {combo_tolerance}")
     return rows
 
@@ -278,14 +300,16 @@ def example_runs(path: str, cfg: ex.ExampleArguments, seeds: list[int], old_sha2
             continue
         if r["penalty"] == "none":
             method, value = "none", None
-        elif r.get("regulariser"):
+        elif r.get("regulariser"):  # the example's constrained run with its KL anchor (--kl_to_old)
             if cfg.forget_tolerance != combo_tolerance:
-                raise SystemExit(f"--example_result {path}: its hinge+replay runs use forget_tolerance "
+                raise SystemExit(f"--example_result {path}: its hinge combination uses forget_tolerance "
                                  f"{cfg.forget_tolerance}, --combo_tolerance is {combo_tolerance}")
-            method, value = "hinge+replay", r["regulariser"]["ratio"]
+            method = f"hinge+{r['regulariser']['name']}"
+            value = r["regulariser"][METHODS[method].knob]
         else:
             method, value = r["penalty"], cfg.forget_tolerance
-        runs.append({"method": method, "knob": METHODS[method].knob, "value": value, "steps": cfg.max_steps, **r})
+        runs.append({"method": method, "knob": METHODS[method].knob, "value": value, "steps": cfg.max_steps,
+                     "constraint_settings": constraint_settings(r["penalty"], cfg), **r})
     for method in dict.fromkeys(r["method"] for r in runs):
         got = sorted(r["seed"] for r in runs if r["method"] == method)
         if got != sorted(seeds):
@@ -311,6 +335,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     args, rest = parser().parse_known_args(argv)
     overrides = parse_values(args.values)
     cfg = ex.parse(rest + ["--seeds", *map(str, args.seeds)])  # unknown flags are the example's error
+    if args.combo_tolerance is None:
+        args.combo_tolerance = cfg.forget_tolerance
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     ex._quiet()
     ex.torch.set_num_threads(cfg.threads)

@@ -6,27 +6,34 @@
 2. Fine-tuning on a new task, answering with the first letter only (``fst:abc=a``), twice per
    seed: unconstrained (plain SFT) and with one non-forgetting constraint per old task,
    h_k(w) = L_k(w) - L_k(w_old) <= tol (mean per-example token loss of the answers; hinge
-   exact penalty with MSVR estimates, Algorithm 1).
+   exact penalty with MSVR estimates, Algorithm 1), plus a KL anchor to the old model (``--kl_to_old``).
 3. Held-out per-task loss and exact-match accuracy (greedy decoding; computed in one
    teacher-forced pass: the greedy answer is exact iff every answer token, EOS included,
    is the argmax given the correct prefix), old vs new.
-4. A certificate per run: on 512 certification rows per old task (``--certify_rows``; independent
+4. A certificate per run: on 2000 certification rows per old task (``--certify_rows``; independent
    draws of the task's generator, fixed across seeds, read by nothing but the certificate), the
    share of rows the old model answered exactly and the new one no longer does (teacher-forced
-   exact match, ``causal_lm_per_example_correct``), bounded by Clopper-Pearson at ``--delta``
-   0.05. CERTIFIED: at most ``--forget_tolerance`` of each old task's examples forgotten.
-   The tasks are small (``add`` has 100 problems), so certification rows can repeat a training
-   row's text: they are named by their draw, and the claim is about each task's distribution,
-   the one the training rows come from too, not about problems never trained on.
+   exact match, ``causal_lm_per_example_correct``), bounded by Clopper-Pearson. CERTIFIED: at most
+   ``--forget_tolerance`` of each old task's examples forgotten, so at most that many points of its
+   accuracy lost. Each run is one release, certified once: the first look at the rows (level 0.9 *
+   ``--delta`` = 0.045 under the default spending, :func:`study_ledger`). The tasks are small (``add``
+   has 100 problems), so certification rows can repeat a training row's text: they are named by their
+   draw, and the claim is about each task's distribution, the one the training rows come from too, not
+   about problems never trained on.
 
-   The constrained run (defaults, chosen on seeds 0-4): two-split estimation
-   (``--constraint_indicator_fraction 0.5``: half of each old task's 512 constraint rows drive the
-   estimate and the hinge's indicator, the other half the gradient) with a proxy indicator
-   (``--constraint_proxy_indicator``: the indicator follows the certificate's statistic, the share
-   of the indicator rows forgotten, against ``--forget_tolerance`` 0.4 minus ``--constraint_margin``
-   0.1, while the gradient follows the loss change h_k); 300 steps. ``--forget_tolerance 0.4`` is
-   what the model supports, not the data (a rate over 512 rows with nothing forgotten has a bound of
-   1 - 0.05^(1/512) = 0.006): the 15 hinge runs on seeds 0-4 had largest bounds of 0.19-0.30.
+   The claim is the user's, stated before any data: ``--forget_tolerance 0.03`` ("at most 3% of each old
+   task forgotten", at most 3 points lost), at delta 0.05; 2000 rows per task are what that claim needs
+   (``benchmarks/certification_size.py``). The method's own settings (defaults chosen on seeds 0-4 by
+   ``benchmarks/forgetting_frontier.py``, docs/benchmarks.md): two-split estimation with a quarter of each
+   old task's 512 constraint rows driving the indicator (``--constraint_indicator_fraction 0.25``; the
+   other 384 rows the gradient), a proxy indicator (``--constraint_proxy_indicator``: it follows the
+   certificate's statistic, the share of the indicator rows forgotten, against the claim minus
+   ``--constraint_margin`` 0.01, while the gradient follows the loss change h_k), beta 2, 8 constraint
+   rows per task and step, and a KL anchor to the old model on the old rows (``--kl_to_old 1``). No
+   setting tried certified the 3% claim on any tuning seed; these defaults came closest (largest bounds
+   0.04-0.13 on seeds 0-4), and the example prints NOT CERTIFIED where the claim is not met. On seeds
+   100-104 they certify in 0 of 5, and KL to the old model alone protects the old tasks as well
+   (docs/benchmarks.md).
 
 Goals, over the seeds (median and worst reported): the unconstrained run forgets some old task
 (its held-out h_k exceeds ``--tolerance``); the constrained run is certified, and learns the new
@@ -34,13 +41,14 @@ task (held-out exact match >= ``--learned_accuracy``), each in at least 80% of t
 ``--seeds 0 1 2 3 4``). One seed by default, a few minutes; the wider evaluation is a flag away:
 
     python recipes/llm_tiny_example.py --seeds 100 101 102 103 104 --json benchmarks/results/llm_example.json
-    python recipes/llm_tiny_example.py --penalty_beta 10 --seeds 0
+    python recipes/llm_tiny_example.py --penalty_beta 5 --kl_to_old 0 --seeds 0
     hf-constrained llm-example --config my_settings.yaml       # any flag below, as YAML
 
 The fine-tuning flags carry the names of ``ConstrainedTrainingArguments``
 (``--constraint_penalty``, ``--penalty_beta``, ``--max_steps``, ``--learning_rate``,
 ``--lr_scheduler_type``, ``--msvr_gamma``, ``--constraint_batch_size``,
 ``--constraint_indicator_fraction``, ``--constraint_proxy_indicator``, ``--constraint_margin``);
+``--kl_to_old`` adds the KL anchor (``hf_constrained.method.regularisers.KLToOld``) to the constrained run;
 a flag the example does not list is an error.
 
 The old model is trained by every invocation, deterministically (seed 0, ``--threads`` torch
@@ -52,6 +60,7 @@ constraint batches) and the new task's training rows. Results depend on the thre
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import hashlib
 import json
 import logging
@@ -65,6 +74,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
@@ -91,6 +101,7 @@ from hf_constrained.publishable import publishable_command, publishable_values
 from hf_constrained.recipe_args import parse_recipe_args
 from hf_constrained.recipes.tiny_lm import char_tokenizer, tiny_causal_lm
 from hf_constrained.safety.evaluation import certify_models
+from hf_constrained.safety.ledger import LEDGER_ENV
 from hf_constrained.text_data import tokenize_sft
 
 logger = logging.getLogger("llm_tiny_example")
@@ -269,6 +280,8 @@ def finetune(old_path: str, penalty: str, seed: int, cfg: ExampleArguments,
                                              forget_tolerance=cfg.forget_tolerance)
     if cfg.constraint_proxy_indicator and penalty != "none":
         add_old_correctness(model, constraints, collate)
+    if regulariser is None and penalty != "none" and cfg.kl_to_old > 0:
+        regulariser = ("kl", cfg.kl_to_old)  # the constrained run's own anchor (--kl_to_old)
     baseline = baseline_regulariser(regulariser, model, constraint_rows, collate, seed)
     with tempfile.TemporaryDirectory() as tmp:
         trainer = ConstrainedTrainer(
@@ -282,16 +295,39 @@ def finetune(old_path: str, penalty: str, seed: int, cfg: ExampleArguments,
         trainer.remove_callback(PrinterCallback)
         train_seconds = trainer.train().metrics["train_runtime"]
         h_eval = trainer.evaluate_constraints(split="eval")
-        certificate = certify_models(trainer, delta=cfg.delta)  # the final weights, on the certification rows
+        with study_ledger(tmp):  # the final weights, on the certification rows: this run's first look
+            certificate = certify_models(trainer, delta=cfg.delta)
     metrics = evaluate(model, held_out, collate)
     cert = None if certificate is None else {
         "certified": certificate.is_certified(0), "forgotten": certificate.values[0],
         "upper_bounds": certificate.upper_bounds[0], "largest_bound": max(certificate.upper_bounds[0].values()),
-        "num_rows": certificate.num_rows, "forget_tolerance": cfg.forget_tolerance, "delta": cfg.delta}
+        "num_rows": certificate.num_rows, "forget_tolerance": cfg.forget_tolerance, "delta": cfg.delta,
+        "looks": dict(certificate.looks), "level": certificate.level}
     return {"penalty": penalty, "seed": seed, "held_out": metrics, "h_held_out": h_eval,
             "tolerance": cfg.tolerance, "certificate": cert, "seconds": round(time.time() - t0, 1),
             "regulariser": None if baseline is None else baseline.settings(),
             "seconds_per_step": train_seconds / max(cfg.max_steps, 1)}
+
+
+@contextlib.contextmanager
+def study_ledger(folder: str) -> Iterator[None]:
+    """Count this run's certificate looks in a ledger of its own (``folder``), not the user-level one.
+
+    Every run of this example (and of ``benchmarks/forgetting_frontier.py``) is one simulated release: one
+    method, one seed, certified once on the task's certification rows, as the one user who ran it would
+    certify it (the first look of :mod:`hf_constrained.safety.ledger`, at ``delta_1`` = 0.9 delta under the
+    default spending). The runs of a study share those rows, and counting them as looks of one user would
+    test the tenth run at delta * 1e-9 and refuse the seventh; a user who certifies several models of
+    their own on one split keeps the user-level ledger (the library's default)."""
+    saved = os.environ.get(LEDGER_ENV)
+    os.environ[LEDGER_ENV] = os.path.join(folder, "study_ledger.json")
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(LEDGER_ENV, None)
+        else:
+            os.environ[LEDGER_ENV] = saved
 
 
 def add_old_correctness(old_model: torch.nn.Module, constraints: list[Any], collate: PaddingCollator) -> None:
@@ -412,10 +448,16 @@ def format_per_seed(summary: dict[str, Any], cfg: ExampleArguments) -> str:
     return "\n".join(lines)
 
 
+def constrained_name(cfg: ExampleArguments) -> str:
+    """The constrained run in words: its penalty, beta and KL anchor."""
+    anchor = f", KL {cfg.kl_to_old:g}" if cfg.kl_to_old else ""
+    return f"{cfg.constraint_penalty} (beta {cfg.penalty_beta:g}{anchor})"
+
+
 def format_table(summary: dict[str, Any], cfg: ExampleArguments) -> str:
     old, table = summary["old_model"], summary["table"]
     lines = [f"| task | old model: accuracy / loss | unconstrained: accuracy / loss / h | "
-             f"{cfg.constraint_penalty} (beta {cfg.penalty_beta:g}): accuracy / loss / h |", "|---|---|---|---|"]
+             f"{constrained_name(cfg)}: accuracy / loss / h |", "|---|---|---|---|"]
     for t in (*OLD_TASKS, NEW_TASK):
         cells = [f"{100 * old[t]['accuracy']:.1f}% / {old[t]['loss']:.3f}"]
         for p in ("none", cfg.constraint_penalty):
@@ -443,8 +485,9 @@ class ExampleArguments:
     :class:`~hf_constrained.ConstrainedTrainingArguments` (``--penalty_beta``, ``--max_steps``, ...)."""
 
     seeds: list[int] = field(default_factory=lambda: [0], metadata={
-        "help": "fine-tuning seeds (default: seed 0, a few minutes; --seeds 0 1 2 3 4 is the evaluation that chose "
-                "the defaults, --seeds 100 101 102 103 104 the one docs/llm.md reports, about 30 minutes)"})
+        "help": "fine-tuning seeds (default: seed 0, a few minutes; seeds 0-4 chose the defaults (with "
+                "benchmarks/forgetting_frontier.py), --seeds 100 101 102 103 104 is the evaluation docs/llm.md "
+                "reports, about 20-30 minutes)"})
     old_steps: int = field(default=1000, metadata={"help": "training steps of the old model"})
     old_rows: int = field(default=4000, metadata={"help": "training rows per old task"})
     old_lr: float = field(default=3e-3, metadata={"help": "learning rate of the old model"})
@@ -456,29 +499,33 @@ class ExampleArguments:
     constraint_penalty: str = field(default="hinge", metadata={
         "help": "penalty of the constrained run (each seed also runs unconstrained, penalty none)",
         "choices": ["hinge", "squared_hinge"]})
-    penalty_beta: float = field(default=5.0, metadata={"help": "penalty parameter beta of the constrained run"})
+    penalty_beta: float = field(default=2.0, metadata={"help": "penalty parameter beta of the constrained run"})
     msvr_gamma: float = field(default=0.8, metadata={"help": "MSVR gamma of the constraint estimates"})
-    constraint_indicator_fraction: Optional[float] = field(default=0.5, metadata={
+    constraint_indicator_fraction: Optional[float] = field(default=0.25, metadata={
         "help": "two-split estimation of the constrained run: this share of each old task's constraint rows drives "
                 "the estimate and the hinge's indicator, the rest the gradient (in (0, 1); 0: one split, as in the "
                 "paper)"})
     constraint_proxy_indicator: bool = field(default=True, metadata={
         "help": "with --constraint_indicator_fraction: the indicator follows the certificate's statistic (the share "
                 "of the indicator rows forgotten) against --forget_tolerance; the gradient follows the loss change"})
-    constraint_margin: Optional[float] = field(default=0.1, metadata={
+    constraint_margin: Optional[float] = field(default=0.01, metadata={
         "help": "the constrained run's margin: the hinge acts when the estimate exceeds its tolerance minus this "
                 "(with --constraint_proxy_indicator a share of rows, else nats per answer token)"})
     new_rows: int = field(default=2000, metadata={"help": "training rows of the new task"})
     constraint_rows: int = field(default=512, metadata={"help": "constraint rows per old task"})
     held_out_rows: int = field(default=512, metadata={"help": "held-out rows per task"})
-    certify_rows: int = field(default=512, metadata={
+    certify_rows: int = field(default=2000, metadata={
         "help": "certification rows per old task (independent draws, read only by the certificate; 0: none). A "
                 "claim of at most 3%% of each old task forgotten (so at most 3 points lost) at delta 0.05 needs "
                 "2000 (benchmarks/certification_size.py, docs/benchmarks.md)"})
-    forget_tolerance: float = field(default=0.4, metadata={
-        "help": "certified: at most this share of each old task's examples forgotten (exact before, not now)"})
+    forget_tolerance: float = field(default=0.03, metadata={
+        "help": "the claim, stated before the data: certified at most this share of each old task's examples "
+                "forgotten (exact before, not now), so at most this many points of its accuracy lost"})
     delta: float = field(default=0.05, metadata={"help": "the certificate's error level"})
-    constraint_batch_size: int = field(default=32, metadata={"help": "constraint rows per task and step"})
+    constraint_batch_size: int = field(default=8, metadata={"help": "constraint rows per task and step"})
+    kl_to_old: float = field(default=1.0, metadata={
+        "help": "the constrained run's objective also adds this weight times KL(old || new) on 32 of the old tasks' "
+                "constraint rows per step (0: none; the unconstrained run never has it)"})
     tolerance: float = field(default=0.2, metadata={"help": "h_k <= tolerance (nats per answer token)"})
     learned_accuracy: float = field(default=0.9, metadata={"help": "held-out new-task accuracy that counts as learned"})
     old_model: Optional[str] = field(default=None, metadata={"help": "reuse (or create) the old model in this folder"})
@@ -511,6 +558,8 @@ class ExampleArguments:
         if self.constraint_margin is not None and not (math.isfinite(self.constraint_margin)
                                                        and self.constraint_margin >= 0):
             raise ValueError(f"--constraint_margin must be a finite number >= 0, got {self.constraint_margin}")
+        if not (math.isfinite(self.kl_to_old) and self.kl_to_old >= 0):
+            raise ValueError(f"--kl_to_old must be a finite number >= 0, got {self.kl_to_old}")
         if self.workers < 1:
             raise ValueError(f"--workers must be >= 1, got {self.workers}")
         if self.threads < 1:

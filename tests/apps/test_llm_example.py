@@ -219,3 +219,27 @@ def test_the_committed_results_come_from_the_command_shown_beside_them():
     hinge = saved["summary"]["certificate"][cfg.constraint_penalty]
     assert f"certified in {hinge['seeds_certified']} of 5 seeds" in readme
     assert saved["old_model_sha256"][:12] in docs
+
+
+@pytest.mark.slow
+def test_each_run_certifies_as_its_own_first_look_and_kl_to_old_anchors_only_the_constrained_run(tmp_path,
+                                                                                                 monkeypatch):
+    """Every run of the example is one simulated release certified once: two runs on the same certification rows
+    are each the split's first look (level 0.9 delta under the default spending), and the user-level ledger is
+    left alone. ``--kl_to_old`` adds the KL anchor to the constrained run, never to the unconstrained one."""
+    user_ledger = tmp_path / "user_ledger.json"
+    monkeypatch.setenv("HF_CONSTRAINED_LEDGER", str(user_ledger))
+    cfg = ex.parse(["--old_steps", "5", "--old_rows", "20", "--hidden", "16", "--max_steps", "2", "--new_rows",
+                    "64", "--constraint_rows", "40", "--held_out_rows", "16", "--certify_rows", "16",
+                    "--constraint_batch_size", "8", "--kl_to_old", "0.5"])
+    old = str(tmp_path / "old")
+    ex.train_old_model(old, cfg)
+    runs = [ex.finetune(old, penalty, seed, cfg) for penalty, seed in (("hinge", 0), ("hinge", 1), ("none", 0))]
+    for run in runs:
+        assert set(run["certificate"]["looks"].values()) == {1}
+        assert run["certificate"]["level"] == pytest.approx(0.9 * cfg.delta)
+    assert not user_ledger.exists() and ex.os.environ["HF_CONSTRAINED_LEDGER"] == str(user_ledger)
+    assert runs[0]["regulariser"] == {"name": "kl", "lam": 0.5, "rows_per_step": 32, "seed": 0}
+    assert runs[2]["regulariser"] is None
+    with pytest.raises(ValueError, match="--kl_to_old"):
+        ex.parse(["--kl_to_old", "-1"])

@@ -44,6 +44,14 @@ def test_every_method_runs_with_the_same_steps_and_seeds(tmp_path):
     assert by["replay"]["regulariser"]["name"] == "replay" and by["replay"]["regulariser"]["ratio"] == 0.25
     assert by["hinge+replay"]["regulariser"]["name"] == "replay"
     assert by["kl"]["regulariser"]["lam"] == 1.0 and by["l2"]["regulariser"]["lam"] == 0.1
+    assert by["hinge+kl"]["regulariser"]["name"] == "kl" and by["hinge"]["regulariser"] is None  # no default anchor
+    # the constraints' own settings, per run: the hinge at the claim, the combinations at --combo_tolerance
+    assert by["none"]["constraint_settings"] is None and by["kl"]["constraint_settings"] is None
+    assert by["hinge"]["constraint_settings"]["forget_tolerance"] == 0.03
+    assert by["hinge_beta"]["constraint_settings"]["penalty_beta"] == 5.0
+    assert by["hinge+kl"]["constraint_settings"]["forget_tolerance"] == saved["config"]["benchmark"]["combo_tolerance"]
+    assert saved["config"]["benchmark"]["combo_tolerance"] == saved["config"]["example"]["forget_tolerance"]
+    assert all(r["certificate_level"] == pytest.approx(0.045) for r in runs)  # each run its own first look
     # the summary: one entry per setting, over both seeds; the frontier names only settings that ran
     assert len(saved["settings"]) == len(ff.METHODS)
     assert all(s["seeds"] == [0, 1] for s in saved["settings"])
@@ -80,13 +88,16 @@ def test_runs_taken_from_the_example_are_its_runs_and_must_match_its_settings(tm
     result = ff.main(["--seeds", "0", "--workers", "1", "--methods", "replay", "--values", "replay=0.5",
                       "--example_result", example_json, "--old_model", old, "--json", str(tmp_path / "f.json"), *TINY])
     by = {r["method"]: r for r in result["runs"]}
-    assert set(by) == {"none", "hinge", "replay"} and {r["steps"] for r in result["runs"]} == {2}
-    for method, penalty in (("none", "none"), ("hinge", "hinge")):
+    # the example's constrained run is the hinge with its KL anchor (--kl_to_old 1): the benchmark's hinge+kl
+    assert set(by) == {"none", "hinge+kl", "replay"} and {r["steps"] for r in result["runs"]} == {2}
+    for method, penalty in (("none", "none"), ("hinge+kl", "hinge")):
         run = next(r for r in saved["runs"] if r["penalty"] == penalty)
         assert by[method]["new_task_accuracy"] == run["held_out"]["first"]["accuracy"]
         assert by[method]["upper_bounds"] == run["certificate"]["upper_bounds"]
         assert by[method]["seconds_per_step"] == run["seconds_per_step"]  # the example's run, not a new one
-    assert by["hinge"]["value"] == 0.4 and by["none"]["value"] is None
+    assert by["hinge+kl"]["value"] == 1.0 and by["none"]["value"] is None
+    assert by["hinge+kl"]["constraint_settings"]["forget_tolerance"] == 0.03
+    assert by["none"]["constraint_settings"] is None
     # a later invocation gathers earlier result files without running anything
     merged = ff.main(["--seeds", "0", "--workers", "1", "--methods", "--include", str(tmp_path / "f.json"),
                       "--old_model", old, "--json", str(tmp_path / "m.json"), *TINY])
