@@ -114,6 +114,7 @@ def constraint_settings(penalty: str, cfg: ex.ExampleArguments) -> Optional[dict
             "constraint_margin": cfg.constraint_margin, "constraint_batch_size": cfg.constraint_batch_size,
             "constraint_indicator_fraction": cfg.constraint_indicator_fraction,
             "constraint_proxy_indicator": cfg.constraint_proxy_indicator, "msvr_gamma": cfg.msvr_gamma,
+            "msvr_gamma_prime": cfg.msvr_gamma_prime,
             "learning_rate": cfg.learning_rate, "max_steps": cfg.max_steps}
 
 

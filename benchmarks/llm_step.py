@@ -12,9 +12,9 @@ once before training, one shared row function: the fused step), the hinge with b
 * a constrained variant per ``--variants`` entry ``|B_k|:|B_c|:gamma'`` (``all`` for |B_c| = m):
   ``8:all:0`` is the recipe's default (``constraint_batch_size`` 8, every constraint each
   step, gamma' 0: no look-ahead); ``8:all:0.1`` adds the library's default gamma' 0.1, whose
-  look-ahead evaluates the next step's constraint rows without grad. The constraint rows join the objective's forward (the model has no dropout:
-  :mod:`hf_constrained.method.shared_forward`); a ``:separate`` suffix gives them their own forward
-  and backward graph, as on a model with dropout.
+  look-ahead evaluates the next step's constraint rows without grad. The constraint rows join the
+  objective's forward (the model has no dropout: :mod:`hf_constrained.method.shared_forward`); a
+  ``:separate`` suffix gives them their own forward and backward graph, as on a model with dropout.
 
 Variants alternate for ``--rounds`` rounds in one process; each ratio is of the median step
 times (optimizer steps, ``gradient_accumulation_steps`` micro-batches each). On CUDA each

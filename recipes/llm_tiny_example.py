@@ -46,7 +46,7 @@ task (held-out exact match >= ``--learned_accuracy``), each in at least 80% of t
 
 The fine-tuning flags carry the names of ``ConstrainedTrainingArguments``
 (``--constraint_penalty``, ``--penalty_beta``, ``--max_steps``, ``--learning_rate``,
-``--lr_scheduler_type``, ``--msvr_gamma``, ``--constraint_batch_size``,
+``--lr_scheduler_type``, ``--msvr_gamma``, ``--msvr_gamma_prime``, ``--constraint_batch_size``,
 ``--constraint_indicator_fraction``, ``--constraint_proxy_indicator``, ``--constraint_margin``);
 ``--kl_to_old`` adds the KL anchor (``hf_constrained.method.regularisers.KLToOld``) to the constrained run;
 a flag the example does not list is an error.
@@ -289,7 +289,8 @@ def finetune(old_path: str, penalty: str, seed: int, cfg: ExampleArguments,
                                     max_steps=cfg.max_steps, learning_rate=cfg.learning_rate,
                                     per_device_train_batch_size=32, lr_scheduler_type=cfg.lr_scheduler_type,
                                     constraint_batch_size=cfg.constraint_batch_size,
-                                    msvr_gamma=cfg.msvr_gamma, **_estimation_args(cfg, penalty)),
+                                    msvr_gamma=cfg.msvr_gamma, msvr_gamma_prime=cfg.msvr_gamma_prime,
+                                    **_estimation_args(cfg, penalty)),
             train_dataset=task_data(NEW_TASK, cfg.new_rows, 100 + seed, tokenizer), data_collator=collate,
             constraints=constraints, regulariser=baseline)
         trainer.remove_callback(PrinterCallback)
@@ -501,6 +502,8 @@ class ExampleArguments:
         "choices": ["hinge", "squared_hinge"]})
     penalty_beta: float = field(default=2.0, metadata={"help": "penalty parameter beta of the constrained run"})
     msvr_gamma: float = field(default=0.8, metadata={"help": "MSVR gamma of the constraint estimates"})
+    msvr_gamma_prime: str = field(default="0.1", metadata={
+        "help": "MSVR gamma' of the constraint estimates (0: no look-ahead forward; 'theory': Algorithm 1's value)"})
     constraint_indicator_fraction: Optional[float] = field(default=0.25, metadata={
         "help": "two-split estimation of the constrained run: this share of each old task's constraint rows drives "
                 "the estimate and the hinge's indicator, the rest the gradient (in (0, 1); 0: one split, as in the "
