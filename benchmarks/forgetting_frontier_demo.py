@@ -11,7 +11,7 @@ learning rate and checkpoint rule for every method; each method has one knob swe
   increase the demo's non-forgetting constraints bound;
 * ``kl``: ``lam * KL(p_old || p_new)`` of the zero-shot class distribution on 64 protected images per step
   (:class:`~hf_constrained.method.regularisers.KLToOld`);
-* ``hinge`` (ours): the demo's constrained run at its defaults, knob ``beta``.
+* ``hinge`` and ``squared_hinge`` (ours): the demo's constrained run at its defaults with that penalty, knob ``beta``.
 
 Every baseline reads only the constraint images D_k (the rows the constraints read, with their augmented copies):
 never the selection, held-out or certification images. Replay, KL and the hinge keep the checkpoint of the demo's
@@ -69,6 +69,7 @@ METHODS: dict[str, ff.Method] = {
     "replay": ff.Method("none", "ratio", (0.5, 0.75), regulariser="replay"),
     "kl": ff.Method("none", "lam", (1.0, 3.0, 10.0), regulariser="kl"),
     "hinge": ff.Method("hinge", "beta", (10.0, 5.0), example_field="beta"),
+    "squared_hinge": ff.Method("squared_hinge", "beta", (10.0, 50.0), example_field="beta"),
 }
 TARGET = "target_gain"  # the target metric of the summary, the frontier and the figure
 
