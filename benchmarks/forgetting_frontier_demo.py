@@ -160,7 +160,7 @@ def run_row(method: str, value: float, cfg: demo.DemoConfig, old: dict[str, floa
     worst = min(changes, key=changes.get)
     cert = run["certificate"]
     return {"method": method, "knob": METHODS[method].knob, "value": None if math.isnan(value) else value,
-            "seed": cfg.seed, "steps": cfg.steps, "target": target,
+            "penalty": run["penalty"], "seed": cfg.seed, "steps": cfg.steps, "target": target,
             "target_gain": run["accuracy"][target] - old[target], "target_accuracy": run["accuracy"][target],
             "old_target_accuracy": old[target],
             "old_task_change": changes, "worst_old_change": changes[worst], "worst_old_class": worst,

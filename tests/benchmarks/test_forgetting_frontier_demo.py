@@ -38,10 +38,11 @@ def test_every_method_runs_on_the_same_demo_settings(tmp_path):
         assert r["seconds_per_step"] > 0 and r["cpu_seconds_per_step"] > 0
     by = {r["method"]: r for r in runs}
     assert by["none"]["regulariser"] is None and by["hinge"]["regulariser"] is None
+    assert by["squared_hinge"]["regulariser"] is None and by["squared_hinge"]["penalty"] == "squared_hinge"
     assert by["replay"]["regulariser"]["ratio"] == 0.5 and by["kl"]["regulariser"]["lam"] == 1.0
     assert len(saved["settings"]) == len(ffd.METHODS) and all("target_gain" in s for s in saved["settings"])
     assert set(saved["frontier"]["per_method"]) == set(ffd.METHODS)
-    assert saved["chosen"]["values"] == {"none": None, "replay": 0.5, "kl": 1.0, "hinge": 10.0}
+    assert saved["chosen"]["values"] == {"none": None, "replay": 0.5, "kl": 1.0, "hinge": 10.0, "squared_hinge": 10.0}
     assert saved["config"]["demo"]["steps"] == 2 and "<local>" in saved["command"]
 
 
