@@ -149,11 +149,9 @@ def test_the_tiny_clip_processor_logs_no_backend_fallback(tmp_path):
     import sys
     import textwrap
 
-    from hf_constrained.extras import has_module
-
-    if has_module("torchvision"):
-        pytest.skip("torchvision is installed: transformers uses its default backend and logs no fallback")
     script = textwrap.dedent(f"""
+        import sys
+        sys.modules["torchvision"] = None  # as without torchvision, also where it is installed: find_spec -> None
         from transformers import CLIPProcessor
         from hf_constrained.clip.tiny import tiny_processor, word_tokenizer
         tiny_processor(word_tokenizer(["a photo of a digit"])).save_pretrained({str(tmp_path)!r})

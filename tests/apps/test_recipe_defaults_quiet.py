@@ -13,10 +13,12 @@ from hf_constrained import ConstrainedTrainingArguments
 from hf_constrained.recipe_args import parse_recipe_args
 
 
-def recipe_args_accelerator() -> bool:
-    import torch
+@pytest.fixture
+def no_accelerator(monkeypatch):
+    """The recipe flags parsed as on a machine without an accelerator, also where this one has one."""
+    import hf_constrained.recipe_args as recipe_args
 
-    return bool(torch.cuda.is_available())
+    monkeypatch.setattr(recipe_args, "accelerator_available", lambda: False)
 
 
 def _without_use_cpu(flags: list[str]) -> list[str]:
@@ -24,8 +26,7 @@ def _without_use_cpu(flags: list[str]) -> list[str]:
     return flags[:i] + flags[i + 2:]  # TrainingArguments turns pinning off itself with --use_cpu
 
 
-@pytest.mark.skipif(recipe_args_accelerator(), reason="pinning is right with an accelerator")
-def test_pin_memory_is_off_by_default_without_an_accelerator(tmp_path):
+def test_pin_memory_is_off_by_default_without_an_accelerator(tmp_path, no_accelerator):
     (args,) = parse_recipe_args([ConstrainedTrainingArguments], ["--output_dir", str(tmp_path)])
     assert args.dataloader_pin_memory is False
     (asked,) = parse_recipe_args([ConstrainedTrainingArguments], ["--output_dir", str(tmp_path),
@@ -33,9 +34,15 @@ def test_pin_memory_is_off_by_default_without_an_accelerator(tmp_path):
     assert asked.dataloader_pin_memory is True  # what a user asks for is kept
 
 
-def test_the_roc_recipe_prints_no_pin_memory_warning_on_a_cpu(splits, tmp_path, monkeypatch):  # noqa: F811
-    if recipe_args_accelerator():
-        pytest.skip("pinning is right with an accelerator")
+def test_pin_memory_keeps_the_trainers_default_with_an_accelerator(tmp_path, monkeypatch):
+    import hf_constrained.recipe_args as recipe_args
+
+    monkeypatch.setattr(recipe_args, "accelerator_available", lambda: True)
+    (args,) = parse_recipe_args([ConstrainedTrainingArguments], ["--output_dir", str(tmp_path)])
+    assert args.dataloader_pin_memory is True
+
+
+def test_the_roc_recipe_prints_no_pin_memory_warning_on_a_cpu(splits, tmp_path, no_accelerator):  # noqa: F811
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")  # count every emission, not the first per location
         flags = _without_use_cpu(_csv_recipe_flags(splits, tmp_path))
