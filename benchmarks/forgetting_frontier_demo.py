@@ -60,7 +60,7 @@ import forgetting_frontier as ff  # noqa: E402
 
 from hf_constrained.publishable import publishable_command, publishable_values  # noqa: E402
 from hf_constrained.recipes import demo_clip_digits as demo  # noqa: E402
-from hf_constrained.safety.ledger import LEDGER_ENV, LEDGER_FILE  # noqa: E402
+from hf_constrained.safety.ledger import LEDGER_FILE, user_ledger_at  # noqa: E402
 
 logger = logging.getLogger("forgetting_frontier_demo")
 
@@ -98,16 +98,8 @@ class StepClock(TrainerCallback):
 def fresh_ledger() -> Iterator[None]:
     """A ledger of looks of its own for one run: its certificate is the first look at its certification images
     (level 0.9 delta), whatever ran before on them, as for a user who releases only this method's model."""
-    before = os.environ.get(LEDGER_ENV)
-    with tempfile.TemporaryDirectory() as tmp:
-        os.environ[LEDGER_ENV] = os.path.join(tmp, LEDGER_FILE)
-        try:
-            yield
-        finally:
-            if before is None:
-                os.environ.pop(LEDGER_ENV, None)
-            else:
-                os.environ[LEDGER_ENV] = before
+    with tempfile.TemporaryDirectory() as tmp, user_ledger_at(os.path.join(tmp, LEDGER_FILE)):
+        yield
 
 
 def _quiet() -> None:

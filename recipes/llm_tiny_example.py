@@ -101,7 +101,7 @@ from hf_constrained.publishable import publishable_command, publishable_values
 from hf_constrained.recipe_args import parse_recipe_args
 from hf_constrained.recipes.tiny_lm import char_tokenizer, tiny_causal_lm
 from hf_constrained.safety.evaluation import certify_models
-from hf_constrained.safety.ledger import LEDGER_ENV
+from hf_constrained.safety.ledger import user_ledger_at
 from hf_constrained.text_data import tokenize_sft
 
 logger = logging.getLogger("llm_tiny_example")
@@ -320,15 +320,8 @@ def study_ledger(folder: str) -> Iterator[None]:
     default spending). The runs of a study share those rows, and counting them as looks of one user would
     test the tenth run at delta * 1e-9 and refuse the seventh; a user who certifies several models of
     their own on one split keeps the user-level ledger (the library's default)."""
-    saved = os.environ.get(LEDGER_ENV)
-    os.environ[LEDGER_ENV] = os.path.join(folder, "study_ledger.json")
-    try:
+    with user_ledger_at(os.path.join(folder, "study_ledger.json")):
         yield
-    finally:
-        if saved is None:
-            os.environ.pop(LEDGER_ENV, None)
-        else:
-            os.environ[LEDGER_ENV] = saved
 
 
 def add_old_correctness(old_model: torch.nn.Module, constraints: list[Any], collate: PaddingCollator) -> None:

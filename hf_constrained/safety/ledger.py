@@ -66,6 +66,21 @@ def user_ledger_path() -> str:
     return os.path.join(cache, "hf_constrained", LEDGER_FILE)
 
 
+@contextlib.contextmanager
+def user_ledger_at(path: str) -> Iterator[None]:
+    """Inside the block, count looks in the ledger file ``path`` instead of the user-level one (a study whose
+    every run is one simulated release, certified as its first look); the setting before is restored after."""
+    before = os.environ.get(LEDGER_ENV)
+    os.environ[LEDGER_ENV] = path
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(LEDGER_ENV, None)
+        else:
+            os.environ[LEDGER_ENV] = before
+
+
 class LookRefused(ValueError):
     """A certification split's error budget is spent: no further certificate on it."""
 
@@ -298,5 +313,6 @@ __all__ = [
     "SingleLook",
     "Spending",
     "look_key",
+    "user_ledger_at",
     "user_ledger_path",
 ]
