@@ -27,6 +27,7 @@ values agree with the separate forward up to floating-point reassociation in the
 from __future__ import annotations
 
 import numbers
+import weakref
 from collections.abc import Mapping
 from typing import Any, Callable, Optional
 
@@ -143,10 +144,19 @@ class MergedForward:
         return outputs
 
 
+_HEADS: "weakref.WeakKeyDictionary[nn.Module, Any]" = weakref.WeakKeyDictionary()
+
+
 def causal_lm_head(model: nn.Module) -> Any:
     """The Hugging Face causal-LM module inside ``model`` (through DDP, PEFT or other wrappers): the first
     module that has ``loss_function`` and a configuration and whose class is a ``...ForCausalLM`` or
-    ``...LMHeadModel``; ``None`` when there is none."""
+    ``...LMHeadModel``; ``None`` when there is none. Found once per model (the step asks every time)."""
+    if model not in _HEADS:
+        _HEADS[model] = _find_causal_lm_head(model)
+    return _HEADS[model]
+
+
+def _find_causal_lm_head(model: nn.Module) -> Any:
     for module in model.modules():
         name = type(module).__name__
         if hasattr(module, "loss_function") and hasattr(module, "config") \
