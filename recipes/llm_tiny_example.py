@@ -289,6 +289,7 @@ def finetune(old_path: str, penalty: str, seed: int, cfg: ExampleArguments,
                                     max_steps=cfg.max_steps, learning_rate=cfg.learning_rate,
                                     per_device_train_batch_size=32, lr_scheduler_type=cfg.lr_scheduler_type,
                                     constraint_batch_size=cfg.constraint_batch_size,
+                                    constraints_per_step=cfg.constraints_per_step,
                                     msvr_gamma=cfg.msvr_gamma, msvr_gamma_prime=cfg.msvr_gamma_prime,
                                     **_estimation_args(cfg, penalty)),
             train_dataset=task_data(NEW_TASK, cfg.new_rows, 100 + seed, tokenizer), data_collator=collate,
@@ -519,6 +520,9 @@ class ExampleArguments:
                 "forgotten (exact before, not now), so at most this many points of its accuracy lost"})
     delta: float = field(default=0.05, metadata={"help": "the certificate's error level"})
     constraint_batch_size: int = field(default=8, metadata={"help": "constraint rows per task and step"})
+    constraints_per_step: Optional[int] = field(default=None, metadata={
+        "help": "old-task constraints sampled per step (Algorithm 1's |I_t|; default: all three; the estimates of "
+                "the others are kept)"})
     kl_to_old: float = field(default=1.0, metadata={
         "help": "the constrained run's objective also adds this weight times KL(old || new) on 32 of the old tasks' "
                 "constraint rows per step (0: none; the unconstrained run never has it)"})
@@ -556,6 +560,8 @@ class ExampleArguments:
             raise ValueError(f"--constraint_margin must be a finite number >= 0, got {self.constraint_margin}")
         if not (math.isfinite(self.kl_to_old) and self.kl_to_old >= 0):
             raise ValueError(f"--kl_to_old must be a finite number >= 0, got {self.kl_to_old}")
+        if self.constraints_per_step is not None and not 1 <= self.constraints_per_step <= len(OLD_TASKS):
+            raise ValueError(f"--constraints_per_step must be in [1, {len(OLD_TASKS)}], got {self.constraints_per_step}")
         if self.workers < 1:
             raise ValueError(f"--workers must be >= 1, got {self.workers}")
         if self.threads < 1:
