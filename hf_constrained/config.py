@@ -111,13 +111,15 @@ class ConstrainedTrainingArguments(TrainingArguments):
         metadata={"help": "Calibrated constraints: enforce h_k <= tol_k with the margin z_c * s_k / sqrt(|D_k|) "
                   "(s_k the running spread of the per-row values, z_c the one-sided normal quantile at this "
                   "confidence, in [0.5, 1)), so the constraint also holds on unseen data of the same population "
-                  "with about this confidence. Row-wise constraints only; Constraint.confidence overrides it."},
+                  "with about this confidence. Row-wise constraints only. In Python: CalibratedMargin; "
+                  "Constraint.margin overrides it."},
     )
     constraint_margin: Optional[float] = field(
         default=None,
         metadata={"help": "An explicit margin >= 0 for every constraint: the hinge acts when the estimate exceeds "
-                  "tol_k - margin (on the inner value of a compositional constraint). Constraint.margin overrides "
-                  "it; exclusive with constraint_confidence."},
+                  "tol_k - margin (on the inner value of a compositional constraint). In Python: FixedMargin; "
+                  "Constraint.margin overrides it. At most one of constraint_margin, constraint_confidence and "
+                  "constraint_certificate_delta."},
     )
     constraint_certificate_delta: Optional[float] = field(
         default=None,
@@ -125,7 +127,8 @@ class ConstrainedTrainingArguments(TrainingArguments):
                   "value_range is trained to tol_k minus the width its certificate's bound will need at that delta "
                   "and the certification split's size (empirical Bernstein, from the running spread of the per-row "
                   "values), so that a run feasible in training is likely to certify. In (0, 1); exclusive with "
-                  "constraint_confidence and constraint_margin (Constraint.margin / .confidence override it)."},
+                  "constraint_confidence and constraint_margin. In Python: CertificateMargin; Constraint.margin "
+                  "overrides it."},
     )
     constraint_proxy_indicator: bool = field(
         default=False,

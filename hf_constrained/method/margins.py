@@ -1,4 +1,4 @@
-"""The running spread of per-row values: the noise of an estimate and calibrated margins.
+"""The running spread of per-row values: the noise of an estimate and the margins in force.
 
 For row-wise constraints every step yields the per-row values of B_k^t, hence their sample
 variance. :class:`RowSpread` keeps a running variance s_k^2 (per group of a ``group_key``
@@ -12,18 +12,12 @@ constraint) and the rows per batch, and from them
   finite-population correction applies (:func:`without_replacement_factor`): ``s_k^2 / n``
   times ``1 - n/N`` for a batch inside one pass, more for one that runs into the next, 0 when n
   is a multiple of N (every batch IS D_k);
-* the margin of a calibrated constraint, ``z_c * s_k / sqrt(n_k)`` with n_k = |D_k| (or
-  ``Constraint.independent_rows``), or an explicit margin: the hinge then acts on
-  ``u_k + margin > tol_k``, so the constraint also holds on unseen data of the same population
-  with confidence c (the one-sided CLT bound of :mod:`hf_constrained.statistics`);
-* the margin sized to the certificate (``certificate_delta``): for a constraint with a
-  ``certify.dataset`` and a ``certify.value_range`` (certifying its own per-row values), the width that
-  the certificate's bound will need at its n and delta, by the empirical-Bernstein rule
-  (Maurer & Pontil 2009): ``sqrt(2 s_k^2 log(2/delta) / n) + 7 R log(2/delta) / (3 (n - 1))``
-  with ``R`` the range's width and ``n = |certify.dataset|``; a difference of two group means
-  takes each group's width at ``delta/2`` (``delta/4`` with ``outer=abs``) over its share of the
-  rows, as the certificate does. Training then aims at ``tol_k`` minus that width, so that a run
-  feasible in training is likely to certify.
+* the margin in force per constraint: each constraint's rule
+  (:class:`~hf_constrained.method.strategies.Margin`: a fixed margin, a calibrated one
+  ``z_c * s_k / sqrt(n_k)``, or the empirical-Bernstein width the certificate's bound will need),
+  decided once by :func:`~hf_constrained.method.strategies.margin_rules`; each rule class computes the
+  margins of all its constraints at once from the running spread. The hinge then acts on
+  ``u_k + margin > tol_k``.
 
 Its state (:meth:`RowSpread.state_dict`) goes into every checkpoint: a resumed run has the
 same margins as an uninterrupted one.
