@@ -253,7 +253,7 @@ def margin_rules(constraints: Sequence["Constraint"], run: Optional[Margin]) -> 
             if run is not None:
                 skipped.append(c.name)
     if skipped:
-        flag = next(f for f, cls in MARGIN_FLAGS.items() if isinstance(run, cls))
+        flag = next((f for f, cls in MARGIN_FLAGS.items() if type(run) is cls), "the run's margin rule")
         logger.warning("%s (%s) sizes no margin for %d constraint(s): %s. %s; or give them Constraint(margin=...).",
                        flag, run.describe(), len(skipped), skipped[:10], run.skip_reason)
     return rules
