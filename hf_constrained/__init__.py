@@ -30,6 +30,7 @@ if TYPE_CHECKING:  # pragma: no cover
         ConstraintValueError,
         constraints_per_value,
     )
+    from .method.strategies import CalibratedMargin, CertificateMargin, FixedMargin
     from .non_forgetting import non_forgetting_constraints
     from .safety.certify import Certificate, certify
     from .safety.evaluation import build_safety_report
@@ -56,6 +57,9 @@ _LAZY = {
     "SafetyReport": ".safety.report",
     "UnsafeModelError": ".safety.report",
     "ConstraintValueError": ".constraint",
+    "FixedMargin": ".method.strategies",
+    "CalibratedMargin": ".method.strategies",
+    "CertificateMargin": ".method.strategies",
 }
 
 
@@ -69,7 +73,9 @@ def __dir__() -> list[str]:
 # a literal list (kept equal to the keys of ``_LAZY``, tested in tests/safety/test_safety_layout.py) so that
 # linters and type checkers see the names of the TYPE_CHECKING block above as re-exports
 __all__ = [
+    "CalibratedMargin",
     "Certificate",
+    "CertificateMargin",
     "Certification",
     "CertifyStatistic",
     "ConstrainedTrainer",
@@ -77,6 +83,7 @@ __all__ = [
     "Constraint",
     "ConstraintValueError",
     "ContrastiveConstrainedTrainer",
+    "FixedMargin",
     "SafetyReport",
     "UnsafeModelError",
     "build_safety_report",

@@ -14,6 +14,7 @@ from transformers import TrainingArguments
 
 from .method.estimators import parse_gamma_prime
 from .method.penalties import PENALTIES
+from .method.strategies import EstimateSource, Margin, estimate_source, run_margin
 from .publishable import is_secret_flag, publishable_path
 
 
@@ -110,13 +111,15 @@ class ConstrainedTrainingArguments(TrainingArguments):
         metadata={"help": "Calibrated constraints: enforce h_k <= tol_k with the margin z_c * s_k / sqrt(|D_k|) "
                   "(s_k the running spread of the per-row values, z_c the one-sided normal quantile at this "
                   "confidence, in [0.5, 1)), so the constraint also holds on unseen data of the same population "
-                  "with about this confidence. Row-wise constraints only; Constraint.confidence overrides it."},
+                  "with about this confidence. Row-wise constraints only. In Python: CalibratedMargin; "
+                  "Constraint.margin overrides it."},
     )
     constraint_margin: Optional[float] = field(
         default=None,
         metadata={"help": "An explicit margin >= 0 for every constraint: the hinge acts when the estimate exceeds "
-                  "tol_k - margin (on the inner value of a compositional constraint). Constraint.margin overrides "
-                  "it; exclusive with constraint_confidence."},
+                  "tol_k - margin (on the inner value of a compositional constraint). In Python: FixedMargin; "
+                  "Constraint.margin overrides it. At most one of constraint_margin, constraint_confidence and "
+                  "constraint_certificate_delta."},
     )
     constraint_certificate_delta: Optional[float] = field(
         default=None,
@@ -124,7 +127,8 @@ class ConstrainedTrainingArguments(TrainingArguments):
                   "value_range is trained to tol_k minus the width its certificate's bound will need at that delta "
                   "and the certification split's size (empirical Bernstein, from the running spread of the per-row "
                   "values), so that a run feasible in training is likely to certify. In (0, 1); exclusive with "
-                  "constraint_confidence and constraint_margin (Constraint.margin / .confidence override it)."},
+                  "constraint_confidence and constraint_margin. In Python: CertificateMargin; Constraint.margin "
+                  "overrides it."},
     )
     constraint_proxy_indicator: bool = field(
         default=False,
@@ -163,30 +167,11 @@ class ConstrainedTrainingArguments(TrainingArguments):
                 raise ValueError(f"{name} must be in (0, 1], got {value}")
         for name in ("msvr_gamma_prime", "objective_msvr_gamma_prime"):
             setattr(self, name, parse_gamma_prime(getattr(self, name), name))
-        if self.constraint_confidence is not None and self.constraint_margin is not None:
-            raise ValueError("give constraint_confidence or constraint_margin, not both")
-        if self.constraint_confidence is not None and not 0.5 <= float(self.constraint_confidence) < 1.0:
-            raise ValueError(f"constraint_confidence must be in [0.5, 1), got {self.constraint_confidence}")
-        if self.constraint_margin is not None and not (math.isfinite(float(self.constraint_margin))
-                                                       and float(self.constraint_margin) >= 0):
-            raise ValueError(f"constraint_margin must be a finite number >= 0, got {self.constraint_margin}")
-        if self.constraint_certificate_delta is not None:
-            if not 0.0 < float(self.constraint_certificate_delta) < 1.0:
-                raise ValueError("constraint_certificate_delta must be in (0, 1), "
-                                 f"got {self.constraint_certificate_delta}")
-            if self.constraint_confidence is not None or self.constraint_margin is not None:
-                raise ValueError("give one of constraint_certificate_delta, constraint_confidence and "
-                                 "constraint_margin")
         if self.constraint_indicator_fraction is not None and not 0.0 < float(self.constraint_indicator_fraction) < 1:
             raise ValueError("constraint_indicator_fraction must be in (0, 1), "
                              f"got {self.constraint_indicator_fraction}")
-        if self.constraint_indicator_batch_size is not None:
-            if self.constraint_indicator_batch_size < 1:
-                raise ValueError("constraint_indicator_batch_size must be >= 1, "
-                                 f"got {self.constraint_indicator_batch_size}")
-            if self.constraint_indicator_fraction is None:
-                raise ValueError("constraint_indicator_batch_size sizes the indicator part's batches of two-split "
-                                 "estimation: give constraint_indicator_fraction too")
+        self.margin_rule()  # the flags' errors now, before training
+        self.estimate_source()
         if self.max_steps == 0:
             # the Trainer checks its bound after a step: max_steps=0 would train one step
             raise ValueError("max_steps=0 trains nothing; give max_steps >= 1, or -1 (the default) to train "
@@ -199,6 +184,18 @@ class ConstrainedTrainingArguments(TrainingArguments):
             raise ValueError(f"constraint_eval_batch_size must be >= 1, got {self.constraint_eval_batch_size}")
         if self.log_constraint_estimates_max < 0:
             raise ValueError(f"log_constraint_estimates_max must be >= 0, got {self.log_constraint_estimates_max}")
+
+    def margin_rule(self) -> Optional[Margin]:
+        """The run's margin rule from ``constraint_margin``, ``constraint_confidence`` and
+        ``constraint_certificate_delta`` (at most one): :func:`hf_constrained.method.strategies.run_margin`."""
+        return run_margin(self.constraint_margin, self.constraint_confidence, self.constraint_certificate_delta)
+
+    def estimate_source(self) -> EstimateSource:
+        """Which rows drive the estimates and which the gradient, from ``constraint_indicator_fraction``,
+        ``constraint_indicator_batch_size`` and ``constraint_proxy_indicator``:
+        :func:`hf_constrained.method.strategies.estimate_source`."""
+        return estimate_source(self.constraint_indicator_fraction, self.constraint_indicator_batch_size,
+                               self.constraint_proxy_indicator)
 
     @property
     def constraint_sampling_seed(self) -> int:

@@ -19,6 +19,7 @@ import functools
 import hashlib
 import math
 import numbers
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -28,6 +29,7 @@ import torch
 
 from .batches import ROW_SOURCE_ATTR, collate_examples, fetch_rows  # noqa: F401  (re-exported)
 from .method.rows import reduce_rows
+from .method.strategies import CalibratedMargin, Margin, as_margin
 
 ConstraintFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 """``fn(model, batch) -> scalar tensor``; ``batch`` is ``None`` for a data-free constraint."""
@@ -146,13 +148,17 @@ class Constraint:
         group_key: optional batch key holding each row's group (0 or 1); h is then the
             mean over group 0 minus the mean over group 1. A batch (or evaluation set) without
             rows of one group has no value: :class:`EmptyGroupError`, naming the constraint.
-        confidence: calibrated constraint (row-wise only): ask that h hold on unseen data of
-            the same population with this one-sided confidence in [0.5, 1); the trainer then
-            enforces the margin ``z_c * s / sqrt(|dataset|)`` from the running spread ``s`` of
-            the per-row values. Overrides the run's ``constraint_confidence``.
-        margin: an explicit margin >= 0: the hinge acts when the estimate exceeds
-            ``tolerance - margin`` (on the inner value when ``outer`` is set). Overrides the
-            run's settings; exclusive with ``confidence``.
+        margin: this constraint's margin rule, overriding the run's (``constraint_margin``,
+            ``constraint_confidence``, ``constraint_certificate_delta``): the hinge acts when the
+            estimate exceeds ``tolerance - margin`` (on the inner value when ``outer`` is set). A
+            :class:`~hf_constrained.method.strategies.Margin`: ``FixedMargin(value)``,
+            ``CalibratedMargin(confidence)`` (row-wise only: ``z_c * s / sqrt(|dataset|)`` from the
+            running spread ``s`` of the per-row values, so that h holds on unseen data of the same
+            population with about that one-sided confidence) or ``CertificateMargin(delta)``; a plain
+            number is a ``FixedMargin``. Read back as the rule.
+        confidence: the earlier spelling of ``margin=CalibratedMargin(confidence)``, kept for one
+            release (deprecated): as a keyword it sets ``margin``; as an attribute it reads the
+            confidence of a calibrated margin (``None`` otherwise).
         independent_rows: for a calibrated constraint, the number of independent rows the
             margin counts instead of ``len(dataset)`` (e.g. the number of original images
             when ``dataset`` holds several augmented copies of each: correlated copies do
@@ -177,8 +183,7 @@ class Constraint:
     row_fn: Optional[RowFn] = None
     row_transform: Optional[RowTransform] = None
     group_key: Optional[str] = None
-    confidence: Optional[float] = None
-    margin: Optional[float] = None
+    margin: Optional[Margin | float] = None
     independent_rows: Optional[int] = None
     certify: Optional[Certification] = None
 
@@ -209,16 +214,14 @@ class Constraint:
         self.tolerance = float(self.tolerance)
         if not math.isfinite(self.tolerance):
             raise ValueError(f"constraint {self.name!r}: tolerance must be finite, got {self.tolerance}")
-        if self.confidence is not None and self.margin is not None:
-            raise ValueError(f"constraint {self.name!r}: give confidence or margin, not both")
-        if self.confidence is not None:
-            if not 0.5 <= float(self.confidence) < 1.0:
-                raise ValueError(f"constraint {self.name!r}: confidence must be in [0.5, 1), got {self.confidence}")
-            if self.row_fn is None:
-                raise ValueError(f"constraint {self.name!r}: confidence needs per-row values (declare it with row_fn), "
-                                 "or give an explicit margin")
-        if self.margin is not None and not (math.isfinite(float(self.margin)) and float(self.margin) >= 0):
-            raise ValueError(f"constraint {self.name!r}: margin must be a finite number >= 0, got {self.margin}")
+        try:
+            self.margin = as_margin(self.margin)
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"constraint {self.name!r}: {error}") from None
+        if isinstance(self.margin, CalibratedMargin):  # what the rule needs of the declaration itself
+            reason = self.margin.unusable_for(self)
+            if reason is not None:
+                raise ValueError(f"constraint {self.name!r}: {reason}")
         if self.independent_rows is not None:
             if self.row_fn is None:
                 raise ValueError(f"constraint {self.name!r}: independent_rows needs per-row values (declare it with "
@@ -385,12 +388,42 @@ for _name, _part in _CERTIFY_ALIASES.items():
 _dataclass_init = Constraint.__init__
 
 
+def _get_confidence(self: Constraint) -> Optional[float]:
+    return self.margin.confidence if isinstance(self.margin, CalibratedMargin) else None
+
+
+def _set_confidence(self: Constraint, value: Optional[float]) -> None:
+    if value is not None:
+        self.margin = CalibratedMargin(value)
+    elif isinstance(self.margin, CalibratedMargin):
+        self.margin = None
+
+
+Constraint.confidence = property(  # type: ignore[attr-defined]
+    _get_confidence, _set_confidence,
+    doc="The confidence of a calibrated margin (``margin=CalibratedMargin(confidence)``), else ``None``; setting it "
+        "sets that margin. The earlier field, kept for one release.")
+
+
 @functools.wraps(_dataclass_init)
 def _init_with_aliases(self: Constraint, *args: Any, certify_dataset: Optional[Any] = None,
                        value_range: Optional[tuple[float, float]] = None,
-                       certify_statistic: Optional[CertifyStatistic] = None, **kwargs: Any) -> None:
+                       certify_statistic: Optional[CertifyStatistic] = None, confidence: Optional[float] = None,
+                       **kwargs: Any) -> None:
     """The dataclass's ``__init__``, also taking the earlier separate keywords (aliases for one release): each
-    one given replaces that part of ``certify``. Not fields, so ``dataclasses.replace`` carries ``certify``."""
+    one given replaces that part of ``certify``. Not fields, so ``dataclasses.replace`` carries ``certify``.
+    ``confidence=c`` is ``margin=CalibratedMargin(c)`` (deprecated)."""
+    if confidence is not None:
+        name = kwargs.get("name", args[0] if args else None)
+        if kwargs.get("margin") is not None:
+            raise ValueError(f"constraint {name!r}: give margin or confidence (the earlier spelling of "
+                             "margin=CalibratedMargin(confidence)), not both")
+        warnings.warn("Constraint(confidence=c) is deprecated: use Constraint(margin=CalibratedMargin(c))",
+                      DeprecationWarning, stacklevel=2)
+        try:
+            kwargs["margin"] = CalibratedMargin(confidence)
+        except ValueError as error:
+            raise ValueError(f"constraint {name!r}: {error}") from None
     given = {part: value for part, value in (("dataset", certify_dataset), ("value_range", value_range),
                                              ("statistic", certify_statistic)) if value is not None}
     base = kwargs.get("certify")

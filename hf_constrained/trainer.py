@@ -121,11 +121,8 @@ class ConstrainedTrainer(TrainerInternals):
             device=self.args.device, dtype=run_precision(self.model), world=self.accelerator.num_processes,
             rank=self.accelerator.process_index, reduce_sum=lambda x: self.accelerator.reduce(x, reduction="sum"),
             share_constraint_batches=self.args.share_constraint_batches,
-            check_finite=self.args.check_constraint_finite, confidence=self.args.constraint_confidence,
-            margin=self.args.constraint_margin, indicator_fraction=self.args.constraint_indicator_fraction,
-            certificate_delta=self.args.constraint_certificate_delta,
-            proxy_indicator=self.args.constraint_proxy_indicator,
-            indicator_batch_size=self.args.constraint_indicator_batch_size)
+            check_finite=self.args.check_constraint_finite, margin=self.args.margin_rule(),
+            source=self.args.estimate_source())
         self.in_training_step = False  # True inside training_step (subclasses' objectives read it)
         self._constraint_step = -1  # global step whose constraint part has run (once per accumulation window)
         self._forward_shareable: Optional[bool] = None

@@ -124,6 +124,7 @@ from hf_constrained.clip.tiny import tiny_clip, word_tokenizer
 from hf_constrained.config import ConstrainedTrainingArguments
 from hf_constrained.constraint import Certification, Constraint
 from hf_constrained.method.regularisers import KLToOld, ObjectiveRegulariser, Replay
+from hf_constrained.method.strategies import CalibratedMargin
 from hf_constrained.non_forgetting import ReferenceCorrectDataset, forgetting_statistic
 from hf_constrained.progress import StepProgressBar
 from hf_constrained.publishable import publishable_values
@@ -551,7 +552,7 @@ def demo_constraints(cfg: DemoConfig, pools: Pools, rows_fn: ForgettingRows, col
     return [Constraint(name=f"non_forgetting/{name}", row_fn=rows_fn, dataset=pools.constraint[name],
                        eval_dataset=pools.selection[name], tolerance=cfg.tolerance - cfg.margin,
                        row_transform=FORGETTING[cfg.forgetting], collate_fn=collate,
-                       confidence=cfg.confidence if calibrated else None, margin=proxy_margin,
+                       margin=CalibratedMargin(cfg.confidence) if calibrated else proxy_margin,
                        independent_rows=len(pools.constraint[name]) // cfg.constraint_copies if calibrated else None,
                        certify=Certification(dataset=pools.certify[name], statistic=statistic)
                        if name in pools.certify else None,

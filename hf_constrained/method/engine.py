@@ -11,7 +11,9 @@
 * line 9: the loss ``(1/|B_c|) sum_k weight(u_k^t) h_k(w_t; B_k^t)``, the weight detached,
   whose gradient is G_2. The trainer's optimizer then steps along G_1 + G_2 (line 10).
 
-Two-split estimation (``indicator_fraction``, a deviation from the paper, off by default): each
+The rows behind line 6's estimate and line 9's gradient come from the run's estimate source
+(:mod:`~hf_constrained.method.strategies`): the paper's one split (:class:`~.strategies.OneSplit`), or
+two-split estimation (:class:`~.strategies.TwoSplit`, a deviation from the paper, off by default): each
 constraint's rows are split once, by a seeded permutation, into an *indicator* part and a
 *gradient* part. Line 6's estimate u_k (so line 9's indicator 1[u_k > 0]) follows batches of the
 indicator part, evaluated without grad; line 9's gradient follows batches of the gradient part.
@@ -22,7 +24,9 @@ rows (default |B_k|; the larger, the less noise u_k keeps). With ``proxy_indicat
 estimate of a constraint that declares a certification statistic (``Constraint.certify.statistic``)
 tracks that statistic on the indicator rows (e.g. the share of a class's examples forgotten), against
 the statistic's tolerance, while the gradient still follows the differentiable surrogate: a proxy
-constraint in Cooper's sense.
+constraint in Cooper's sense. The engine holds the two sides as :class:`RowPart` values (one and the
+same object under one split) and never asks which flag was set; margins likewise are each
+constraint's :class:`~.strategies.Margin` rule, decided once by :func:`~.strategies.margin_rules`.
 
 The engine's state (:meth:`ConstraintEngine.state_dict`) is assembled from its parts' states:
 the estimators, the data streams, the running row spread behind margins, the drawn next step.
@@ -38,7 +42,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -51,6 +54,15 @@ from .penalties import Penalty
 from .rows import stats_dtype
 from .sampling import ConstraintBatchStream, ConstraintSampler
 from .shared_forward import SharedObjectiveForward
+from .strategies import (
+    MARGIN_FLAGS,
+    EstimateSource,
+    Margin,
+    OneSplit,
+    as_margin,
+    margin_rules,
+    split_for_indicator,  # noqa: F401  (its earlier home)
+)
 
 logger = logging.getLogger(__name__)
 
@@ -88,52 +100,6 @@ class ConstraintDraw:
         return self.indicator if self.indicator is not None else self
 
 
-def split_for_indicator(constraints: Sequence[Constraint], fraction: float, seed: int, *, proxy: bool = False
-                        ) -> tuple[list[Constraint], list[Constraint]]:
-    """Each dataset's rows split once into (gradient part, indicator part) by a permutation seeded by
-    (``seed``, the position of the first constraint on it): views of the constraints over each part,
-    for two-split estimation. Constraints on the same dataset object share its split (e.g. the TPR
-    constraints of every threshold on one set of positives), so no row is an indicator row of one
-    and a gradient row of another; datasets that merely hold copies of the same rows are split
-    independently. The indicator part holds ``round(fraction * n)`` rows; both parts need one.
-    With ``proxy``, the indicator view of a constraint with a ``certify.statistic`` evaluates that
-    statistic (its ``row_fn``, tolerance, no ``outer``)."""
-    if not 0.0 < fraction < 1.0:
-        raise ValueError(f"constraint_indicator_fraction must be in (0, 1), got {fraction}")
-    grad_views, ind_views = [], []
-    parts_of: dict[int, tuple[Any, Any]] = {}  # id(dataset) -> (gradient part, indicator part)
-    for k, c in enumerate(constraints):
-        if c.data_free:
-            grad_views.append(c)
-            ind_views.append(c)
-            continue
-        if id(c.dataset) not in parts_of:
-            n = len(c.dataset)
-            n_ind = int(round(fraction * n))
-            if not 1 <= n_ind <= n - 1:
-                raise ValueError(f"constraint {c.name!r}: {n} rows cannot be split into an indicator part of "
-                                 f"{fraction:g} and a gradient part, both non-empty (constraint_indicator_fraction)")
-            order = np.random.default_rng([int(seed), k, 0x5B17]).permutation(n)
-            parts_of[id(c.dataset)] = tuple(
-                c.dataset.select(rows.tolist()) if hasattr(c.dataset, "select")
-                else torch.utils.data.Subset(c.dataset, rows.tolist())
-                for rows in (np.sort(order[n_ind:]), np.sort(order[:n_ind])))
-        for views, data in zip((grad_views, ind_views), parts_of[id(c.dataset)]):
-            # a view for drawing batches only (no held-out, certification or calibration data of its own)
-            view = dict(dataset=data, fn=None if c.rowwise else c.fn, eval_dataset=None,
-                        certify=None if c.certify is None else dataclasses.replace(c.certify, dataset=None),
-                        independent_rows=None, confidence=None, margin=None)
-            stat = None if c.certify is None else c.certify.statistic
-            if proxy and views is ind_views and stat is not None:
-                if c.outer is not None:
-                    raise ValueError(f"constraint {c.name!r}: a proxy indicator needs a constraint without outer (its "
-                                     "gradient weight is the indicator of the statistic alone)")
-                view.update(fn=None, row_fn=stat.row_fn, row_transform=None, group_key=None, exact_fn=None,
-                            tolerance=float(stat.tolerance), certify=None)
-            views.append(dataclasses.replace(c, **view))
-    return grad_views, ind_views
-
-
 @dataclass(frozen=True)
 class EngineSettings:
     """The constraint side's settings as this engine runs them, resolved (``constraints_per_step``
@@ -153,15 +119,51 @@ class EngineSettings:
     constraint_seed: int  # the sampling seed in force (a resumed run continues its checkpoint's)
     share_constraint_batches: bool
     check_constraint_finite: bool
+    # the run's margin rule as its flags spell it (at most one set), and the rule itself
     constraint_confidence: Optional[float]
     constraint_margin: Optional[float]
     constraint_certificate_delta: Optional[float]
+    margin_rule: str  # e.g. "calibrated(confidence=0.9)"; "none"
+    margin_rules: dict[str, int]  # the rule in force -> how many constraints follow it (Constraint.margin included)
+    # the estimate source as its flags spell it, and the source itself
     constraint_indicator_fraction: Optional[float]
     constraint_indicator_batch_size: Optional[int]  # resolved: |B_k| when not set, with two-split estimation
     constraint_proxy_indicator: bool
+    estimate_source: str  # e.g. "one_split"; "two_split(fraction=0.25, indicator_batch_size=None, ...)"
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+class RowPart:
+    """One side of a step's rows: the constraints' views over them, a batch stream per constraint (``None``
+    for a data-free one) and the one way their values are computed (:class:`DrawValues`)."""
+
+    def __init__(self, views: Sequence[Constraint], batches: BatchMaker, *, seed: int, first_stream: int,
+                 batch_size: int, device: torch.device, world: int, rank: int,
+                 reduce_sum: Optional[Callable[[torch.Tensor], torch.Tensor]]) -> None:
+        self.views = list(views)
+        self.world = world
+        self.streams: list[Optional[ConstraintBatchStream]] = [
+            None if c.data_free else ConstraintBatchStream(len(c.dataset), seed, first_stream + k)
+            for k, c in enumerate(self.views)]
+        self.values = DrawValues(self.views, batches, batch_size=batch_size, device=device, world=world, rank=rank,
+                                 reduce_sum=reduce_sum)
+
+    def rows(self, ids: torch.Tensor) -> list[Optional[list[int]]]:
+        """The global rows of each sampled constraint's batch (line 5); constraints sharing a stream share them."""
+        global_b = self.values.batch_size * self.world
+        drawn: dict[int, list[int]] = {}
+        rows: list[Optional[list[int]]] = []
+        for k in ids.tolist():
+            if self.streams[k] is None:
+                rows.append(None)
+                continue
+            owner = self.values.stream_owner[k]
+            if owner not in drawn:
+                drawn[owner] = self.streams[owner].next_indices(global_b)
+            rows.append(drawn[owner])
+        return rows
 
 
 class ConstraintEngine:
@@ -182,13 +184,11 @@ class ConstraintEngine:
             longer independent).
         check_finite: stop with an error naming the constraint when a value is NaN/inf (one
             host sync per step).
-        confidence, margin: the run's calibrated-constraint settings (see
-            :class:`~hf_constrained.method.margins.RowSpread`).
-        indicator_fraction, proxy_indicator: two-split estimation (module docstring).
-        indicator_batch_size: rows per process of each indicator-part batch (default
-            ``batch_size``); no grad flows through them, so a larger one buys a less noisy u_k
-            for a forward pass.
-        certificate_delta: size margins to the certificate's bound (``RowSpread``).
+        margin: the run's margin rule (:class:`~hf_constrained.method.strategies.Margin`; a number is a
+            :class:`~hf_constrained.method.strategies.FixedMargin`), for every constraint without its own
+            ``Constraint.margin`` that it applies to (:func:`~hf_constrained.method.strategies.margin_rules`).
+        source: which rows drive the estimates and which the gradient
+            (:class:`~hf_constrained.method.strategies.EstimateSource`; default the paper's one split).
     """
 
     def __init__(self, constraints: Sequence[Constraint], penalty: Penalty, batches: BatchMaker, *, gamma: float,
@@ -196,63 +196,69 @@ class ConstraintEngine:
                  dtype: torch.dtype = torch.float32, world: int = 1, rank: int = 0,
                  reduce_sum: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
                  share_constraint_batches: bool = False, check_finite: bool = True,
-                 confidence: Optional[float] = None, margin: Optional[float] = None,
-                 indicator_fraction: Optional[float] = None, certificate_delta: Optional[float] = None,
-                 proxy_indicator: bool = False, indicator_batch_size: Optional[int] = None) -> None:
+                 margin: Optional[Margin | float] = None, source: Optional[EstimateSource] = None) -> None:
         self.constraints = list(constraints)
         m = len(self.constraints)
-        self._configured = dict(
-            gamma_prime_rule=str(gamma_prime), share_constraint_batches=bool(share_constraint_batches),
-            confidence=confidence, margin=margin, certificate_delta=certificate_delta,
-            indicator_fraction=indicator_fraction, proxy_indicator=bool(proxy_indicator),
-            indicator_batch_size=(indicator_batch_size or batch_size) if indicator_fraction else None)
+        self.margin_rule, self.source = as_margin(margin), source if source is not None else OneSplit()
+        self._configured = dict(gamma_prime_rule=str(gamma_prime),
+                                share_constraint_batches=bool(share_constraint_batches))
         self.penalty, self.batches, self.check_finite = penalty, batches, check_finite
         self.batch_size, self.world, self.device = batch_size, world, device
         self.sampler = ConstraintSampler(m, num_sampled, seed)
         self.estimator = MSVREstimator(m, gamma, resolve_gamma_prime(gamma_prime, m, num_sampled, gamma),
                                        device=device, dtype=dtype)
-        if proxy_indicator and not indicator_fraction:
-            raise ValueError("constraint_proxy_indicator needs two-split estimation (constraint_indicator_fraction)")
-        if indicator_batch_size is not None and not indicator_fraction:
-            raise ValueError(
-                "constraint_indicator_batch_size needs two-split estimation (constraint_indicator_fraction)")
-        grad_views, ind_views = (self.constraints, None) if not indicator_fraction else \
-            split_for_indicator(self.constraints, indicator_fraction, seed, proxy=proxy_indicator)
-        # what each estimate u_k tracks: the constraint, or with proxy indicators its certification statistic
-        self.estimated = list(ind_views) if proxy_indicator else self.constraints
-        self.streams: list[Optional[ConstraintBatchStream]] = [
-            None if c.data_free else ConstraintBatchStream(len(c.dataset), seed, k) for k, c in enumerate(grad_views)]
-        self.values = DrawValues(grad_views, batches, batch_size=batch_size, device=device, world=world,
-                                 rank=rank, reduce_sum=reduce_sum)
-        # two-split estimation: the indicator parts' own streams (other stream ids) and values
-        self.indicator_streams: Optional[list[Optional[ConstraintBatchStream]]] = None
-        self.indicator_values: Optional[DrawValues] = None
-        if ind_views is not None:
-            self.indicator_streams = [None if c.data_free else ConstraintBatchStream(len(c.dataset), seed, m + k)
-                                      for k, c in enumerate(ind_views)]
-            self.indicator_values = DrawValues(ind_views, batches, batch_size=indicator_batch_size or batch_size,
-                                               device=device, world=world, rank=rank, reduce_sum=reduce_sum)
+        # the source decides which rows drive the gradient and which the estimate (the same part under one split);
+        # the estimate part's streams have their own ids (m + k)
+        grad_views, estimate_views = self.source.views(self.constraints, seed)
+        part = dict(seed=seed, device=device, world=world, rank=rank, reduce_sum=reduce_sum)
+        self.gradient_rows = RowPart(grad_views, batches, first_stream=0, batch_size=batch_size, **part)
+        self.estimate_rows = self.gradient_rows if estimate_views is None else RowPart(
+            estimate_views, batches, first_stream=m, batch_size=self.source.estimate_batch_size(batch_size), **part)
+        # what each estimate u_k tracks: the estimate part's views (a proxy statistic's, with one); margins aside
+        self.estimated = self.source.estimated(self.constraints, estimate_views)
         if share_constraint_batches:
             self.values.stream_owner = self._shared_stream_owners()
-        self.spread = RowSpread(self.constraints, confidence=confidence, margin=margin, device=device,
-                                dtype=stats_dtype(device), certificate_delta=certificate_delta,
-                                indicator_views=ind_views)
+        self.margins = margin_rules(self.constraints, self.margin_rule)
+        self.spread = RowSpread(self.constraints, self.margins, device=device, dtype=stats_dtype(device),
+                                sampled=self.estimate_rows.views, batch_setting=self.source.batch_setting)
         self.tolerances = torch.tensor([c.tolerance for c in self.estimated], dtype=stats_dtype(device), device=device)
         self.next_draw: Optional[ConstraintDraw] = None
         self.step_metrics: dict[str, list[torch.Tensor]] = defaultdict(list)
 
+    @property
+    def values(self) -> DrawValues:
+        """The values of the gradient's rows (line 9)."""
+        return self.gradient_rows.values
+
+    @property
+    def streams(self) -> list[Optional[ConstraintBatchStream]]:
+        """The batch streams of the gradient's rows (line 5)."""
+        return self.gradient_rows.streams
+
+    @property
+    def separate_estimate(self) -> bool:
+        """Whether the estimates follow rows of their own (two-split estimation)."""
+        return self.estimate_rows is not self.gradient_rows
+
     def settings(self) -> EngineSettings:
         """The settings this engine runs with (:class:`EngineSettings`), read from its parts."""
         c = self._configured
+        flags = {flag: None for flag in MARGIN_FLAGS}
+        flag = next((f for f, rule in MARGIN_FLAGS.items() if type(self.margin_rule) is rule), None)
+        if flag is not None:  # the flag that spells the run's rule, with the rule's parameter
+            flags[flag] = getattr(self.margin_rule, dataclasses.fields(self.margin_rule)[0].name)
+        in_force: dict[str, int] = {}
+        for rule in self.margins:
+            key = "none" if rule is None else rule.describe()
+            in_force[key] = in_force.get(key, 0) + 1
         return EngineSettings(
             constraint_penalty=self.penalty.name, penalty_beta=self.penalty.beta, num_constraints=len(self.constraints),
             constraints_per_step=self.sampler.num_per_step, constraint_batch_size=self.batch_size,
             msvr_gamma=self.estimator.gamma, msvr_gamma_prime=self.estimator.gamma_prime,
             msvr_gamma_prime_rule=c["gamma_prime_rule"], constraint_seed=self.sampler.seed,
             share_constraint_batches=c["share_constraint_batches"], check_constraint_finite=bool(self.check_finite),
-            constraint_confidence=c["confidence"], constraint_margin=c["margin"],
-            constraint_certificate_delta=c["certificate_delta"], constraint_indicator_fraction=c["indicator_fraction"],
-            constraint_indicator_batch_size=c["indicator_batch_size"], constraint_proxy_indicator=c["proxy_indicator"])
+            **flags, margin_rule="none" if self.margin_rule is None else self.margin_rule.describe(),
+            margin_rules=in_force, **self.source.settings(self.batch_size), estimate_source=self.source.describe())
 
     def _shared_stream_owners(self) -> list[int]:
         """The first member of each row group on the same dataset object draws for all of them."""
@@ -270,25 +276,10 @@ class ConstraintEngine:
         """B_c^t (line 3) and the global rows of each B_k^t (line 5); under two-split estimation
         also a batch of each sampled constraint's indicator part."""
         ids = self.sampler.sample(step)
-        draw = ConstraintDraw(step, ids, self._rows(ids, self.streams, self.values))
-        if self.indicator_streams is not None:
-            draw.indicator = ConstraintDraw(step, ids, self._rows(ids, self.indicator_streams, self.indicator_values))
+        draw = ConstraintDraw(step, ids, self.gradient_rows.rows(ids))
+        if self.separate_estimate:
+            draw.indicator = ConstraintDraw(step, ids, self.estimate_rows.rows(ids))
         return draw
-
-    def _rows(self, ids: torch.Tensor, streams: list[Optional[ConstraintBatchStream]], values: DrawValues
-              ) -> list[Optional[list[int]]]:
-        global_b = values.batch_size * self.world
-        drawn: dict[int, list[int]] = {}
-        rows: list[Optional[list[int]]] = []
-        for k in ids.tolist():
-            if streams[k] is None:
-                rows.append(None)
-                continue
-            owner = values.stream_owner[k]
-            if owner not in drawn:
-                drawn[owner] = streams[owner].next_indices(global_b)
-            rows.append(drawn[owner])
-        return rows
 
     def penalty_loss(self, model: nn.Module, step: int, shared: Optional[SharedObjectiveForward] = None
                      ) -> torch.Tensor:
@@ -304,9 +295,9 @@ class ConstraintEngine:
         ids = ids_cpu.to(self.device, non_blocking=True)
         values, current, stats = self.values.evaluate(model, draw, need_grad=True, shared=shared)  # h_k(w_t; B_k^t)
         estimate = draw.estimate_draw
-        if self.indicator_values is not None:  # two-split: the estimate follows rows no gradient uses
+        if self.separate_estimate:  # two-split: the estimate follows rows no gradient uses
             with torch.no_grad():
-                _, current, stats = self.indicator_values.evaluate(model, estimate, need_grad=False)
+                _, current, stats = self.estimate_rows.values.evaluate(model, estimate, need_grad=False)
         if self.check_finite:
             self._check_finite(ids_cpu, current, estimate.previous, step)
         u_t = self.estimator.get(ids, fallback=current)                            # u_k^t, before the update
@@ -329,8 +320,7 @@ class ConstraintEngine:
         if self.estimator.gamma_prime <= 0:
             return
         draw = self.draw(step)
-        values = self.indicator_values if self.indicator_values is not None else self.values
-        _, previous, _ = values.evaluate(model, draw.estimate_draw, need_grad=False)
+        _, previous, _ = self.estimate_rows.values.evaluate(model, draw.estimate_draw, need_grad=False)
         draw.estimate_draw.previous = previous.to(self.estimator.values)
         self.next_draw = draw
 
@@ -438,8 +428,8 @@ class ConstraintEngine:
             "names": [c.name for c in self.constraints],
             "estimator": self.estimator.state_dict() if self.constraints else None,
             "streams": [None if s is None else s.state_dict() for s in self.streams],
-            "indicator_streams": None if self.indicator_streams is None else
-            [None if s is None else s.state_dict() for s in self.indicator_streams],
+            "indicator_streams": None if not self.separate_estimate else
+            [None if s is None else s.state_dict() for s in self.estimate_rows.streams],
             "spread": self.spread.state_dict(),
             "next_draw": None if self.next_draw is None else self.next_draw.state_dict(),
             # B_c^t and the streams' permutations are functions of (seed, step): the seed is their RNG state
@@ -453,7 +443,7 @@ class ConstraintEngine:
         names = [c.name for c in self.constraints]
         if state["names"] != names:
             raise ValueError(f"checkpoint constraints {state['names']} do not match this trainer's {names}")
-        if (state.get("indicator_streams") is None) != (self.indicator_streams is None):
+        if (state.get("indicator_streams") is None) == self.separate_estimate:
             raise ValueError("the checkpoint was written with" + (" " if state.get("indicator_streams") else "out ")
                              + "two-split estimation (constraint_indicator_fraction) and this run is "
                              + ("not" if state.get("indicator_streams") else "") + ": resume with the same setting")
@@ -462,7 +452,8 @@ class ConstraintEngine:
         for stream, s in zip(self.streams, state["streams"]):
             if stream is not None:
                 stream.load_state_dict(s)
-        for stream, s in zip(self.indicator_streams or [], state.get("indicator_streams") or []):
+        for stream, s in zip(self.estimate_rows.streams if self.separate_estimate else [],
+                             state.get("indicator_streams") or []):
             if stream is not None:
                 stream.load_state_dict(s)
         if state.get("spread") is not None:
@@ -506,9 +497,9 @@ class ConstraintEngine:
         logger.warning("resuming with the checkpoint's constraint sampling seed %s (this run's arguments say %s)",
                        seed, self.sampler.seed)
         self.sampler.seed = int(seed)
-        for stream in [*self.streams, *(self.indicator_streams or [])]:
+        for stream in [*self.streams, *(self.estimate_rows.streams if self.separate_estimate else [])]:
             if stream is not None:
                 stream.reseed(int(seed))
 
 
-__all__ = ["ConstraintDraw", "ConstraintEngine", "EngineSettings"]
+__all__ = ["ConstraintDraw", "ConstraintEngine", "EngineSettings", "RowPart"]

@@ -1,4 +1,4 @@
-"""The running spread of per-row values: the noise of an estimate and calibrated margins.
+"""The running spread of per-row values: the noise of an estimate and the margins in force.
 
 For row-wise constraints every step yields the per-row values of B_k^t, hence their sample
 variance. :class:`RowSpread` keeps a running variance s_k^2 (per group of a ``group_key``
@@ -12,18 +12,12 @@ constraint) and the rows per batch, and from them
   finite-population correction applies (:func:`without_replacement_factor`): ``s_k^2 / n``
   times ``1 - n/N`` for a batch inside one pass, more for one that runs into the next, 0 when n
   is a multiple of N (every batch IS D_k);
-* the margin of a calibrated constraint, ``z_c * s_k / sqrt(n_k)`` with n_k = |D_k| (or
-  ``Constraint.independent_rows``), or an explicit margin: the hinge then acts on
-  ``u_k + margin > tol_k``, so the constraint also holds on unseen data of the same population
-  with confidence c (the one-sided CLT bound of :mod:`hf_constrained.statistics`);
-* the margin sized to the certificate (``certificate_delta``): for a constraint with a
-  ``certify.dataset`` and a ``certify.value_range`` (certifying its own per-row values), the width that
-  the certificate's bound will need at its n and delta, by the empirical-Bernstein rule
-  (Maurer & Pontil 2009): ``sqrt(2 s_k^2 log(2/delta) / n) + 7 R log(2/delta) / (3 (n - 1))``
-  with ``R`` the range's width and ``n = |certify.dataset|``; a difference of two group means
-  takes each group's width at ``delta/2`` (``delta/4`` with ``outer=abs``) over its share of the
-  rows, as the certificate does. Training then aims at ``tol_k`` minus that width, so that a run
-  feasible in training is likely to certify.
+* the margin in force per constraint: each constraint's rule
+  (:class:`~hf_constrained.method.strategies.Margin`: a fixed margin, a calibrated one
+  ``z_c * s_k / sqrt(n_k)``, or the empirical-Bernstein width the certificate's bound will need),
+  decided once by :func:`~hf_constrained.method.strategies.margin_rules`; each rule class computes the
+  margins of all its constraints at once from the running spread. The hinge then acts on
+  ``u_k + margin > tol_k``.
 
 Its state (:meth:`RowSpread.state_dict`) goes into every checkpoint: a resumed run has the
 same margins as an uninterrupted one.
@@ -38,8 +32,8 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from ..statistics import group_difference_share, z_value
 from .rows import batch_variances
+from .strategies import Margin, SpreadAt
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..constraint import Constraint
@@ -83,77 +77,54 @@ class RowSpread:
 
     Args:
         constraints: all m constraints.
-        confidence: the run's ``constraint_confidence`` (``Constraint.confidence`` overrides it).
-        margin: the run's ``constraint_margin`` (``Constraint.margin`` overrides it).
+        rules: each constraint's margin rule (``None``: no margin), as decided by
+            :func:`~hf_constrained.method.strategies.margin_rules`; each rule class computes the margins of
+            all its constraints at once (:meth:`~hf_constrained.method.strategies.Margin.margins`).
         device, dtype: where and in which precision the running sums live.
-        indicator_views: under two-split estimation, the constraints' indicator parts: the rows
-            the estimates' batches are drawn from (else each constraint's dataset). Only the noise
-            (``constraint_std``) counts those rows: margins and certificate widths are about
-            unseen data, not about the sampling; and the warning then names
-            ``constraint_indicator_batch_size``.
+        sampled: the constraints over the rows the estimates' batches are drawn from (the indicator parts
+            under two-split estimation; default: the constraints). Only the noise (``constraint_std``)
+            counts those rows: margins are about unseen data, not about the sampling.
+        batch_setting: the flag that sizes those batches, named by the noise warning.
     """
 
-    def __init__(self, constraints: Sequence["Constraint"], *, confidence: Optional[float] = None,
-                 margin: Optional[float] = None, device: Any = None, dtype: torch.dtype = torch.float64,
-                 certificate_delta: Optional[float] = None,
-                 indicator_views: Optional[Sequence["Constraint"]] = None) -> None:
+    def __init__(self, constraints: Sequence["Constraint"], rules: Optional[Sequence[Optional[Margin]]] = None, *,
+                 device: Any = None, dtype: torch.dtype = torch.float64,
+                 sampled: Optional[Sequence["Constraint"]] = None,
+                 batch_setting: str = "constraint_batch_size") -> None:
         self.constraints = list(constraints)
         m = len(self.constraints)
-        sampled = self.constraints if indicator_views is None else list(indicator_views)
+        rules = [None] * m if rules is None else list(rules)
+        sampled = self.constraints if sampled is None else list(sampled)
         # rows each estimate's batches are drawn from; 0: none (no correction)
         population = torch.tensor([0.0 if c.data_free else float(len(c.dataset)) for c in sampled],
                                   dtype=torch.float64)
-        z, fixed = torch.zeros(m, dtype=torch.float64), torch.zeros(m, dtype=torch.float64)
-        rows = torch.ones(m, dtype=torch.float64)
-        no_rows = []
+        # what a margin reads of a constraint: n_k (independent rows, not correlated copies), the certification
+        # split's rows and the width of its values' range
+        rows, cert_rows, cert_range = (torch.zeros(m, dtype=torch.float64) for _ in range(3))
         for k, c in enumerate(self.constraints):
-            if c.rowwise:  # the n of the margin's s / sqrt(n): independent rows, not correlated copies
-                rows[k] = c.independent_rows if c.independent_rows is not None else len(c.dataset)
-            if c.margin is not None:
-                fixed[k] = c.margin
-            elif c.confidence is not None:
-                z[k] = z_value(c.confidence)
-            elif margin is not None:
-                fixed[k] = float(margin)
-            elif confidence is not None:
-                if c.rowwise:
-                    z[k] = z_value(float(confidence))
-                else:
-                    no_rows.append(c.name)
-        if no_rows:
-            logger.warning("constraint_confidence=%s gives no margin to %d constraint(s) without per-row values "
-                           "(scalar fn): %s. Declare them with row_fn or give them Constraint(margin=...).",
-                           confidence, len(no_rows), no_rows[:10])
-        # margins sized to the certificate: log(2/delta') per constraint (0: none), the range's width, and n
-        cert_log, cert_range, cert_rows = (torch.zeros(m, dtype=torch.float64) for _ in range(3))
-        uncertifiable = []
-        for k, c in enumerate(self.constraints):
-            if certificate_delta is None or c.margin is not None or c.confidence is not None:
-                continue
-            if not c.certifiable or c.certify.statistic is not None or c.certify.value_range is None:
-                uncertifiable.append(c.name)
-                continue
-            share = group_difference_share(grouped=c.group_key is not None, absolute=c.outer is not None)
-            cert_log[k] = math.log(2.0 / (certificate_delta * share))
-            cert_range[k] = float(c.certify.value_range[1]) - float(c.certify.value_range[0])
-            cert_rows[k] = len(c.certify.dataset)
-        if uncertifiable:
-            logger.warning("certificate_delta=%s sizes no margin for %d constraint(s) that do not certify their own "
-                           "per-row values (no certify.dataset or certify.value_range, or a certify.statistic): %s",
-                           certificate_delta, len(uncertifiable), uncertifiable[:10])
-        self.cert_log, self.cert_range = cert_log.to(device, dtype), cert_range.to(device, dtype)
-        self.cert_rows = cert_rows.to(device, dtype)
-        z = torch.where(cert_log > 0, torch.zeros_like(z), z)
-        self.z, self.fixed, self.data_rows = z.to(device, dtype), fixed.to(device, dtype), rows.to(device, dtype)
-        self.population = population.to(device, dtype)
-        self.configured = (z > 0) | (fixed > 0) | (cert_log > 0)
-        self.has_margins = bool(self.configured.any())
+            rows[k] = 1.0 if not c.rowwise else c.independent_rows if c.independent_rows is not None \
+                else len(c.dataset)
+            if c.certifiable and c.certify.value_range is not None:
+                cert_rows[k] = len(c.certify.dataset)
+                cert_range[k] = float(c.certify.value_range[1]) - float(c.certify.value_range[0])
+        # one coefficient vector per rule class in force (0 off its members), and its members
+        self.rule_classes: list[tuple[type[Margin], torch.Tensor, torch.Tensor]] = []
+        configured = torch.zeros(m, dtype=torch.bool)
+        for cls in dict.fromkeys(type(r) for r in rules if r is not None):
+            member = torch.tensor([type(r) is cls for r in rules], dtype=torch.bool)
+            coefficient = torch.tensor([r.coefficient(c) if type(r) is cls else 0.0
+                                        for r, c in zip(rules, self.constraints)], dtype=torch.float64)
+            configured |= member & (coefficient > 0)
+            self.rule_classes.append((cls, coefficient.to(device, dtype), member.to(device)))
+        self.data_rows, self.population = rows.to(device, dtype), population.to(device, dtype)
+        self.cert_rows, self.cert_range = cert_rows.to(device, dtype), cert_range.to(device, dtype)
+        self.configured = configured
+        self.has_margins = bool(configured.any())
         self.var = torch.zeros(2 * m, dtype=dtype, device=device)
         self.rows = torch.zeros(2 * m, dtype=dtype, device=device)
         self.visits = torch.zeros(m, dtype=dtype, device=device)
         self.noise_warned = False
-        # the batch size the warning points to: the indicator part's under two-split estimation
-        self.batch_setting = "constraint_batch_size" if indicator_views is None else "constraint_indicator_batch_size"
+        self.batch_setting = batch_setting
 
     @torch.no_grad()
     def observe(self, ids: torch.Tensor, stats: torch.Tensor) -> None:
@@ -185,23 +156,16 @@ class RowSpread:
         return torch.where(rows > 0, var / rows.clamp(min=1e-12) * fpc, torch.zeros_like(var)).sum(dim=1).sqrt()
 
     def margin_values(self, ids: torch.Tensor) -> torch.Tensor:
-        """The margin in force per constraint: the explicit one, or ``z_c * s_k / sqrt(n_k)`` (for a
-        group difference ``z_c * sqrt(s_0^2 / n_0 + s_1^2 / n_1)`` with n_g = n_k times group g's
-        running share of the batch rows)."""
+        """The margin in force per constraint, each computed by its rule's class
+        (:meth:`~hf_constrained.method.strategies.Margin.margins`); 0 for constraints without one."""
         var, rows = self._at(ids)
         share = rows / rows.sum(dim=1, keepdim=True).clamp(min=1e-12)
-        n_data = (self.data_rows[ids].unsqueeze(1) * share).clamp(min=1.0)
-        se = torch.where(rows > 0, var / n_data, torch.zeros_like(var)).sum(dim=1).sqrt()
-        return self.fixed[ids] + self.z[ids] * se + self.certificate_widths(ids, var, share)
-
-    def certificate_widths(self, ids: torch.Tensor, var: torch.Tensor, share: torch.Tensor) -> torch.Tensor:
-        """The empirical-Bernstein width of the certificate's bound (module docstring), summed over
-        the groups of a group difference; 0 for constraints without a margin sized to the certificate."""
-        log_term, width = self.cert_log[ids].unsqueeze(1), self.cert_range[ids].unsqueeze(1)
-        n = (self.cert_rows[ids].unsqueeze(1) * share).clamp(min=2.0)
-        eb = (2.0 * var * log_term / n).sqrt() + 7.0 * width * log_term / (3.0 * (n - 1.0))
-        eb = torch.where((share > 0) & (log_term > 0), eb, torch.zeros_like(eb))
-        return eb.sum(dim=1)
+        at = SpreadAt(var=var, rows=rows, share=share, data_rows=self.data_rows[ids],
+                      certify_rows=self.cert_rows[ids], certify_range=self.cert_range[ids])
+        out = torch.zeros(ids.numel(), dtype=var.dtype, device=var.device)
+        for cls, coefficient, member in self.rule_classes:
+            out = torch.where(member[ids], cls.margins(coefficient[ids], at), out)
+        return out
 
     def margins(self) -> dict[str, float]:
         """The margin of each constraint that has one (empty when none is configured)."""

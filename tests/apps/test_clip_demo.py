@@ -321,7 +321,7 @@ def test_proxy_indicator_constraints_compare_the_share_forgotten_with_its_own_ra
                        test_all=[], certify={"zero": [{"x": -1}] * 18})
     cfg = demo.DemoConfig(indicator_fraction=0.3, proxy_indicator=True, confidence=0.0, proxy_forget_rate=0.05)
     (con,) = demo.demo_constraints(cfg, pools, demo.ForgettingRows(None), collate=None)
-    assert con.margin == pytest.approx(cfg.forget_tolerance - 0.05) and con.confidence is None
+    assert con.margin.value == pytest.approx(cfg.forget_tolerance - 0.05) and con.confidence is None
     assert con.certify_statistic.tolerance == cfg.forget_tolerance  # the certificate itself is unchanged
     (plain,) = demo.demo_constraints(demo.DemoConfig(confidence=0.0), pools, demo.ForgettingRows(None), collate=None)
     assert plain.margin is None

@@ -359,7 +359,7 @@ def test_the_proxy_margin_is_sized_from_the_statement_and_a_small_split_warns_be
                                       correct=causal_lm_per_example_correct, accuracy_drop_tolerance=0.05,
                                       old_correct_on_rows=True)
     target = certifiable_target(c.certify.statistic, 200, 0.05)
-    assert target is not None and c.margin == pytest.approx(0.05 - target) and c.margin > 0
+    assert target is not None and c.margin.value == pytest.approx(0.05 - target) and c.margin.value > 0
     assert c.metadata["certifiable_target"] == target
     # without the proxy (no old correctness on the training rows) the loss constraint keeps its own units
     (plain,) = non_forgetting_constraints(causal_lm, causal_lm_per_example_loss, {"reverse": lm_rows.select(range(6))},

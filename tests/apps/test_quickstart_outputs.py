@@ -33,7 +33,7 @@ def test_another_margin_setting_replaces_the_default_margin(tmp_path):
     (tmp_path / "c.yaml").write_text("constraint_certificate_delta: 0.1\n")
     _, args = qs.parse_args(["--config", str(tmp_path / "c.yaml")])
     assert args.constraint_certificate_delta == 0.1 and args.constraint_margin is None
-    with pytest.raises(ValueError, match="constraint_confidence or constraint_margin"):
+    with pytest.raises(ValueError, match="give at most one of constraint_margin, constraint_confidence"):
         qs.parse_args(["--constraint_confidence", "0.9", "--constraint_margin", "0.1"])
 
 

@@ -69,5 +69,5 @@ def test_more_certification_rows_need_a_smaller_margin(tmp_path):
 def test_certificate_delta_is_checked(tmp_path):
     with pytest.raises(ValueError, match="constraint_certificate_delta must be in \\(0, 1\\)"):
         tiny_args(str(tmp_path), constraint_certificate_delta=1.5)
-    with pytest.raises(ValueError, match="give one of constraint_certificate_delta, constraint_confidence"):
+    with pytest.raises(ValueError, match="give at most one of constraint_margin, constraint_confidence"):
         tiny_args(str(tmp_path), constraint_certificate_delta=0.05, constraint_confidence=0.9)

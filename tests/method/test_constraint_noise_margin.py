@@ -111,7 +111,7 @@ def test_margin_settings_are_validated(tmp_path):
         Constraint("c", fn=lambda m, b: m(b["x"])["loss"], dataset=data, confidence=0.9)
     with pytest.raises(ValueError, match="confidence must be in"):
         Constraint("c", row_fn=per_row_ce, dataset=data, confidence=1.2)
-    with pytest.raises(ValueError, match="not both"):
+    with pytest.raises(ValueError, match="give at most one of constraint_margin, constraint_confidence"):
         ConstrainedTrainer(model=Net64(), train_dataset=data,
                            constraints=[Constraint("c", row_fn=per_row_ce, dataset=data)],
                            args=make_args(tmp_path, "v", constraint_confidence=0.9, constraint_margin=0.1))

@@ -75,6 +75,21 @@ def _changed_value(field: dataclasses.Field):
     return value, needs.get(field.name, {})
 
 
+# the strategies an option stands for (method/strategies.py), as the report records them: the option's value
+# (``_changed_value``) inside the rule's or source's name and parameters
+TWO_SPLIT = "two_split(fraction={}, indicator_batch_size={}, proxy_statistic={})"
+STRATEGIES = {
+    "constraint_margin": {"margin_rule": "fixed(value=0.75)", "margin_rules": {"fixed(value=0.75)": M}},
+    "constraint_confidence": {"margin_rule": "calibrated(confidence=0.75)",
+                              "margin_rules": {"calibrated(confidence=0.75)": M}},
+    # these constraints certify another statistic: a margin sized to the certificate sizes none of them
+    "constraint_certificate_delta": {"margin_rule": "certificate(delta=0.75)", "margin_rules": {"none": M}},
+    "constraint_indicator_fraction": {"estimate_source": TWO_SPLIT.format(0.75, None, False)},
+    "constraint_indicator_batch_size": {"estimate_source": TWO_SPLIT.format(0.5, 3, False)},
+    "constraint_proxy_indicator": {"estimate_source": TWO_SPLIT.format(0.5, None, True)},
+}
+
+
 def _expected(name: str, value, trainer) -> object:
     """What the report must record for ``name`` set to ``value``: the value the run used."""
     if name == "msvr_gamma_prime":
@@ -88,6 +103,8 @@ def test_every_option_is_recorded_as_the_run_used_it(tmp_path):
     assert "constraints_per_step" in names and "constraint_indicator_batch_size" in names
     _, default = _report(tmp_path)
     assert default.method["constraints_per_step"] == M  # unset: every constraint, resolved
+    assert (default.method["margin_rule"], default.method["margin_rules"]) == ("none", {"none": M})
+    assert default.method["estimate_source"] == "one_split"  # the paper's Algorithm 1
     for name in names:
         value, needs = _changed_value(fields[name])
         trainer, report = _report(tmp_path, **{name: value}, **needs)
@@ -95,6 +112,8 @@ def test_every_option_is_recorded_as_the_run_used_it(tmp_path):
         recorded = report.method[name]
         assert recorded == pytest.approx(expected) if isinstance(expected, float) else recorded == expected, name
         assert recorded != default.method[name], f"{name}: the report does not follow the option"
+        for key, strategy in STRATEGIES.get(name, {}).items():  # the strategy the option stands for
+            assert report.method[key] == strategy, (name, key)
         # what the loop writes and what it holds as the weights' report record the same settings
         trainer.safety.save_report(report, str(tmp_path / "written"))
         assert SafetyReport.load(str(tmp_path / "written")).method == report.method, name
