@@ -113,6 +113,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer, CLIPModel, TrainerCallback
 
+from hf_constrained.atomic_files import atomic_write_json
 from hf_constrained.clip import (
     ContrastiveConstrainedTrainer,
     ReferenceLossDataset,
@@ -1039,7 +1040,7 @@ def run_demo(ns: argparse.Namespace, echo: Optional[Callable[[str], None]] = Non
     """Run both stages for every seed with the options in ``ns``; ``echo`` (default: the
     module logger) receives the progress lines, the per-seed tables and the summary.
 
-    Writes the results JSON (tmp + rename) with ``command`` (the command line that produced it;
+    Writes the results JSON (atomically: never half a file) with ``command`` (the command line that produced it;
     default: this process's own) and ``config`` (:func:`parsed_config`), and returns it.
     """
     from transformers.utils import logging as hf_logging
@@ -1095,7 +1096,7 @@ def run_demo(ns: argparse.Namespace, echo: Optional[Callable[[str], None]] = Non
             echo(seed_table(cfg, old, runs))
             echo("")
         results["per_seed"].append({"seed": seed, "old_accuracy": old, "runs": runs})
-        _write_json(out, results)  # after every seed: a long run can be read while it goes on
+        atomic_write_json(out, results)  # after every seed: a long run can be read while it goes on
     if ns.workers > 1 and len(seeds) > 1:
         pool.shutdown()
     results["summary"] = per_method
@@ -1115,18 +1116,11 @@ def run_demo(ns: argparse.Namespace, echo: Optional[Callable[[str], None]] = Non
     results["cpu_seconds"] = time.process_time() + children.ru_utime + children.ru_stime
     echo(f"\ntotal {results['seconds']:.0f}s ({results['cpu_seconds']:.0f}s of CPU) on {os.cpu_count()} CPU core(s), "
          f"torch {torch.__version__}")
-    _write_json(out, results)
+    atomic_write_json(out, results)
     echo(f"results: {out}")
     if len(seeds) == 1 and penalties == ["hinge"]:
         echo(f"the wider evaluation: {MODULE_COMMAND} {WIDER_FLAGS}")
     return results
-
-
-def _write_json(path: str, results: dict[str, Any]) -> None:
-    tmp = path + ".tmp"  # tmp + rename: never a half-written file
-    with open(tmp, "w") as f:
-        json.dump(results, f, indent=2)
-    os.replace(tmp, path)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -87,6 +87,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.trainer_callback import PrinterCallback
 
 from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments
+from hf_constrained.atomic_files import atomic_write_json
 from hf_constrained.method.regularisers import KLToOld, L2ToOld, ObjectiveRegulariser, Replay
 from hf_constrained.non_forgetting import (
     PaddingCollator,
@@ -633,10 +634,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     print("goals:", json.dumps(summary["goals"]))
     print(f"total {result['seconds']:.0f}s wall, {result['cpu_seconds']:.0f}s CPU")
     if cfg.json:
-        os.makedirs(os.path.dirname(os.path.abspath(cfg.json)), exist_ok=True)
-        with open(cfg.json + ".tmp", "w") as f:
-            json.dump(result, f, indent=2)
-        os.replace(cfg.json + ".tmp", cfg.json)
+        atomic_write_json(cfg.json, result)
     tmp.cleanup()
     return result
 

@@ -40,10 +40,11 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Optional, Protocol, Union
+
+from ..atomic_files import atomic_write_json
 
 logger = logging.getLogger(__name__)
 
@@ -205,17 +206,7 @@ def _read(path: str) -> dict[str, list[dict[str, Any]]]:
 
 def _write(path: str, splits: Mapping[str, list[dict[str, Any]]]) -> None:
     """Atomic: a reader sees the old ledger or the new one, never a partial file."""
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".ledger-", dir=folder)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            json.dump({"format": _FORMAT, "splits": splits}, handle, indent=1, sort_keys=True)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    atomic_write_json(path, {"format": _FORMAT, "splits": splits}, indent=1, sort_keys=True)
 
 
 class CertificationLedger:

@@ -372,7 +372,7 @@ def test_results_record_the_command_and_the_settings_it_parses_to(tmp_path, monk
     monkeypatch.setattr(demo, "old_accuracy", lambda *a, **k: {n: 0.5 for n in demo.DIGIT_NAMES})
     monkeypatch.setattr(demo, "finetune", lambda cfg, path, p, **k: {**fake_run, "penalty": p})
     written = {}
-    monkeypatch.setattr(demo, "_write_json", lambda path, results: written.update(results))
+    monkeypatch.setattr(demo, "atomic_write_json", lambda path, results: written.update(results))
     argv = ["--seeds", "3,4", "--penalties", "hinge", "--penalty_beta", "7", "--cache_dir", str(tmp_path),
             "--output", "x.json"]
     assert demo.main(argv) == 0
