@@ -91,10 +91,10 @@ from hf_constrained.atomic_files import atomic_write_json
 from hf_constrained.method.regularisers import KLToOld, L2ToOld, ObjectiveRegulariser, Replay
 from hf_constrained.non_forgetting import (
     PaddingCollator,
-    ReferenceCorrectDataset,
     causal_lm_per_example_loss,
     non_forgetting_constraints,
     reference_losses,
+    with_old_correctness,
 )
 from hf_constrained.per_sample_loss import IGNORE_INDEX, causal_lm_per_example_correct
 from hf_constrained.progress import StepProgressBar
@@ -330,9 +330,8 @@ def add_old_correctness(old_model: torch.nn.Module, constraints: list[Any], coll
     indicator can evaluate the certificate's statistic, the share of rows forgotten, on the constraint's
     own indicator rows (the rows of ``constraint_indicator_fraction`` that no gradient uses)."""
     for c in constraints:
-        correct = reference_losses(old_model, c.dataset, causal_lm_per_example_correct, collate, batch_size=256,
-                                   desc=f"old model's exact match {c.name}")
-        c.dataset = ReferenceCorrectDataset(c.dataset, correct)
+        c.dataset = with_old_correctness(old_model, c.dataset, causal_lm_per_example_correct, collate, batch_size=256,
+                                         desc=f"old model's exact match {c.name}")
 
 
 def _estimation_args(cfg: ExampleArguments, penalty: str) -> dict[str, Any]:
