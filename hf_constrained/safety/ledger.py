@@ -27,9 +27,10 @@ spent, the row-order seeds and hashes of the values a look read: no path, no dat
 
 **A repeated identical look is free.** A look is keyed by a hash of everything that decides its
 outcome (the split, the constraints' names, tolerances, ranges and bounds, the procedure, the
-budget and every candidate's per-row values): computing the same certificate again (the same
-weights, a report written twice) reuses the recorded look, its delta and its row-order seed, so
-it gives the same answer and spends nothing.
+budget, every candidate's per-row values and, where the caller gives it, every candidate's identity: the
+trainer gives its weights' fingerprint): computing the same certificate again (the same weights, a
+report written twice) reuses the recorded look, its delta and its row-order seed, so it gives the
+same answer and spends nothing; another model is another look, even with the same per-row values.
 """
 
 from __future__ import annotations
