@@ -17,13 +17,12 @@ forgets 1.5% should almost never read NOT CERTIFIED).
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 from typing import Any, Optional
 
 from scipy.stats import binom
 
+from hf_constrained.atomic_files import atomic_write_json
 from hf_constrained.publishable import publishable_command
 from hf_constrained.safety.bounds import clopper_pearson_upper_bound
 
@@ -74,10 +73,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         print(f"n={r['n']:5d}  certifies with <= {r['most_forgotten_rows']:4d} forgotten  {probs}")
     print(f"chosen n = {chosen}; with nothing forgotten n >= {result['n_needed_with_nothing_forgotten']}")
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json + ".tmp", "w") as f:
-            json.dump(result, f, indent=2)
-        os.replace(args.json + ".tmp", args.json)
+        atomic_write_json(args.json, result)
     return result
 
 

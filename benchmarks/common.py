@@ -29,6 +29,7 @@ from torch import nn
 from transformers import CLIPConfig, CLIPModel, Trainer, TrainerCallback, TrainingArguments
 
 from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments, Constraint
+from hf_constrained.atomic_files import atomic_write_text
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "tiny": dict(  # for checking the scripts quickly
@@ -253,11 +254,7 @@ def write_json(path: Optional[str], result: dict[str, Any], echo: bool = True) -
     if echo:
         print(text)
     if path:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            f.write(text + "\n")
-        os.replace(tmp, path)
+        atomic_write_text(path, text + "\n")
 
 
 def add_common_arguments(parser: Any) -> None:

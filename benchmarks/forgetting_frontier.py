@@ -53,6 +53,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from hf_constrained.atomic_files import atomic_write_json
 from hf_constrained.publishable import publishable_command, publishable_values
 from hf_constrained.recipes import llm_tiny_example as ex
 
@@ -386,9 +387,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
               "seconds": round(time.time() - t0, 1)}
     print(format_table(settings, args.claim))
     if args.json:
-        with open(args.json + ".tmp", "w") as f:
-            json.dump(result, f, indent=2)
-        os.replace(args.json + ".tmp", args.json)
+        atomic_write_json(args.json, result)
         if os.path.exists(args.json + ".partial.jsonl"):
             os.remove(args.json + ".partial.jsonl")  # the result holds every run
     if args.figure:

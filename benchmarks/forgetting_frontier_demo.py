@@ -58,6 +58,7 @@ from transformers import TrainerCallback
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import forgetting_frontier as ff  # noqa: E402
 
+from hf_constrained.atomic_files import atomic_write_json  # noqa: E402
 from hf_constrained.publishable import publishable_command, publishable_values  # noqa: E402
 from hf_constrained.recipes import demo_clip_digits as demo  # noqa: E402
 from hf_constrained.safety.ledger import LEDGER_FILE, user_ledger_at  # noqa: E402
@@ -285,9 +286,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
               "runs": rows, "seconds": round(time.time() - t0, 1)}
     print(format_table(settings, rows, args.within / 100))
     if args.json:
-        with open(args.json + ".tmp", "w") as f:
-            json.dump(result, f, indent=2)
-        os.replace(args.json + ".tmp", args.json)
+        atomic_write_json(args.json, result)
         if partial and os.path.exists(partial):
             os.remove(partial)  # the result holds every run
     if args.figure:

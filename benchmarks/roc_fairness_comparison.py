@@ -803,10 +803,9 @@ def main(argv=None) -> dict:
             # planned settings with fewer finished seeds than planned (a run cut short by --time-budget): not reported
             "incomplete_settings": incomplete}
     summary["meta"] = meta
-    tmp = os.path.join(args.out, "roc_fairness_summary.json.tmp")
-    with open(tmp, "w") as f:
-        json.dump(summary, f, indent=1)
-    os.replace(tmp, summary_path)
+    from hf_constrained.atomic_files import atomic_write_json  # stdlib only: the parent process stays light
+
+    atomic_write_json(summary_path, summary, indent=1)
     table = markdown_table(summary, meta)
     with open(os.path.join(args.out, "roc_fairness_table.md"), "w") as f:
         f.write(table)

@@ -53,7 +53,8 @@ LIBRARY_FILES = ("constraint_state.pt",)
 """The library's own files in a checkpoint: the marker vouches for these, file by file."""
 
 TRAINER_STATE_NAME = "trainer_state.json"
-"""The last file the Trainer writes into a checkpoint."""
+"""The last file the Trainer writes into a checkpoint (``transformers.trainer.TRAINER_STATE_NAME``, spelt out here so
+that the command line reads checkpoints without importing the Trainer; a test holds the two equal)."""
 
 _CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 

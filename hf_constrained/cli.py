@@ -24,6 +24,7 @@ import os
 import sys
 from typing import Any, Optional, Sequence
 
+from .atomic_files import atomic_write_json
 from .checkpointing import checkpoint_folders, checkpoint_problem
 from .errors import RecipeConfigError
 from .extras import MissingExtraError, extra_for_module, install_hint
@@ -291,11 +292,7 @@ def write_shipped_help() -> dict[str, str]:
         if code != 0:
             raise RuntimeError(f"hf-constrained {recipe.command} --help exited with {code}")
         texts[recipe.command] = text
-    tmp = f"{SHIPPED}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump({"versions": versions(), "texts": texts}, f, indent=1, sort_keys=True)
-        f.write("\n")
-    os.replace(tmp, SHIPPED)
+    atomic_write_json(SHIPPED, {"versions": versions(), "texts": texts}, indent=1, sort_keys=True, newline=True)
     return texts
 
 

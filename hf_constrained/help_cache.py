@@ -26,6 +26,8 @@ from collections.abc import Callable
 from importlib import metadata
 from typing import Optional
 
+from .atomic_files import atomic_write_text
+
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 SHIPPED = os.path.join(PACKAGE_DIR, "help_texts.json")
 """The recipes' short help texts, with the versions they were rendered with."""
@@ -107,11 +109,7 @@ def cached_help(command: str, kind: str, recipe_file: Optional[str], render: Cal
     code, text = render_help(render)
     if code == 0 and text:
         try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            tmp = f"{path}.tmp.{os.getpid()}"
-            with open(tmp, "w", encoding="utf-8") as f:
-                f.write(text)
-            os.replace(tmp, path)
+            atomic_write_text(path, text)
         except OSError:
             pass  # no cache, same output
     return code, text

@@ -97,12 +97,15 @@ __all__ = [
     "ReferenceLossDataset",
     "causal_lm_per_example_loss",
     "iterate_batches",
+    "largest_share_forgotten",
     "non_forgetting_constraints",
     "old_model_context",
     "old_model_values",
     "reference_losses",
     "sequence_classification_per_example_loss",
+    "shares_forgotten",
     "to_device",
+    "with_old_correctness",
 ]
 
 
@@ -226,6 +229,17 @@ class ReferenceCorrectDataset(ReferenceLossDataset):
     key = CORRECT_KEY
 
 
+def with_old_correctness(old_model: nn.Module, dataset: Any, correct: PerSampleCorrect,
+                         collate_fn: Optional[Callable] = None, batch_size: int = 64, *,
+                         desc: str = "old model's correctness") -> ReferenceCorrectDataset:
+    """``dataset``'s rows with the old model's 0/1 correctness on each as ``reference_correct``
+    (:class:`ReferenceCorrectDataset`): one eval-mode pass of ``correct`` (:func:`reference_losses`), before
+    training, so that :class:`ForgottenRows` can later tell, per row, whether a model forgot it.
+    Rows that already carry ``reference_loss`` (a :class:`ReferenceLossDataset`) keep it."""
+    return ReferenceCorrectDataset(dataset, reference_losses(old_model, dataset, correct, collate_fn, batch_size,
+                                                             desc=desc))
+
+
 class ForgottenRows:
     """Per row, 1 when the old model got it right and the model now gets it wrong, else 0: the
     statistic a non-forgetting certificate bounds ("at most eps of task k's examples forgotten"),
@@ -253,6 +267,40 @@ def forgetting_statistic(correct: PerSampleCorrect, tolerance: float) -> Certify
     return CertifyStatistic(ForgottenRows(correct), tolerance=float(tolerance), value_range=(0.0, 1.0),
                             bound="clopper_pearson", description="share of the task's examples forgotten",
                             old_model_value=0.0)
+
+
+def shares_forgotten(model: nn.Module, datasets: Mapping[str, Any], correct: PerSampleCorrect,
+                     collate_fn: Optional[Callable] = None, batch_size: int = 64) -> dict[str, float]:
+    """Per task, the share of its rows that the old model got right and ``model`` gets wrong: the mean of
+    :class:`ForgottenRows`, the statistic of :func:`forgetting_statistic`, as a point value on any rows that
+    carry the old model's correctness (:func:`with_old_correctness`; e.g. a checkpoint-selection split).
+
+    A diagnostic or a feasibility check (:func:`largest_share_forgotten`),
+    never a certificate: rows that chose a model cannot certify it. One eval-mode pass per task, in row order.
+    """
+    forgotten = ForgottenRows(correct)
+    return {task: float(reference_losses(model, rows, forgotten, collate_fn, batch_size,
+                                         desc=f"forgotten rows {task}").double().mean())
+            for task, rows in datasets.items()}
+
+
+def largest_share_forgotten(datasets: Mapping[str, Any], correct: PerSampleCorrect, rate: float,
+                            collate_fn: Optional[Callable] = None,
+                            batch_size: int = 64) -> Callable[[nn.Module], float]:
+    """``model -> max_k share_k - rate``: the largest share of a protected task's rows forgotten
+    (:func:`shares_forgotten`) above ``rate``, a largest violation for feasible-checkpoint selection
+    (:class:`~hf_constrained.safety.in_memory_selection.InMemoryFeasibleSelection`: feasible when every task
+    forgot at most ``rate`` of its selection rows). ``datasets``: task -> rows carrying the old model's
+    correctness (:func:`with_old_correctness`, computed once, before training)."""
+    if not 0 <= rate < 1:
+        raise ValueError(f"the largest share of a task's rows forgotten must be in [0, 1), got {rate}")
+    if not datasets:
+        raise ValueError("largest_share_forgotten: no protected task's rows")
+
+    def largest(model: nn.Module) -> float:
+        return max(shares_forgotten(model, datasets, correct, collate_fn, batch_size).values()) - rate
+
+    return largest
 
 
 class PairedChange(ForgottenRows):
@@ -424,17 +472,16 @@ class NonForgettingConstraint(Constraint):
             if check.never:
                 raise ValueError(check.message())
             with old_model_context(old_model, use_base_of_adapter):
-                certify_rows = ReferenceCorrectDataset(certify_dataset, reference_losses(
-                    old_model, certify_dataset, correct, collate_fn, batch_size,
-                    desc=f"old model's correctness {task} (certification)"))
+                certify_rows = with_old_correctness(old_model, certify_dataset, correct, collate_fn, batch_size,
+                                                    desc=f"old model's correctness {task} (certification)")
         old_loss = train.mean_loss
         if old_correct_on_rows:
             if statistic is None:
                 raise ValueError(f"protected task {task!r}: old_correct_on_rows serves the certificate's statistic: "
                                  "give certify_dataset, correct and forget_tolerance")
             with old_model_context(old_model, use_base_of_adapter):
-                train = ReferenceCorrectDataset(train, reference_losses(
-                    old_model, dataset, correct, collate_fn, batch_size, desc=f"old model's correctness {task}"))
+                train = with_old_correctness(old_model, train, correct, collate_fn, batch_size,
+                                             desc=f"old model's correctness {task}")
         tol = float(tolerance) + float(relative_tolerance) * old_loss
         metadata = {"task": task, "old_loss": old_loss, "absolute_tolerance": float(tolerance),
                     "relative_tolerance": float(relative_tolerance)}

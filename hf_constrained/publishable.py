@@ -33,6 +33,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any, Optional
 
+from .atomic_files import atomic_write_text
+
 logger = logging.getLogger(__name__)
 
 REDACTED = "<redacted>"
@@ -228,14 +230,9 @@ def save_config_copy(path: str, output_dir: str) -> str:
     values = load_config_file(path)
     clean = {k: publishable_values(v, output_dir) for k, v in values.items()
              if not (isinstance(k, str) and is_secret_flag(k))}
-    os.makedirs(output_dir, exist_ok=True)
     target = os.path.join(output_dir, SAVED_CONFIG_NAME)
-    tmp = f"{target}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(f"# a copy of --config {publishable_values(path, output_dir)} as this run read it "
-                "(secrets dropped, local paths made relative)\n")
-        yaml.safe_dump(clean, f, sort_keys=False)
-    os.replace(tmp, target)
+    atomic_write_text(target, f"# a copy of --config {publishable_values(path, output_dir)} as this run read it "
+                      "(secrets dropped, local paths made relative)\n" + yaml.safe_dump(clean, sort_keys=False))
     rel = os.path.relpath(os.path.abspath(target), os.getcwd())
     return rel if not rel.startswith(os.pardir) else publishable_values(os.path.abspath(target), output_dir)
 
@@ -287,11 +284,7 @@ def publish_trainer_state(path: str, output_dir: str) -> None:
         return
     rel = _inside(best, os.getcwd())
     data["best_model_checkpoint"] = rel if rel not in (None, ".") else publishable_path(best, output_dir)
-    text = redact_secrets(json.dumps(data, indent=2, sort_keys=True)) + "\n"
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    atomic_write_text(path, redact_secrets(json.dumps(data, indent=2, sort_keys=True)) + "\n")
 
 
 __all__ = ["HF_TOKEN_PATTERN", "LOCAL_PLACEHOLDER", "OUTPUT_DIR_PLACEHOLDER", "REDACTED", "is_secret_flag",

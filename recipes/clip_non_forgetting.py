@@ -33,7 +33,6 @@ per-class accuracies of the old and new model, the exact constraint values and t
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import sys
@@ -45,6 +44,7 @@ import torch
 from transformers import CLIPModel, CLIPProcessor, set_seed
 
 from hf_constrained import ConstrainedTrainingArguments, finish_run
+from hf_constrained.atomic_files import atomic_write_json
 from hf_constrained.callbacks import PeriodicMetricsCallback
 from hf_constrained.clip import (
     CLIPWithClassTextHeads,
@@ -347,9 +347,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     }
     if trainer.is_world_process_zero():
         path = os.path.join(args.output_dir, RESULTS_FILE)
-        with open(path + ".tmp", "w") as f:
-            json.dump(results, f, indent=2, default=str)
-        os.replace(path + ".tmp", path)
+        atomic_write_json(path, results, default=str)
         logger.info("saved model and %s to %s", RESULTS_FILE, args.output_dir)
         # accuracies as fractions, the unit of the report and the card; the verdict is finish_run's, shown once
         for c in classes:

@@ -33,13 +33,16 @@ Making the promise hold on images training never saw takes four things besides t
   spread of the per-image values), with n_k the number of original images of D_k
   (``Constraint.independent_rows``), not of their correlated copies.
 * **A selection split.** Each protected class has images that neither stage 1 nor the
-  constraint gradient touches. Every ``select_every`` steps the trainer evaluates every
-  constraint exactly on them (``evaluate_constraints``), and the kept checkpoint is the
-  one with the best target loss among those feasible there (lexicographic rule of
-  :mod:`hf_constrained.safety.selection`; the least violating one when none is feasible).
-  With ``select_on="forgotten"`` a checkpoint is feasible there when every protected class's
-  share of selection images forgotten (old model right, new wrong: the certificate's statistic)
-  is at most ``select_forget_rate``, instead of every h_k <= tolerance.
+  constraint gradient touches. Every ``select_every`` steps the library's in-memory selection
+  (:class:`~hf_constrained.safety.in_memory_selection.InMemoryFeasibleSelection`) checks the
+  weights on them, and the kept checkpoint is the one with the best target loss among those
+  feasible there (lexicographic rule of :mod:`hf_constrained.safety.selection`; the least
+  violating one when none is feasible). With ``select_on="forgotten"`` (the default) a checkpoint
+  is feasible there when every protected class's share of selection images forgotten (old model
+  right, new wrong: the certificate's statistic,
+  :func:`~hf_constrained.non_forgetting.largest_share_forgotten`) is at most ``select_forget_rate``;
+  with ``select_on="loss"`` when every h_k <= tolerance, evaluated exactly
+  (:func:`~hf_constrained.safety.in_memory_selection.largest_constraint_violation`).
 * **Held-out images** (25% of each digit) that training and selection never read: the certificate's
   images, and the reported accuracies'.
 
@@ -90,7 +93,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import hashlib
 import json
 import logging
@@ -103,7 +105,7 @@ import sys
 import tempfile
 import textwrap
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
@@ -111,6 +113,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer, CLIPModel, TrainerCallback
 
+from hf_constrained.atomic_files import atomic_write_json
 from hf_constrained.clip import (
     ContrastiveConstrainedTrainer,
     ReferenceLossDataset,
@@ -124,15 +127,25 @@ from hf_constrained.clip.tiny import tiny_clip, word_tokenizer
 from hf_constrained.config import ConstrainedTrainingArguments
 from hf_constrained.constraint import Certification, Constraint
 from hf_constrained.method.regularisers import KLToOld, ObjectiveRegulariser, Replay
+<<<<<<< HEAD
 from hf_constrained.method.strategies import CalibratedMargin
 from hf_constrained.non_forgetting import ReferenceCorrectDataset, forgetting_statistic
+=======
+from hf_constrained.non_forgetting import (
+    ReferenceCorrectDataset,
+    ReferenceGap,
+    forgetting_statistic,
+    largest_share_forgotten,
+    with_old_correctness,
+)
+>>>>>>> h2-dedup
 from hf_constrained.progress import StepProgressBar
 from hf_constrained.publishable import publishable_values
 from hf_constrained.recipe_args import parse_with_config
 from hf_constrained.redact import redact_command
 from hf_constrained.safety.evaluation import certify_models
 from hf_constrained.safety.finish import finish_run
-from hf_constrained.safety.selection import EvaluationRecord, select_best
+from hf_constrained.safety.in_memory_selection import InMemoryFeasibleSelection, largest_constraint_violation
 from hf_constrained.statistics import constraint_statistic
 
 logger = logging.getLogger(__name__)
@@ -379,23 +392,6 @@ def pretrain_old_model(cfg: DemoConfig, cache_dir: str, log: Callable[[str], Non
 # ---------------------------------------------------------------------------------- stage 2
 
 
-class ForgettingRows:
-    """The shared ``row_fn`` of the non-forgetting constraints: per row, the zero-shot
-    cross-entropy now minus the old model's on the same input (``reference_loss``).
-
-    Its mean over D_k is h_k(w; B_k) = L_k(w; B_k) - L_k(w_old; B_k).
-    """
-
-    def __init__(self, loss: ZeroShotLoss) -> None:
-        self.loss = loss
-
-    def __call__(self, model: torch.nn.Module, batch: dict[str, Any]) -> torch.Tensor:
-        if "reference_loss" not in batch:
-            raise KeyError("non-forgetting batch has no 'reference_loss': wrap the rows in ReferenceLossDataset")
-        current = self.loss.per_sample(model, batch)
-        return current - torch.as_tensor(batch["reference_loss"]).to(current)
-
-
 @dataclass
 class Pools:
     """Every protected class's rows per split, the old model's reference losses included."""
@@ -424,16 +420,15 @@ def build_pools(cfg: DemoConfig, data: dict[str, Any], old_model: torch.nn.Modul
             rows = RowDataset(class_rows(data, source, c, copies, cfg))
             out[split][DIGIT_NAMES[c]] = ReferenceLossDataset(rows, reference_losses(old_model, rows, zs, collate))
             if split == "constraint" and cfg.proxy_indicator:  # the proxy indicator's statistic needs old correctness
-                out[split][DIGIT_NAMES[c]] = ReferenceCorrectDataset(out[split][DIGIT_NAMES[c]], reference_losses(
-                    old_model, rows, ZeroShotCorrect(zs), collate, desc="old model's correctness"))
+                out[split][DIGIT_NAMES[c]] = with_old_correctness(old_model, out[split][DIGIT_NAMES[c]],
+                                                                  ZeroShotCorrect(zs), collate)
     test_all = RowDataset([r for c in range(10) for r in class_rows(data, "held_out", c, cfg.eval_copies, cfg)])
     target_selection = RowDataset(class_rows(data, "selection", cfg.target, cfg.eval_copies, cfg))
     certify = {}
     for c in protected:
         rows = RowDataset(class_rows(data, "certify", c))
         if len(rows):
-            certify[DIGIT_NAMES[c]] = ReferenceCorrectDataset(rows, reference_losses(
-                old_model, rows, ZeroShotCorrect(zs), collate, desc="old model's correctness"))
+            certify[DIGIT_NAMES[c]] = with_old_correctness(old_model, rows, ZeroShotCorrect(zs), collate)
     return Pools(out["constraint"], out["selection"], out["test"], target_selection, test_all, certify)
 
 
@@ -441,46 +436,6 @@ def build_pools(cfg: DemoConfig, data: dict[str, Any], old_model: torch.nn.Modul
 def mean_loss(model: torch.nn.Module, dataset: Any, zs: ZeroShotLoss, collate: CLIPCollator) -> float:
     """Mean zero-shot cross-entropy on ``dataset`` (the target selection metric)."""
     return float(reference_losses(model, dataset, zs, collate).mean())
-
-
-class FeasibleCheckpointSelection(TrainerCallback):
-    """Every ``every`` steps: exact constraint values on each constraint's ``eval_dataset``
-    (the selection split) and the target loss on the target's selection images; keeps the
-    parameters of the best evaluation by :func:`hf_constrained.safety.selection.select_best`
-    (feasible first, then the lower target loss; else the smallest largest violation).
-
-    Feasible means h_k <= ``requirement`` for every k: the requirement itself, not a
-    training tolerance tightened by a margin (the margin is how training aims to meet the
-    requirement on unseen data; the selection split checks whether it did).
-    ``use_constraints=False`` (unconstrained fine-tuning) ranks by the target loss alone.
-    """
-
-    def __init__(self, every: int, target_rows: Any, zs: ZeroShotLoss, collate: CLIPCollator,
-                 use_constraints: bool = True, requirement: float = 0.0,
-                 largest_value: Optional[Callable[[torch.nn.Module], float]] = None) -> None:
-        self.every, self.target_rows, self.zs, self.collate = every, target_rows, zs, collate
-        self.use_constraints, self.requirement = use_constraints, requirement
-        self.largest_value = largest_value  # model -> the largest value to compare with requirement (default: h_k)
-        self.trainer: Optional[ContrastiveConstrainedTrainer] = None
-        self.records: list[EvaluationRecord] = []
-        self.best: Optional[EvaluationRecord] = None
-        self.best_state: Optional[dict[str, torch.Tensor]] = None
-
-    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if state.global_step % self.every and state.global_step != state.max_steps:
-            return
-        trainer = self.trainer
-        violation = 0.0
-        if self.use_constraints:
-            largest = (self.largest_value(trainer.model) if self.largest_value is not None
-                       else max(trainer.evaluate_constraints(split="eval").values()))
-            violation = largest - self.requirement
-        record = EvaluationRecord(state.global_step, mean_loss(trainer.model, self.target_rows, self.zs, self.collate),
-                                  violation <= 0, violation)
-        self.records.append(record)
-        if select_best([r for r in (self.best, record) if r is not None], greater_is_better=False) is record:
-            self.best = record
-            self.best_state = copy.deepcopy(trainer.model.state_dict())
 
 
 def check_indicator(cfg: DemoConfig, certify: bool = True) -> None:
@@ -510,34 +465,14 @@ def check_indicator(cfg: DemoConfig, certify: bool = True) -> None:
                          "estimation, which --indicator_fraction 0 turns off: give --indicator_batch_size 0 with it")
 
 
-def largest_share_forgotten(old_model: torch.nn.Module, pools: dict[str, Any], zs: ZeroShotLoss,
-                            collate: CLIPCollator) -> Callable[[torch.nn.Module], float]:
-    """``model -> max_k`` (share of class k's rows in ``pools`` that ``old_model`` classifies right and
-    ``model`` wrong): the certificate's statistic, on the selection split, as a feasibility check.
-    The old model's predictions are taken now, once."""
-    from hf_constrained.clip.non_forgetting import zero_shot_predictions
-
-    old_right = {}
-    for name, rows in pools.items():
-        pred, label = zero_shot_predictions(old_model, rows, zs, collate, batch_size=512)
-        old_right[name] = pred == label
-
-    def largest(model: torch.nn.Module) -> float:
-        shares = []
-        for name, rows in pools.items():
-            pred, label = zero_shot_predictions(model, rows, zs, collate, batch_size=512)
-            shares.append(float((old_right[name] & (pred != label)).double().mean()))
-        return max(shares)
-
-    return largest
-
-
-def demo_constraints(cfg: DemoConfig, pools: Pools, rows_fn: ForgettingRows, collate: CLIPCollator
+def demo_constraints(cfg: DemoConfig, pools: Pools, rows_fn: ReferenceGap, collate: CLIPCollator
                      ) -> list[Constraint]:
     """One non-forgetting constraint per protected class: D_k = the class's constraint pool,
-    checked on its selection pool; with ``cfg.confidence > 0`` a calibrated constraint whose
-    margin z_c * s_k / sqrt(n_k) counts the n_k original images of D_k, not their
-    ``constraint_copies`` correlated copies (``Constraint.independent_rows``)."""
+    checked on its selection pool, all with the one row function ``rows_fn`` (the library's
+    :class:`~hf_constrained.non_forgetting.ReferenceGap` of the zero-shot loss: per image, CE now minus the old
+    model's CE on the same input, so the mean over D_k is h_k = L_k(w) - L_k(w_old)); with
+    ``cfg.confidence > 0`` a calibrated constraint whose margin z_c * s_k / sqrt(n_k) counts the n_k original
+    images of D_k, not their ``constraint_copies`` correlated copies (``Constraint.independent_rows``)."""
     if cfg.forgetting not in FORGETTING:
         raise ValueError(f"--forgetting must be one of {list(FORGETTING)}, got {cfg.forgetting!r}")
     if not (cfg.confidence == 0 or 0.5 <= cfg.confidence < 1):
@@ -566,7 +501,7 @@ BASELINES = ("replay", "kl")
 
 class ZeroShotMeanLoss:
     """``(model, batch) -> scalar``: the mean zero-shot cross-entropy of a batch of protected images, the loss whose
-    per-row increase over the old model's the non-forgetting constraints bound (:class:`ForgettingRows`)."""
+    per-row increase over the old model's the non-forgetting constraints bound (:class:`ReferenceGap`)."""
 
     def __init__(self, loss: ZeroShotLoss) -> None:
         self.loss = loss
@@ -654,16 +589,17 @@ def finetune(cfg: DemoConfig, old_path: str, penalty: str, pools: Optional[Pools
     zs = ZeroShotLoss(p["input_ids"], p["attention_mask"], temperature=cfg.temperature)
     if pools is None:
         pools = build_pools(cfg, data, model, zs, collate)
-    rows_fn = ForgettingRows(zs)  # one object: the constraints form one row-wise group
+    rows_fn = ReferenceGap(zs)  # one object: the constraints form one row-wise group
     constraints = demo_constraints(cfg, pools, rows_fn, collate)
-    selection = None
-    if cfg.select_every > 0:
-        forgotten = (largest_share_forgotten(model, pools.selection, zs, collate)
-                     if cfg.select_on == "forgotten" else None)
-        selection = FeasibleCheckpointSelection(
-            cfg.select_every, pools.target_selection, zs, collate,
-            use_constraints=penalty != "none" or regulariser is not None,
-            requirement=cfg.select_forget_rate if forgotten is not None else cfg.tolerance, largest_value=forgotten)
+    # replay and KL keep a checkpoint by the constrained runs' rule; plain fine-tuning by the target loss alone
+    use_constraints = penalty != "none" or regulariser is not None
+    forgotten = None
+    if cfg.select_every > 0 and use_constraints and cfg.select_on == "forgotten":
+        # the old model's correctness on the selection images, taken now (before training), once
+        correct = ZeroShotCorrect(zs)
+        rows = {name: with_old_correctness(model, pool, correct, collate, batch_size=512)
+                for name, pool in pools.selection.items()}
+        forgotten = largest_share_forgotten(rows, correct, cfg.select_forget_rate, collate, batch_size=512)
     baseline = baseline_regulariser(regulariser, model, pools, zs, collate, cfg)  # before training: the old model
     files: dict[str, str] = {}
     with contextlib.ExitStack() as stack:
@@ -683,16 +619,26 @@ def finetune(cfg: DemoConfig, old_path: str, penalty: str, pools: Optional[Pools
         trainer = ContrastiveConstrainedTrainer(
             model=model, args=args, train_dataset=RowDataset(target_rows(data, cfg)), data_collator=collate,
             constraints=constraints, contrastive_temperature=cfg.temperature, regulariser=baseline,
-            callbacks=[*callbacks, *(c for c in (selection, StepProgressBar(f"stage 2: fine-tuning ({penalty})"))
-                                     if c)],
+            callbacks=list(callbacks),
         )
         trainer.remove_callback(PrinterCallback)  # the report below says what matters
-        if selection is not None:
-            selection.trainer = trainer
+        selection = None
+        if cfg.select_every > 0:
+            # the library's feasible-checkpoint selection, in memory: the best target loss on the target's selection
+            # images among the checkpoints feasible on the selection split, where feasible is every protected class's
+            # share of selection images forgotten <= select_forget_rate ("forgotten") or every h_k <= the
+            # requirement itself, not the training tolerance tightened by a margin ("loss")
+            violation = forgotten
+            if use_constraints and forgotten is None:
+                violation = largest_constraint_violation(trainer, requirement=cfg.tolerance)
+            selection = InMemoryFeasibleSelection(
+                cfg.select_every, lambda m: mean_loss(m, pools.target_selection, zs, collate), violation,
+                metric="target loss (selection images)")
+            trainer.add_callback(selection)
+        trainer.add_callback(StepProgressBar(f"stage 2: fine-tuning ({penalty})"))
         trainer.train()
-        if selection is not None and selection.best_state is not None:
-            model.load_state_dict(selection.best_state)
-        kept = selection.best.step if selection is not None and selection.best is not None else cfg.steps
+        best = selection.restore(model) if selection is not None else None
+        kept = best.step if best is not None else cfg.steps
         margins = trainer.constraint_margins()  # the calibrated margins in force at the end of training
         h_train = trainer.evaluate_constraints(split="train")
         h_selection = trainer.evaluate_constraints(split="eval")
@@ -715,7 +661,7 @@ def finetune(cfg: DemoConfig, old_path: str, penalty: str, pools: Optional[Pools
     record = {"penalty": penalty, "accuracy": acc, "h_train": h_train, "h_selection": h_selection, "h_test": h_test,
               "h_test_bound": h_bound, "kept_step": kept, "margins": margins,
               "certificate": certificate_summary(certificate, [c.name for c in constraints]),
-              "selection": [asdict(r) for r in selection.records] if selection is not None else [],
+              "selection": selection.record_dicts() if selection is not None else [],
               "files": files}
     if baseline is not None:  # a run without one records what it always did
         record["regulariser"] = baseline.settings()
@@ -1099,7 +1045,7 @@ def run_demo(ns: argparse.Namespace, echo: Optional[Callable[[str], None]] = Non
     """Run both stages for every seed with the options in ``ns``; ``echo`` (default: the
     module logger) receives the progress lines, the per-seed tables and the summary.
 
-    Writes the results JSON (tmp + rename) with ``command`` (the command line that produced it;
+    Writes the results JSON (atomically: never half a file) with ``command`` (the command line that produced it;
     default: this process's own) and ``config`` (:func:`parsed_config`), and returns it.
     """
     from transformers.utils import logging as hf_logging
@@ -1155,7 +1101,7 @@ def run_demo(ns: argparse.Namespace, echo: Optional[Callable[[str], None]] = Non
             echo(seed_table(cfg, old, runs))
             echo("")
         results["per_seed"].append({"seed": seed, "old_accuracy": old, "runs": runs})
-        _write_json(out, results)  # after every seed: a long run can be read while it goes on
+        atomic_write_json(out, results)  # after every seed: a long run can be read while it goes on
     if ns.workers > 1 and len(seeds) > 1:
         pool.shutdown()
     results["summary"] = per_method
@@ -1175,18 +1121,11 @@ def run_demo(ns: argparse.Namespace, echo: Optional[Callable[[str], None]] = Non
     results["cpu_seconds"] = time.process_time() + children.ru_utime + children.ru_stime
     echo(f"\ntotal {results['seconds']:.0f}s ({results['cpu_seconds']:.0f}s of CPU) on {os.cpu_count()} CPU core(s), "
          f"torch {torch.__version__}")
-    _write_json(out, results)
+    atomic_write_json(out, results)
     echo(f"results: {out}")
     if len(seeds) == 1 and penalties == ["hinge"]:
         echo(f"the wider evaluation: {MODULE_COMMAND} {WIDER_FLAGS}")
     return results
-
-
-def _write_json(path: str, results: dict[str, Any]) -> None:
-    tmp = path + ".tmp"  # tmp + rename: never a half-written file
-    with open(tmp, "w") as f:
-        json.dump(results, f, indent=2)
-    os.replace(tmp, path)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -62,7 +62,6 @@ the gated push (refused when the run is not certified, unless ``--allow_unsafe_p
 from __future__ import annotations
 
 import importlib.util
-import json
 import logging
 import os
 import sys
@@ -73,6 +72,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, set_seed
 
 from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments, finish_run
+from hf_constrained.atomic_files import atomic_write_json
 from hf_constrained.errors import check_model_path
 from hf_constrained.extras import MissingExtraError, has_module, install_hint
 from hf_constrained.non_forgetting import (
@@ -567,9 +567,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     if trainer.is_world_process_zero():
         tokenizer.save_pretrained(args.output_dir)
         path = os.path.join(args.output_dir, RESULTS_FILE)
-        with open(path + ".tmp", "w") as f:
-            json.dump(results, f, indent=2, default=str)
-        os.replace(path + ".tmp", path)
+        atomic_write_json(path, results, default=str)
         logger.info("saved the model, tokenizer and %s to %s", RESULTS_FILE, args.output_dir)
     # last, after every local file is written: a refusal uploads nothing, loses nothing and fails the command
     results["exit_status"] = push_last(trainer, data.allow_unsafe_push) if args.push_to_hub else 0

@@ -87,13 +87,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.trainer_callback import PrinterCallback
 
 from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments
+from hf_constrained.atomic_files import atomic_write_json
 from hf_constrained.method.regularisers import KLToOld, L2ToOld, ObjectiveRegulariser, Replay
 from hf_constrained.non_forgetting import (
     PaddingCollator,
-    ReferenceCorrectDataset,
     causal_lm_per_example_loss,
     non_forgetting_constraints,
     reference_losses,
+    with_old_correctness,
 )
 from hf_constrained.per_sample_loss import IGNORE_INDEX, causal_lm_per_example_correct
 from hf_constrained.progress import StepProgressBar
@@ -330,9 +331,8 @@ def add_old_correctness(old_model: torch.nn.Module, constraints: list[Any], coll
     indicator can evaluate the certificate's statistic, the share of rows forgotten, on the constraint's
     own indicator rows (the rows of ``constraint_indicator_fraction`` that no gradient uses)."""
     for c in constraints:
-        correct = reference_losses(old_model, c.dataset, causal_lm_per_example_correct, collate, batch_size=256,
-                                   desc=f"old model's exact match {c.name}")
-        c.dataset = ReferenceCorrectDataset(c.dataset, correct)
+        c.dataset = with_old_correctness(old_model, c.dataset, causal_lm_per_example_correct, collate, batch_size=256,
+                                         desc=f"old model's exact match {c.name}")
 
 
 def _estimation_args(cfg: ExampleArguments, penalty: str) -> dict[str, Any]:
@@ -639,10 +639,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     print("goals:", json.dumps(summary["goals"]))
     print(f"total {result['seconds']:.0f}s wall, {result['cpu_seconds']:.0f}s CPU")
     if cfg.json:
-        os.makedirs(os.path.dirname(os.path.abspath(cfg.json)), exist_ok=True)
-        with open(cfg.json + ".tmp", "w") as f:
-            json.dump(result, f, indent=2)
-        os.replace(cfg.json + ".tmp", cfg.json)
+        atomic_write_json(cfg.json, result)
     tmp.cleanup()
     return result
 

@@ -44,7 +44,6 @@ their own training rows, why (e.g. too few epochs).
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import sys
@@ -65,6 +64,7 @@ from hf_constrained import (
     ConstrainedTrainingArguments,
     constraints_per_value,
 )
+from hf_constrained.atomic_files import atomic_write_json
 from hf_constrained.publishable import publishable_command, publishable_values
 from hf_constrained.recipe_args import given_flags, parse_recipe_args
 from hf_constrained.safety.evaluation import certify_models
@@ -199,9 +199,7 @@ def run(args: ConstrainedTrainingArguments, bound: float, opts: Optional[Quickst
     metrics.update({f"train_constraint/{name}": value for name, value in on_constraint_data.items()})
     certificate = certify_models(trainer, delta=opts.delta)
     if certificate is not None:  # the run's certificate, next to its results
-        os.makedirs(args.output_dir, exist_ok=True)
-        with open(os.path.join(args.output_dir, "certificate.json"), "w", encoding="utf-8") as f:
-            json.dump(publishable_values(certificate.to_dict()), f, indent=2)
+        atomic_write_json(os.path.join(args.output_dir, "certificate.json"), publishable_values(certificate.to_dict()))
     metrics["certificate"] = None if certificate is None else {
         "certified": certificate.is_certified(0), "error_rate": certificate.values[0],
         "upper_bound": certificate.upper_bounds[0], "rows": certificate.num_rows}
@@ -315,10 +313,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     else:
         print_table({r["method"]: r for r in runs}, penalties, opts, args)
     for path in [os.path.join(args.output_dir, "results.json")] + ([opts.json] if opts.json else []):
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path + ".tmp", "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2)
-        os.replace(path + ".tmp", path)
+        atomic_write_json(path, result)
     print(f"\nresults: {os.path.join(args.output_dir, 'results.json')}"
           + (f" and {opts.json}" if opts.json else "") + "; each run's certificate: certificate.json in its folder")
     return result

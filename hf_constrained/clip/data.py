@@ -250,18 +250,46 @@ def _csv_header(path: str, delimiter: str) -> tuple[list[str], bool]:
     return [str(v) for v in first.iloc[0].tolist()], len(first) > 1
 
 
+def _check_row_lengths(path: str, header: Sequence[str], delimiter: str) -> None:
+    """A data row with more fields than the header, the extra ones holding text, is an error naming its row (1 = the
+    first data row; blank lines are skipped, as pandas skips them), found with Python's own CSV reader before pandas
+    reads the file: how pandas reports a longer row (a warning for the first data row, a callback or a shift for the
+    others) differs between its versions, and it names no row. Trailing delimiters (empty extra fields) are left to
+    pandas, which reads a file whose every row ends in one (``index_col=False``)."""
+    import csv
+
+    if len(delimiter) != 1:  # a regular-expression separator: pandas' own checks only
+        return
+    try:
+        with open(path, newline="", encoding="utf-8-sig") as f:
+            records = csv.reader(f, delimiter=delimiter)
+            next(records, None)  # the header
+            row = 0
+            for fields in records:
+                if not fields:
+                    continue
+                row += 1
+                if len(fields) > len(header) and any(fields[len(header):]):
+                    raise ValueError(f"{path}: row {row} has {len(fields)} fields, the header has {len(header)}: "
+                                     f"{fields}")
+    except (UnicodeDecodeError, csv.Error) as err:
+        raise ValueError(f"{path}: not a readable CSV: {err}") from err
+
+
 def _read_csv_rows(path: str, header: Sequence[str], delimiter: str) -> Any:
     """Every field of ``path`` as text, with ``datasets``' csv builder (``Dataset.from_csv``):
     no number or NA parsing ("007", "NA" stay), quoted fields may hold delimiters and line
-    breaks; a row with more fields than the header is an error (pandas would drop the extra
-    fields of the first data row with a warning, and shift others), a shorter row leaves
-    ``None`` in its missing fields. Read into memory through a temporary cache, so a later
-    call parses (and checks) the file again."""
+    breaks; a row with more fields than the header is an error naming the row
+    (:func:`_check_row_lengths`; pandas would drop the extra fields of the first data row with a
+    warning, and shift others), a shorter row leaves ``None`` in its missing fields. Read into
+    memory through a temporary cache, so a later call parses (and checks) the file again."""
     import tempfile
     import warnings
 
     import datasets
     from pandas.errors import ParserWarning
+
+    _check_row_lengths(path, header, delimiter)
 
     def too_many(fields: list[str]) -> None:
         raise ValueError(f"{path}: a row has {len(fields)} fields, the header has {len(header)}: {fields}")

@@ -17,7 +17,6 @@ the same multipliers (:func:`step_decay`) in ICPPAC's own loop.
 from __future__ import annotations
 
 import bisect
-import json
 import logging
 import math
 import os
@@ -31,6 +30,7 @@ import numpy as np
 import torch
 from transformers import TrainerCallback
 
+from ..atomic_files import atomic_write_json
 from ..config import ConstrainedTrainingArguments
 from ..extras import require_extra
 from ..publishable import publishable_command
@@ -188,11 +188,7 @@ def step_decay(total_steps: int, at: Sequence[float], factor: float) -> Callable
 
 
 def _write_json(path: str, payload: dict[str, Any]) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(payload, f, indent=1)
-    os.replace(tmp, path)  # never a half-written results file
+    atomic_write_json(path, payload, indent=1)  # never a half-written results file
 
 
 def run_roc_fairness(args: ROCFairnessArguments, training_args: ConstrainedTrainingArguments,

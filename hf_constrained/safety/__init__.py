@@ -6,6 +6,8 @@ trainer imports :mod:`~hf_constrained.safety.loop`, never the other way round):
 - :mod:`~hf_constrained.safety.report`: :class:`SafetyReport` (exact held-out constraint
   values, old model's values, tolerances, verdict), its JSON file and text/Markdown tables;
 - :mod:`~hf_constrained.safety.selection`: feasible-checkpoint selection from a log history;
+- :mod:`~hf_constrained.safety.in_memory_selection`: the same selection without checkpoints on disk
+  (:class:`InMemoryFeasibleSelection`, a callback that keeps the best weights in memory);
 - :mod:`~hf_constrained.safety.fingerprint`: fingerprints of weights in memory and of saved weight files;
 - :mod:`~hf_constrained.safety.verify`: ``check_run_dir``, the verification behind
   ``hf-constrained report --check`` (exit 0 certified, 1 not, 2 stale or unreadable);
@@ -35,6 +37,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .card import ModelCardInfo
     from .evaluation import build_safety_report
     from .finish import finish_run
+    from .in_memory_selection import InMemoryFeasibleSelection
     from .loop import SafetyLoop
     from .view import RunView
 
@@ -42,6 +45,7 @@ _LAZY = {
     "ModelCardInfo": ".card",
     "build_safety_report": ".evaluation",
     "finish_run": ".finish",
+    "InMemoryFeasibleSelection": ".in_memory_selection",
     "SafetyLoop": ".loop",
     "RunView": ".view",
 }
@@ -53,6 +57,7 @@ __getattr__ = lazy_attributes(__name__, _LAZY, globals())
 __all__ = [
     "SAFETY_REPORT_NAME",
     "ConstraintResult",
+    "InMemoryFeasibleSelection",
     "ModelCardInfo",
     "RunView",
     "SafetyLoop",

@@ -36,6 +36,7 @@ from typing import Any, Optional
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
+from ..atomic_files import atomic_write_text
 from ..publishable import redact_secrets
 from ..recipes import RECIPES
 from ..redact import redact_command
@@ -478,11 +479,7 @@ def write_model_card(directory: str, card: ModelCard) -> str:
     safe_text = redact_secrets(text)
     if safe_text != text:
         logger.warning("the model card for %s contained a Hugging Face token: it was replaced by <redacted>", directory)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(safe_text)
-    os.replace(tmp, path)
-    return path
+    return atomic_write_text(path, safe_text)
 
 
 __all__ = ["CITATION", "HUB_METRICS", "HUB_TASKS", "ModelCardInfo", "ModelSource", "PAPER_TITLE", "PAPER_URL",

@@ -17,7 +17,11 @@ gives an upper confidence bound ``U_jk``; ``H_j`` is rejected, i.e. candidate ``
   the ``delta_j`` its split's spending schedule gives that look (``delta * 0.9 * 0.1^(j-1)`` by default;
   a schedule may refuse a look instead): summed over every look ever taken at a split, the
   error stays at most ``delta``. The certificate records each constraint's look and the delta
-  it spent. Without a ledger the call is taken to be the split's only look.
+  it spent. Without a ledger the call is taken to be the split's only look. Only the same
+  certificate again (the same candidates, values, tolerances and split) is the same look: two
+  different models whose per-row values happen to coincide (a 0/1 rate with nothing forgotten
+  often does) make two claims, so each candidate is known by its identity too
+  (``candidate_ids``: the trainer passes its weights' fingerprint).
 - **Row order.** An order-dependent bound (``"betting"``) reads the rows in a random order
   drawn from a seed that is independent of the data (``row_order_seed``, recorded).
 - **Several candidates (family-wise).** ``procedure="fixed_sequence"`` tests the candidates in
@@ -261,7 +265,8 @@ def certify(candidates: Sequence[Mapping[str, RowValues]], tolerance: Mapping[st
             procedure: str = "fixed_sequence",
             split_fingerprints: Optional[Mapping[str, str]] = None,
             ledger: Optional[CertificationLedger] = None,
-            row_order_seed: Optional[int] = None) -> Certificate:
+            row_order_seed: Optional[int] = None,
+            candidate_ids: Optional[Sequence[Optional[str]]] = None) -> Certificate:
     """Certify candidates from per-row values on a certification split.
 
     Args:
@@ -287,6 +292,9 @@ def certify(candidates: Sequence[Mapping[str, RowValues]], tolerance: Mapping[st
             splits' only look (the caller's responsibility).
         row_order_seed: the seed of the random row order of order-dependent bounds; ``None``
             draws one from the operating system (a repeated look of a ledger reuses its seed).
+        candidate_ids: what each candidate is (e.g. its weights' fingerprint), part of the look's identity
+            in the ledger: a candidate with another id is another claim, hence another look, even when its
+            per-row values equal an earlier look's. ``None`` (or a ``None`` entry): known by its values alone.
 
     Returns:
         a :class:`Certificate` (``certified``: the certified candidate indices;
@@ -297,6 +305,8 @@ def certify(candidates: Sequence[Mapping[str, RowValues]], tolerance: Mapping[st
         raise ValueError(f"procedure must be one of {', '.join(PROCEDURES)}, got {procedure!r}")
     if not candidates:
         raise ValueError("certify needs at least one candidate")
+    if candidate_ids is not None and len(candidate_ids) != len(candidates):
+        raise ValueError(f"{len(candidate_ids)} candidate_ids for {len(candidates)} candidates")
     names = list(tolerance)
     if not names:
         raise ValueError("certify needs at least one constraint (tolerance is empty)")
@@ -323,7 +333,10 @@ def certify(candidates: Sequence[Mapping[str, RowValues]], tolerance: Mapping[st
             splits.setdefault(fingerprints.get(n) or f"constraint:{n}", []).append(n)
         key = look_key([procedure, delta, len(candidates)]
                        + [x for n in names for x in (n, tol[n], ranges[n], bounds[n], fingerprints.get(n))]
-                       + [x for cand in candidates for n in names for x in _identity(cand[n])])
+                       + [x for cand in candidates for n in names for x in _identity(cand[n])]
+                       # a different model with the same values is another claim: the key differs
+                       + ([] if candidate_ids is None or all(i is None for i in candidate_ids)
+                          else ["candidates", *map(str, candidate_ids)]))
         taken = ledger.spend(splits, key, delta, seed)
         for fp, members in splits.items():
             for n in members:

@@ -158,12 +158,28 @@ def certify_run(view: RunView, host: SafetyHost, models: Iterable[Any] = (None,)
                          "bound needs the range of the per-row values (e.g. Certification(dataset=..., "
                          "value_range=(0, 1)) for a rate, "
                          "(-1, 1) for a paired 0/1 change)")
-    candidates = [host.constraint_row_values(model=m, split="certify") for m in models]
+    candidates, identities = [], []
+    for m in models:
+        candidates.append(host.constraint_row_values(model=m, split="certify"))
+        identities.append(candidate_identity(host.model if m is None else m))
     return certify(candidates, {c.name: c.certification_tolerance() for c in certifiable},
                    {c.name: c.certification_range() for c in certifiable}, delta,
                    bound={c.name: c.certification_bound() for c in certifiable}, procedure=procedure,
                    split_fingerprints=dict(view.certification_fingerprints),
-                   ledger=CertificationLedger.for_run(view.output_dir))
+                   ledger=CertificationLedger.for_run(view.output_dir), candidate_ids=identities)
+
+
+def candidate_identity(model: Any) -> Optional[str]:
+    """What a certified model is, for the ledger of looks: its weights' fingerprint, so that two different models
+    are two looks even when their per-row values on the certification split coincide, and the same weights
+    certified again are the same look. ``None`` (known by its values alone, as before) for sharded weights,
+    whose fingerprint differs between processes, and for a model whose state cannot be read."""
+    state = getattr(model, "state_dict", None)
+    if not callable(state):
+        return None
+    if any(hasattr(t, "to_local") for t in state().values()):  # FSDP2 shards: one fingerprint per process
+        return None
+    return weights_fingerprint(model)
 
 
 def certified_statistics(view: RunView, host: SafetyHost, old_model: Optional[Any] = None

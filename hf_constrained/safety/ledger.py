@@ -27,9 +27,10 @@ spent, the row-order seeds and hashes of the values a look read: no path, no dat
 
 **A repeated identical look is free.** A look is keyed by a hash of everything that decides its
 outcome (the split, the constraints' names, tolerances, ranges and bounds, the procedure, the
-budget and every candidate's per-row values): computing the same certificate again (the same
-weights, a report written twice) reuses the recorded look, its delta and its row-order seed, so
-it gives the same answer and spends nothing.
+budget, every candidate's per-row values and, where the caller gives it, every candidate's identity: the
+trainer gives its weights' fingerprint): computing the same certificate again (the same weights, a
+report written twice) reuses the recorded look, its delta and its row-order seed, so it gives the
+same answer and spends nothing; another model is another look, even with the same per-row values.
 """
 
 from __future__ import annotations
@@ -40,10 +41,11 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Optional, Protocol, Union
+
+from ..atomic_files import atomic_write_json
 
 logger = logging.getLogger(__name__)
 
@@ -205,17 +207,7 @@ def _read(path: str) -> dict[str, list[dict[str, Any]]]:
 
 def _write(path: str, splits: Mapping[str, list[dict[str, Any]]]) -> None:
     """Atomic: a reader sees the old ledger or the new one, never a partial file."""
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".ledger-", dir=folder)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            json.dump({"format": _FORMAT, "splits": splits}, handle, indent=1, sort_keys=True)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    atomic_write_json(path, {"format": _FORMAT, "splits": splits}, indent=1, sort_keys=True)
 
 
 class CertificationLedger:

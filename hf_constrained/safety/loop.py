@@ -48,6 +48,7 @@ from typing import Any, Optional
 from transformers import TrainerCallback
 from transformers.integrations import TensorBoardCallback
 
+from ..checkpointing import TRAINER_STATE_NAME
 from ..publishable import publish_trainer_state
 from ..trainer_internals import trainer_load_checkpoint
 from .card import ModelCardInfo, describe_model, render_model_card, write_model_card
@@ -73,7 +74,6 @@ from .selection import (
     summarize_selection,
 )
 from .tensorboard import ConstraintTensorBoardCallback
-from .trainer_state import TRAINER_STATE_NAME
 from .verify import EXIT_STALE_OR_UNREADABLE, check_run_dir
 from .view import RunView, SafetyHost
 
@@ -587,14 +587,14 @@ class SafetyLoop:
         when it creates the repository, if the Hub cannot be reached or refuses the token."""
         import transformers.trainer as hf_trainer  # its hf_api: the one the Trainer's pushes use
 
-        try:
-            hf_trainer.hf_api().whoami(token=token or self.view.args.hub_token)
-        except Exception as exc:  # noqa: BLE001 - any failure of the Hub client: network, offline mode, auth
+        from ..push import hub_access_problem  # the recipes' check before training, and `hf-constrained push`'s
+
+        problem = hub_access_problem(token or self.view.args.hub_token, hf_trainer.hf_api())
+        if problem is not None:
             raise RuntimeError(
-                f"push_to_hub=True, but the Hugging Face Hub cannot be reached or refuses the token "
-                f"({type(exc).__name__}); the run would fail at its first push. Check the network and the token "
-                "(`hf auth login`, HF_TOKEN or --hub_token), or train with push_to_hub=False and push afterwards"
-            ) from exc
+                f"push_to_hub=True, but {problem}; the run would fail at its first push. Fix that (the network, "
+                "`hf auth login`, HF_TOKEN or --hub_token), or train with push_to_hub=False and push the finished run "
+                "afterwards (hf-constrained push RUN_DIR --repo_id owner/name)")
         logger.info("push_to_hub: the Hub repository will be created when the safety gate first passes")
 
 

@@ -24,6 +24,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
+from ..atomic_files import atomic_write_json
+
 logger = logging.getLogger(__name__)
 
 SAFETY_REPORT_NAME = "safety_report.json"
@@ -384,7 +386,6 @@ class SafetyReport:
         if os.path.isdir(path) or not path.endswith(".json"):
             os.makedirs(path, exist_ok=True)
             path = os.path.join(path, SAFETY_REPORT_NAME)
-        tmp = f"{path}.tmp.{os.getpid()}"
         data = _strict_json(self.to_dict())  # strict JSON: a NaN would make the file unreadable to strict parsers
         text = json.dumps(data, allow_nan=False)
         if _HF_TOKEN.search(text):  # a token pasted into a name or a setting is never written
@@ -392,11 +393,7 @@ class SafetyReport:
                            path)
             data = json.loads(_HF_TOKEN.sub("<redacted>", text))
         data[CONTENT_DIGEST_KEY] = report_content_digest(data)
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=2, allow_nan=False)
-            f.write("\n")
-        os.replace(tmp, path)
-        return path
+        return atomic_write_json(path, data, indent=2, allow_nan=False, newline=True)
 
     @classmethod
     def load(cls, directory_or_file: str) -> "SafetyReport":

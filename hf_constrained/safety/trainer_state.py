@@ -18,11 +18,10 @@ from typing import Any, Optional
 
 from transformers import TrainerCallback
 
+from ..checkpointing import TRAINER_STATE_NAME
 from ..publishable import OUTPUT_DIR_PLACEHOLDER, resolve_output_path
 
 logger = logging.getLogger(__name__)
-
-TRAINER_STATE_NAME = "trainer_state.json"
 
 
 class RestoreBestCheckpoint(TrainerCallback):
@@ -80,4 +79,4 @@ def best_checkpoint_restored(trainer: Any, resume: Any) -> Iterator[None]:
             trainer.remove_callback(restorer)
 
 
-__all__ = ["TRAINER_STATE_NAME", "RestoreBestCheckpoint", "best_checkpoint_restored", "stored_best_checkpoint"]
+__all__ = ["RestoreBestCheckpoint", "best_checkpoint_restored", "stored_best_checkpoint"]

@@ -78,15 +78,18 @@ def test_csv_loader_relative_paths_tsv_and_errors(tmp_path):
 def test_csv_values_are_kept_verbatim_and_malformed_rows_are_named(tmp_path):
     """Every value is the file's text (no NA / number parsing: "007", "NA" and "null" stay);
     a quoted caption may hold commas and line breaks; a row with more or fewer fields than the
-    header is an error naming the file and the row, also the first data row (which pandas' CSV
-    reader, under the datasets csv builder, would otherwise cut to the header's length)."""
+    header is an error naming the file, the row and both counts, also the first data row (which
+    pandas' CSV reader, under the datasets csv builder, would otherwise cut to the header's
+    length), whatever the pandas version (the longer rows are found before pandas reads)."""
     folder = tmp_path / "verbatim"
     path = make_csv(str(folder), [("a.jpg", "a road, foggy\nsecond line", "007"), ("b.jpg", "NA", "null")])
     rows = load_image_text_csv(path)
     assert [(r["caption"], r["label_name"]) for r in rows] == [("a road, foggy\nsecond line", "007"), ("NA", "null")]
     header = "filepath,title,label\n"
-    for body, message in (("a.jpg,t,foggy,extra\n", "the first data row has more fields than the header"),
-                          ("a.jpg,t,foggy\nb.jpg,t,foggy,extra\n", "a row has 4 fields, the header has 3"),
+    for body, message in (("a.jpg,t,foggy,extra\n", "row 1 has 4 fields, the header has 3"),
+                          ("a.jpg,t,foggy\nb.jpg,t,foggy,extra\n", "row 2 has 4 fields, the header has 3"),
+                          ('a.jpg,"t, quoted\nover two lines",foggy\n\nb.jpg,t,foggy,x,y\n',
+                           "row 2 has 5 fields, the header has 3"),
                           ("a.jpg,t,foggy\n\nb.jpg,t\n", "row 2 has 2 fields, the header has 3")):
         (folder / "bad.csv").write_text(header + body)
         with pytest.raises(ValueError, match=rf"bad.csv: {message}"):

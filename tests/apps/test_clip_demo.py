@@ -7,8 +7,11 @@ import os
 import numpy as np
 import pytest
 import torch
+from transformers import TrainerCallback
 
+from hf_constrained.non_forgetting import ReferenceGap
 from hf_constrained.recipes import demo_clip_digits as demo
+from hf_constrained.safety.selection import EvaluationRecord
 
 
 def test_digits_demo_data_design():
@@ -100,7 +103,7 @@ def test_pools_stay_in_their_split_and_carry_references_of_the_same_copies(tmp_p
     torch.testing.assert_close(batch["reference_loss"], direct, rtol=1e-5, atol=1e-6)
     assert not torch.allclose(direct[0], direct[1])  # the copies differ, so do their references
     with torch.no_grad():  # the shared row_fn is zero at the old model and its mean is h_k
-        assert torch.allclose(demo.ForgettingRows(zs)(model, batch), torch.zeros(6), atol=1e-5)
+        assert torch.allclose(ReferenceGap(zs)(model, batch), torch.zeros(6), atol=1e-5)
 
 
 def _summaries(drops, gains, certified):
@@ -161,39 +164,69 @@ def test_demo_flags_are_spelt_as_in_the_recipes_and_the_old_spellings_still_work
     assert exit_.value.code == 2
 
 
-def test_selection_keeps_the_best_feasible_checkpoint_on_the_selection_split(monkeypatch):
-    """Feasible (every h_k <= requirement on the selection split) beats infeasible, then the
-    lower target loss wins; with none feasible the smallest largest violation is kept."""
-    from types import SimpleNamespace
+class StepWeights(TrainerCallback):
+    """The weights after every optimizer step (given to the demo before its selection callback)."""
 
-    script = {10: ({"a": 0.01, "b": 0.02}, 3.0), 20: ({"a": 0.01, "b": 0.05}, 1.0),  # infeasible, better target
-              30: ({"a": 0.00, "b": 0.03}, 2.0), 40: ({"a": 0.02, "b": 0.01}, 2.5)}
-    model = torch.nn.Linear(1, 1)
-    trainer = SimpleNamespace(model=model, evaluate_constraints=lambda split: script[state.global_step][0])
-    monkeypatch.setattr(demo, "mean_loss", lambda *a: script[state.global_step][1])
-    sel = demo.FeasibleCheckpointSelection(10, None, None, None, requirement=0.03)
-    sel.trainer = trainer
-    for step in (5, 10, 20, 30, 40):
-        state = SimpleNamespace(global_step=step, max_steps=40)
-        with torch.no_grad():
-            model.weight.fill_(step)
-        sel.on_step_end(None, state, None)
-    assert [r.step for r in sel.records] == [10, 20, 30, 40]  # every `every` steps only
-    assert [r.feasible for r in sel.records] == [True, False, True, True]
-    assert sel.best.step == 30 and float(sel.best_state["weight"]) == 30.0  # its parameters, not the last ones
-    script.update({10: ({"a": 0.2}, 1.0), 20: ({"a": 0.1}, 3.0), 30: ({"a": 0.15}, 0.5), 40: ({"a": 0.12}, 0.1)})
-    sel = demo.FeasibleCheckpointSelection(10, None, None, None, requirement=0.03)
-    sel.trainer = trainer
-    for step in (10, 20, 30, 40):
-        state = SimpleNamespace(global_step=step, max_steps=40)
-        sel.on_step_end(None, state, None)
-    assert sel.best.step == 20 and not sel.best.feasible  # none feasible: least violating
-    sel = demo.FeasibleCheckpointSelection(10, None, None, None, use_constraints=False)
-    sel.trainer = trainer
-    for step in (10, 20, 30, 40):
-        state = SimpleNamespace(global_step=step, max_steps=40)
-        sel.on_step_end(None, state, None)
-    assert sel.best.step == 40  # unconstrained: the target loss alone
+    def __init__(self) -> None:
+        self.weights: dict[int, dict[str, torch.Tensor]] = {}
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        self.weights[state.global_step] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("select_on", ["forgotten", "loss"])
+def test_demo_keeps_the_checkpoint_the_librarys_selection_picks_on_the_selection_images(tmp_path, select_on):
+    """The demo's checkpoint selection is the library's (``InMemoryFeasibleSelection``): at every step the target
+    loss on the target's selection images and the largest violation, recomputed here from each step's weights:
+    ``forgotten``: the largest share of a protected digit's selection images right under the old model and wrong
+    now (zero-shot predictions) minus ``select_forget_rate``; ``loss``: max_k h_k on the selection images minus
+    the requirement ``tolerance`` (not the training tolerance ``tolerance - margin``). The kept step is the best
+    record in the lexicographic order, and its weights are the kept model's."""
+    from transformers import AutoTokenizer, CLIPModel
+
+    from hf_constrained.clip import ZeroShotLoss, reference_losses
+    from hf_constrained.clip.data import CLIPCollator
+    from hf_constrained.clip.non_forgetting import zero_shot_predictions
+    from hf_constrained.safety.selection import select_best
+
+    cfg = demo.DemoConfig(stage1_epochs=2, steps=3, lr=3e-2, constraint_copies=1, eval_copies=1, select_every=1,
+                          batch_size=16, select_on=select_on, select_forget_rate=0.02, margin=0.01,
+                          certify_fraction=0.0)
+    path = demo.pretrain_old_model(cfg, str(tmp_path), log=lambda *a: None)
+    pools = demo.old_pools(cfg, path)
+    steps = StepWeights()
+    run = demo.finetune(cfg, path, "hinge", pools=pools, log=lambda *a: None, callbacks=[steps])
+    tok = AutoTokenizer.from_pretrained(path)
+    p = demo.prompts(tok)
+    zs = ZeroShotLoss(p["input_ids"], p["attention_mask"], temperature=cfg.temperature)
+    collate = CLIPCollator(tokenizer=tok)
+    old, model = CLIPModel.from_pretrained(path), CLIPModel.from_pretrained(path)
+    old_right = {}
+    for name, rows in pools.selection.items():
+        pred, label = zero_shot_predictions(old, rows, zs, collate)
+        old_right[name] = pred == label
+    assert [r["step"] for r in run["selection"]] == [1, 2, 3]
+    for record in run["selection"]:
+        model.load_state_dict(steps.weights[record["step"]])
+        assert record["metric"] == pytest.approx(float(reference_losses(model, pools.target_selection, zs,
+                                                                         collate).mean()), rel=1e-6)
+        if select_on == "forgotten":
+            shares = []
+            for name, rows in pools.selection.items():
+                pred, label = zero_shot_predictions(model, rows, zs, collate)
+                shares.append(float((old_right[name] & (pred != label)).double().mean()))
+            expected = max(shares) - cfg.select_forget_rate
+        else:
+            expected = max(float(torch.relu(reference_losses(model, rows, zs, collate) - rows.losses).mean())
+                           for rows in pools.selection.values()) - cfg.tolerance
+        assert record["max_violation"] == pytest.approx(expected, abs=1e-6)
+        assert record["feasible"] == (record["max_violation"] <= 0)
+    records = [EvaluationRecord(**r) for r in run["selection"]]
+    assert run["kept_step"] == select_best(records, greater_is_better=False).step
+    kept = CLIPModel.from_pretrained(path)
+    kept.load_state_dict(steps.weights[run["kept_step"]])
+    assert run["accuracy"] == demo.zero_shot_accuracy(kept, pools.test_all, zs, collate, demo.DIGIT_NAMES,
+                                                      batch_size=512)
 
 
 def test_calibrated_constraints_count_original_images_not_copies():
@@ -202,7 +235,7 @@ def test_calibrated_constraints_count_original_images_not_copies():
     rows = {"zero": [{"x": i} for i in range(8 * 45)], "one": [{"x": i} for i in range(8 * 40)]}
     pools = demo.Pools(constraint=rows, selection={k: v[:10] for k, v in rows.items()}, test={}, target_selection=[],
                        test_all=[])
-    rows_fn = demo.ForgettingRows(None)
+    rows_fn = ReferenceGap(lambda model, batch: None)
     cfg = demo.DemoConfig(confidence=0.9, constraint_copies=8, tolerance=0.05)
     cons = demo.demo_constraints(cfg, pools, rows_fn, collate=None)
     assert [(c.confidence, c.independent_rows, c.tolerance) for c in cons] == [(0.9, 45, 0.05), (0.9, 40, 0.05)]
@@ -320,10 +353,11 @@ def test_proxy_indicator_constraints_compare_the_share_forgotten_with_its_own_ra
     pools = demo.Pools(constraint=rows, selection={k: v[:10] for k, v in rows.items()}, test={}, target_selection=[],
                        test_all=[], certify={"zero": [{"x": -1}] * 18})
     cfg = demo.DemoConfig(indicator_fraction=0.3, proxy_indicator=True, confidence=0.0, proxy_forget_rate=0.05)
-    (con,) = demo.demo_constraints(cfg, pools, demo.ForgettingRows(None), collate=None)
+    (con,) = demo.demo_constraints(cfg, pools, ReferenceGap(lambda model, batch: None), collate=None)
     assert con.margin.value == pytest.approx(cfg.forget_tolerance - 0.05) and con.confidence is None
     assert con.certify_statistic.tolerance == cfg.forget_tolerance  # the certificate itself is unchanged
-    (plain,) = demo.demo_constraints(demo.DemoConfig(confidence=0.0), pools, demo.ForgettingRows(None), collate=None)
+    (plain,) = demo.demo_constraints(demo.DemoConfig(confidence=0.0), pools, ReferenceGap(lambda model, batch: None),
+                                     collate=None)
     assert plain.margin is None
 
 
@@ -338,7 +372,7 @@ def test_results_record_the_command_and_the_settings_it_parses_to(tmp_path, monk
     monkeypatch.setattr(demo, "old_accuracy", lambda *a, **k: {n: 0.5 for n in demo.DIGIT_NAMES})
     monkeypatch.setattr(demo, "finetune", lambda cfg, path, p, **k: {**fake_run, "penalty": p})
     written = {}
-    monkeypatch.setattr(demo, "_write_json", lambda path, results: written.update(results))
+    monkeypatch.setattr(demo, "atomic_write_json", lambda path, results: written.update(results))
     argv = ["--seeds", "3,4", "--penalties", "hinge", "--penalty_beta", "7", "--cache_dir", str(tmp_path),
             "--output", "x.json"]
     assert demo.main(argv) == 0
@@ -447,6 +481,41 @@ def test_make_demo_default_path_prints_a_summary_and_the_paths_it_wrote(tmp_path
         assert re.search(rf"{name} .*forgotten {round(cert['forgotten'][key] * n)} of {n}\n", printed), name
     assert "--penalties hinge,squared_hinge,none --seeds 100,101,102,103,104" in printed
     assert str(tmp_path) not in json.dumps(results)  # no local path in the results file
+    # the only certificate on these images: the first look of their ledger, at 0.9 of delta
+    assert (cert["look"], cert["level"]) == (1, pytest.approx(0.9 * 0.05))
+    assert "look 1 at these images, tested at 0.045 of the budget delta 0.05" in " ".join(printed.split())
+
+
+def test_several_penalties_certified_on_one_split_are_counted_looks_each_printed_at_its_spent_level(tmp_path,
+                                                                                                    capsys):
+    """One seed, three penalties: the three kept models are certified on the same certification images, so they
+    are looks 1, 2 and 3 of that split's ledger, tested at 0.9, 0.09 and 0.009 of delta (the default spending),
+    and each run's printed certificate names its look and the level it spent (its bounds are at that level).
+    The same command again computes the same certificates (the same weights): the same looks, nothing spent."""
+    import re
+
+    from hf_constrained.safety.bounds import clopper_pearson_upper_bound
+
+    argv = ["--seed", "0", "--stage1_epochs", "2", "--max_steps", "4", "--learning_rate", "3e-2",
+            "--constraint_copies", "1", "--eval_copies", "1", "--select_every", "0",
+            "--penalties", "hinge,squared_hinge,none", "--cache_dir", str(tmp_path / "cache")]
+    assert demo.main(argv + ["--output", str(tmp_path / "a.json")]) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    runs = json.loads((tmp_path / "a.json").read_text())["per_seed"][0]["runs"]
+    assert [r["penalty"] for r in runs] == ["hinge", "squared_hinge", "none"]
+    certs = [r["certificate"] for r in runs]
+    assert [c["look"] for c in certs] == [1, 2, 3]
+    levels = [0.05 * 0.9, 0.05 * 0.09, 0.05 * 0.009]
+    assert [c["level"] for c in certs] == pytest.approx(levels)
+    shown = re.findall(r"look (\d) at these images, tested at ([0-9.e-]+) of the budget delta 0.05", printed)
+    assert [(int(j), float(x)) for j, x in shown] == [(j, float(f"{x:.3g}")) for j, x in enumerate(levels, 1)]
+    for c, level in zip(certs, levels):
+        for key, n in c["rows"].items():
+            assert c["bounds"][key] == pytest.approx(clopper_pearson_upper_bound(round(c["forgotten"][key] * n), n,
+                                                                                 level))
+    assert demo.main(argv + ["--output", str(tmp_path / "b.json")]) == 0
+    again = json.loads((tmp_path / "b.json").read_text())["per_seed"][0]["runs"]
+    assert [r["certificate"] for r in again] == certs
 
 
 def test_summary_names_the_digits_not_certified_and_still_states_the_bound():

@@ -90,13 +90,13 @@ def test_baselines_keep_the_constrained_runs_checkpoint_rule(old, monkeypatch):
     first); plain fine-tuning keeps the demo's (the best target loss)."""
     cfg, path, pools = old
     seen = []
-    original = demo.FeasibleCheckpointSelection.__init__
+    original = demo.InMemoryFeasibleSelection.__init__
 
-    def init(self, *args, **kwargs):
-        seen.append(kwargs["use_constraints"])
-        original(self, *args, **kwargs)
+    def init(self, every, objective, violation=None, **kwargs):
+        seen.append(violation is not None)  # feasibility checked, or the target loss alone
+        original(self, every, objective, violation, **kwargs)
 
-    monkeypatch.setattr(demo.FeasibleCheckpointSelection, "__init__", init)
+    monkeypatch.setattr(demo.InMemoryFeasibleSelection, "__init__", init)
     every = demo.DemoConfig(**{**TINY, "select_every": 1})
     for regulariser in (None, ("replay", 0.5), ("kl", 1.0)):
         demo.finetune(every, path, "none", pools=pools, log=lambda *a: None, regulariser=regulariser)

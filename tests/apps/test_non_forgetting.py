@@ -379,3 +379,43 @@ def test_the_proxy_margin_is_sized_from_the_statement_and_a_small_split_warns_be
     text = caplog.text
     assert "'non_forgetting/reverse'" in text and "(2 rows) can never certify tolerance 0.05" in text
     assert "it needs at least" in text
+
+
+def _linear_correct(model, batch):
+    """0/1 per row: the linear classifier's argmax is the row's label."""
+    return (model(batch["x"]).argmax(dim=1) == batch["label"]).float()
+
+
+def test_shares_forgotten_count_rows_right_before_and_wrong_now():
+    """``with_old_correctness`` stores the old model's correctness once (keeping ``reference_loss``);
+    ``shares_forgotten`` is, per task, the share of rows right under the old model and wrong under the new one,
+    counted here row by row; ``largest_share_forgotten`` is the largest share minus the rate (feasible at <= 0)."""
+    from hf_constrained.non_forgetting import largest_share_forgotten, shares_forgotten, with_old_correctness
+
+    gen = torch.Generator().manual_seed(0)
+    old = torch.nn.Linear(4, 3)
+    new = copy.deepcopy(old)
+    with torch.no_grad():
+        new.weight.add_(torch.randn(3, 4, generator=gen))  # some rows flip, both ways
+    tasks = {}
+    for task, n in (("a", 37), ("b", 50)):
+        x = torch.randn(n, 4, generator=gen)
+        rows = [{"x": x[i], "label": int(old(x[i]).argmax()) if i % 3 else int(torch.randint(3, (1,), generator=gen))}
+                for i in range(n)]
+        tasks[task] = ReferenceLossDataset(rows, torch.arange(n, dtype=torch.float32))
+    marked = {t: with_old_correctness(old, rows, _linear_correct, batch_size=8) for t, rows in tasks.items()}
+    expected = {}
+    for task, rows in tasks.items():
+        right = [int(old(r["x"]).argmax()) == r["label"] for r in (rows[i] for i in range(len(rows)))]
+        now = [int(new(r["x"]).argmax()) == r["label"] for r in (rows[i] for i in range(len(rows)))]
+        assert [marked[task][i]["reference_correct"] for i in range(len(rows))] == [float(r) for r in right]
+        assert marked[task][5]["reference_loss"] == 5.0  # the rows keep their reference loss
+        expected[task] = sum(r and not w for r, w in zip(right, now)) / len(rows)
+    assert 0 < min(expected.values()) and expected["a"] != expected["b"]
+    shares = shares_forgotten(new, marked, _linear_correct, batch_size=8)
+    assert shares == pytest.approx(expected, abs=1e-12)
+    assert shares_forgotten(old, marked, _linear_correct) == {"a": 0.0, "b": 0.0}  # the old model forgets nothing
+    largest = largest_share_forgotten(marked, _linear_correct, 0.05, batch_size=8)
+    assert largest(new) == pytest.approx(max(expected.values()) - 0.05, abs=1e-12) and largest(old) == -0.05
+    with pytest.raises(ValueError, match="share"):
+        largest_share_forgotten(marked, _linear_correct, 1.0)

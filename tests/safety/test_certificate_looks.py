@@ -154,3 +154,35 @@ def test_three_models_certified_on_one_split_in_three_output_directories_count_a
     # a report written again for the same weights is the same look
     again = finish_run(train(tmp_path / "model1", 2), plots=False)
     assert again.certificate["looks"] == {"rate": 2}
+
+
+def test_another_model_with_the_same_values_is_another_look(tmp_path):
+    """Two different models whose per-row values coincide (common for a 0/1 rate: nothing forgotten) make two
+    claims: with their identities (the weights' fingerprints) they are two looks; the same model again is the
+    same look. Without identities the call is known by its values alone."""
+    ledger = CertificationLedger([tmp_path / "l.json"])
+
+    def by(identity, k=0):
+        return certify([{"f": forgotten(k)}], {"f": 0.1}, (0.0, 1.0), 0.05, bound="clopper_pearson",
+                       split_fingerprints={"f": SPLIT}, ledger=ledger, candidate_ids=[identity])
+
+    assert by("model-a").looks == {"f": 1}
+    second = by("model-b")
+    assert second.looks == {"f": 2} and second.upper_bounds[0]["f"] == pytest.approx(
+        clopper_pearson_upper_bound(0, 200, level(2)))
+    assert by("model-a").looks == {"f": 1}  # the same model and values: the same look, nothing spent
+    assert [look.look for look in ledger.looks(SPLIT)] == [1, 2]
+    with pytest.raises(ValueError, match="candidate_ids"):
+        certify([{"f": forgotten(0)}], {"f": 0.1}, (0.0, 1.0), candidate_ids=["a", "b"])
+
+
+def test_changed_weights_with_unchanged_values_are_a_new_look_through_the_trainer(tmp_path):
+    """The trainer certifies its model under the weights' fingerprint: weights that changed where the statistic
+    does not look (here a buffer the constraint never reads) give the same per-row values, yet another look."""
+    trainer = train(tmp_path / "model", 2)
+    first = finish_run(trainer, plots=False)
+    trainer.model.register_buffer("unread", torch.ones(1))
+    second = finish_run(trainer, plots=False)
+    assert first.certificate["values"] == second.certificate["values"]
+    assert (first.certificate["looks"], second.certificate["looks"]) == ({"rate": 1}, {"rate": 2})
+    assert second.certificate["delta_spent"]["rate"] == pytest.approx(level(2))

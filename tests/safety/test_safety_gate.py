@@ -326,10 +326,17 @@ def test_an_unreachable_hub_fails_when_the_trainer_is_built(tmp_path, monkeypatc
         def whoami(self, token=None):
             raise ConnectionError("[Errno 101] Network is unreachable")
 
+    import hf_constrained.push as push
+
     hub = Offline()
     monkeypatch.setattr(hf_trainer, "hf_api", lambda: hub)
+    monkeypatch.setattr(push, "_offline", lambda: False)  # online, but the network is down
     with pytest.raises(RuntimeError,
                        match="the Hugging Face Hub cannot be reached or refuses the token \\(ConnectionError"):
         make_trainer(str(tmp_path / "run"), push_to_hub=True, hub_model_id="user/model", hub_token="hf_" + "x" * 34)
+    # the same one-line reason as the recipes' check before training (hub_access_problem): offline mode named
+    monkeypatch.setattr(push, "_offline", lambda: True)
+    with pytest.raises(RuntimeError, match="push_to_hub=True, but HF_HUB_OFFLINE=1 is set"):
+        make_trainer(str(tmp_path / "run2"), push_to_hub=True, hub_model_id="user/model", hub_token="hf_" + "x" * 34)
     assert hub.calls == []  # nothing created
 

@@ -133,3 +133,58 @@ def test_evaluations_after_training_are_not_candidates():
     # a later train() call logs at larger steps again: those are candidates
     records = evaluation_records(history + [eval_entry(3, 0.5, True, -0.2)], "loss")
     assert [r.step for r in records] == [1, 2, 3]
+
+
+# ---------------------------------------------------------------------------- in memory, without checkpoints
+def _in_memory_run(tmp_path, violation_of, every=1, max_steps=6, tolerance=2.0):
+    """The tiny run without evaluations or checkpoints on disk, the in-memory selection given by
+    ``violation_of(trainer)``; objective: the held-out loss (theta - 5)^2, which falls at every step."""
+    from hf_constrained.safety.in_memory_selection import InMemoryFeasibleSelection
+
+    trainer = make_trainer(str(tmp_path / "run"), tolerance=tolerance, max_steps=max_steps, eval_strategy="no",
+                           save_strategy="no", load_best_model_at_end=False)
+    selection = InMemoryFeasibleSelection(every, lambda m: (float(m.theta.detach()) - 5.0) ** 2,
+                                          violation_of(trainer), metric="loss")
+    trainer.add_callback(selection)
+    trainer.train()
+    return trainer, selection
+
+
+def test_in_memory_selection_keeps_the_feasible_best_as_load_best_does(tmp_path):
+    """Tolerance 2: steps 1-2 are feasible, the objective improves to step 6; the in-memory selection keeps
+    step 2's weights (as load_best_model_at_end does from checkpoints) and puts them back, writing no checkpoint."""
+    from hf_constrained.safety.in_memory_selection import largest_constraint_violation
+
+    trainer, sel = _in_memory_run(tmp_path, largest_constraint_violation)
+    assert [r.step for r in sel.records] == [1, 2, 3, 4, 5, 6]
+    assert [r.feasible for r in sel.records] == [True, True, False, False, False, False]
+    # the largest violation is max_k h_k - tol_k = theta - 2, of the weights at that step
+    assert [r.max_violation for r in sel.records] == pytest.approx([theta_at(s) - 2.0 for s in range(1, 7)],
+                                                                   rel=1e-5)
+    assert math.isclose(float(trainer.model.theta.detach()), theta_at(6), rel_tol=1e-5)  # training ends at step 6
+    best = sel.restore(trainer.model)
+    assert best.step == 2 and math.isclose(float(trainer.model.theta.detach()), theta_at(2), rel_tol=1e-5)
+    assert not [f for f in os.listdir(tmp_path / "run") if f.startswith("checkpoint-")]
+    summary = sel.summary()
+    assert (summary.best_step, summary.num_feasible, summary.num_evaluations) == (2, 2, 6)
+    assert "feasible best: step 2" in summary.message()
+
+
+def test_in_memory_selection_requirement_infeasible_fallback_and_unconstrained(tmp_path):
+    """One requirement for all constraints (theta <= 2.5: steps 1-3); none feasible: the least violating (step 1);
+    no violation: the objective alone (step 6); ``every`` 4 of 6 steps: steps 4 and 6 (the last) only."""
+    from hf_constrained.safety.in_memory_selection import largest_constraint_violation
+
+    _, sel = _in_memory_run(tmp_path / "a", lambda t: largest_constraint_violation(t, requirement=2.5))
+    assert sel.best.step == 3 and sel.best.feasible
+    trainer, sel = _in_memory_run(tmp_path / "b", largest_constraint_violation, tolerance=-1.0, max_steps=4)
+    assert sel.restore(trainer.model).step == 1 and not sel.best.feasible
+    assert math.isclose(float(trainer.model.theta.detach()), theta_at(1), rel_tol=1e-5)
+    _, sel = _in_memory_run(tmp_path / "c", lambda t: None)
+    assert sel.best.step == 6 and all(r.feasible and r.max_violation == 0.0 for r in sel.records)
+    trainer, sel = _in_memory_run(tmp_path / "d", largest_constraint_violation, every=4)
+    assert [r.step for r in sel.records] == [4, 6] and sel.best.step == 4  # both infeasible: the smaller violation
+    with pytest.raises(ValueError, match="every"):
+        from hf_constrained.safety.in_memory_selection import InMemoryFeasibleSelection
+
+        InMemoryFeasibleSelection(0, lambda m: 0.0)

@@ -316,3 +316,13 @@ def test_a_non_finite_look_ahead_value_never_marks_a_checkpoint_complete(tmp_pat
     resumed = make_trainer(out, save_total_limit=1, **COMMON)
     resumed.train(resume_from_checkpoint=True)
     _assert_same(snapshot(straight), snapshot(resumed))
+
+
+def test_the_trainer_state_file_is_named_as_the_trainer_names_it():
+    """The library names ``trainer_state.json`` once (``checkpointing.TRAINER_STATE_NAME``, read by the command line
+    without importing the Trainer): it must be the file the Trainer writes."""
+    from transformers.trainer import TRAINER_STATE_NAME
+
+    import hf_constrained.checkpointing as checkpointing
+
+    assert checkpointing.TRAINER_STATE_NAME == TRAINER_STATE_NAME

@@ -1,0 +1,129 @@
+"""Feasible-checkpoint selection kept in memory: the best weights of a run without writing checkpoints.
+
+The Trainer's ``load_best_model_at_end`` (with :class:`~hf_constrained.safety.loop.SafetyLoop`'s
+``is_new_best``) saves a checkpoint at every evaluation and loads the best one at the end. For a small
+model evaluated often, :class:`InMemoryFeasibleSelection` does the same selection without a disk: every
+``every`` optimizer steps (and at the last step) it evaluates the weights in the model, an objective and a
+largest violation of the requirement, and keeps a copy of the weights of the best evaluation in the
+lexicographic order of :mod:`hf_constrained.safety.selection` (:func:`~hf_constrained.safety.selection.is_better`:
+feasible, ``max_violation <= 0``, before infeasible; then the better objective; with none feasible, the
+smallest largest violation). :meth:`InMemoryFeasibleSelection.restore` loads them after training.
+
+Feasibility is whatever the requirement is, measured on data that training does not read (a selection
+split):
+
+- :func:`largest_constraint_violation`: every constraint's exact value on its ``eval_dataset``
+  (``trainer.evaluate_constraints``) against its tolerance, or against one ``requirement`` for all (the
+  requirement itself rather than a training tolerance tightened by a margin);
+- :func:`hf_constrained.non_forgetting.largest_share_forgotten`: every protected task's share of selection
+  rows forgotten (right under the old model, wrong now; the certificate's statistic) against a largest share.
+
+The rows that chose the kept weights cannot certify them: the certificate reads its own split
+(:mod:`hf_constrained.safety.certify`).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import torch
+from torch import nn
+from transformers import TrainerCallback
+
+from .selection import EvaluationRecord, FeasibleSelection, is_better
+
+if TYPE_CHECKING:
+    from ..trainer import ConstrainedTrainer
+
+ModelValue = Callable[[nn.Module], float]
+"""``value(model) -> float``, evaluated on the weights now in the model (no gradient needed)."""
+
+
+class InMemoryFeasibleSelection(TrainerCallback):
+    """Every ``every`` optimizer steps and at the last step: ``objective(model)`` and ``violation(model)`` (the
+    largest violation of the requirement, feasible when ``<= 0``) of the weights in the model, recorded as an
+    :class:`~hf_constrained.safety.selection.EvaluationRecord`; the weights of the best record are copied (CPU
+    memory: one ``state_dict``) and put back by :meth:`restore`.
+
+    Args:
+        every: optimizer steps between evaluations (>= 1).
+        objective: the objective of the selection, e.g. the target task's loss on its selection rows.
+        violation: the largest violation (:func:`largest_constraint_violation`,
+            :func:`hf_constrained.non_forgetting.largest_share_forgotten`);
+            ``None`` ranks by the objective alone (every record feasible, violation 0: unconstrained training).
+        greater_is_better: whether a larger objective is better (a loss: ``False``).
+        metric: the objective's name in :meth:`summary`.
+
+    Ties keep the earlier record, as the Trainer's best-checkpoint rule does. The model the Trainer hands its
+    callbacks is the one evaluated and copied (one process; under FSDP use ``load_best_model_at_end``).
+    """
+
+    def __init__(self, every: int, objective: ModelValue, violation: Optional[ModelValue] = None, *,
+                 greater_is_better: bool = False, metric: str = "objective") -> None:
+        if every < 1:
+            raise ValueError(f"every must be >= 1 (optimizer steps between evaluations), got {every}")
+        self.every, self.objective, self.violation = every, objective, violation
+        self.greater_is_better, self.metric = greater_is_better, metric
+        self.records: list[EvaluationRecord] = []
+        self.best: Optional[EvaluationRecord] = None
+        self.best_state: Optional[dict[str, torch.Tensor]] = None
+
+    def on_step_end(self, args: Any, state: Any, control: Any, model: Optional[nn.Module] = None,
+                    **kwargs: Any) -> None:
+        if state.global_step % self.every and state.global_step != state.max_steps:
+            return
+        if model is None:
+            raise ValueError("InMemoryFeasibleSelection needs the model the Trainer passes to its callbacks")
+        self.evaluate(model, state.global_step)
+
+    def evaluate(self, model: nn.Module, step: int) -> EvaluationRecord:
+        """Evaluate the weights in ``model`` as the record of ``step``, and keep them when they are the best."""
+        largest = 0.0 if self.violation is None else float(self.violation(model))
+        record = EvaluationRecord(step, float(self.objective(model)), largest <= 0, largest)
+        self.records.append(record)
+        if is_better(record, self.best, self.greater_is_better):
+            self.best = record
+            self.best_state = copy.deepcopy(model.state_dict())
+        return record
+
+    def restore(self, model: nn.Module) -> Optional[EvaluationRecord]:
+        """Load the best record's weights into ``model`` and return the record (``None``, the model unchanged,
+        when nothing was evaluated)."""
+        if self.best_state is None:
+            return None
+        model.load_state_dict(self.best_state)
+        return self.best
+
+    def record_dicts(self) -> list[dict[str, Any]]:
+        """The records as plain dicts (step, metric, feasible, max_violation), in step order."""
+        return [asdict(r) for r in self.records]
+
+    def summary(self) -> FeasibleSelection:
+        """What the selection found, in the form of the Trainer-driven selection's
+        (:class:`~hf_constrained.safety.selection.FeasibleSelection`, with its :meth:`message`)."""
+        best = self.best
+        return FeasibleSelection(
+            metric=self.metric, greater_is_better=self.greater_is_better, num_evaluations=len(self.records),
+            num_feasible=sum(r.feasible for r in self.records), best_step=None if best is None else best.step,
+            best_metric=None if best is None else best.metric, best_feasible=best is not None and best.feasible,
+            best_max_violation=None if best is None else best.max_violation)
+
+
+def largest_constraint_violation(trainer: "ConstrainedTrainer", requirement: Optional[float] = None,
+                                 split: str = "eval") -> ModelValue:
+    """``model -> max_k (h_k - tol_k)``: every constraint's exact value on its ``split`` data (``"eval"``: its
+    ``eval_dataset``) through ``trainer.evaluate_constraints`` (the trainer's model: the one being trained),
+    against each constraint's tolerance, or against ``requirement`` for all (``max_k h_k - requirement``)."""
+
+    def largest(model: nn.Module) -> float:
+        values = trainer.evaluate_constraints(split=split)
+        if requirement is not None:
+            return max(values.values()) - requirement
+        return max(values[c.name] - c.tolerance for c in trainer.constraints)
+
+    return largest
+
+
+__all__ = ["InMemoryFeasibleSelection", "ModelValue", "largest_constraint_violation"]
