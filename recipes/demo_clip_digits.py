@@ -127,10 +127,7 @@ from hf_constrained.clip.tiny import tiny_clip, word_tokenizer
 from hf_constrained.config import ConstrainedTrainingArguments
 from hf_constrained.constraint import Certification, Constraint
 from hf_constrained.method.regularisers import KLToOld, ObjectiveRegulariser, Replay
-<<<<<<< HEAD
 from hf_constrained.method.strategies import CalibratedMargin
-from hf_constrained.non_forgetting import ReferenceCorrectDataset, forgetting_statistic
-=======
 from hf_constrained.non_forgetting import (
     ReferenceCorrectDataset,
     ReferenceGap,
@@ -138,7 +135,6 @@ from hf_constrained.non_forgetting import (
     largest_share_forgotten,
     with_old_correctness,
 )
->>>>>>> h2-dedup
 from hf_constrained.progress import StepProgressBar
 from hf_constrained.publishable import publishable_values
 from hf_constrained.recipe_args import parse_with_config
