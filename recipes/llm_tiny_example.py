@@ -561,7 +561,8 @@ class ExampleArguments:
         if not (math.isfinite(self.kl_to_old) and self.kl_to_old >= 0):
             raise ValueError(f"--kl_to_old must be a finite number >= 0, got {self.kl_to_old}")
         if self.constraints_per_step is not None and not 1 <= self.constraints_per_step <= len(OLD_TASKS):
-            raise ValueError(f"--constraints_per_step must be in [1, {len(OLD_TASKS)}], got {self.constraints_per_step}")
+            raise ValueError(f"--constraints_per_step must be in [1, {len(OLD_TASKS)}], "
+                             f"got {self.constraints_per_step}")
         if self.workers < 1:
             raise ValueError(f"--workers must be >= 1, got {self.workers}")
         if self.threads < 1:
