@@ -17,15 +17,15 @@ knob swept over a few values:
   ``--forget_tolerance``) with replay at share ``ratio`` / with the KL anchor at weight ``lam`` (``hinge+kl`` at
   lam 1 is the example's default constrained run).
 
-Every baseline reads the same old rows as the constraints (512 per task); none reads the held-out or the
-certification rows. Per run: the new task's held-out exact match (the target metric); every old task's
-held-out exact-match change against the old model on the same 512 rows (paired by row); the certificate's
-largest Clopper-Pearson bound on the share of an old task's certification rows forgotten (a bound on the
-forgotten share also bounds the accuracy lost; each run is certified once, as the first look at the rows, at
+Every baseline reads the same old rows as the constraints (the example's ``--constraint_rows``, 4096 per task);
+none reads the held-out or the certification rows. Per run: the new task's held-out exact match (the target
+metric); every old task's held-out exact-match change against the old model on the same 512 rows (paired by row);
+the certificate's largest Clopper-Pearson bound on the share of an old task's certification rows forgotten (a bound
+on the forgotten share also bounds the accuracy lost; each run is certified once, as the first look at the rows, at
 0.9 delta: ``certificate_level``) and whether it certifies ``--claim``; the training time per step; the
 regulariser's and the constraints' settings. The summary gives median and worst over seeds per setting, and the
-frontier: per method, the settings no other setting of it beats on both median new-task accuracy and median
-worst drop.
+frontier: per method, the settings no other setting of it beats on both median new-task accuracy and median worst
+drop.
 
     python benchmarks/forgetting_frontier.py --seeds 0 1 2 --methods hinge hinge+kl --values hinge=0.03 \
         hinge+kl=1 --penalty_beta 2 --json outputs/forgetting_frontier/tuning.json
