@@ -64,6 +64,7 @@ from hf_constrained import (
     finish_run,
 )
 from hf_constrained.extras import require_extra
+from hf_constrained.non_forgetting import CORRECT_KEY, ForgottenRows
 from hf_constrained.publishable import publishable_command
 from hf_constrained.recipe_args import parse_recipe_args
 from hf_constrained.safety.splits import check_certify_fraction
@@ -109,7 +110,7 @@ def with_reference_loss(old: nn.Module, x: np.ndarray, y: np.ndarray, ids: np.nd
         ref = per_sample_ce(old, pixels, torch.tensor(y))
         correct = old(pixels)["logits"].argmax(-1).numpy() == y
     return Dataset.from_dict({"pixels": x.tolist(), "labels": y.tolist(), "ref_loss": ref.tolist(),
-                              "old_correct": correct.astype(np.int64).tolist(), "image_id": ids.tolist()})
+                              CORRECT_KEY: correct.astype(np.int64).tolist(), "image_id": ids.tolist()})
 
 
 def loss_change(model: nn.Module, batch: dict) -> torch.Tensor:
@@ -117,10 +118,13 @@ def loss_change(model: nn.Module, batch: dict) -> torch.Tensor:
     return per_sample_ce(model, batch["pixels"].float(), batch["labels"]) - batch["ref_loss"].float()
 
 
-def forgotten(model: nn.Module, batch: dict) -> torch.Tensor:
-    """Per image: 1 when the old model classified it right and the new one gets it wrong (the certified statistic)."""
-    wrong = model(batch["pixels"].float())["logits"].argmax(-1) != batch["labels"]
-    return (wrong & batch["old_correct"].bool()).double()
+def digit_correct(model: nn.Module, batch: dict) -> torch.Tensor:
+    """Per image: 1 when the model classifies it right."""
+    return model(batch["pixels"].float())["logits"].argmax(-1) == batch["labels"]
+
+
+# per image: 1 when the old model classified it right and the new one gets it wrong (the certified statistic)
+forgotten = ForgottenRows(digit_correct)
 
 
 # the recipe's settings; each is a flag of ConstrainedTrainingArguments that the command line or --config can change
