@@ -147,8 +147,9 @@ def run_row(method: str, value: float, cfg: demo.DemoConfig, old: dict[str, floa
             clock: StepClock) -> dict[str, Any]:
     """One run's numbers, as fractions (accuracy changes in [-1, 1]), in the LLM benchmark's keys where they mean
     the same (``old_task_change``: each protected digit; ``worst_old_change``: the worst of them)."""
-    target = demo.DIGIT_NAMES[cfg.target]
-    changes = {n: run["accuracy"][n] - old[n] for n in demo.DIGIT_NAMES if n != target}
+    names = demo.demo_data(cfg).names  # the digits, or the shapes with --data shapes
+    target = names[cfg.target]
+    changes = {n: run["accuracy"][n] - old[n] for n in names if n != target}
     worst = min(changes, key=changes.get)
     cert = run["certificate"]
     return {"method": method, "knob": METHODS[method].knob, "value": None if math.isnan(value) else value,

@@ -78,6 +78,11 @@ most X). A claim users would want, 3 points, needs at least 99 images per digit 
 (208 at 1% forgotten); the digits have about 180 per digit in all, 135 of them needed for
 stage 1, the constraint data and the selection split (docs/demo.md).
 
+``--data shapes`` runs the same pipeline on generated shapes (:mod:`hf_constrained.clip.shapes`, one generator
+stream per split: :func:`shapes_split`), whose generator draws as many images per class as a claim needs;
+``recipes/shapes_clip_example.py`` (``hf-constrained shapes-example``) gives it its defaults: a 3-point claim
+on 3,000 certification images per class (docs/generated_images.md).
+
 ``make demo`` runs the hinge on one seed (``DEFAULT_SEED``) and writes the kept model with its
 safety report, model card and figures into ``<cache_dir>/seed-<seed>-<penalty>/``.
 ``python -m hf_constrained.recipes.demo_clip_digits --penalties hinge,squared_hinge,none --seeds
@@ -1231,7 +1236,8 @@ def run_demo(ns: argparse.Namespace, echo: Optional[Callable[[str], None]] = Non
     module logger) receives the progress lines, the per-seed tables and the summary.
 
     Writes the results JSON (tmp + rename) with ``command`` (the command line that produced it;
-    default: this process's own) and ``config`` (:func:`parsed_config`), and returns it.
+    default: this process's own) and ``config`` (:func:`parsed_config`), and returns it. ``wider``: the
+    command of the wider evaluation printed after a single-seed run (default: the digits demo's).
     """
     from transformers.utils import logging as hf_logging
 
