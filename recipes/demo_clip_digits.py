@@ -301,6 +301,8 @@ def shapes_split(cfg: DemoConfig) -> dict[str, Any]:
 
 
 DATA_NAMES = ("digits", "shapes")  # the choices of --data (:func:`demo_data`)
+# the settings only the generated images read (the digits split by fractions)
+SHAPE_FIELDS = ("data", "pretrain_images", "constraint_images", "selection_images", "held_out_images", "shape_noise")
 SHAPE_SIZE = 16  # the generated images' side (4x4 patches: 16 patches, as the digits' 8x8 with 2x2 patches)
 
 
@@ -1047,6 +1049,7 @@ def newcomer_summary(cfg: DemoConfig, old: dict[str, float], run: dict[str, Any]
     the paths of the safety report, card and figures."""
     source = demo_data(cfg)
     target, noun = source.names[cfg.target], source.noun
+    width = max(6, *map(len, source.names))  # the class column (6: the digits' summary as it always was)
     cert = run["certificate"]
     penalty = {"hinge": "the hinge penalty", "squared_hinge": "the squared hinge penalty",
                "none": "no penalty (plain fine-tuning)"}[run["penalty"]]
@@ -1059,7 +1062,7 @@ def newcomer_summary(cfg: DemoConfig, old: dict[str, float], run: dict[str, Any]
     lines = [*textwrap.wrap(what, 100), "",
              "Held-out accuracy, old model -> fine-tuned model (on images that no training step and no checkpoint",
              "selection read; 'forgotten': right before, wrong now):",
-             f"  {target:>8} (target)  {100 * old[target]:5.1f}% -> {100 * run['accuracy'][target]:5.1f}%   "
+             f"  {target:>{width}} (target)  {100 * old[target]:5.1f}% -> {100 * run['accuracy'][target]:5.1f}%   "
              f"{gain:+5.1f} points"]
     for name in source.names:
         if name == target:
@@ -1069,7 +1072,7 @@ def newcomer_summary(cfg: DemoConfig, old: dict[str, float], run: dict[str, Any]
         lost = "" if n is None else f"   forgotten {round(cert['forgotten'][key] * n)} of {n}"
         change = 100 * (run["accuracy"][name] - old[name])
         tag = "(noisy)" if name == source.names[cfg.pulled] else ""
-        lines.append(f"  {name:>8} {tag:<9} {100 * old[name]:5.1f}% -> {100 * run['accuracy'][name]:5.1f}%   "
+        lines.append(f"  {name:>{width}} {tag:<9} {100 * old[name]:5.1f}% -> {100 * run['accuracy'][name]:5.1f}%   "
                      f"{change:+5.1f} points{lost}")
     lines.append("")
     if not rows:
@@ -1200,8 +1203,10 @@ WIDER_FLAGS = "--penalties hinge,squared_hinge,none --seeds 100,101,102,103,104 
 def parsed_config(ns: argparse.Namespace) -> dict[str, Any]:
     """The complete parsed settings a results file records as ``config``: every :class:`DemoConfig`
     field, the seeds, the penalties and the output path (not the stage-1 cache folder, which changes
-    where the old models are kept, not what they are)."""
-    return {**{f.name: getattr(ns, f.name) for f in fields(DemoConfig)}, "seeds": _seeds(ns),
+    where the old models are kept, not what they are). On the digits the generated images' settings
+    (:data:`SHAPE_FIELDS`), which change nothing there, are left out: the digits' results read as before."""
+    skip = SHAPE_FIELDS if ns.data == "digits" else ()
+    return {**{f.name: getattr(ns, f.name) for f in fields(DemoConfig) if f.name not in skip}, "seeds": _seeds(ns),
             "penalties": [p.strip() for p in ns.penalties.split(",") if p.strip()], "output": ns.output,
             "workers": ns.workers}
 
