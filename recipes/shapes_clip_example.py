@@ -52,6 +52,11 @@ SHAPES_DEFAULTS: dict[str, Any] = {
     # sized from the claim (module docstring): 3,000 held-out images per class, all of them certification images
     "held_out_images": 3000,
     "certify_fraction": 1.0,
+    # the target data in the digits demo's balance of positives and negatives (about 200 positives, noisy ones
+    # included, against 160 negatives there): 800 rings and 400 circles captioned ring against 200 negatives of
+    # each other old shape. With the demo's 20 per class (1,200 positives against 120 negatives) every class
+    # collapsed toward "ring" within 10 steps, even under the constraints (docs/generated_images.md)
+    "negatives_per_class": 200,
     # generated images need no augmented copies: the generator draws independent images instead
     "constraint_copies": 1,
     "eval_copies": 1,
