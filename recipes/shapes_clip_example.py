@@ -57,6 +57,9 @@ SHAPES_DEFAULTS: dict[str, Any] = {
     # each other old shape. With the demo's 20 per class (1,200 positives against 120 negatives) every class
     # collapsed toward "ring" within 10 steps, even under the constraints (docs/generated_images.md)
     "negatives_per_class": 200,
+    # chosen on seeds 0-4 by the rule of docs/generated_images.md (candidate C): a checkpoint is feasible when at
+    # most 2% of each old shape's selection images are forgotten (the demo's 5% is above the 3-point claim)
+    "select_forget_rate": 0.02,
     # generated images need no augmented copies: the generator draws independent images instead
     "constraint_copies": 1,
     "eval_copies": 1,

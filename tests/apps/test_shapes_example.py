@@ -140,3 +140,29 @@ def test_a_certification_split_too_small_for_the_claim_is_warned_before_training
         ex.main([*TINY, "--held_out_images", "120", "--max_steps", "1", "--seed", "6",
                  "--cache_dir", str(tmp_path / "c"), "--output", str(tmp_path / "r2.json")])
     assert not [r for r in caplog.records if "can never certify" in r.getMessage()]
+
+
+def test_committed_shapes_results_come_from_the_command_shown_beside_them():
+    """Every committed result of the example stores the command that wrote it and its complete parsed settings;
+    re-parsing that command with the example's own parser gives those settings, and docs/generated_images.md
+    shows the command."""
+    import argparse
+    import glob
+    import shlex
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    files = sorted(glob.glob(os.path.join(root, "benchmarks", "results", "shapes_*.json")))
+    assert files
+    shown = open(os.path.join(root, "docs", "generated_images.md")).read()
+    for path in files:
+        with open(path) as f:
+            saved = json.load(f)
+        words = shlex.split(saved["command"])
+        assert words[:3] == ex.MODULE_COMMAND.split(), path
+        parser = argparse.ArgumentParser(allow_abbrev=False)
+        ex.add_arguments(parser)
+        ns = parser.parse_args(words[3:])
+        assert demo.parsed_config(ns) == saved["config"], path
+        assert ns.output == os.path.relpath(path, root), path
+        assert saved["command"] in shown, path
+        assert saved["config"]["data"] == "shapes" and saved["config"]["forget_tolerance"] == 0.03
