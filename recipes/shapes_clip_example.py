@@ -84,7 +84,9 @@ def run(ns: argparse.Namespace, echo: Any = None, command: Optional[str] = None)
 def main(argv: Optional[list[str]] = None) -> int:
     """``python -m hf_constrained.recipes.shapes_clip_example``: the same options as ``hf-constrained shapes-example``."""
     args = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog=MODULE_COMMAND, description=__doc__.split("\n")[0],
+    # named as it was called: `hf-constrained shapes-example` (the CLI sets argv[0]) or `python -m ...`
+    prog = sys.argv[0] if os.path.basename(sys.argv[0]).startswith("hf-constrained") else MODULE_COMMAND
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
     parser.add_argument("--config", default=None, help="YAML file of option values (names as the options, without "
                         "dashes); options on the command line override it")
