@@ -134,10 +134,10 @@ from hf_constrained.progress import StepProgressBar
 from hf_constrained.publishable import publishable_values
 from hf_constrained.recipe_args import parse_with_config
 from hf_constrained.redact import redact_command
+from hf_constrained.safety.bounds import clopper_pearson_upper_bound
 from hf_constrained.safety.evaluation import certify_models
 from hf_constrained.safety.finish import finish_run
 from hf_constrained.safety.selection import EvaluationRecord, select_best
-from hf_constrained.safety.bounds import clopper_pearson_upper_bound
 from hf_constrained.statistics import constraint_statistic
 
 logger = logging.getLogger(__name__)

@@ -82,7 +82,7 @@ def run(ns: argparse.Namespace, echo: Any = None, command: Optional[str] = None)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """``python -m hf_constrained.recipes.shapes_clip_example``: the same options as ``hf-constrained shapes-example``."""
+    """``python -m hf_constrained.recipes.shapes_clip_example``, the same as ``hf-constrained shapes-example``."""
     args = sys.argv[1:] if argv is None else argv
     # named as it was called: `hf-constrained shapes-example` (the CLI sets argv[0]) or `python -m ...`
     prog = sys.argv[0] if os.path.basename(sys.argv[0]).startswith("hf-constrained") else MODULE_COMMAND
