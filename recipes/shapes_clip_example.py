@@ -20,7 +20,7 @@ certifies them all with probability >= 0.99): 3,000 images per old class (2,000 
 The old model learns 7 shapes in stage 1 and has seen 3 rings; fine-tuning learns ``ring`` from noisy captions
 (some circles captioned "a photo of a ring"), under one non-forgetting constraint per other shape.
 
-    python -m hf_constrained.recipes.shapes_clip_example            # one seed (2027), about 2 minutes of CPU
+    python -m hf_constrained.recipes.shapes_clip_example            # one seed (2027), about a minute of CPU
     hf-constrained shapes-example --seeds 100,101,102,103,104 --penalties hinge,none
 
 Every option of the demo is an option here (``--help``); only the defaults below differ. See
