@@ -148,8 +148,9 @@ def run_row(method: str, value: float, cfg: demo.DemoConfig, old: dict[str, floa
             clock: StepClock) -> dict[str, Any]:
     """One run's numbers, as fractions (accuracy changes in [-1, 1]), in the LLM benchmark's keys where they mean
     the same (``old_task_change``: each protected digit; ``worst_old_change``: the worst of them)."""
-    target = demo.DIGIT_NAMES[cfg.target]
-    changes = {n: run["accuracy"][n] - old[n] for n in demo.DIGIT_NAMES if n != target}
+    names = demo.demo_data(cfg).names  # the digits, or the shapes with --data shapes
+    target = names[cfg.target]
+    changes = {n: run["accuracy"][n] - old[n] for n in names if n != target}
     worst = min(changes, key=changes.get)
     cert = run["certificate"]
     return {"method": method, "knob": METHODS[method].knob, "value": None if math.isnan(value) else value,
@@ -272,11 +273,12 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         rows = [finished(one_run(j), i) for i, j in enumerate(jobs)]
     settings = summarize(rows)
     chosen = choose(settings, args.within / 100)
+    noun = demo.demo_data(demo.DemoConfig(**base)).noun  # "digit", or "shape" with --data shapes
     result = {"command": publishable_command("python benchmarks/forgetting_frontier_demo.py", argv),
               "config": {"benchmark": publishable_values(vars(args)), "demo": publishable_values(base)},
-              "claim": f"every protected digit loses at most {100 * base['forget_tolerance']:g} points (share of its "
+              "claim": f"every protected {noun} loses at most {100 * base['forget_tolerance']:g} points (share of its "
                        f"certification images forgotten <= {base['forget_tolerance']:g}), delta {base['delta']:g}",
-              "bound": "Clopper-Pearson on the share of each protected digit's certification images forgotten, "
+              "bound": f"Clopper-Pearson on the share of each protected {noun}'s certification images forgotten, "
                        "each run the first look at its images (level 0.9 delta)",
               "units": "fractions: target_gain and old_task_change are held-out accuracy changes against the old "
                        "model on the same images (x100: points)",
@@ -290,9 +292,10 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         if partial and os.path.exists(partial):
             os.remove(partial)  # the result holds every run
     if args.figure:
-        ff.plot(settings, args.figure, args.within / 100, target=TARGET, title="Forgetting frontier, CLIP digits demo",
-                xlabel="worst protected digit's held-out accuracy change (points, median over seeds)",
-                ylabel="target digit's held-out accuracy gain (points, median)")
+        ff.plot(settings, args.figure, args.within / 100, target=TARGET,
+                title=f"Forgetting frontier, CLIP {base['data']} {'demo' if base['data'] == 'digits' else 'example'}",
+                xlabel=f"worst protected {noun}'s held-out accuracy change (points, median over seeds)",
+                ylabel=f"target {noun}'s held-out accuracy gain (points, median)")
     return result
 
 

@@ -5,8 +5,9 @@
     hf-constrained plot RUN_DIR [--out DIR]            write constraints.png and objective.png
     hf-constrained demo [...]                          the CLIP non-forgetting demo on digits
     hf-constrained recipes                             list the recipes, their modules and shipped configs
-    hf-constrained RECIPE [flags | --config x.yaml]    run a recipe: quickstart, llm, llm-example, clip,
-                                                       fairness, safe-release (``RECIPE --help``: its flags)
+    hf-constrained RECIPE [flags | --config x.yaml]    run a recipe: quickstart, llm, llm-example,
+                                                       shapes-example, clip, fairness, safe-release
+                                                       (``RECIPE --help``: its flags)
 
 The command line depends on the library, never the reverse. ``report`` and ``plot`` read
 files only (no torch, no transformers), so they start in well under a second; a recipe's

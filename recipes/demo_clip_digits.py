@@ -81,6 +81,11 @@ most X). A claim users would want, 3 points, needs at least 99 images per digit 
 (208 at 1% forgotten); the digits have about 180 per digit in all, 135 of them needed for
 stage 1, the constraint data and the selection split (docs/demo.md).
 
+``--data shapes`` runs the same pipeline on generated shapes (:mod:`hf_constrained.clip.shapes`, one generator
+stream per split: :func:`shapes_split`), whose generator draws as many images per class as a claim needs;
+``recipes/shapes_clip_example.py`` (``hf-constrained shapes-example``) gives it its defaults: a 3-point claim
+on 3,000 certification images per class (docs/generated_images.md).
+
 ``make demo`` runs the hinge on one seed (``DEFAULT_SEED``) and writes the kept model with its
 safety report, model card and figures into ``<cache_dir>/seed-<seed>-<penalty>/``.
 ``python -m hf_constrained.recipes.demo_clip_digits --penalties hinge,squared_hinge,none --seeds
@@ -139,6 +144,7 @@ from hf_constrained.progress import StepProgressBar
 from hf_constrained.publishable import publishable_values
 from hf_constrained.recipe_args import parse_with_config
 from hf_constrained.redact import redact_command
+from hf_constrained.safety.bounds import clopper_pearson_upper_bound
 from hf_constrained.safety.evaluation import certify_models
 from hf_constrained.safety.finish import finish_run
 from hf_constrained.safety.in_memory_selection import InMemoryFeasibleSelection, largest_constraint_violation
@@ -213,6 +219,14 @@ class DemoConfig:
     select_on: str = "forgotten"
     # with select_on forgotten: the largest share of a class's selection images forgotten
     select_forget_rate: float = 0.05
+    # the image task (:func:`demo_data`): scikit-learn's digits, or generated shapes (hf_constrained.clip.shapes)
+    data: str = "digits"
+    # with --data shapes, images generated per class for each split (each split its own generator stream):
+    pretrain_images: int = 500  # stage 1 and the target data
+    constraint_images: int = 300  # D_k
+    selection_images: int = 200  # the checkpoint selection
+    held_out_images: int = 3000  # the held-out images (certify_fraction of them certify)
+    shape_noise: float = 0.1  # std of the generated images' pixel noise
 
 
 # ---------------------------------------------------------------------------------- data
@@ -244,7 +258,7 @@ def digits_split(cfg: DemoConfig) -> dict[str, Any]:
     labels = digits.target.astype(int)
     rng = np.random.default_rng(cfg.seed)
     parts: dict[str, list[int]] = {k: [] for k in SPLITS}
-    for c in range(10):
+    for c in range(len(DIGIT_NAMES)):
         idx = rng.permutation(np.flatnonzero(labels == c))
         bounds = np.cumsum([int(round(len(idx) * f))
                             for f in (cfg.test_fraction, cfg.selection_fraction, cfg.constraint_fraction)])
@@ -257,6 +271,94 @@ def digits_split(cfg: DemoConfig) -> dict[str, Any]:
         parts["pretrain"] += idx[bounds[2] :].tolist()
     return {"images": images[:, None], "labels": labels, **{k: sorted(v) for k, v in parts.items()},
             "held_out": sorted(parts["test"] + parts["certify"])}
+
+
+def shapes_split(cfg: DemoConfig) -> dict[str, Any]:
+    """Generated shapes (:mod:`hf_constrained.clip.shapes`, 1x16x16 in [-1, 1]) in the layout of
+    :func:`digits_split`: per class ``pretrain_images``, ``constraint_images``, ``selection_images`` and
+    ``held_out_images`` images, each split drawn from its own generator stream of ``cfg.seed`` (stream =
+    the split's index in :data:`SPLITS`), so the splits are independent samples and never share an image.
+    The held-out images are split into ``test`` and ``certify`` by ``certify_fraction`` as the digits' are."""
+    from hf_constrained.clip.shapes import SHAPES, draw_shapes
+
+    counts = {"pretrain": cfg.pretrain_images, "constraint": cfg.constraint_images,
+              "selection": cfg.selection_images, "held_out": cfg.held_out_images}
+    bad = [f"--{k}_images" for k, v in counts.items() if v < 0 or (k == "pretrain" and v < 1)]
+    if bad:
+        raise ValueError(f"{', '.join(bad)}: a number of generated images per class (>= 0; stage 1 needs >= 1)")
+    if not 0 <= cfg.certify_fraction <= 1:
+        raise ValueError(f"--certify_fraction must be in [0, 1] (a share of the held-out images), "
+                         f"got {cfg.certify_fraction}")
+    images, labels, parts = [], [], {k: [] for k in SPLITS}
+    start = 0
+    for split, n in counts.items():
+        stream = SPLITS.index("test" if split == "held_out" else split)
+        x, y = draw_shapes(cfg.seed, stream, [n] * len(SHAPES), image_size=SHAPE_SIZE, noise=cfg.shape_noise)
+        idx = np.arange(start, start + len(y))
+        start += len(y)
+        images.append(x)
+        labels.append(y)
+        if split != "held_out":
+            parts[split] = idx.tolist()
+            continue
+        n_test = n - int(round(n * cfg.certify_fraction))  # per class, as digits_split: the first part is "test"
+        for c in range(len(SHAPES)):
+            own = idx[y == c]
+            parts["test"] += own[:n_test].tolist()
+            parts["certify"] += own[n_test:].tolist()
+    return {"images": np.concatenate(images), "labels": np.concatenate(labels),
+            **{k: sorted(v) for k, v in parts.items()}, "held_out": sorted(parts["test"] + parts["certify"])}
+
+
+DATA_NAMES = ("digits", "shapes")  # the choices of --data (:func:`demo_data`)
+# the settings only the generated images read (the digits split by fractions)
+SHAPE_FIELDS = ("data", "pretrain_images", "constraint_images", "selection_images", "held_out_images", "shape_noise")
+SHAPE_SIZE = 16  # the generated images' side (4x4 patches: 16 patches, as the digits' 8x8 with 2x2 patches)
+
+
+@dataclass(frozen=True)
+class DemoData:
+    """One image task the demo runs on (a strategy chosen by ``--data`` at one dispatch point, :func:`demo_data`).
+
+    ``supply``: for a fixed data set, why it cannot certify more (printed after the certificate); ``None`` for a
+    generator, which draws as many images as the claim needs (``supply_flag`` sets how many)."""
+
+    names: tuple[str, ...]
+    template: str  # the zero-shot prompt and caption of a class
+    noun: str  # what a class is called in the printed summary and the model card
+    image_size: int
+    patch_size: int
+    split: Callable[[DemoConfig], dict[str, Any]]
+    description: str  # the data, for the model card
+    supply: Optional[str] = None
+    supply_flag: str = ""
+
+
+def _data_sources() -> dict[str, DemoData]:
+    from hf_constrained.clip.shapes import SHAPES
+
+    return {
+        "digits": DemoData(tuple(DIGIT_NAMES), TEMPLATE, "digit", 8, 2, digits_split, "scikit-learn digits (8x8)",
+                           supply="the digits have about 180 per digit in all (docs/demo.md)"),
+        "shapes": DemoData(SHAPES, "a photo of a {}", "shape", SHAPE_SIZE, 4, shapes_split,
+                           "generated shapes (16x16, hf_constrained.clip.shapes)", supply_flag="--held_out_images"),
+    }
+
+
+def demo_data(cfg: DemoConfig) -> DemoData:
+    """The image task ``cfg.data`` names; an unknown one, or a target / pulled class outside it, is an error
+    naming the flag."""
+    sources = _data_sources()
+    if cfg.data not in sources:
+        raise ValueError(f"--data must be one of {list(sources)}, got {cfg.data!r}")
+    source = sources[cfg.data]
+    for flag in ("target", "pulled"):
+        if not 0 <= getattr(cfg, flag) < len(source.names):
+            raise ValueError(f"--{flag} must be a class index of --data {cfg.data} (0-{len(source.names) - 1}), "
+                             f"got {getattr(cfg, flag)}")
+    if cfg.target == cfg.pulled:
+        raise ValueError(f"--pulled must differ from --target, got {cfg.pulled} for both")
+    return source
 
 
 def augmented_copies(images: np.ndarray, copies: int, seed: int, shift: float = 0.5, rotate: float = 10.0,
@@ -307,22 +409,24 @@ def target_rows(data: dict[str, Any], cfg: DemoConfig) -> list[dict[str, Any]]:
     """Noisy target pairs: target images + polluting images of ``pulled`` captioned as the target
     (positives), and other digits with their own captions (negatives, ``pulled`` excluded)."""
     rng = np.random.default_rng(cfg.seed + 1)
-    target_name = DIGIT_NAMES[cfg.target]
+    source = demo_data(cfg)
+    target_name = source.names[cfg.target]
     rows = []
     # every target image outside the selection, test and certification splits (the target has no constraint data)
     clean = [i for i in data["pretrain"] + data["constraint"] if data["labels"][i] == cfg.target]
     for i in clean:
-        rows.append({**_row(data, i), "caption": TEMPLATE.format(target_name), "is_positive": True})
+        rows.append({**_row(data, i), "caption": source.template.format(target_name), "is_positive": True})
     pulled = [i for i in data["pretrain"] if data["labels"][i] == cfg.pulled]
     n_noisy = min(len(pulled), int(round(cfg.noisy_fraction * len(clean))))
     for i in rng.choice(pulled, size=n_noisy, replace=False):
-        rows.append({**_row(data, int(i)), "caption": TEMPLATE.format(target_name), "is_positive": True})
-    for c in range(10):
+        rows.append({**_row(data, int(i)), "caption": source.template.format(target_name), "is_positive": True})
+    for c in range(len(source.names)):
         if c in (cfg.target, cfg.pulled):
             continue
         pool = [i for i in data["pretrain"] if data["labels"][i] == c]
         for i in rng.choice(pool, size=min(len(pool), cfg.negatives_per_class), replace=False):
-            rows.append({**_row(data, int(i)), "caption": TEMPLATE.format(DIGIT_NAMES[c]), "is_positive": False})
+            rows.append({**_row(data, int(i)), "caption": source.template.format(source.names[c]),
+                         "is_positive": False})
     return rows
 
 
@@ -332,24 +436,30 @@ def target_rows(data: dict[str, Any], cfg: DemoConfig) -> list[dict[str, Any]]:
 def _stage1_key(cfg: DemoConfig) -> str:
     keys = ("target", "seed", "test_fraction", "selection_fraction", "constraint_fraction", "stage1_target_keep",
             "stage1_epochs", "stage1_lr", "temperature", "shift", "rotate", "noise")
+    if cfg.data != "digits":  # the digits' key is unchanged, so their cached old models stay valid
+        keys += ("data", "pretrain_images", "shape_noise")
     blob = json.dumps({k: getattr(cfg, k) for k in keys}, sort_keys=True) + "v3"
     return hashlib.sha1(blob.encode()).hexdigest()[:12]
 
 
-def prompts(tokenizer: Any) -> dict[str, torch.Tensor]:
-    return tokenizer([TEMPLATE.format(n) for n in DIGIT_NAMES], padding=True, return_tensors="pt")
+def prompts(tokenizer: Any, cfg: Optional[DemoConfig] = None) -> dict[str, torch.Tensor]:
+    """The zero-shot prompts of every class of ``cfg``'s task (the digits by default), tokenized."""
+    source = demo_data(cfg or DemoConfig())
+    return tokenizer([source.template.format(n) for n in source.names], padding=True, return_tensors="pt")
 
 
 def pretrain_old_model(cfg: DemoConfig, cache_dir: str, log: Callable[[str], None] = logger.info) -> str:
-    """Stage 1 (cached): a small CLIP trained as a zero-shot digit classifier, weak on the target."""
-    path = os.path.join(cache_dir, f"digits-clip-{_stage1_key(cfg)}")
+    """Stage 1 (cached): a small CLIP trained as a zero-shot classifier of the task's classes, weak on the target."""
+    source = demo_data(cfg)
+    path = os.path.join(cache_dir, f"{cfg.data}-clip-{_stage1_key(cfg)}")
     if os.path.exists(os.path.join(path, "config.json")):
         log(f"stage 1: cached old model at {path}")
         return path
     t0 = time.time()
-    data = digits_split(cfg)
-    tokenizer = word_tokenizer([TEMPLATE.format(n) for n in DIGIT_NAMES])
-    model = tiny_clip(len(tokenizer), image_size=8, patch_size=2, num_channels=1, seed=cfg.seed)
+    data = source.split(cfg)
+    tokenizer = word_tokenizer([source.template.format(n) for n in source.names])
+    model = tiny_clip(len(tokenizer), image_size=source.image_size, patch_size=source.patch_size, num_channels=1,
+                      seed=cfg.seed)
     rng = np.random.default_rng(cfg.seed + 2)
     train = [i for i in data["pretrain"] if data["labels"][i] != cfg.target]
     keep = [i for i in data["pretrain"] if data["labels"][i] == cfg.target][: cfg.stage1_target_keep]
@@ -359,7 +469,7 @@ def pretrain_old_model(cfg: DemoConfig, cache_dir: str, log: Callable[[str], Non
     bank = torch.as_tensor(augmented_copies(data["images"][idx], STAGE1_COPIES, cfg.seed + 3, cfg.shift, cfg.rotate,
                                              cfg.noise))
     y = torch.as_tensor(data["labels"][idx])
-    p = prompts(tokenizer)
+    p = prompts(tokenizer, cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.stage1_lr, weight_decay=0.01)
     torch.manual_seed(cfg.seed)
     model.train()
@@ -406,7 +516,8 @@ def build_pools(cfg: DemoConfig, data: dict[str, Any], old_model: torch.nn.Modul
                 collate: CLIPCollator) -> Pools:
     """The enlarged constraint / selection / test pools with the old model's per-row losses,
     computed on the very rows (augmented copies included) they will be compared with."""
-    protected = [c for c in range(10) if c != cfg.target]
+    names = demo_data(cfg).names
+    protected = [c for c in range(len(names)) if c != cfg.target]
     out: dict[str, dict[str, ReferenceLossDataset]] = {}
     # the accuracies and h_k "on the test split" are on every held-out image (test and certification images)
     for split, source, copies in (("constraint", "constraint", cfg.constraint_copies),
@@ -414,17 +525,17 @@ def build_pools(cfg: DemoConfig, data: dict[str, Any], old_model: torch.nn.Modul
         out[split] = {}
         for c in protected:
             rows = RowDataset(class_rows(data, source, c, copies, cfg))
-            out[split][DIGIT_NAMES[c]] = ReferenceLossDataset(rows, reference_losses(old_model, rows, zs, collate))
+            out[split][names[c]] = ReferenceLossDataset(rows, reference_losses(old_model, rows, zs, collate))
             if split == "constraint" and cfg.proxy_indicator:  # the proxy indicator's statistic needs old correctness
-                out[split][DIGIT_NAMES[c]] = with_old_correctness(old_model, out[split][DIGIT_NAMES[c]],
-                                                                  ZeroShotCorrect(zs), collate)
-    test_all = RowDataset([r for c in range(10) for r in class_rows(data, "held_out", c, cfg.eval_copies, cfg)])
+                out[split][names[c]] = with_old_correctness(old_model, out[split][names[c]],
+                                                            ZeroShotCorrect(zs), collate)
+    test_all = RowDataset([r for c in range(len(names)) for r in class_rows(data, "held_out", c, cfg.eval_copies, cfg)])
     target_selection = RowDataset(class_rows(data, "selection", cfg.target, cfg.eval_copies, cfg))
     certify = {}
     for c in protected:
         rows = RowDataset(class_rows(data, "certify", c))
         if len(rows):
-            certify[DIGIT_NAMES[c]] = with_old_correctness(old_model, rows, ZeroShotCorrect(zs), collate)
+            certify[names[c]] = with_old_correctness(old_model, rows, ZeroShotCorrect(zs), collate)
     return Pools(out["constraint"], out["selection"], out["test"], target_selection, test_all, certify)
 
 
@@ -576,12 +687,13 @@ def finetune(cfg: DemoConfig, old_path: str, penalty: str, pools: Optional[Pools
     from transformers.trainer_callback import PrinterCallback
 
     t0 = time.time()
-    data = digits_split(cfg)
+    source = demo_data(cfg)
+    data = source.split(cfg)
     tokenizer = AutoTokenizer.from_pretrained(old_path)
     model = CLIPModel.from_pretrained(old_path)
     model.logit_scale.requires_grad_(False)  # fixed temperature
     collate = CLIPCollator(tokenizer=tokenizer)
-    p = prompts(tokenizer)
+    p = prompts(tokenizer, cfg)
     zs = ZeroShotLoss(p["input_ids"], p["attention_mask"], temperature=cfg.temperature)
     if pools is None:
         pools = build_pools(cfg, data, model, zs, collate)
@@ -647,7 +759,7 @@ def finetune(cfg: DemoConfig, old_path: str, penalty: str, pools: Optional[Pools
                 per_row = FORGETTING[cfg.forgetting](per_row)
             stat = constraint_statistic(per_row.double().numpy())
             h_test[f"non_forgetting/{name}"], h_bound[f"non_forgetting/{name}"] = stat.value, stat.upper_bound
-        acc = zero_shot_accuracy(model, pools.test_all, zs, collate, DIGIT_NAMES, batch_size=512)
+        acc = zero_shot_accuracy(model, pools.test_all, zs, collate, list(source.names), batch_size=512)
         if output_dir is not None:
             # the report names the step the demo's own selection kept (its weights are in memory, no folder)
             trainer.safety.declare_weights_origin(kept)
@@ -675,7 +787,8 @@ def write_run(cfg: DemoConfig, trainer: ContrastiveConstrainedTrainer, tokenizer
     # through the trainer: it records which weights it wrote, so the report can name the weight files and
     # `hf-constrained report FOLDER --check` can tell they are the weights it describes
     trainer.save_model(out)
-    target = DIGIT_NAMES[cfg.target]
+    source = demo_data(cfg)
+    target = source.names[cfg.target]
     names = {c.name: c.metadata["class"] for c in trainer.constraints}
     extra = {"new accuracy": {c: acc[k] for c, k in names.items()}}
     if old_acc is not None:
@@ -683,16 +796,16 @@ def write_run(cfg: DemoConfig, trainer: ContrastiveConstrainedTrainer, tokenizer
     n_cert = sorted(len(c.certify.dataset) for c in trainer.constraints if c.certify is not None)
     finish_run(
         trainer, old_model_values={c: 0.0 for c in names},
-        base_model_name=f"digits CLIP (stage 1 of the demo, seed {cfg.seed})",
+        base_model_name=f"{cfg.data} CLIP (stage 1 of the demo, seed {cfg.seed})",
         dataset_description=(
-            f"scikit-learn digits (8x8). Fine-tuned toward the digit {target!r} on noisy image-caption pairs "
-            f"({DIGIT_NAMES[cfg.pulled]!r} images captioned {target!r} among them), penalty {penalty}, one "
-            "non-forgetting constraint per other digit. Accuracies on held-out images; certified on "
-            + (f"{n_cert[0]}-{n_cert[-1]} held-out images per protected digit (read by nothing else) as 'each "
-               f"protected digit loses at most {100 * cfg.forget_tolerance:g} points of accuracy' (share of its "
-               "images forgotten)"
+            f"{source.description}. Fine-tuned toward the {source.noun} {target!r} on noisy image-caption pairs "
+            f"({source.names[cfg.pulled]!r} images captioned {target!r} among them), penalty {penalty}, one "
+            f"non-forgetting constraint per other {source.noun}. Accuracies on held-out images; certified on "
+            + (f"{n_cert[0]}-{n_cert[-1]} held-out images per protected {source.noun} (read by nothing else) as "
+               f"'each protected {source.noun} loses at most {100 * cfg.forget_tolerance:g} points of accuracy' "
+               "(share of its images forgotten)"
                if n_cert else "no certification split")),
-        eval_dataset="digits", task="zero-shot-image-classification", license="apache-2.0",
+        eval_dataset=cfg.data, task="zero-shot-image-classification", license="apache-2.0",
         reproduce_command=command, delta=cfg.delta,
         objective_metrics={f"accuracy/{k}": v for k, v in acc.items()}, extra_columns=extra)
     return {key: name for key, name in RUN_FILES.items() if os.path.exists(os.path.join(out, name))}
@@ -717,18 +830,19 @@ def certificate_summary(certificate: Any, names: list[str]) -> dict[str, Any]:
 def old_accuracy(cfg: DemoConfig, old_path: str, pools: Pools) -> dict[str, float]:
     tokenizer = AutoTokenizer.from_pretrained(old_path)
     model = CLIPModel.from_pretrained(old_path)
-    p = prompts(tokenizer)
+    p = prompts(tokenizer, cfg)
     zs = ZeroShotLoss(p["input_ids"], p["attention_mask"], temperature=cfg.temperature)
-    return zero_shot_accuracy(model, pools.test_all, zs, CLIPCollator(tokenizer=tokenizer), DIGIT_NAMES, batch_size=512)
+    return zero_shot_accuracy(model, pools.test_all, zs, CLIPCollator(tokenizer=tokenizer), list(demo_data(cfg).names),
+                              batch_size=512)
 
 
 def old_pools(cfg: DemoConfig, old_path: str) -> Pools:
     """The pools with the old model's reference losses (computed once per seed)."""
     tokenizer = AutoTokenizer.from_pretrained(old_path)
     model = CLIPModel.from_pretrained(old_path)
-    p = prompts(tokenizer)
+    p = prompts(tokenizer, cfg)
     zs = ZeroShotLoss(p["input_ids"], p["attention_mask"], temperature=cfg.temperature)
-    return build_pools(cfg, digits_split(cfg), model, zs, CLIPCollator(tokenizer=tokenizer))
+    return build_pools(cfg, demo_data(cfg).split(cfg), model, zs, CLIPCollator(tokenizer=tokenizer))
 
 
 # ---------------------------------------------------------------------------------- report
@@ -736,8 +850,9 @@ def old_pools(cfg: DemoConfig, old_path: str) -> Pools:
 
 def seed_summary(cfg: DemoConfig, old: dict[str, float], run: dict[str, Any]) -> dict[str, Any]:
     """One run's headline numbers (accuracies in points, on the test split)."""
-    target = DIGIT_NAMES[cfg.target]
-    protected = [n for n in DIGIT_NAMES if n != target]
+    names = demo_data(cfg).names
+    target = names[cfg.target]
+    protected = [n for n in names if n != target]
     drops = {n: 100 * (old[n] - run["accuracy"][n]) for n in protected}
     worst = max(drops, key=drops.get)
     return {
@@ -765,21 +880,22 @@ def _failing_cell(names: list[str], total: int) -> str:
 
 def seed_table(cfg: DemoConfig, old: dict[str, float], runs: list[dict[str, Any]]) -> str:
     """Per class: old vs new test accuracy and h_k on the test split, per method; then the headline rows."""
-    target = DIGIT_NAMES[cfg.target]
+    source = demo_data(cfg)
+    target = source.names[cfg.target]
     names = [r["penalty"] for r in runs]
     value = "mean CE(new) - CE(old)" if cfg.forgetting == "mean" else "mean [CE(new) - CE(old)]_+"
     lines = [f"seed {cfg.seed}: test accuracy % (old, new) and h_k = {value} on the test split",
              "| class | old | " + " | ".join(f"{n} acc | {n} h_k" for n in names) + " |",
              "|---|---|" + "---|---|" * len(names)]
-    for name in DIGIT_NAMES:
-        tag = " (target)" if name == target else (" (pulled)" if name == DIGIT_NAMES[cfg.pulled] else "")
+    for name in source.names:
+        tag = " (target)" if name == target else (" (pulled)" if name == source.names[cfg.pulled] else "")
         cells = []
         for r in runs:
             h = r["h_test"].get(f"non_forgetting/{name}")
             cells.append(f"{100 * r['accuracy'][name]:.1f} | " + ("" if h is None else f"{h:+.3f}"))
         lines.append(f"| {name}{tag} | {100 * old[name]:.1f} | " + " | ".join(cells) + " |")
     s = [seed_summary(cfg, old, r) for r in runs]
-    m = len(DIGIT_NAMES) - 1
+    m = len(source.names) - 1
     lines += ["", "| | " + " | ".join(names) + " |", "|---|" + "---|" * len(names),
               "| target gain (points) | " + " | ".join(f"{x['target_gain']:+.1f}" for x in s) + " |",
               "| worst protected drop (points) | " + " | ".join(
@@ -790,7 +906,7 @@ def seed_table(cfg: DemoConfig, old: dict[str, float], runs: list[dict[str, Any]
                   f"{x['violated_test']}/{m}" for x in s) + " |",
               "| largest calibrated margin on D_k | " + " | ".join(f"{x['max_margin']:.3f}" for x in s) + " |",
               "| kept step | " + " | ".join(str(x["kept_step"]) for x in s) + " |",
-              f"| certified: every protected digit loses at most {100 * cfg.forget_tolerance:g} points (share "
+              f"| certified: every protected {source.noun} loses at most {100 * cfg.forget_tolerance:g} points (share "
               f"forgotten <= {cfg.forget_tolerance:g}, delta {cfg.delta:g}) | "
               + " | ".join("yes" if x["certified"] else "no" for x in s) + " |",
               "| largest certified bound (share forgotten) | " + " | ".join(
@@ -874,30 +990,32 @@ def newcomer_summary(cfg: DemoConfig, old: dict[str, float], run: dict[str, Any]
     """One run in words a newcomer reads: what was fine-tuned, the target's gain, each protected digit's
     old and new held-out accuracy with its images forgotten, the certified claim (bound, delta, n) and
     the paths of the safety report, card and figures."""
-    target = DIGIT_NAMES[cfg.target]
+    source = demo_data(cfg)
+    target, noun = source.names[cfg.target], source.noun
+    width = max(6, *map(len, source.names))  # the class column (6: the digits' summary as it always was)
     cert = run["certificate"]
     penalty = {"hinge": "the hinge penalty", "squared_hinge": "the squared hinge penalty",
                "none": "no penalty (plain fine-tuning)"}[run["penalty"]]
     gain = 100 * (run["accuracy"][target] - old[target])
     rows = cert.get("rows") or {}
-    what = (f"What ran (seed {cfg.seed}): a small CLIP, pre-trained here as a zero-shot digit classifier that has "
+    what = (f"What ran (seed {cfg.seed}): a small CLIP, pre-trained here as a zero-shot {noun} classifier that has "
             f"seen almost no {target!r}, was fine-tuned for {cfg.steps} steps to recognise {target!r} from noisy "
-            f"captions (some {DIGIT_NAMES[cfg.pulled]!r} images are captioned {target!r}), with {penalty} and one "
-            f"non-forgetting constraint per other digit; the checkpoint of step {run['kept_step']} was kept.")
+            f"captions (some {source.names[cfg.pulled]!r} images are captioned {target!r}), with {penalty} and one "
+            f"non-forgetting constraint per other {noun}; the checkpoint of step {run['kept_step']} was kept.")
     lines = [*textwrap.wrap(what, 100), "",
              "Held-out accuracy, old model -> fine-tuned model (on images that no training step and no checkpoint",
              "selection read; 'forgotten': right before, wrong now):",
-             f"  {target:>6} (target)  {100 * old[target]:5.1f}% -> {100 * run['accuracy'][target]:5.1f}%   "
+             f"  {target:>{width}} (target)  {100 * old[target]:5.1f}% -> {100 * run['accuracy'][target]:5.1f}%   "
              f"{gain:+5.1f} points"]
-    for name in DIGIT_NAMES:
+    for name in source.names:
         if name == target:
             continue
         key = f"non_forgetting/{name}"
         n = rows.get(key)
         lost = "" if n is None else f"   forgotten {round(cert['forgotten'][key] * n)} of {n}"
         change = 100 * (run["accuracy"][name] - old[name])
-        tag = "(noisy)" if name == DIGIT_NAMES[cfg.pulled] else ""
-        lines.append(f"  {name:>6} {tag:<9} {100 * old[name]:5.1f}% -> {100 * run['accuracy'][name]:5.1f}%   "
+        tag = "(noisy)" if name == source.names[cfg.pulled] else ""
+        lines.append(f"  {name:>{width}} {tag:<9} {100 * old[name]:5.1f}% -> {100 * run['accuracy'][name]:5.1f}%   "
                      f"{change:+5.1f} points{lost}")
     lines.append("")
     if not rows:
@@ -906,11 +1024,11 @@ def newcomer_summary(cfg: DemoConfig, old: dict[str, float], run: dict[str, Any]
         sizes = sorted(rows.values())
         n_text = f"{sizes[0]}" if sizes[0] == sizes[-1] else f"{sizes[0]}-{sizes[-1]}"
         worst = max(cert["bounds"], key=cert["bounds"].get)
-        requirement = f"every protected digit loses at most {100 * cfg.forget_tolerance:g} points of accuracy"
+        requirement = f"every protected {noun} loses at most {100 * cfg.forget_tolerance:g} points of accuracy"
         look = (f"look {cert.get('look', 1)} at these images, tested at {cert.get('level', cfg.delta):.3g} of the "
                 f"budget delta {cfg.delta:g}")
         lines += textwrap.wrap(f"Certificate (exact Clopper-Pearson bound, {look}, on {n_text} held-out "
-                               "images per protected digit; a model is certified when every digit passes, each "
+                               f"images per protected {noun}; a model is certified when every {noun} passes, each "
                                "tested at that level):", 100)
         if cert["certified"]:
             verdict = f"CERTIFIED: {requirement} (the requirement, stated before the run)."
@@ -918,16 +1036,23 @@ def newcomer_summary(cfg: DemoConfig, old: dict[str, float], run: dict[str, Any]
             failing = ", ".join(k.split("/", 1)[-1] for k in cert["failing"])
             verdict = f"NOT CERTIFIED: the requirement ({requirement}) is not shown for {failing}."
         lines += textwrap.wrap(verdict, 100, initial_indent="  ", subsequent_indent="  ")
-        claim = (f"With probability >= {1 - cfg.delta:g}: no protected digit loses more than "
+        claim = (f"With probability >= {1 - cfg.delta:g}: no protected {noun} loses more than "
                  f"{100 * cert['largest_bound']:.1f} points (the largest bound: {worst.split('/', 1)[-1]}, "
                  f"{round(cert['forgotten'][worst] * rows[worst])} of {rows[worst]} images forgotten).")
         level = cert.get("level", cfg.delta)
         floor = 100 * (1 - level ** (1 / sizes[0]))
         # the fewest images with none forgotten whose bound reaches 3 points: 1 - level ** (1 / n) <= 0.03
         n_three = math.ceil(math.log(level) / math.log(1 - 0.03))
-        why = (f"Why not tighter: with {sizes[0]} images and none forgotten the bound is still {floor:.1f} points; "
-               f"a 3-point claim needs at least {n_three} images per digit with none forgotten, and the digits have "
-               "about 180 per digit in all (docs/demo.md).")
+        if source.supply is not None:  # a fixed data set: what it cannot support, and why
+            why = (f"Why not tighter: with {sizes[0]} images and none forgotten the bound is still {floor:.1f} "
+                   f"points; a 3-point claim needs at least {n_three} images per {noun} with none forgotten, and "
+                   f"{source.supply}.")
+        else:  # generated images: the split was sized from the claim
+            most = most_forgotten_that_certify(sizes[0], cfg.forget_tolerance, level)
+            why = (f"Why {sizes[0]} images per {noun}: a {100 * cfg.forget_tolerance:g}-point claim needs at least "
+                   f"{rows_for_claim(cfg.forget_tolerance, level)} with none forgotten; {sizes[0]} certify it with "
+                   f"up to {most} forgotten ({100 * most / sizes[0]:.1f}%), and the generator draws as many as the "
+                   f"claim needs ({source.supply_flag}; docs/generated_images.md).")
         lines += textwrap.wrap(claim, 100, initial_indent="  ", subsequent_indent="  ")
         lines += textwrap.wrap(why, 100, initial_indent="  ", subsequent_indent="  ")
     files = run.get("files") or {}
@@ -938,6 +1063,21 @@ def newcomer_summary(cfg: DemoConfig, old: dict[str, float], run: dict[str, Any]
         for key, name in files.items():
             lines.append(f"  {labels[key]:<14} {os.path.join(folder, name)}")
     return "\n".join(lines)
+
+
+def rows_for_claim(tolerance: float, level: float) -> int:
+    """The fewest certification images per class whose Clopper-Pearson bound at ``level``, with none forgotten
+    (``1 - level ** (1 / n)``), is within ``tolerance``."""
+    return math.ceil(math.log(level) / math.log(1 - tolerance))
+
+
+def most_forgotten_that_certify(n: int, tolerance: float, level: float) -> int:
+    """The most forgotten images among ``n`` whose Clopper-Pearson bound at ``level`` is within ``tolerance``
+    (-1: not even none); the rule of ``benchmarks/certification_size.py``."""
+    x = -1
+    while x + 1 <= n and clopper_pearson_upper_bound(x + 1, n, level) <= tolerance:
+        x += 1
+    return x
 
 
 # ---------------------------------------------------------------------------------- entry points
@@ -965,7 +1105,7 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     the earlier hyphenated spellings (``--beta``, ``--msvr-gamma``) are accepted too."""
     for f in fields(DemoConfig):
         value = getattr(DemoConfig(), f.name)
-        choices = list(FORGETTING) if f.name == "forgetting" else (list(SELECT_ON) if f.name == "select_on" else None)
+        choices = {"forgetting": list(FORGETTING), "select_on": list(SELECT_ON), "data": list(DATA_NAMES)}.get(f.name)
         flags = [f"--{FLAG_NAMES.get(f.name, f.name)}"]
         legacy = f"--{f.name.replace('_', '-')}"
         if legacy not in flags:
@@ -1006,8 +1146,10 @@ WIDER_FLAGS = "--penalties hinge,squared_hinge,none --seeds 100,101,102,103,104 
 def parsed_config(ns: argparse.Namespace) -> dict[str, Any]:
     """The complete parsed settings a results file records as ``config``: every :class:`DemoConfig`
     field, the seeds, the penalties and the output path (not the stage-1 cache folder, which changes
-    where the old models are kept, not what they are)."""
-    return {**{f.name: getattr(ns, f.name) for f in fields(DemoConfig)}, "seeds": _seeds(ns),
+    where the old models are kept, not what they are). On the digits the generated images' settings
+    (:data:`SHAPE_FIELDS`), which change nothing there, are left out: the digits' results read as before."""
+    skip = SHAPE_FIELDS if ns.data == "digits" else ()
+    return {**{f.name: getattr(ns, f.name) for f in fields(DemoConfig) if f.name not in skip}, "seeds": _seeds(ns),
             "penalties": [p.strip() for p in ns.penalties.split(",") if p.strip()], "output": ns.output,
             "workers": ns.workers}
 
@@ -1037,12 +1179,13 @@ def run_seed(base: dict[str, Any], seed: int, penalties: list[str], cache_dir: s
 
 
 def run_demo(ns: argparse.Namespace, echo: Optional[Callable[[str], None]] = None,
-             command: Optional[str] = None) -> dict[str, Any]:
+             command: Optional[str] = None, wider: Optional[str] = None) -> dict[str, Any]:
     """Run both stages for every seed with the options in ``ns``; ``echo`` (default: the
     module logger) receives the progress lines, the per-seed tables and the summary.
 
     Writes the results JSON (atomically: never half a file) with ``command`` (the command line that produced it;
-    default: this process's own) and ``config`` (:func:`parsed_config`), and returns it.
+    default: this process's own) and ``config`` (:func:`parsed_config`), and returns it. ``wider``: the
+    command of the wider evaluation printed after a single-seed run (default: the digits demo's).
     """
     from transformers.utils import logging as hf_logging
 
@@ -1060,7 +1203,8 @@ def run_demo(ns: argparse.Namespace, echo: Optional[Callable[[str], None]] = Non
     t0 = time.time()
     out = ns.output or os.path.join(ns.cache_dir, "demo_results.json")
     cfg0 = DemoConfig(**base)
-    echo(f"hf_constrained demo: CLIP non-forgetting fine-tuning on digits (target: {DIGIT_NAMES[cfg0.target]}, "
+    source = demo_data(cfg0)
+    echo(f"hf_constrained demo: CLIP non-forgetting fine-tuning on {cfg0.data} (target: {source.names[cfg0.target]}, "
          f"seeds {seeds})")
     check_indicator(cfg0, certify=cfg0.certify_fraction > 0)  # before any model is trained
     if command is None:
@@ -1103,7 +1247,7 @@ def run_demo(ns: argparse.Namespace, echo: Optional[Callable[[str], None]] = Non
     results["summary"] = per_method
     results["goals"] = [{"goal": g, "met": met, "evidence": ev} for g, met, ev in goals(per_method)]
     if len(seeds) > 1:
-        echo(f"over {len(seeds)} seed(s), target {DIGIT_NAMES[cfg0.target]}:")
+        echo(f"over {len(seeds)} seed(s), target {source.names[cfg0.target]}:")
         echo(seeds_table(per_method))
         echo("")
         for g in results["goals"]:
@@ -1120,7 +1264,7 @@ def run_demo(ns: argparse.Namespace, echo: Optional[Callable[[str], None]] = Non
     atomic_write_json(out, results)
     echo(f"results: {out}")
     if len(seeds) == 1 and penalties == ["hinge"]:
-        echo(f"the wider evaluation: {MODULE_COMMAND} {WIDER_FLAGS}")
+        echo(f"the wider evaluation: {wider or f'{MODULE_COMMAND} {WIDER_FLAGS}'}")
     return results
 
 

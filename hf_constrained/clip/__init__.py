@@ -6,7 +6,9 @@
   :mod:`hf_constrained.non_forgetting` (one per protected class, h_k = L_k(w) - L_k(w_old));
 * :mod:`.data`: image-text / image-label rows, the collator, and the BDD100K, CSV and digits loaders;
 * :mod:`.heads`: optional per-class low-rank text heads;
-* :mod:`.tiny`: a small CLIP and word tokenizer built from configs (demo and tests, offline).
+* :mod:`.tiny`: a small CLIP and word tokenizer built from configs (demo and tests, offline);
+* :mod:`.shapes`: generated shape images, as many independent ones per class as a claim needs (the
+  generated-shapes example, docs/generated_images.md).
 """
 
 from .contrastive import ContrastiveConstrainedTrainer, HalfPositiveSampler, contrastive_terms, gather_with_grad
