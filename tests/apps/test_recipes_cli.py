@@ -144,8 +144,8 @@ def test_llm_example_config_file_and_command_line(tmp_path):
 
     config = tmp_path / "example.yaml"
     config.write_text(yaml.safe_dump({"penalty_beta": 7.5, "max_steps": 30, "seeds": [3, 4],
-                                      "constraint_penalty": "squared_hinge", "constraints_per_step": 2}))
-    with pytest.raises(Exception, match=r"unknown keys \['constraints_per_step'\]"):  # not a flag of this example
+                                      "constraint_penalty": "squared_hinge", "constraint_confidence": 0.9}))
+    with pytest.raises(Exception, match=r"unknown keys \['constraint_confidence'\]"):  # not a flag of this example
         llm_tiny_example.parse(["--config", str(config)])
     config.write_text(yaml.safe_dump({"penalty_beta": 7.5, "max_steps": 30, "seeds": [3, 4],
                                       "constraint_penalty": "squared_hinge"}))
