@@ -339,7 +339,8 @@ def _data_sources() -> dict[str, DemoData]:
 
     return {
         "digits": DemoData(tuple(DIGIT_NAMES), TEMPLATE, "digit", 8, 2, digits_split, "scikit-learn digits (8x8)",
-                           supply="the digits have about 180 per digit in all (docs/demo.md)"),
+                           supply="the digits have about 180 per digit in all (docs/demo.md); "
+                                  "hf-constrained shapes-example certifies 3 points on generated images"),
         "shapes": DemoData(SHAPES, "a photo of a {}", "shape", SHAPE_SIZE, 4, shapes_split,
                            "generated shapes (16x16, hf_constrained.clip.shapes)", supply_flag="--held_out_images"),
     }
