@@ -479,7 +479,7 @@ class ExampleArguments:
     seeds: list[int] = field(default_factory=lambda: [0], metadata={
         "help": "fine-tuning seeds (default: seed 0, a few minutes; seeds 0-4 chose the defaults (with "
                 "benchmarks/forgetting_frontier.py), --seeds 100 101 102 103 104 is the evaluation docs/llm.md "
-                "reports, about 20-30 minutes)"})
+                "reports, about 5-10 minutes on 2 cores)"})
     old_steps: int = field(default=1000, metadata={"help": "training steps of the old model"})
     old_rows: int = field(default=4000, metadata={"help": "training rows per old task"})
     old_lr: float = field(default=3e-3, metadata={"help": "learning rate of the old model"})
