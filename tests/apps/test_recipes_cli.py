@@ -153,6 +153,9 @@ def test_llm_example_config_file_and_command_line(tmp_path):
     assert (cfg.penalty_beta, cfg.max_steps, cfg.seeds, cfg.constraint_penalty) == (7.5, 12, [3, 4], "squared_hinge")
     with pytest.raises(ValueError, match="--penalty_beta must be a positive number"):
         llm_tiny_example.parse(["--penalty_beta", "0"])
+    assert llm_tiny_example.parse(["--constraints_per_step", "2"]).constraints_per_step == 2
+    with pytest.raises(ValueError, match=r"--constraints_per_step must be in \[1, 3\], got 4"):
+        llm_tiny_example.parse(["--constraints_per_step", "4"])  # three old tasks
 
 
 def test_safe_release_through_the_cli_with_a_config_file(tmp_path, capsys):
