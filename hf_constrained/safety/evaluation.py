@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 from .certify import DEFAULT_DELTA, Certificate, certify, point_value
@@ -139,7 +139,8 @@ def not_certifiable(view: RunView) -> list[str]:
 
 
 def certify_run(view: RunView, host: SafetyHost, models: Iterable[Any] = (None,), *, delta: float = DEFAULT_DELTA,
-                procedure: str = "fixed_sequence") -> Optional[Certificate]:
+                procedure: str = "fixed_sequence",
+                fingerprints: Optional[Sequence[Optional[str]]] = None) -> Optional[Certificate]:
     """Certify candidate models (in the order given, fixed before the certification data is
     read; ``None`` is the trainer's model; an iterable is consumed one model at a time) on
     each constraint's ``certify.dataset`` with :func:`~hf_constrained.safety.certify.certify`;
@@ -148,6 +149,10 @@ def certify_run(view: RunView, host: SafetyHost, models: Iterable[Any] = (None,)
 
     A certifiable constraint must declare the range of its per-row values
     (``Constraint.certify``'s ``value_range`` or its ``statistic``): an error names it otherwise.
+
+    ``fingerprints``: each model's :func:`weights_fingerprint` where the caller has computed it already (entry
+    ``i`` is read when model ``i`` is certified, so a list that the models' iterator fills as it yields serves),
+    so that the ledger's candidate identity (:func:`candidate_identity`) does not hash the weights a second time.
     """
     certifiable = view.certifiable()
     if not certifiable:
@@ -159,9 +164,10 @@ def certify_run(view: RunView, host: SafetyHost, models: Iterable[Any] = (None,)
                          "value_range=(0, 1)) for a rate, "
                          "(-1, 1) for a paired 0/1 change)")
     candidates, identities = [], []
-    for m in models:
+    for i, m in enumerate(models):
         candidates.append(host.constraint_row_values(model=m, split="certify"))
-        identities.append(candidate_identity(host.model if m is None else m))
+        identities.append(candidate_identity(host.model if m is None else m,
+                                             None if fingerprints is None else fingerprints[i]))
     return certify(candidates, {c.name: c.certification_tolerance() for c in certifiable},
                    {c.name: c.certification_range() for c in certifiable}, delta,
                    bound={c.name: c.certification_bound() for c in certifiable}, procedure=procedure,
@@ -169,17 +175,18 @@ def certify_run(view: RunView, host: SafetyHost, models: Iterable[Any] = (None,)
                    ledger=CertificationLedger.for_run(view.output_dir), candidate_ids=identities)
 
 
-def candidate_identity(model: Any) -> Optional[str]:
-    """What a certified model is, for the ledger of looks: its weights' fingerprint, so that two different models
-    are two looks even when their per-row values on the certification split coincide, and the same weights
-    certified again are the same look. ``None`` (known by its values alone, as before) for sharded weights,
-    whose fingerprint differs between processes, and for a model whose state cannot be read."""
+def candidate_identity(model: Any, fingerprint: Optional[str] = None) -> Optional[str]:
+    """What a certified model is, for the ledger of looks: its weights' fingerprint (``fingerprint`` when the
+    caller has it, else computed), so that two different models are two looks even when their per-row values on
+    the certification split coincide, and the same weights certified again are the same look. ``None`` (known by
+    its values alone, as before) for sharded weights, whose fingerprint differs between processes, and for a
+    model whose state cannot be read."""
     state = getattr(model, "state_dict", None)
     if not callable(state):
         return None
     if any(hasattr(t, "to_local") for t in state().values()):  # FSDP2 shards: one fingerprint per process
         return None
-    return weights_fingerprint(model)
+    return fingerprint if fingerprint is not None else weights_fingerprint(model)
 
 
 def certified_statistics(view: RunView, host: SafetyHost, old_model: Optional[Any] = None
@@ -282,8 +289,9 @@ def evaluate_report(
     if checkpoint is None and weights_origin is not None:
         # after training, load_best_model_at_end put the best checkpoint's weights in the model
         step, checkpoint = weights_origin
+    fingerprint = weights_fingerprint(host.model)  # hashed once: the ledger's candidate identity and the report's
     if certificate is None:
-        certificate, certificate_candidate = certify_run(view, host, delta=delta), 0
+        certificate, certificate_candidate = certify_run(view, host, delta=delta, fingerprints=[fingerprint]), 0
     return SafetyReport(
         certificate=None if certificate is None else certificate.to_dict(),
         certificate_candidate=certificate_candidate,
@@ -301,7 +309,7 @@ def evaluate_report(
         selection=None if selection is None else selection.to_dict(),
         method=view.method_settings(),
         model_name=model_name or os.path.basename(os.path.normpath(view.output_dir)),
-        weights_fingerprint=weights_fingerprint(host.model),
+        weights_fingerprint=fingerprint,
         safety_rule=safety_rule,
         extra_columns=list(extras),
     )  # finish_run shows it, once
@@ -373,7 +381,8 @@ def checkpoint_report(view: RunView, host: SafetyHost, checkpoint: str, model: A
                 objective.update(objective_metrics_from(entry))
     else:
         step = checkpoint_step(checkpoint)
-    certificate = certify_run(view, host, [model], delta=delta)
+    fingerprint = weights_fingerprint(model)  # hashed once: the ledger's candidate identity and the report's
+    certificate = certify_run(view, host, [model], delta=delta, fingerprints=[fingerprint])
     old = old_model_constraint_values(view, host, old_model, old_model_values)
     return SafetyReport(
         certificate=None if certificate is None else certificate.to_dict(),
@@ -388,7 +397,7 @@ def checkpoint_report(view: RunView, host: SafetyHost, checkpoint: str, model: A
         checkpoint=relative_checkpoint(view.output_dir, checkpoint),
         method=view.method_settings(),
         model_name=os.path.basename(os.path.normpath(checkpoint)),
-        weights_fingerprint=weights_fingerprint(model),
+        weights_fingerprint=fingerprint,
         safety_rule=check_safety_rule(safety_rule),
     )
 

@@ -201,7 +201,8 @@ def certify_checkpoints(loop: SafetyLoop, delta: float) -> tuple[Optional[Certif
             fingerprints.append(current)
             yield None  # the model in the trainer
 
-    certificate = loop.certify(models(), delta=delta, procedure="fixed_sequence")
+    # the generator fills ``fingerprints`` before it yields each model: the ledger's identities are not hashed again
+    certificate = loop.certify(models(), delta=delta, procedure="fixed_sequence", fingerprints=fingerprints)
     if certificate is None:
         return None, 0, None
     steps = [checkpoint_step(f) for f in folders] + ([state.global_step] if len(fingerprints) > len(folders)

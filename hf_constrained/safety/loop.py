@@ -41,7 +41,7 @@ import contextlib
 import copy
 import logging
 import os
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -348,12 +348,13 @@ class SafetyLoop:
         return self.report
 
     def certify(self, models: Iterable[Any] = (None,), *, delta: Optional[float] = None,
-                procedure: str = "fixed_sequence") -> Optional[Certificate]:
+                procedure: str = "fixed_sequence",
+                fingerprints: Optional[Sequence[Optional[str]]] = None) -> Optional[Certificate]:
         """Certify candidate models (``None``: the model in the trainer) on the certification splits, one look
-        in the run's ledger (:func:`~hf_constrained.safety.evaluation.certify_run`); ``delta`` defaults to
-        :attr:`delta`."""
+        in the run's ledger (:func:`~hf_constrained.safety.evaluation.certify_run`, with its ``fingerprints``:
+        the models' weights fingerprints where the caller has them); ``delta`` defaults to :attr:`delta`."""
         return certify_run(self.view, self.host, models, delta=self.delta if delta is None else delta,
-                           procedure=procedure)
+                           procedure=procedure, fingerprints=fingerprints)
 
     def checkpoint_report(self, checkpoint: str, *, save: bool = True, **kwargs: Any) -> SafetyReport:
         """The report of a saved checkpoint, leaving the trainer's model untouched: its weights are
