@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from transformers import TrainerCallback
 
-from .selection import EvaluationRecord, FeasibleSelection, is_better
+from .selection import EvaluationRecord, FeasibleSelection, is_better, summarize_records
 
 if TYPE_CHECKING:
     from ..trainer import ConstrainedTrainer
@@ -103,12 +103,7 @@ class InMemoryFeasibleSelection(TrainerCallback):
     def summary(self) -> FeasibleSelection:
         """What the selection found, in the form of the Trainer-driven selection's
         (:class:`~hf_constrained.safety.selection.FeasibleSelection`, with its :meth:`message`)."""
-        best = self.best
-        return FeasibleSelection(
-            metric=self.metric, greater_is_better=self.greater_is_better, num_evaluations=len(self.records),
-            num_feasible=sum(r.feasible for r in self.records), best_step=None if best is None else best.step,
-            best_metric=None if best is None else best.metric, best_feasible=best is not None and best.feasible,
-            best_max_violation=None if best is None else best.max_violation)
+        return summarize_records(self.records, self.metric, self.greater_is_better)
 
 
 def largest_constraint_violation(trainer: "ConstrainedTrainer", requirement: Optional[float] = None,

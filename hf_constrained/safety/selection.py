@@ -155,10 +155,19 @@ class FeasibleSelection:
 def summarize_selection(log_history: Iterable[Mapping[str, Any]], metric_for_best_model: str,
                         greater_is_better: bool, best_checkpoint: Optional[str] = None) -> FeasibleSelection:
     """Feasible-checkpoint selection over a whole ``log_history``."""
-    records = evaluation_records(log_history, metric_for_best_model)
+    return summarize_records(evaluation_records(log_history, metric_for_best_model), metric_key(metric_for_best_model),
+                             greater_is_better, best_checkpoint)
+
+
+def summarize_records(records: Iterable[EvaluationRecord], metric: str, greater_is_better: bool,
+                      best_checkpoint: Optional[str] = None) -> FeasibleSelection:
+    """Feasible-checkpoint selection over evaluation records (of a ``log_history``, or kept in memory by
+    :class:`~hf_constrained.safety.in_memory_selection.InMemoryFeasibleSelection`); ``metric``: the objective's
+    name."""
+    records = list(records)
     best = select_best(records, greater_is_better)
     return FeasibleSelection(
-        metric=metric_key(metric_for_best_model),
+        metric=metric,
         greater_is_better=greater_is_better,
         num_evaluations=len(records),
         num_feasible=sum(r.feasible for r in records),
@@ -179,5 +188,6 @@ __all__ = [
     "is_better",
     "metric_key",
     "select_best",
+    "summarize_records",
     "summarize_selection",
 ]
