@@ -187,10 +187,6 @@ def step_decay(total_steps: int, at: Sequence[float], factor: float) -> Callable
     return lambda step: factor ** bisect.bisect_right(milestones, step)
 
 
-def _write_json(path: str, payload: dict[str, Any]) -> None:
-    atomic_write_json(path, payload, indent=1)  # never a half-written results file
-
-
 def run_roc_fairness(args: ROCFairnessArguments, training_args: ConstrainedTrainingArguments,
                      splits: Optional[dict[str, TabularSplit]] = None,
                      callbacks: Sequence[TrainerCallback] = (),
@@ -357,7 +353,7 @@ def run_roc_fairness(args: ROCFairnessArguments, training_args: ConstrainedTrain
     if training_args.should_save:
         path = args.results_file if os.path.isabs(args.results_file) else os.path.join(
             training_args.output_dir, args.results_file)
-        _write_json(path, results)
+        atomic_write_json(path, results, indent=1)  # never a half-written results file
         if args.method == "icppac" and args.save_model:
             model.save_pretrained(training_args.output_dir)
     # last, after every local file is written: a refusal uploads nothing, loses nothing and fails the command
