@@ -213,9 +213,6 @@ def check_certification_splits(constraints: Sequence[Any], others: Optional[Mapp
     return fingerprints
 
 
-__all__ = ["check_certifiable", "check_certification_splits", "row_hash", "row_hashes", "split_fingerprint"]
-
-
 SeedLike = Union[int, Sequence[int], np.random.Generator]
 
 
@@ -280,3 +277,7 @@ def carve_certification(rows: Any, fraction: float, seed: SeedLike, *, labels: O
     certify = np.sort(np.concatenate(chosen))
     left = np.setdiff1d(np.arange(n_rows), certify, assume_unique=True)
     return _take(rows, left), _take(rows, certify)
+
+
+__all__ = ["carve_certification", "check_certifiable", "check_certification_splits", "check_certify_fraction",
+           "row_hash", "row_hashes", "split_fingerprint"]
