@@ -27,10 +27,11 @@ regulariser's and the constraints' settings. The summary gives median and worst 
 frontier: per method, the settings no other setting of it beats on both median new-task accuracy and median worst
 drop.
 
-    python benchmarks/forgetting_frontier.py --seeds 0 1 2 --methods hinge hinge+kl --values hinge=0.03 \
+    python benchmarks/forgetting_frontier.py --seeds 0 1 2 --methods hinge hinge+kl --values hinge=0.03 \\
         hinge+kl=1 --penalty_beta 2 --json outputs/forgetting_frontier/tuning.json
-    python benchmarks/forgetting_frontier.py --seeds 100 101 102 103 104 --methods hinge+kl hinge replay kl none \
-        --values hinge+kl=1 hinge=0.03 replay=0.5 kl=1 --json benchmarks/results/forgetting_frontier_llm_100-104.json
+    python benchmarks/forgetting_frontier.py --seeds 100 101 102 103 104 --methods hinge replay kl \\
+        --values hinge=0.03 replay=0.5 kl=3 --example_result benchmarks/results/llm_example.json \\
+        --json benchmarks/results/forgetting_frontier_llm_100-104.json
 
 Flags this script does not know go to the example (``--max_steps 3``, ``--old_model DIR``, ...), so every
 method runs with the same example settings; ``--seeds``, ``--json`` and ``--workers`` are this script's.
@@ -380,7 +381,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     result = {"command": publishable_command("python benchmarks/forgetting_frontier.py", argv),
               "config": {"benchmark": publishable_values(vars(args)),
                          "example": publishable_values(dataclasses.asdict(cfg))},
-              "old_model_sha256": ex.model_fingerprint(old_model), "old_model": old,
+              "old_model_sha256": old_sha256, "old_model": old,
               "environment": ex.environment(cfg), "claim": args.claim, "delta": cfg.delta,
               "bound": "Clopper-Pearson on the share of each old task's certification rows forgotten",
               "settings": settings, "frontier": frontier(settings), "runs": rows,
