@@ -52,13 +52,14 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 from hf_constrained.atomic_files import atomic_write_json
 from hf_constrained.publishable import publishable_command, publishable_values
 from hf_constrained.recipes import llm_tiny_example as ex
 
 logger = logging.getLogger("forgetting_frontier")
+T = TypeVar("T")  # what a worker returns (run_jobs)
 
 
 @dataclass(frozen=True)
@@ -333,6 +334,29 @@ def finished(run: dict[str, Any], i: int, total: int, old: dict[str, dict], args
     return run
 
 
+def run_jobs(worker: Callable[[Any], T], jobs: list[Any], workers: int, finished: Callable[[T, int], Any],
+             first: Optional[tuple[Callable[[Any], Any], list[Any]]] = None) -> list[T]:
+    """``worker`` on every job, in ``workers`` spawned processes when more than one; ``finished(result, i)`` as each
+    ends (the i-th to end), results in the jobs' order. ``first``: (function, its jobs), mapped in the same pool
+    before (the demo's stage-1 old models, each trained once before the runs share it)."""
+    if workers <= 1:
+        if first is not None:
+            list(map(*first))
+        results = []
+        for i, j in enumerate(jobs):
+            results.append(worker(j))
+            finished(results[-1], i)
+        return results
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
+        if first is not None:
+            list(pool.map(*first))
+        futures = [pool.submit(worker, j) for j in jobs]
+        for i, done in enumerate(concurrent.futures.as_completed(futures)):
+            finished(done.result(), i)
+        return [f.result() for f in futures]
+
+
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     argv = sys.argv[1:] if argv is None else list(argv)
     args, rest = parser().parse_known_args(argv)
@@ -358,15 +382,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     logger.info("%d runs: %s", len(jobs), sorted({j[1] for j in jobs}))
     if args.json and os.path.exists(args.json + ".partial.jsonl"):
         os.remove(args.json + ".partial.jsonl")  # an interrupted earlier run's rows
-    if args.workers > 1:
-        context = multiprocessing.get_context("spawn")
-        with concurrent.futures.ProcessPoolExecutor(args.workers, mp_context=context) as pool:
-            futures = [pool.submit(one_run, j) for j in jobs]
-            for i, done in enumerate(concurrent.futures.as_completed(futures)):
-                finished(done.result(), i, len(jobs), old, args)
-            runs = [f.result() for f in futures]
-    else:
-        runs = [finished(one_run(j), i, len(jobs), old, args) for i, j in enumerate(jobs)]
+    runs = run_jobs(one_run, jobs, args.workers, lambda run, i: finished(run, i, len(jobs), old, args))
     old_sha256 = ex.model_fingerprint(old_model)
     if args.example_result:
         runs = example_runs(args.example_result, cfg, args.seeds, old_sha256, args.combo_tolerance) + runs
