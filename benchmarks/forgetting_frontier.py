@@ -321,7 +321,7 @@ def example_runs(path: str, cfg: ex.ExampleArguments, seeds: list[int], old_sha2
     return runs
 
 
-def finished(run: dict[str, Any], i: int, total: int, old: dict[str, dict], args: argparse.Namespace) -> dict[str, Any]:
+def finished(run: dict[str, Any], i: int, total: int, old: dict[str, dict], args: argparse.Namespace) -> None:
     """Log a finished run and append its row to ``<json>.partial.jsonl`` (what a long sweep has so far)."""
     row = run_row(run, old, args.claim)
     logger.info("%d/%d %s %s seed %d: new task %.3f, worst old-task change %+.1f pts, bound %s, %.3f s/step",
@@ -331,10 +331,9 @@ def finished(run: dict[str, Any], i: int, total: int, old: dict[str, dict], args
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json + ".partial.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
-    return run
 
 
-def run_jobs(worker: Callable[[Any], T], jobs: list[Any], workers: int, finished: Callable[[T, int], Any],
+def run_jobs(worker: Callable[[Any], T], jobs: list[Any], workers: int, finished: Callable[[T, int], None],
              first: Optional[tuple[Callable[[Any], Any], list[Any]]] = None) -> list[T]:
     """``worker`` on every job, in ``workers`` spawned processes when more than one; ``finished(result, i)`` as each
     ends (the i-th to end), results in the jobs' order. ``first``: (function, its jobs), mapped in the same pool

@@ -249,7 +249,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         if os.path.exists(partial):
             os.remove(partial)  # an interrupted earlier run's rows
 
-    def finished(row: dict[str, Any], i: int) -> dict[str, Any]:
+    def finished(row: dict[str, Any], i: int) -> None:
         logger.info("%d/%d %s %s seed %d: target %+.1f pts, worst protected %+.1f pts (%s), bound %.3f, %.3f s/step",
                     i + 1, len(jobs), row["method"], row["value"], row["seed"], 100 * row[TARGET],
                     100 * row["worst_old_change"], row["worst_old_class"], row["largest_bound"],
@@ -257,7 +257,6 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         if partial:
             with open(partial, "a") as f:
                 f.write(json.dumps(row) + "\n")
-        return row
 
     # each old model once, before the runs share it (in the worker processes: only where they run in parallel)
     first = (stage1, [(s, base, args.cache_dir) for s in args.seeds]) if args.workers > 1 else None
