@@ -27,10 +27,11 @@ regulariser's and the constraints' settings. The summary gives median and worst 
 frontier: per method, the settings no other setting of it beats on both median new-task accuracy and median worst
 drop.
 
-    python benchmarks/forgetting_frontier.py --seeds 0 1 2 --methods hinge hinge+kl --values hinge=0.03 \
+    python benchmarks/forgetting_frontier.py --seeds 0 1 2 --methods hinge hinge+kl --values hinge=0.03 \\
         hinge+kl=1 --penalty_beta 2 --json outputs/forgetting_frontier/tuning.json
-    python benchmarks/forgetting_frontier.py --seeds 100 101 102 103 104 --methods hinge+kl hinge replay kl none \
-        --values hinge+kl=1 hinge=0.03 replay=0.5 kl=1 --json benchmarks/results/forgetting_frontier_llm_100-104.json
+    python benchmarks/forgetting_frontier.py --seeds 100 101 102 103 104 --methods hinge replay kl \\
+        --values hinge=0.03 replay=0.5 kl=3 --example_result benchmarks/results/llm_example.json \\
+        --json benchmarks/results/forgetting_frontier_llm_100-104.json
 
 Flags this script does not know go to the example (``--max_steps 3``, ``--old_model DIR``, ...), so every
 method runs with the same example settings; ``--seeds``, ``--json`` and ``--workers`` are this script's.
@@ -51,13 +52,14 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 from hf_constrained.atomic_files import atomic_write_json
 from hf_constrained.publishable import publishable_command, publishable_values
 from hf_constrained.recipes import llm_tiny_example as ex
 
 logger = logging.getLogger("forgetting_frontier")
+T = TypeVar("T")  # what a worker returns (run_jobs)
 
 
 @dataclass(frozen=True)
@@ -319,7 +321,7 @@ def example_runs(path: str, cfg: ex.ExampleArguments, seeds: list[int], old_sha2
     return runs
 
 
-def finished(run: dict[str, Any], i: int, total: int, old: dict[str, dict], args: argparse.Namespace) -> dict[str, Any]:
+def finished(run: dict[str, Any], i: int, total: int, old: dict[str, dict], args: argparse.Namespace) -> None:
     """Log a finished run and append its row to ``<json>.partial.jsonl`` (what a long sweep has so far)."""
     row = run_row(run, old, args.claim)
     logger.info("%d/%d %s %s seed %d: new task %.3f, worst old-task change %+.1f pts, bound %s, %.3f s/step",
@@ -329,7 +331,29 @@ def finished(run: dict[str, Any], i: int, total: int, old: dict[str, dict], args
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json + ".partial.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
-    return run
+
+
+def run_jobs(worker: Callable[[Any], T], jobs: list[Any], workers: int, finished: Callable[[T, int], None],
+             first: Optional[tuple[Callable[[Any], Any], list[Any]]] = None) -> list[T]:
+    """``worker`` on every job, in ``workers`` spawned processes when more than one; ``finished(result, i)`` as each
+    ends (the i-th to end), results in the jobs' order. ``first``: (function, its jobs), mapped in the same pool
+    before (the demo's stage-1 old models, each trained once before the runs share it)."""
+    if workers <= 1:
+        if first is not None:
+            list(map(*first))
+        results = []
+        for i, j in enumerate(jobs):
+            results.append(worker(j))
+            finished(results[-1], i)
+        return results
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
+        if first is not None:
+            list(pool.map(*first))
+        futures = [pool.submit(worker, j) for j in jobs]
+        for i, done in enumerate(concurrent.futures.as_completed(futures)):
+            finished(done.result(), i)
+        return [f.result() for f in futures]
 
 
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
@@ -357,15 +381,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     logger.info("%d runs: %s", len(jobs), sorted({j[1] for j in jobs}))
     if args.json and os.path.exists(args.json + ".partial.jsonl"):
         os.remove(args.json + ".partial.jsonl")  # an interrupted earlier run's rows
-    if args.workers > 1:
-        context = multiprocessing.get_context("spawn")
-        with concurrent.futures.ProcessPoolExecutor(args.workers, mp_context=context) as pool:
-            futures = [pool.submit(one_run, j) for j in jobs]
-            for i, done in enumerate(concurrent.futures.as_completed(futures)):
-                finished(done.result(), i, len(jobs), old, args)
-            runs = [f.result() for f in futures]
-    else:
-        runs = [finished(one_run(j), i, len(jobs), old, args) for i, j in enumerate(jobs)]
+    runs = run_jobs(one_run, jobs, args.workers, lambda run, i: finished(run, i, len(jobs), old, args))
     old_sha256 = ex.model_fingerprint(old_model)
     if args.example_result:
         runs = example_runs(args.example_result, cfg, args.seeds, old_sha256, args.combo_tolerance) + runs
@@ -380,7 +396,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     result = {"command": publishable_command("python benchmarks/forgetting_frontier.py", argv),
               "config": {"benchmark": publishable_values(vars(args)),
                          "example": publishable_values(dataclasses.asdict(cfg))},
-              "old_model_sha256": ex.model_fingerprint(old_model), "old_model": old,
+              "old_model_sha256": old_sha256, "old_model": old,
               "environment": ex.environment(cfg), "claim": args.claim, "delta": cfg.delta,
               "bound": "Clopper-Pearson on the share of each old task's certification rows forgotten",
               "settings": settings, "frontier": frontier(settings), "runs": rows,

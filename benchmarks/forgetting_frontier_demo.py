@@ -38,13 +38,11 @@ with the same demo settings.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import contextlib
 import dataclasses
 import json
 import logging
 import math
-import multiprocessing
 import os
 import statistics
 import sys
@@ -251,7 +249,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         if os.path.exists(partial):
             os.remove(partial)  # an interrupted earlier run's rows
 
-    def finished(row: dict[str, Any], i: int) -> dict[str, Any]:
+    def finished(row: dict[str, Any], i: int) -> None:
         logger.info("%d/%d %s %s seed %d: target %+.1f pts, worst protected %+.1f pts (%s), bound %.3f, %.3f s/step",
                     i + 1, len(jobs), row["method"], row["value"], row["seed"], 100 * row[TARGET],
                     100 * row["worst_old_change"], row["worst_old_class"], row["largest_bound"],
@@ -259,18 +257,10 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         if partial:
             with open(partial, "a") as f:
                 f.write(json.dumps(row) + "\n")
-        return row
 
-    if args.workers > 1:
-        context = multiprocessing.get_context("spawn")
-        with concurrent.futures.ProcessPoolExecutor(args.workers, mp_context=context) as pool:
-            list(pool.map(stage1, [(s, base, args.cache_dir) for s in args.seeds]))  # each old model once
-            futures = [pool.submit(one_run, j) for j in jobs]
-            for i, done in enumerate(concurrent.futures.as_completed(futures)):
-                finished(done.result(), i)
-            rows = [f.result() for f in futures]
-    else:
-        rows = [finished(one_run(j), i) for i, j in enumerate(jobs)]
+    # each old model once, before the runs share it (in the worker processes: only where they run in parallel)
+    first = (stage1, [(s, base, args.cache_dir) for s in args.seeds]) if args.workers > 1 else None
+    rows = ff.run_jobs(one_run, jobs, args.workers, finished, first=first)
     settings = summarize(rows)
     chosen = choose(settings, args.within / 100)
     noun = demo.demo_data(demo.DemoConfig(**base)).noun  # "digit", or "shape" with --data shapes

@@ -1269,15 +1269,19 @@ def run_demo(ns: argparse.Namespace, echo: Optional[Callable[[str], None]] = Non
     return results
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    """``python -m hf_constrained.recipes.demo_clip_digits``: the same options as ``hf-constrained demo``."""
-    parser = argparse.ArgumentParser(prog="python -m hf_constrained.recipes.demo_clip_digits",
-                                     description=__doc__.split("\n")[0],
+def command_line(argv: Optional[list[str]], prog: str, description: str,
+                 add_arguments: Callable[[argparse.ArgumentParser], None],
+                 run: Callable[..., dict[str, Any]], module_command: str) -> int:
+    """The command line of the demo and of the examples on its pipeline: ``--config`` and the options of
+    ``add_arguments``, then ``run(ns, echo=..., command=...)`` printing to stdout; a ``ValueError`` is a usage
+    error naming the option."""
+    args = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog=prog, description=description,
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
     parser.add_argument("--config", default=None, help="YAML file of option values (names as the options, without "
                         "dashes); options on the command line override it")
-    add_demo_arguments(parser)
-    ns = parse_with_config(parser, sys.argv[1:] if argv is None else argv)
+    add_arguments(parser)
+    ns = parse_with_config(parser, args)
     logging.basicConfig(level=logging.WARNING)
 
     def echo(line: str) -> None:
@@ -1285,11 +1289,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         sys.stdout.flush()
 
     try:
-        run_demo(ns, echo=echo,
-                 command=shlex.join([*MODULE_COMMAND.split(), *(sys.argv[1:] if argv is None else argv)]))
+        run(ns, echo=echo, command=shlex.join([*module_command.split(), *args]))
     except ValueError as exc:
         parser.error(str(exc))
     return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """``python -m hf_constrained.recipes.demo_clip_digits``: the same options as ``hf-constrained demo``."""
+    return command_line(argv, MODULE_COMMAND, __doc__.split("\n")[0], add_demo_arguments, run_demo, MODULE_COMMAND)
 
 
 if __name__ == "__main__":

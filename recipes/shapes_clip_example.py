@@ -30,13 +30,10 @@ docs/generated_images.md.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
-import shlex
 import sys
 from typing import Any, Optional
 
-from hf_constrained.recipe_args import parse_with_config
 from hf_constrained.recipes import demo_clip_digits as demo
 
 FOLDER = "shapes_clip_example"
@@ -83,26 +80,9 @@ def run(ns: argparse.Namespace, echo: Any = None, command: Optional[str] = None)
 
 def main(argv: Optional[list[str]] = None) -> int:
     """``python -m hf_constrained.recipes.shapes_clip_example``, the same as ``hf-constrained shapes-example``."""
-    args = sys.argv[1:] if argv is None else argv
     # named as it was called: `hf-constrained shapes-example` (the CLI sets argv[0]) or `python -m ...`
     prog = sys.argv[0] if os.path.basename(sys.argv[0]).startswith("hf-constrained") else MODULE_COMMAND
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
-    parser.add_argument("--config", default=None, help="YAML file of option values (names as the options, without "
-                        "dashes); options on the command line override it")
-    add_arguments(parser)
-    ns = parse_with_config(parser, args)
-    logging.basicConfig(level=logging.WARNING)
-
-    def echo(line: str) -> None:
-        sys.stdout.write(line + "\n")
-        sys.stdout.flush()
-
-    try:
-        run(ns, echo=echo, command=shlex.join([*MODULE_COMMAND.split(), *args]))
-    except ValueError as exc:
-        parser.error(str(exc))
-    return 0
+    return demo.command_line(argv, prog, __doc__.split("\n")[0], add_arguments, run, MODULE_COMMAND)
 
 
 if __name__ == "__main__":

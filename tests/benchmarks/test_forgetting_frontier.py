@@ -109,3 +109,10 @@ def test_runs_taken_from_the_example_are_its_runs_and_must_match_its_settings(tm
         ff.main(["--seeds", "0", "--workers", "1", "--methods", "replay", "--values", "replay=0.5",
                  "--example_result", example_json, "--old_model", old, "--json", str(tmp_path / "g.json"),
                  *TINY, "--max_steps", "3"])
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_run_jobs_returns_the_results_in_the_jobs_order_and_reports_each_once(workers):
+    ended = []
+    assert ff.run_jobs(abs, [-3, 1, -2], workers, lambda r, i: ended.append((i, r)), first=(abs, [-1])) == [3, 1, 2]
+    assert sorted(i for i, _ in ended) == [0, 1, 2] and sorted(r for _, r in ended) == [1, 2, 3]
