@@ -24,16 +24,7 @@ from scipy.stats import binom
 
 from hf_constrained.atomic_files import atomic_write_json
 from hf_constrained.publishable import publishable_command
-from hf_constrained.safety.bounds import clopper_pearson_upper_bound
-
-
-def most_forgotten_that_certify(n: int, eps: float, delta: float) -> int:
-    """The largest count ``x`` of forgotten rows among ``n`` whose Clopper-Pearson bound is at most ``eps``
-    (-1: none, not even 0)."""
-    x = -1
-    while x + 1 <= n and clopper_pearson_upper_bound(x + 1, n, delta) <= eps:
-        x += 1
-    return x
+from hf_constrained.safety.bounds import clopper_pearson_upper_bound, most_forgotten_that_certify
 
 
 def sizing(eps: float, delta: float, tasks: int, grid: list[int], rates: list[float]) -> list[dict[str, Any]]:

@@ -144,7 +144,7 @@ from hf_constrained.progress import StepProgressBar
 from hf_constrained.publishable import publishable_values
 from hf_constrained.recipe_args import parse_with_config
 from hf_constrained.redact import redact_command
-from hf_constrained.safety.bounds import clopper_pearson_upper_bound
+from hf_constrained.safety.bounds import most_forgotten_that_certify
 from hf_constrained.safety.evaluation import certify_models
 from hf_constrained.safety.finish import finish_run
 from hf_constrained.safety.in_memory_selection import InMemoryFeasibleSelection, largest_constraint_violation
@@ -1042,8 +1042,7 @@ def newcomer_summary(cfg: DemoConfig, old: dict[str, float], run: dict[str, Any]
                  f"{round(cert['forgotten'][worst] * rows[worst])} of {rows[worst]} images forgotten).")
         level = cert.get("level", cfg.delta)
         floor = 100 * (1 - level ** (1 / sizes[0]))
-        # the fewest images with none forgotten whose bound reaches 3 points: 1 - level ** (1 / n) <= 0.03
-        n_three = math.ceil(math.log(level) / math.log(1 - 0.03))
+        n_three = rows_for_claim(0.03, level)  # the fewest images with none forgotten whose bound reaches 3 points
         if source.supply is not None:  # a fixed data set: what it cannot support, and why
             why = (f"Why not tighter: with {sizes[0]} images and none forgotten the bound is still {floor:.1f} "
                    f"points; a 3-point claim needs at least {n_three} images per {noun} with none forgotten, and "
@@ -1070,15 +1069,6 @@ def rows_for_claim(tolerance: float, level: float) -> int:
     """The fewest certification images per class whose Clopper-Pearson bound at ``level``, with none forgotten
     (``1 - level ** (1 / n)``), is within ``tolerance``."""
     return math.ceil(math.log(level) / math.log(1 - tolerance))
-
-
-def most_forgotten_that_certify(n: int, tolerance: float, level: float) -> int:
-    """The most forgotten images among ``n`` whose Clopper-Pearson bound at ``level`` is within ``tolerance``
-    (-1: not even none); the rule of ``benchmarks/certification_size.py``."""
-    x = -1
-    while x + 1 <= n and clopper_pearson_upper_bound(x + 1, n, level) <= tolerance:
-        x += 1
-    return x
 
 
 # ---------------------------------------------------------------------------------- entry points

@@ -302,6 +302,16 @@ def clopper_pearson_upper_bound(successes: int, n: int, delta: float = 0.05) -> 
     return float(clopper_pearson_upper_bounds([successes], n, delta)[0])
 
 
+def most_forgotten_that_certify(n: int, tolerance: float, delta: float) -> int:
+    """The largest count ``x`` of 0/1 events (e.g. rows forgotten) among ``n`` whose Clopper-Pearson upper
+    bound at ``delta`` is at most ``tolerance`` (-1: not even none): how many events a claim "at most
+    ``tolerance``" survives on ``n`` certification rows."""
+    x = -1
+    while x + 1 <= n and clopper_pearson_upper_bound(x + 1, n, delta) <= tolerance:
+        x += 1
+    return x
+
+
 def smallest_certifiable(bound: str, value_range: tuple[float, float], n: int, delta: float) -> Optional[float]:
     """The smallest bound ``bound`` can give on ``n`` rows at ``delta`` when every row sits at the
     best value the statistic can take for the claim (nothing forgotten: every row 0 for a rate or
@@ -382,6 +392,7 @@ __all__ = [
     "check_delta",
     "clopper_pearson_lower_bounds",
     "clopper_pearson_upper_bound",
+    "most_forgotten_that_certify",
     "clopper_pearson_upper_bounds",
     "clt_upper_bound",
     "difference_upper_bound",
