@@ -60,6 +60,7 @@ from .strategies import (
     Margin,
     OneSplit,
     as_margin,
+    margin_flag,
     margin_rules,
     split_for_indicator,  # noqa: F401  (its earlier home)
 )
@@ -244,7 +245,7 @@ class ConstraintEngine:
         """The settings this engine runs with (:class:`EngineSettings`), read from its parts."""
         c = self._configured
         flags = {flag: None for flag in MARGIN_FLAGS}
-        flag = next((f for f, rule in MARGIN_FLAGS.items() if type(self.margin_rule) is rule), None)
+        flag = margin_flag(self.margin_rule)
         if flag is not None:  # the flag that spells the run's rule, with the rule's parameter
             flags[flag] = getattr(self.margin_rule, dataclasses.fields(self.margin_rule)[0].name)
         in_force: dict[str, int] = {}
