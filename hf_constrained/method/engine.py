@@ -144,7 +144,6 @@ class RowPart:
                  batch_size: int, device: torch.device, world: int, rank: int,
                  reduce_sum: Optional[Callable[[torch.Tensor], torch.Tensor]]) -> None:
         self.views = list(views)
-        self.world = world
         self.streams: list[Optional[ConstraintBatchStream]] = [
             None if c.data_free else ConstraintBatchStream(len(c.dataset), seed, first_stream + k)
             for k, c in enumerate(self.views)]
@@ -153,7 +152,7 @@ class RowPart:
 
     def rows(self, ids: torch.Tensor) -> list[Optional[list[int]]]:
         """The global rows of each sampled constraint's batch (line 5); constraints sharing a stream share them."""
-        global_b = self.values.batch_size * self.world
+        global_b = self.values.batch_size * self.values.world
         drawn: dict[int, list[int]] = {}
         rows: list[Optional[list[int]]] = []
         for k in ids.tolist():
