@@ -37,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -247,10 +247,7 @@ class ConstraintEngine:
         flag = margin_flag(self.margin_rule)
         if flag is not None:  # the flag that spells the run's rule, with the rule's parameter
             flags[flag] = getattr(self.margin_rule, dataclasses.fields(self.margin_rule)[0].name)
-        in_force: dict[str, int] = {}
-        for rule in self.margins:
-            key = "none" if rule is None else rule.describe()
-            in_force[key] = in_force.get(key, 0) + 1
+        in_force = dict(Counter("none" if rule is None else rule.describe() for rule in self.margins))
         return EngineSettings(
             constraint_penalty=self.penalty.name, penalty_beta=self.penalty.beta, num_constraints=len(self.constraints),
             constraints_per_step=self.sampler.num_per_step, constraint_batch_size=self.batch_size,
