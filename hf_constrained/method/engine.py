@@ -37,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -60,6 +60,7 @@ from .strategies import (
     Margin,
     OneSplit,
     as_margin,
+    margin_flag,
     margin_rules,
     split_for_indicator,  # noqa: F401  (its earlier home)
 )
@@ -143,7 +144,6 @@ class RowPart:
                  batch_size: int, device: torch.device, world: int, rank: int,
                  reduce_sum: Optional[Callable[[torch.Tensor], torch.Tensor]]) -> None:
         self.views = list(views)
-        self.world = world
         self.streams: list[Optional[ConstraintBatchStream]] = [
             None if c.data_free else ConstraintBatchStream(len(c.dataset), seed, first_stream + k)
             for k, c in enumerate(self.views)]
@@ -152,7 +152,7 @@ class RowPart:
 
     def rows(self, ids: torch.Tensor) -> list[Optional[list[int]]]:
         """The global rows of each sampled constraint's batch (line 5); constraints sharing a stream share them."""
-        global_b = self.values.batch_size * self.world
+        global_b = self.values.batch_size * self.values.world
         drawn: dict[int, list[int]] = {}
         rows: list[Optional[list[int]]] = []
         for k in ids.tolist():
@@ -244,13 +244,10 @@ class ConstraintEngine:
         """The settings this engine runs with (:class:`EngineSettings`), read from its parts."""
         c = self._configured
         flags = {flag: None for flag in MARGIN_FLAGS}
-        flag = next((f for f, rule in MARGIN_FLAGS.items() if type(self.margin_rule) is rule), None)
+        flag = margin_flag(self.margin_rule)
         if flag is not None:  # the flag that spells the run's rule, with the rule's parameter
             flags[flag] = getattr(self.margin_rule, dataclasses.fields(self.margin_rule)[0].name)
-        in_force: dict[str, int] = {}
-        for rule in self.margins:
-            key = "none" if rule is None else rule.describe()
-            in_force[key] = in_force.get(key, 0) + 1
+        in_force = dict(Counter("none" if rule is None else rule.describe() for rule in self.margins))
         return EngineSettings(
             constraint_penalty=self.penalty.name, penalty_beta=self.penalty.beta, num_constraints=len(self.constraints),
             constraints_per_step=self.sampler.num_per_step, constraint_batch_size=self.batch_size,

@@ -17,7 +17,9 @@ It changes no value, so it is used only where that holds:
 * the model has no active dropout or other training-mode noise (:func:`trains_as_it_evaluates`):
   constraint values are measured in eval mode
   (:func:`~hf_constrained.method.draw_values.measured_as_certified`), the objective in training mode,
-  and the two agree only without dropout;
+  and the two agree only without dropout; nor a router whose auxiliary loss the model adds to its loss;
+* the model holds a Hugging Face causal-LM module (:func:`causal_lm_head`, through DDP or PEFT wrappers)
+  whose own ``loss_function`` :class:`MergedForward` applies to the objective's logits;
 * the objective batch holds only ``input_ids``, ``attention_mask`` and ``labels``, as 2-D tensors.
 
 Otherwise (and for the look-ahead, which runs at other parameters) the rows get their own forward. The

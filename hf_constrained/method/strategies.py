@@ -203,6 +203,11 @@ MARGIN_FLAGS: dict[str, type[Margin]] = {"constraint_margin": FixedMargin, "cons
 """The run's margin flags of :class:`~hf_constrained.ConstrainedTrainingArguments` and the rule each one means."""
 
 
+def margin_flag(rule: Optional[Margin]) -> Optional[str]:
+    """The run flag of :data:`MARGIN_FLAGS` that spells ``rule``'s class (``None``: no rule, or no flag spells it)."""
+    return next((flag for flag, cls in MARGIN_FLAGS.items() if type(rule) is cls), None)
+
+
 def as_margin(value: Any) -> Optional[Margin]:
     """``Constraint.margin`` as a rule: a :class:`Margin` as it is, a plain number as a :class:`FixedMargin`."""
     if value is None or isinstance(value, Margin):
@@ -253,7 +258,7 @@ def margin_rules(constraints: Sequence["Constraint"], run: Optional[Margin]) -> 
             if run is not None:
                 skipped.append(c.name)
     if skipped:
-        flag = next((f for f, cls in MARGIN_FLAGS.items() if type(run) is cls), "the run's margin rule")
+        flag = margin_flag(run) or "the run's margin rule"
         logger.warning("%s (%s) sizes no margin for %d constraint(s): %s. %s; or give them Constraint(margin=...).",
                        flag, run.describe(), len(skipped), skipped[:10], run.skip_reason)
     return rules
@@ -411,5 +416,5 @@ def split_for_indicator(constraints: Sequence[Constraint], fraction: float, seed
 
 
 __all__ = ["CalibratedMargin", "CertificateMargin", "EstimateSource", "FixedMargin", "MARGIN_FLAGS", "Margin",
-           "OneSplit", "SpreadAt", "TwoSplit", "as_margin", "estimate_source", "margin_rules", "run_margin",
-           "split_for_indicator"]
+           "OneSplit", "SpreadAt", "TwoSplit", "as_margin", "estimate_source", "margin_flag", "margin_rules",
+           "run_margin", "split_for_indicator"]
