@@ -238,7 +238,7 @@ class Recorder:
 
 def indicator_rows(trainer: ConstrainedTrainer, fraction: float) -> dict[str, set[bytes]]:
     """Each constraint's indicator rows (the part of its data that drives u_k under two-split estimation)."""
-    from hf_constrained.method.engine import split_for_indicator
+    from hf_constrained.method.strategies import split_for_indicator
 
     _, views = split_for_indicator(trainer.constraints, fraction, trainer.args.constraint_sampling_seed)
     return {c.name: {row_key(views[k].dataset[i]["x"]) for i in range(len(views[k].dataset))}

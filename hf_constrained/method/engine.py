@@ -62,7 +62,6 @@ from .strategies import (
     as_margin,
     margin_flag,
     margin_rules,
-    split_for_indicator,  # noqa: F401  (its earlier home)
 )
 
 logger = logging.getLogger(__name__)

@@ -171,7 +171,7 @@ def test_the_old_model_is_trained_deterministically(tmp_path):
 def test_a_proxy_indicator_sees_the_old_models_exact_match_on_the_constraint_rows(tmp_path):
     """With --constraint_proxy_indicator every constraint row carries the old model's 0/1 exact match, and
     the indicator's rows evaluate the certificate's statistic (the share forgotten) against --forget_tolerance."""
-    from hf_constrained.method.engine import split_for_indicator
+    from hf_constrained.method.strategies import split_for_indicator
     from hf_constrained.non_forgetting import CORRECT_KEY, ForgottenRows
 
     model = _tiny_old_model(tmp_path / "old", steps=2)

@@ -15,7 +15,7 @@ from scale_tiny import (
 )
 
 from hf_constrained.constraint import CertifyStatistic
-from hf_constrained.method.engine import split_for_indicator
+from hf_constrained.method.strategies import split_for_indicator
 
 
 @pytest.mark.parametrize("gamma_prime", [0.0, 0.1])

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hf_constrained import Certification, CertifyStatistic, Constraint
-from hf_constrained.method.engine import split_for_indicator
+from hf_constrained.method.strategies import split_for_indicator
 
 
 def rate(model, batch):
