@@ -26,6 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 from fsdp_tiny import certified_trainer  # noqa: E402
+from rank_exit import exit_after_all_ranks  # noqa: E402  (this script's folder)
 from scale_tiny import StopAt, TinyClassifier, make_trainer  # noqa: E402
 
 from hf_constrained.safety import finish_run  # noqa: E402
@@ -102,8 +103,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    # an orderly shutdown: a process that exits with the gloo group still up can abort in teardown
-    # ("terminate called without an active exception"), failing a launch whose work was all done
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    exit_after_all_ranks()

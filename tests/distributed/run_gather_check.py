@@ -18,6 +18,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from rank_exit import exit_after_all_ranks  # this script's folder
 
 from hf_constrained.clip.contrastive import contrastive_terms, contrastive_value, gather_with_grad
 
@@ -106,8 +107,8 @@ def main() -> None:
         if seconds:
             out[f"seconds_{label}"] = sorted(seconds)[len(seconds) // 2]  # median over blocks
     torch.save(out, os.path.join(a.out, f"rank{rank}.pt"))
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    exit_after_all_ranks()
