@@ -29,7 +29,11 @@ smallest median drop. Tune on seeds 0-4, report the chosen settings once on seed
 
     python benchmarks/forgetting_frontier_demo.py --seeds 0 1 2 3 4 --json tuning.json
     python benchmarks/forgetting_frontier_demo.py --seeds 100 101 102 103 104 --values replay=0.75 kl=3 hinge=10 \\
-        --json results.json --figure results.png
+        --chosen_from tuning.json --json results.json --figure results.png
+
+Seeds below 100 tune, seeds from 100 on report; one run does one or the other. Only a tuning run applies the rule:
+its JSON's ``chosen`` holds the chosen values and the seeds they were chosen on (``chosen_on``). A report run never
+chooses on its own seeds: its ``chosen`` is the tuning file's (``--chosen_from``, named under ``from``), or absent.
 
 Flags this script does not know go to the demo (``--max_steps 3``, ``--stage1_epochs 2``, ...), so every method runs
 with the same demo settings.
@@ -71,6 +75,7 @@ METHODS: dict[str, ff.Method] = {
     "squared_hinge": ff.Method("squared_hinge", "beta", (10.0, 50.0), example_field="beta"),
 }
 TARGET = "target_gain"  # the target metric of the summary, the frontier and the figure
+REPORT_SEEDS_FROM = 100  # the project's rule: settings are chosen on seeds 0-4 and reported on seeds 100-104
 
 
 class StepClock(TrainerCallback):
@@ -185,6 +190,30 @@ def choose(settings: list[dict[str, Any]], within: float) -> dict[str, Any]:
     return chosen
 
 
+def is_report_run(seeds: list[int]) -> bool:
+    """Whether ``seeds`` report (all from ``REPORT_SEEDS_FROM`` on) or tune (all below); a mix is refused."""
+    report = [s >= REPORT_SEEDS_FROM for s in seeds]
+    if any(report) and not all(report):
+        raise SystemExit(f"--seeds {' '.join(map(str, seeds))}: a run either tunes (seeds below {REPORT_SEEDS_FROM}) "
+                         f"or reports (seeds {REPORT_SEEDS_FROM} and up), not both: run them apart")
+    return all(report)
+
+
+def tuning_choice(path: str) -> dict[str, Any]:
+    """The ``chosen`` of a tuning run's JSON, for a report run (``--chosen_from``); read before any run."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            chosen = json.load(f).get("chosen")
+    except (OSError, ValueError, AttributeError) as e:
+        raise SystemExit(f"--chosen_from {path}: cannot read a result JSON ({e})") from None
+    if not isinstance(chosen, dict) or "values" not in chosen or "chosen_on" not in chosen:
+        raise SystemExit(f"--chosen_from {path}: no choice of a tuning run in it (its 'chosen' needs 'values' and "
+                         "'chosen_on'): give the JSON of a run on tuning seeds")
+    if is_report_run(chosen["chosen_on"]):
+        raise SystemExit(f"--chosen_from {path}: chosen on report seeds {chosen['chosen_on']}")
+    return {**chosen, "from": publishable_values(path)}
+
+
 def format_table(settings: list[dict[str, Any]], runs: list[dict[str, Any]], within: float) -> str:
     lines = ["| method | setting | target gain, median (worst) | worst protected change, median (worst) | "
              f"seeds every digit within {100 * within:g} pts | largest bound, median (worst) | seeds certified | "
@@ -208,6 +237,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--values", nargs="*", default=[], help="method=v1,v2: the knob values of a method")
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4],
                    help="demo seeds, each with its own split and old model (0-4 choose the settings; 100-104 report)")
+    p.add_argument("--chosen_from", default=None,
+                   help="a report run (seeds 100 and up): the tuning run's JSON whose choice this run records")
     p.add_argument("--within", type=float, default=demo.WITHIN_POINTS,
                    help="points: the worst protected drop a chosen setting may have at the median")
     p.add_argument("--json", default="outputs/forgetting_frontier_demo/results.json")
@@ -236,6 +267,10 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     base = demo_settings(rest)
     if args.workers < 1:
         raise SystemExit(f"--workers must be >= 1, got {args.workers}")
+    report_run = is_report_run(args.seeds)
+    if args.chosen_from is not None and not report_run:
+        raise SystemExit(f"--chosen_from: a tuning run (--seeds {' '.join(map(str, args.seeds))}) makes its own choice")
+    chosen = tuning_choice(args.chosen_from) if args.chosen_from is not None else None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     _quiet()
     t0 = time.time()
@@ -262,7 +297,10 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     first = (stage1, [(s, base, args.cache_dir) for s in args.seeds]) if args.workers > 1 else None
     rows = ff.run_jobs(one_run, jobs, args.workers, finished, first=first)
     settings = summarize(rows)
-    chosen = choose(settings, args.within / 100)
+    if not report_run:  # the rule applies on tuning seeds only
+        chosen = {"rule": f"highest median target gain with median worst protected change >= -{args.within:g} "
+                          "points; else the smallest median drop",
+                  "values": choose(settings, args.within / 100), "chosen_on": list(args.seeds)}
     noun = demo.demo_data(demo.DemoConfig(**base)).noun  # "digit", or "shape" with --data shapes
     result = {"command": publishable_command("python benchmarks/forgetting_frontier_demo.py", argv),
               "config": {"benchmark": publishable_values(vars(args)), "demo": publishable_values(base)},
@@ -273,9 +311,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
               "units": "fractions: target_gain and old_task_change are held-out accuracy changes against the old "
                        "model on the same images (x100: points)",
               "settings": settings, "frontier": ff.frontier(settings, target=TARGET),
-              "chosen": {"rule": f"highest median target gain with median worst protected change >= -{args.within:g} "
-                                 "points; else the smallest median drop", "values": chosen},
-              "runs": rows, "seconds": round(time.time() - t0, 1)}
+              **({} if chosen is None else {"chosen": chosen}), "runs": rows, "seconds": round(time.time() - t0, 1)}
     print(format_table(settings, rows, args.within / 100))
     if args.json:
         atomic_write_json(args.json, result)

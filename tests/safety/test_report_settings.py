@@ -11,6 +11,8 @@ resolved value the run used, not the configured spelling and not a default.
 from __future__ import annotations
 
 import dataclasses
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -143,3 +145,37 @@ def test_recorded_sampling_is_the_engines(tmp_path):
     assert report.method["msvr_gamma_prime"] == pytest.approx(trainer.engine.estimator.gamma_prime)
     assert report.method["msvr_gamma_prime_rule"] == "theory"
     assert report.method["num_constraints"] == M
+
+
+def _documented_names(doc: str, heading: str) -> set[str]:
+    """The names (in backticks) in the first column of the first table under ``heading`` in ``docs/<doc>``."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / doc).read_text(encoding="utf-8")
+    assert heading in text, f"docs/{doc} has no section {heading!r}"
+    rows = []
+    for line in text.split(heading, 1)[1].splitlines():
+        if line.startswith("|"):
+            rows.append(line)
+        elif rows:  # the end of the first table
+            break
+    names = {name for row in rows[2:] for name in re.findall(r"`([a-z_]+)`", row.split("|")[1])}
+    assert names, f"no table of names under {heading!r} in docs/{doc}"
+    return names
+
+
+def test_every_recorded_setting_is_documented(tmp_path):
+    """Every setting a report and a card record is documented: the options of the arguments in docs/method.md's
+    table, the others in docs/safety.md's, and the example card shows them all. A setting recorded later without
+    a line there fails here, and a line for a setting no run records fails too. The recorded names come from a
+    real run's report, with two-split estimation and a margin rule on, so that no setting is left out for being
+    unset."""
+    _, report = _report(tmp_path, constraint_indicator_fraction=0.5, constraint_margin=0.1)
+    recorded = set(report.method)
+    arguments = _documented_names("method.md", "## Training arguments")
+    others = _documented_names("safety.md", "### Settings a card and a report record")
+    assert sorted(recorded - arguments - others) == [], "recorded but not documented"
+    assert sorted(others - recorded) == [], "documented in docs/safety.md but never recorded"
+    assert sorted(arguments - set(library_option_names())) == [], "docs/method.md documents an unknown argument"
+    # the example card (docs/safety/model_card.md) shows the settings a card records, all of them
+    card = (Path(__file__).resolve().parents[2] / "docs" / "safety" / "model_card.md").read_text(encoding="utf-8")
+    shown = re.findall(r"^\| ([a-z_]+) \| .* \|$", card.split("## Method and settings", 1)[1].split("\n## ")[0], re.M)
+    assert sorted(shown[1:]) == sorted(recorded), "the example card's settings are not those a run records"
