@@ -86,6 +86,10 @@ class Margin(ABC):
         return _describe(self)
 
     @abstractmethod
+    def flag_value(self) -> float:
+        """The value of the run flag that spells this rule (:data:`MARGIN_FLAGS`), as reports record it."""
+
+    @abstractmethod
     def coefficient(self, constraint: "Constraint") -> float:
         """This rule's number for ``constraint`` (0: no margin)."""
 
@@ -120,6 +124,9 @@ class FixedMargin(Margin):
     def __post_init__(self) -> None:
         object.__setattr__(self, "value", self._checked(self.value, "margin", lambda v: math.isfinite(v) and v >= 0))
 
+    def flag_value(self) -> float:
+        return self.value
+
     def coefficient(self, constraint: "Constraint") -> float:
         return self.value
 
@@ -142,6 +149,9 @@ class CalibratedMargin(Margin):
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "confidence", self._checked(self.confidence, "confidence", lambda v: 0.5 <= v < 1))
+
+    def flag_value(self) -> float:
+        return self.confidence
 
     def coefficient(self, constraint: "Constraint") -> float:
         return z_value(self.confidence)
@@ -177,6 +187,9 @@ class CertificateMargin(Margin):
     def __post_init__(self) -> None:
         object.__setattr__(self, "delta", self._checked(self.delta, "certificate_delta", lambda v: 0 < v < 1))
 
+    def flag_value(self) -> float:
+        return self.delta
+
     def coefficient(self, constraint: "Constraint") -> float:
         """``log(2 / delta')``, delta' the constraint's share of delta (the union bound of a group difference)."""
         share = group_difference_share(grouped=constraint.group_key is not None, absolute=constraint.outer is not None)
@@ -206,6 +219,16 @@ MARGIN_FLAGS: dict[str, type[Margin]] = {"constraint_margin": FixedMargin, "cons
 def margin_flag(rule: Optional[Margin]) -> Optional[str]:
     """The run flag of :data:`MARGIN_FLAGS` that spells ``rule``'s class (``None``: no rule, or no flag spells it)."""
     return next((flag for flag, cls in MARGIN_FLAGS.items() if type(rule) is cls), None)
+
+
+def margin_settings(rule: Optional[Margin]) -> dict[str, Optional[float]]:
+    """The run's margin flags as ``rule`` sets them: the flag that spells it (:func:`margin_flag`) with the rule's
+    :meth:`~Margin.flag_value`, every other flag ``None`` (all ``None``: no rule, or one no flag spells)."""
+    flags: dict[str, Optional[float]] = dict.fromkeys(MARGIN_FLAGS)
+    flag = margin_flag(rule)
+    if flag is not None:
+        flags[flag] = rule.flag_value()
+    return flags
 
 
 def as_margin(value: Any) -> Optional[Margin]:
@@ -417,4 +440,4 @@ def split_for_indicator(constraints: Sequence[Constraint], fraction: float, seed
 
 __all__ = ["CalibratedMargin", "CertificateMargin", "EstimateSource", "FixedMargin", "MARGIN_FLAGS", "Margin",
            "OneSplit", "SpreadAt", "TwoSplit", "as_margin", "estimate_source", "margin_flag", "margin_rules",
-           "run_margin", "split_for_indicator"]
+           "margin_settings", "run_margin", "split_for_indicator"]
