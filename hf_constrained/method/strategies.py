@@ -349,8 +349,7 @@ class TwoSplit(EstimateSource):
     name: ClassVar[str] = "two_split"
 
     def __post_init__(self) -> None:
-        if isinstance(self.fraction, bool) or not 0.0 < float(self.fraction) < 1.0:
-            raise ValueError(f"constraint_indicator_fraction must be in (0, 1), got {self.fraction}")
+        check_indicator_fraction(self.fraction)
         if self.indicator_batch_size is not None and (isinstance(self.indicator_batch_size, bool)
                                                       or int(self.indicator_batch_size) != self.indicator_batch_size
                                                       or self.indicator_batch_size < 1):
@@ -378,6 +377,19 @@ class TwoSplit(EstimateSource):
                 "constraint_proxy_indicator": self.proxy_statistic}
 
 
+def check_indicator_fraction(fraction: Any) -> float:
+    """``constraint_indicator_fraction`` as a number in (0, 1), the share of each constraint's rows that drives the
+    estimate under two-split estimation; else a ``ValueError`` naming the flag. The one check of the flag (the
+    arguments' ``__post_init__``, :class:`TwoSplit` and :func:`split_for_indicator` call it)."""
+    try:
+        number = float(fraction)
+    except (TypeError, ValueError):
+        number = math.nan
+    if isinstance(fraction, bool) or not 0.0 < number < 1.0:
+        raise ValueError(f"constraint_indicator_fraction must be in (0, 1), got {fraction}")
+    return number
+
+
 def estimate_source(indicator_fraction: Optional[float] = None, indicator_batch_size: Optional[int] = None,
                     proxy_indicator: bool = False) -> EstimateSource:
     """The run's estimate source from its flags (``constraint_indicator_fraction``,
@@ -402,8 +414,7 @@ def split_for_indicator(constraints: Sequence[Constraint], fraction: float, seed
     independently. The indicator part holds ``round(fraction * n)`` rows; both parts need one.
     With ``proxy``, the indicator view of a constraint with a ``certify.statistic`` evaluates that
     statistic (its ``row_fn``, tolerance, no ``outer``)."""
-    if not 0.0 < fraction < 1.0:
-        raise ValueError(f"constraint_indicator_fraction must be in (0, 1), got {fraction}")
+    check_indicator_fraction(fraction)
     grad_views, ind_views = [], []
     parts_of: dict[int, tuple[Any, Any]] = {}  # id(dataset) -> (gradient part, indicator part)
     for k, c in enumerate(constraints):
@@ -439,5 +450,5 @@ def split_for_indicator(constraints: Sequence[Constraint], fraction: float, seed
 
 
 __all__ = ["CalibratedMargin", "CertificateMargin", "EstimateSource", "FixedMargin", "MARGIN_FLAGS", "Margin",
-           "OneSplit", "SpreadAt", "TwoSplit", "as_margin", "estimate_source", "margin_flag", "margin_rules",
-           "margin_settings", "run_margin", "split_for_indicator"]
+           "OneSplit", "SpreadAt", "TwoSplit", "as_margin", "check_indicator_fraction", "estimate_source",
+           "margin_flag", "margin_rules", "margin_settings", "run_margin", "split_for_indicator"]

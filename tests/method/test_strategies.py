@@ -38,6 +38,7 @@ from hf_constrained.method.strategies import (
     margin_rules,
     margin_settings,
     run_margin,
+    split_for_indicator,
 )
 
 
@@ -173,6 +174,25 @@ def test_a_margin_rule_stands_for_its_flag_and_its_value():
         extra: float = 1.0
 
     assert set(margin_settings(Wider(0.1)).values()) == {None} and set(margin_settings(None).values()) == {None}
+
+
+def test_a_bad_indicator_fraction_is_one_error_naming_the_flag_before_training(tmp_path):
+    """One check (``check_indicator_fraction``), one message, from the arguments (0 included: it does not
+    silently mean one split there), the strategy and the split itself."""
+    from hf_constrained import ConstrainedTrainingArguments
+
+    message = r"constraint_indicator_fraction must be in \(0, 1\), got "
+    for bad in (0.0, 1.0, -0.2, 1.5):
+        with pytest.raises(ValueError, match=message + str(bad)):
+            ConstrainedTrainingArguments(output_dir=str(tmp_path), report_to=[], constraint_indicator_fraction=bad)
+        with pytest.raises(ValueError, match=message + str(bad)):
+            TwoSplit(bad)
+        with pytest.raises(ValueError, match=message + str(bad)):
+            split_for_indicator([], bad, seed=0)
+    with pytest.raises(ValueError, match=message + "True"):
+        TwoSplit(True)
+    assert ConstrainedTrainingArguments(output_dir=str(tmp_path), report_to=[],
+                                        constraint_indicator_fraction=0.25).estimate_source() == TwoSplit(0.25)
 
 
 def test_the_estimate_source_stands_for_its_flags():
