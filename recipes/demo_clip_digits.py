@@ -145,6 +145,7 @@ from hf_constrained.publishable import publishable_values
 from hf_constrained.recipe_args import parse_with_config
 from hf_constrained.redact import redact_command
 from hf_constrained.safety.bounds import most_forgotten_that_certify
+from hf_constrained.safety.certify import rows_needed
 from hf_constrained.safety.evaluation import certify_models
 from hf_constrained.safety.finish import finish_run
 from hf_constrained.safety.in_memory_selection import InMemoryFeasibleSelection, largest_constraint_violation
@@ -1042,15 +1043,17 @@ def newcomer_summary(cfg: DemoConfig, old: dict[str, float], run: dict[str, Any]
                  f"{round(cert['forgotten'][worst] * rows[worst])} of {rows[worst]} images forgotten).")
         level = cert.get("level", cfg.delta)
         floor = 100 * (1 - level ** (1 / sizes[0]))
-        n_three = rows_for_claim(0.03, level)  # the fewest images with none forgotten whose bound reaches 3 points
+        # the fewest images with none forgotten whose Clopper-Pearson bound reaches 3 points
+        n_three = rows_needed("clopper_pearson", (0.0, 1.0), 0.03, level)
         if source.supply is not None:  # a fixed data set: what it cannot support, and why
             why = (f"Why not tighter: with {sizes[0]} images and none forgotten the bound is still {floor:.1f} "
                    f"points; a 3-point claim needs at least {n_three} images per {noun} with none forgotten, and "
                    f"{source.supply}.")
         else:  # generated images: the split was sized from the claim
             most = most_forgotten_that_certify(sizes[0], cfg.forget_tolerance, level)
+            needed = rows_needed("clopper_pearson", (0.0, 1.0), cfg.forget_tolerance, level)
             why = (f"Why {sizes[0]} images per {noun}: a {100 * cfg.forget_tolerance:g}-point claim needs at least "
-                   f"{rows_for_claim(cfg.forget_tolerance, level)} with none forgotten; {sizes[0]} certify it with "
+                   f"{needed} with none forgotten; {sizes[0]} certify it with "
                    f"up to {most} forgotten ({100 * most / sizes[0]:.1f}%), and the generator draws as many as the "
                    f"claim needs ({source.supply_flag}; docs/generated_images.md).")
         lines += textwrap.wrap(claim, 100, initial_indent="  ", subsequent_indent="  ")
@@ -1063,12 +1066,6 @@ def newcomer_summary(cfg: DemoConfig, old: dict[str, float], run: dict[str, Any]
         for key, name in files.items():
             lines.append(f"  {labels[key]:<14} {os.path.join(folder, name)}")
     return "\n".join(lines)
-
-
-def rows_for_claim(tolerance: float, level: float) -> int:
-    """The fewest certification images per class whose Clopper-Pearson bound at ``level``, with none forgotten
-    (``1 - level ** (1 / n)``), is within ``tolerance``."""
-    return math.ceil(math.log(level) / math.log(1 - tolerance))
 
 
 # ---------------------------------------------------------------------------------- entry points
