@@ -98,6 +98,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import hashlib
 import json
 import logging
@@ -668,7 +669,7 @@ def finetune(cfg: DemoConfig, old_path: str, penalty: str, pools: Optional[Pools
              log: Callable[[str], None] = logger.info, output_dir: Optional[str] = None,
              old_acc: Optional[dict[str, float]] = None, command: Optional[str] = None,
              regulariser: Optional[tuple[str, float]] = None,
-             callbacks: Sequence[TrainerCallback] = ()) -> dict[str, Any]:
+             callbacks: Sequence[TrainerCallback] = (), old_model: Optional[CLIPModel] = None) -> dict[str, Any]:
     """Contrastive fine-tuning toward the target digit with one non-forgetting constraint per other digit.
 
     Returns the kept model's per-class test accuracy, the exact constraint values on D_k
@@ -684,7 +685,8 @@ def finetune(cfg: DemoConfig, old_path: str, penalty: str, pools: Optional[Pools
     added to the objective, with any ``penalty`` (the forgetting benchmark runs them with ``"none"``); its
     checkpoint is kept by the same rule as a constrained run's (feasible on the selection split first), and the
     record gains ``regulariser`` (its settings). ``callbacks``: more trainer callbacks, called before the
-    demo's own (e.g. a step timer that leaves out the selection's evaluations).
+    demo's own (e.g. a step timer that leaves out the selection's evaluations). ``old_model``: the old model
+    already loaded from ``old_path`` (:func:`load_old_model`); a copy of it is trained, and it is left as it was.
     """
     from transformers.trainer_callback import PrinterCallback
 
@@ -692,7 +694,7 @@ def finetune(cfg: DemoConfig, old_path: str, penalty: str, pools: Optional[Pools
     source = demo_data(cfg)
     data = source.split(cfg)
     tokenizer = AutoTokenizer.from_pretrained(old_path)
-    model = CLIPModel.from_pretrained(old_path)
+    model = load_old_model(old_path) if old_model is None else copy.deepcopy(old_model)
     model.logit_scale.requires_grad_(False)  # fixed temperature
     collate = CLIPCollator(tokenizer=tokenizer)
     p = prompts(tokenizer, cfg)
@@ -829,19 +831,28 @@ def certificate_summary(certificate: Any, names: list[str]) -> dict[str, Any]:
             "look": max(certificate.looks.values(), default=1)}
 
 
-def old_accuracy(cfg: DemoConfig, old_path: str, pools: Pools) -> dict[str, float]:
+def load_old_model(old_path: str) -> CLIPModel:
+    """The old (stage-1) model from its folder: load it once per seed and pass it to :func:`old_pools`,
+    :func:`old_accuracy` and :func:`finetune` (which trains a copy)."""
+    return CLIPModel.from_pretrained(old_path)
+
+
+def old_accuracy(cfg: DemoConfig, old_path: str, pools: Pools, model: Optional[CLIPModel] = None
+                 ) -> dict[str, float]:
+    """The old model's held-out accuracy per class (``model``: the old model already loaded; else from ``old_path``)."""
     tokenizer = AutoTokenizer.from_pretrained(old_path)
-    model = CLIPModel.from_pretrained(old_path)
+    model = load_old_model(old_path) if model is None else model
     p = prompts(tokenizer, cfg)
     zs = ZeroShotLoss(p["input_ids"], p["attention_mask"], temperature=cfg.temperature)
     return zero_shot_accuracy(model, pools.test_all, zs, CLIPCollator(tokenizer=tokenizer), list(demo_data(cfg).names),
                               batch_size=512)
 
 
-def old_pools(cfg: DemoConfig, old_path: str) -> Pools:
-    """The pools with the old model's reference losses (computed once per seed)."""
+def old_pools(cfg: DemoConfig, old_path: str, model: Optional[CLIPModel] = None) -> Pools:
+    """The pools with the old model's reference losses (computed once per seed; ``model``: the old model already
+    loaded, else loaded from ``old_path``)."""
     tokenizer = AutoTokenizer.from_pretrained(old_path)
-    model = CLIPModel.from_pretrained(old_path)
+    model = load_old_model(old_path) if model is None else model
     p = prompts(tokenizer, cfg)
     zs = ZeroShotLoss(p["input_ids"], p["attention_mask"], temperature=cfg.temperature)
     return build_pools(cfg, demo_data(cfg).split(cfg), model, zs, CLIPCollator(tokenizer=tokenizer))
@@ -1158,11 +1169,12 @@ def run_seed(base: dict[str, Any], seed: int, penalties: list[str], cache_dir: s
     log = log or lines.append
     cfg = DemoConfig(**{**base, "seed": seed})
     old_path = pretrain_old_model(cfg, cache_dir, log=log)
-    pools = old_pools(cfg, old_path)
-    old = old_accuracy(cfg, old_path, pools)
+    old_model = load_old_model(old_path)  # once: each run below trains a copy
+    pools = old_pools(cfg, old_path, old_model)
+    old = old_accuracy(cfg, old_path, pools, old_model)
     log(f"seed {seed}: stage 2, fine-tuning ({', '.join(penalties)})")
     runs = [finetune(cfg, old_path, p, pools=pools, log=log, output_dir=os.path.join(cache_dir, run_folder(seed, p)),
-                     old_acc=old, command=command) for p in penalties]
+                     old_acc=old, command=command, old_model=old_model) for p in penalties]
     return old, runs, lines
 
 
