@@ -30,6 +30,7 @@ import time
 
 import numpy as np
 
+from hf_constrained.atomic_files import atomic_write_json
 from hf_constrained.safety.certify import certify
 
 MEAN = 0.075  # p * 0.75 with p = 0.1: the population mean of every violated constraint
@@ -101,9 +102,7 @@ def main() -> None:
         "not_run": not_run,
     }
     if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            json.dump(summary, f, indent=1)
-            f.write("\n")
+        atomic_write_json(args.out, summary, indent=1, newline=True)
 
 
 if __name__ == "__main__":

@@ -140,10 +140,11 @@ def one_run(job: tuple[str, float, int, dict[str, Any], str]) -> dict[str, Any]:
     clock = StepClock()
     with fresh_ledger():
         old_path = demo.pretrain_old_model(cfg, cache_dir, log=logger.debug)
-        pools = demo.old_pools(cfg, old_path)
-        old = demo.old_accuracy(cfg, old_path, pools)
+        old_model = demo.load_old_model(old_path)  # once for the pools, the old accuracy and the run's copy
+        pools = demo.old_pools(cfg, old_path, old_model)
+        old = demo.old_accuracy(cfg, old_path, pools, old_model)
         run = demo.finetune(cfg, old_path, m.penalty, pools=pools, log=logger.debug, callbacks=[clock],
-                            regulariser=None if m.regulariser is None else (m.regulariser, value))
+                            regulariser=None if m.regulariser is None else (m.regulariser, value), old_model=old_model)
     return run_row(method, value, cfg, old, run, clock)
 
 

@@ -34,6 +34,8 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any, Optional, Sequence
 
+from hf_constrained.atomic_files import atomic_write_json
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 METHODS = ("hinge", "none")
 
@@ -149,9 +151,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     result = {"command": " ".join(["python benchmarks/roc_certificate.py", *argv]), "config": vars(args),
               "seconds": round(time.time() - start, 1), "summary": summarize(runs, args.goal_ratio), "per_run": runs}
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w", encoding="utf-8") as f:
-            f.write(json.dumps(result, indent=1) + "\n")
+        atomic_write_json(args.json, result, indent=1, newline=True)
     sys.stdout.write(json.dumps(result["summary"], indent=1) + "\n")
     return result
 

@@ -202,6 +202,7 @@ METHOD_ORDER = {"hinge": 0, "squared_hinge": 2, "icppac": 3, "none": 4}
 
 def _cached_splits(script, load_splits, cache_dir):
     """The preprocessed splits, from ``cache_dir/<dataset>.npz`` when there (written on first use)."""
+    from hf_constrained.atomic_files import atomic_open
     from hf_constrained.fairness.data import TabularSplit
 
     path = os.path.join(cache_dir, f"{script.dataset}.npz") if cache_dir else None
@@ -211,11 +212,9 @@ def _cached_splits(script, load_splits, cache_dir):
                 for s in ("train", "validation", "test")}
     splits = load_splits(script)
     if path:
-        os.makedirs(cache_dir, exist_ok=True)
-        tmp = path + f".{os.getpid()}.tmp.npz"
-        np.savez_compressed(tmp, **{f"{s}_{a}": getattr(v, a) for s, v in splits.items()
-                                    for a in ("features", "label", "group")})
-        os.replace(tmp, path)
+        with atomic_open(path, "wb") as f:  # a file object: numpy adds no suffix to it
+            np.savez_compressed(f, **{f"{s}_{a}": getattr(v, a) for s, v in splits.items()
+                                      for a in ("features", "label", "group")})
     return splits
 
 

@@ -44,6 +44,8 @@ import os
 import re
 from typing import Optional
 
+from .atomic_files import atomic_write_json
+
 logger = logging.getLogger(__name__)
 
 COMPLETE_MARKER = "checkpoint_complete.json"
@@ -103,12 +105,7 @@ def mark_complete(folder: str, step: int) -> None:
     """Write the marker (a record of the folder's files and sizes) last and atomically."""
     payload = {"step": int(step), "files": _manifest(folder)}
     path = os.path.join(folder, COMPLETE_MARKER)
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(payload, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write_json(path, payload, indent=1, sort_keys=True, fsync=True)
     _fsync_dir(folder)
 
 

@@ -14,7 +14,7 @@ from transformers import TrainingArguments
 
 from .method.estimators import parse_gamma_prime
 from .method.penalties import PENALTIES
-from .method.strategies import EstimateSource, Margin, estimate_source, run_margin
+from .method.strategies import EstimateSource, Margin, check_indicator_fraction, estimate_source, run_margin
 from .publishable import is_secret_flag, publishable_path
 
 
@@ -167,9 +167,8 @@ class ConstrainedTrainingArguments(TrainingArguments):
                 raise ValueError(f"{name} must be in (0, 1], got {value}")
         for name in ("msvr_gamma_prime", "objective_msvr_gamma_prime"):
             setattr(self, name, parse_gamma_prime(getattr(self, name), name))
-        if self.constraint_indicator_fraction is not None and not 0.0 < float(self.constraint_indicator_fraction) < 1:
-            raise ValueError("constraint_indicator_fraction must be in (0, 1), "
-                             f"got {self.constraint_indicator_fraction}")
+        if self.constraint_indicator_fraction is not None:  # 0 would otherwise read as one-split estimation
+            check_indicator_fraction(self.constraint_indicator_fraction)
         self.margin_rule()  # the flags' errors now, before training
         self.estimate_source()
         if self.max_steps == 0:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 import torch
 from transformers.trainer_callback import TrainerState
 
+from .atomic_files import atomic_open
 from .checkpointing import TRAINER_STATE_NAME, CheckpointError, check_named_checkpoint, latest_complete_checkpoint
 from .trainer_internals import trainer_load_checkpoint, trainer_restore_batch_size
 
@@ -36,12 +37,8 @@ logger = logging.getLogger(__name__)
 def atomic_torch_save(obj: Any, path: str) -> None:
     """``torch.save`` to ``path`` through a temporary file and ``os.replace``: the file is
     either the old one or the complete new one, never half-written."""
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
+    with atomic_open(path, "wb", fsync=True) as f:
         torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 CONSTRAINT_STATE_KEYS = ("names", "estimator", "streams", "next_draw", "constraint_step")

@@ -98,6 +98,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import hashlib
 import json
 import logging
@@ -145,6 +146,7 @@ from hf_constrained.publishable import publishable_values
 from hf_constrained.recipe_args import parse_with_config
 from hf_constrained.redact import redact_command
 from hf_constrained.safety.bounds import most_forgotten_that_certify
+from hf_constrained.safety.certify import rows_needed
 from hf_constrained.safety.evaluation import certify_models
 from hf_constrained.safety.finish import finish_run
 from hf_constrained.safety.in_memory_selection import InMemoryFeasibleSelection, largest_constraint_violation
@@ -667,7 +669,7 @@ def finetune(cfg: DemoConfig, old_path: str, penalty: str, pools: Optional[Pools
              log: Callable[[str], None] = logger.info, output_dir: Optional[str] = None,
              old_acc: Optional[dict[str, float]] = None, command: Optional[str] = None,
              regulariser: Optional[tuple[str, float]] = None,
-             callbacks: Sequence[TrainerCallback] = ()) -> dict[str, Any]:
+             callbacks: Sequence[TrainerCallback] = (), old_model: Optional[CLIPModel] = None) -> dict[str, Any]:
     """Contrastive fine-tuning toward the target digit with one non-forgetting constraint per other digit.
 
     Returns the kept model's per-class test accuracy, the exact constraint values on D_k
@@ -683,7 +685,8 @@ def finetune(cfg: DemoConfig, old_path: str, penalty: str, pools: Optional[Pools
     added to the objective, with any ``penalty`` (the forgetting benchmark runs them with ``"none"``); its
     checkpoint is kept by the same rule as a constrained run's (feasible on the selection split first), and the
     record gains ``regulariser`` (its settings). ``callbacks``: more trainer callbacks, called before the
-    demo's own (e.g. a step timer that leaves out the selection's evaluations).
+    demo's own (e.g. a step timer that leaves out the selection's evaluations). ``old_model``: the old model
+    already loaded from ``old_path`` (:func:`load_old_model`); a copy of it is trained, and it is left as it was.
     """
     from transformers.trainer_callback import PrinterCallback
 
@@ -691,7 +694,7 @@ def finetune(cfg: DemoConfig, old_path: str, penalty: str, pools: Optional[Pools
     source = demo_data(cfg)
     data = source.split(cfg)
     tokenizer = AutoTokenizer.from_pretrained(old_path)
-    model = CLIPModel.from_pretrained(old_path)
+    model = load_old_model(old_path) if old_model is None else copy.deepcopy(old_model)
     model.logit_scale.requires_grad_(False)  # fixed temperature
     collate = CLIPCollator(tokenizer=tokenizer)
     p = prompts(tokenizer, cfg)
@@ -828,19 +831,28 @@ def certificate_summary(certificate: Any, names: list[str]) -> dict[str, Any]:
             "look": max(certificate.looks.values(), default=1)}
 
 
-def old_accuracy(cfg: DemoConfig, old_path: str, pools: Pools) -> dict[str, float]:
+def load_old_model(old_path: str) -> CLIPModel:
+    """The old (stage-1) model from its folder: load it once per seed and pass it to :func:`old_pools`,
+    :func:`old_accuracy` and :func:`finetune` (which trains a copy)."""
+    return CLIPModel.from_pretrained(old_path)
+
+
+def old_accuracy(cfg: DemoConfig, old_path: str, pools: Pools, model: Optional[CLIPModel] = None
+                 ) -> dict[str, float]:
+    """The old model's held-out accuracy per class (``model``: the old model already loaded; else from ``old_path``)."""
     tokenizer = AutoTokenizer.from_pretrained(old_path)
-    model = CLIPModel.from_pretrained(old_path)
+    model = load_old_model(old_path) if model is None else model
     p = prompts(tokenizer, cfg)
     zs = ZeroShotLoss(p["input_ids"], p["attention_mask"], temperature=cfg.temperature)
     return zero_shot_accuracy(model, pools.test_all, zs, CLIPCollator(tokenizer=tokenizer), list(demo_data(cfg).names),
                               batch_size=512)
 
 
-def old_pools(cfg: DemoConfig, old_path: str) -> Pools:
-    """The pools with the old model's reference losses (computed once per seed)."""
+def old_pools(cfg: DemoConfig, old_path: str, model: Optional[CLIPModel] = None) -> Pools:
+    """The pools with the old model's reference losses (computed once per seed; ``model``: the old model already
+    loaded, else loaded from ``old_path``)."""
     tokenizer = AutoTokenizer.from_pretrained(old_path)
-    model = CLIPModel.from_pretrained(old_path)
+    model = load_old_model(old_path) if model is None else model
     p = prompts(tokenizer, cfg)
     zs = ZeroShotLoss(p["input_ids"], p["attention_mask"], temperature=cfg.temperature)
     return build_pools(cfg, demo_data(cfg).split(cfg), model, zs, CLIPCollator(tokenizer=tokenizer))
@@ -1042,15 +1054,17 @@ def newcomer_summary(cfg: DemoConfig, old: dict[str, float], run: dict[str, Any]
                  f"{round(cert['forgotten'][worst] * rows[worst])} of {rows[worst]} images forgotten).")
         level = cert.get("level", cfg.delta)
         floor = 100 * (1 - level ** (1 / sizes[0]))
-        n_three = rows_for_claim(0.03, level)  # the fewest images with none forgotten whose bound reaches 3 points
+        # the fewest images with none forgotten whose Clopper-Pearson bound reaches 3 points
+        n_three = rows_needed("clopper_pearson", (0.0, 1.0), 0.03, level)
         if source.supply is not None:  # a fixed data set: what it cannot support, and why
             why = (f"Why not tighter: with {sizes[0]} images and none forgotten the bound is still {floor:.1f} "
                    f"points; a 3-point claim needs at least {n_three} images per {noun} with none forgotten, and "
                    f"{source.supply}.")
         else:  # generated images: the split was sized from the claim
             most = most_forgotten_that_certify(sizes[0], cfg.forget_tolerance, level)
+            needed = rows_needed("clopper_pearson", (0.0, 1.0), cfg.forget_tolerance, level)
             why = (f"Why {sizes[0]} images per {noun}: a {100 * cfg.forget_tolerance:g}-point claim needs at least "
-                   f"{rows_for_claim(cfg.forget_tolerance, level)} with none forgotten; {sizes[0]} certify it with "
+                   f"{needed} with none forgotten; {sizes[0]} certify it with "
                    f"up to {most} forgotten ({100 * most / sizes[0]:.1f}%), and the generator draws as many as the "
                    f"claim needs ({source.supply_flag}; docs/generated_images.md).")
         lines += textwrap.wrap(claim, 100, initial_indent="  ", subsequent_indent="  ")
@@ -1063,12 +1077,6 @@ def newcomer_summary(cfg: DemoConfig, old: dict[str, float], run: dict[str, Any]
         for key, name in files.items():
             lines.append(f"  {labels[key]:<14} {os.path.join(folder, name)}")
     return "\n".join(lines)
-
-
-def rows_for_claim(tolerance: float, level: float) -> int:
-    """The fewest certification images per class whose Clopper-Pearson bound at ``level``, with none forgotten
-    (``1 - level ** (1 / n)``), is within ``tolerance``."""
-    return math.ceil(math.log(level) / math.log(1 - tolerance))
 
 
 # ---------------------------------------------------------------------------------- entry points
@@ -1161,11 +1169,12 @@ def run_seed(base: dict[str, Any], seed: int, penalties: list[str], cache_dir: s
     log = log or lines.append
     cfg = DemoConfig(**{**base, "seed": seed})
     old_path = pretrain_old_model(cfg, cache_dir, log=log)
-    pools = old_pools(cfg, old_path)
-    old = old_accuracy(cfg, old_path, pools)
+    old_model = load_old_model(old_path)  # once: each run below trains a copy
+    pools = old_pools(cfg, old_path, old_model)
+    old = old_accuracy(cfg, old_path, pools, old_model)
     log(f"seed {seed}: stage 2, fine-tuning ({', '.join(penalties)})")
     runs = [finetune(cfg, old_path, p, pools=pools, log=log, output_dir=os.path.join(cache_dir, run_folder(seed, p)),
-                     old_acc=old, command=command) for p in penalties]
+                     old_acc=old, command=command, old_model=old_model) for p in penalties]
     return old, runs, lines
 
 

@@ -17,6 +17,8 @@ from torch import nn
 from transformers import CLIPModel
 from transformers.models.clip.modeling_clip import CLIPOutput
 
+from ..atomic_files import atomic_open, atomic_write_json
+
 HEADS_FILE = "class_text_heads.pt"
 HEADS_CONFIG = "class_text_heads.json"
 
@@ -69,11 +71,10 @@ class CLIPWithClassTextHeads(nn.Module):
     def save_pretrained(self, path: str, **kwargs: Any) -> None:
         """The CLIP model with ``save_pretrained`` plus the heads in their own file."""
         self.clip.save_pretrained(path, **kwargs)
-        tmp = os.path.join(path, HEADS_FILE + ".tmp")
-        torch.save({"head_a": self.head_a.detach().cpu(), "head_b": self.head_b.detach().cpu()}, tmp)
-        os.replace(tmp, os.path.join(path, HEADS_FILE))
-        with open(os.path.join(path, HEADS_CONFIG), "w") as f:
-            json.dump({"num_classes": self.num_classes, "rank": self.rank}, f)
+        with atomic_open(os.path.join(path, HEADS_FILE), "wb") as f:
+            torch.save({"head_a": self.head_a.detach().cpu(), "head_b": self.head_b.detach().cpu()}, f)
+        atomic_write_json(os.path.join(path, HEADS_CONFIG), {"num_classes": self.num_classes, "rank": self.rank},
+                          indent=None)
 
     @classmethod
     def from_pretrained(cls, path: str, **kwargs: Any) -> "CLIPWithClassTextHeads":

@@ -54,15 +54,7 @@ from .penalties import Penalty
 from .rows import stats_dtype
 from .sampling import ConstraintBatchStream, ConstraintSampler
 from .shared_forward import SharedObjectiveForward
-from .strategies import (
-    MARGIN_FLAGS,
-    EstimateSource,
-    Margin,
-    OneSplit,
-    as_margin,
-    margin_flag,
-    margin_rules,
-)
+from .strategies import EstimateSource, Margin, OneSplit, as_margin, margin_rules, margin_settings
 
 logger = logging.getLogger(__name__)
 
@@ -242,10 +234,6 @@ class ConstraintEngine:
     def settings(self) -> EngineSettings:
         """The settings this engine runs with (:class:`EngineSettings`), read from its parts."""
         c = self._configured
-        flags = {flag: None for flag in MARGIN_FLAGS}
-        flag = margin_flag(self.margin_rule)
-        if flag is not None:  # the flag that spells the run's rule, with the rule's parameter
-            flags[flag] = getattr(self.margin_rule, dataclasses.fields(self.margin_rule)[0].name)
         in_force = dict(Counter("none" if rule is None else rule.describe() for rule in self.margins))
         return EngineSettings(
             constraint_penalty=self.penalty.name, penalty_beta=self.penalty.beta, num_constraints=len(self.constraints),
@@ -253,8 +241,9 @@ class ConstraintEngine:
             msvr_gamma=self.estimator.gamma, msvr_gamma_prime=self.estimator.gamma_prime,
             msvr_gamma_prime_rule=c["gamma_prime_rule"], constraint_seed=self.sampler.seed,
             share_constraint_batches=c["share_constraint_batches"], check_constraint_finite=bool(self.check_finite),
-            **flags, margin_rule="none" if self.margin_rule is None else self.margin_rule.describe(),
-            margin_rules=in_force, **self.source.settings(self.batch_size), estimate_source=self.source.describe())
+            **margin_settings(self.margin_rule),
+            margin_rule="none" if self.margin_rule is None else self.margin_rule.describe(), margin_rules=in_force,
+            **self.source.settings(self.batch_size), estimate_source=self.source.describe())
 
     def _shared_stream_owners(self) -> list[int]:
         """The first member of each row group on the same dataset object draws for all of them."""

@@ -86,6 +86,10 @@ class Margin(ABC):
         return _describe(self)
 
     @abstractmethod
+    def flag_value(self) -> float:
+        """The value of the run flag that spells this rule (:data:`MARGIN_FLAGS`), as reports record it."""
+
+    @abstractmethod
     def coefficient(self, constraint: "Constraint") -> float:
         """This rule's number for ``constraint`` (0: no margin)."""
 
@@ -120,6 +124,9 @@ class FixedMargin(Margin):
     def __post_init__(self) -> None:
         object.__setattr__(self, "value", self._checked(self.value, "margin", lambda v: math.isfinite(v) and v >= 0))
 
+    def flag_value(self) -> float:
+        return self.value
+
     def coefficient(self, constraint: "Constraint") -> float:
         return self.value
 
@@ -142,6 +149,9 @@ class CalibratedMargin(Margin):
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "confidence", self._checked(self.confidence, "confidence", lambda v: 0.5 <= v < 1))
+
+    def flag_value(self) -> float:
+        return self.confidence
 
     def coefficient(self, constraint: "Constraint") -> float:
         return z_value(self.confidence)
@@ -177,6 +187,9 @@ class CertificateMargin(Margin):
     def __post_init__(self) -> None:
         object.__setattr__(self, "delta", self._checked(self.delta, "certificate_delta", lambda v: 0 < v < 1))
 
+    def flag_value(self) -> float:
+        return self.delta
+
     def coefficient(self, constraint: "Constraint") -> float:
         """``log(2 / delta')``, delta' the constraint's share of delta (the union bound of a group difference)."""
         share = group_difference_share(grouped=constraint.group_key is not None, absolute=constraint.outer is not None)
@@ -206,6 +219,16 @@ MARGIN_FLAGS: dict[str, type[Margin]] = {"constraint_margin": FixedMargin, "cons
 def margin_flag(rule: Optional[Margin]) -> Optional[str]:
     """The run flag of :data:`MARGIN_FLAGS` that spells ``rule``'s class (``None``: no rule, or no flag spells it)."""
     return next((flag for flag, cls in MARGIN_FLAGS.items() if type(rule) is cls), None)
+
+
+def margin_settings(rule: Optional[Margin]) -> dict[str, Optional[float]]:
+    """The run's margin flags as ``rule`` sets them: the flag that spells it (:func:`margin_flag`) with the rule's
+    :meth:`~Margin.flag_value`, every other flag ``None`` (all ``None``: no rule, or one no flag spells)."""
+    flags: dict[str, Optional[float]] = dict.fromkeys(MARGIN_FLAGS)
+    flag = margin_flag(rule)
+    if flag is not None:
+        flags[flag] = rule.flag_value()
+    return flags
 
 
 def as_margin(value: Any) -> Optional[Margin]:
@@ -326,8 +349,7 @@ class TwoSplit(EstimateSource):
     name: ClassVar[str] = "two_split"
 
     def __post_init__(self) -> None:
-        if isinstance(self.fraction, bool) or not 0.0 < float(self.fraction) < 1.0:
-            raise ValueError(f"constraint_indicator_fraction must be in (0, 1), got {self.fraction}")
+        check_indicator_fraction(self.fraction)
         if self.indicator_batch_size is not None and (isinstance(self.indicator_batch_size, bool)
                                                       or int(self.indicator_batch_size) != self.indicator_batch_size
                                                       or self.indicator_batch_size < 1):
@@ -355,6 +377,19 @@ class TwoSplit(EstimateSource):
                 "constraint_proxy_indicator": self.proxy_statistic}
 
 
+def check_indicator_fraction(fraction: Any) -> float:
+    """``constraint_indicator_fraction`` as a number in (0, 1), the share of each constraint's rows that drives the
+    estimate under two-split estimation; else a ``ValueError`` naming the flag. The one check of the flag (the
+    arguments' ``__post_init__``, :class:`TwoSplit` and :func:`split_for_indicator` call it)."""
+    try:
+        number = float(fraction)
+    except (TypeError, ValueError):
+        number = math.nan
+    if isinstance(fraction, bool) or not 0.0 < number < 1.0:
+        raise ValueError(f"constraint_indicator_fraction must be in (0, 1), got {fraction}")
+    return number
+
+
 def estimate_source(indicator_fraction: Optional[float] = None, indicator_batch_size: Optional[int] = None,
                     proxy_indicator: bool = False) -> EstimateSource:
     """The run's estimate source from its flags (``constraint_indicator_fraction``,
@@ -379,8 +414,7 @@ def split_for_indicator(constraints: Sequence[Constraint], fraction: float, seed
     independently. The indicator part holds ``round(fraction * n)`` rows; both parts need one.
     With ``proxy``, the indicator view of a constraint with a ``certify.statistic`` evaluates that
     statistic (its ``row_fn``, tolerance, no ``outer``)."""
-    if not 0.0 < fraction < 1.0:
-        raise ValueError(f"constraint_indicator_fraction must be in (0, 1), got {fraction}")
+    check_indicator_fraction(fraction)
     grad_views, ind_views = [], []
     parts_of: dict[int, tuple[Any, Any]] = {}  # id(dataset) -> (gradient part, indicator part)
     for k, c in enumerate(constraints):
@@ -416,5 +450,5 @@ def split_for_indicator(constraints: Sequence[Constraint], fraction: float, seed
 
 
 __all__ = ["CalibratedMargin", "CertificateMargin", "EstimateSource", "FixedMargin", "MARGIN_FLAGS", "Margin",
-           "OneSplit", "SpreadAt", "TwoSplit", "as_margin", "estimate_source", "margin_flag", "margin_rules",
-           "run_margin", "split_for_indicator"]
+           "OneSplit", "SpreadAt", "TwoSplit", "as_margin", "check_indicator_fraction", "estimate_source",
+           "margin_flag", "margin_rules", "margin_settings", "run_margin", "split_for_indicator"]

@@ -442,8 +442,11 @@ class Certifiability:
                 f"{need}. Give it more certification rows or a larger tolerance")
 
 
-def _rows_needed(bound: str, value_range: tuple[float, float], tolerance: float, delta: float) -> Optional[int]:
-    """The fewest rows whose best-case bound is within ``tolerance`` (doubling, then bisection)."""
+def rows_needed(bound: str, value_range: tuple[float, float], tolerance: float, delta: float) -> Optional[int]:
+    """The fewest rows whose best-case bound (:func:`~hf_constrained.safety.bounds.smallest_certifiable`: nothing
+    forgotten) at ``delta`` is within ``tolerance``, by doubling, then bisection; ``None`` when no number of rows
+    reaches it (or for ``betting``, whose every evaluation is a full betting pass). For a 0/1 rate under
+    Clopper-Pearson it is ``ceil(log(delta) / log(1 - tolerance))``."""
     if bound == "betting":
         return None  # each evaluation is a full betting pass: not worth a search
     def fits(n: int) -> bool:
@@ -490,7 +493,7 @@ def certifiability(name: str, bound: str, value_range: tuple[float, float], tole
     floor = max(floors) - (low if grouped else 0.0)
     needed = None
     if floor > tol:
-        needed = _rows_needed(bound, value_range, tol + (low if grouped else 0.0), level)
+        needed = rows_needed(bound, value_range, tol + (low if grouped else 0.0), level)
         return Certifiability(name, tuple(int(n) for n in rows), tol, delta, floor, needed,
                               never=needed is None and bound != "betting")
     return Certifiability(name, tuple(int(n) for n in rows), tol, delta, floor, needed)
@@ -526,5 +529,6 @@ __all__ = [
     "certify",
     "first_look_delta",
     "point_value",
+    "rows_needed",
     "statistic_upper_bound",
 ]

@@ -234,6 +234,7 @@ def evaluate_report(
     certificate: Optional[Certificate] = None,
     certificate_candidate: int = 0,
     statistics: Optional[Mapping[str, Mapping[str, Any]]] = None,
+    fingerprint: Optional[str] = None,
 ) -> SafetyReport:
     """Evaluate the model in the run on held-out data and build its :class:`SafetyReport`.
 
@@ -266,6 +267,8 @@ def evaluate_report(
             the table, the JSON and the card.
         statistics: what each certificate measures (:func:`certified_statistics`; computed,
             with ``old_model``, when not given).
+        fingerprint: the :func:`weights_fingerprint` of the weights now in the model, where the caller has
+            hashed them already (default: hashed here).
     """
     if not view.constraints:
         raise ValueError("a safety report needs constraints: this trainer has none")
@@ -289,7 +292,8 @@ def evaluate_report(
     if checkpoint is None and weights_origin is not None:
         # after training, load_best_model_at_end put the best checkpoint's weights in the model
         step, checkpoint = weights_origin
-    fingerprint = weights_fingerprint(host.model)  # hashed once: the ledger's candidate identity and the report's
+    if fingerprint is None:  # hashed once: the ledger's candidate identity and the report's
+        fingerprint = weights_fingerprint(host.model)
     if certificate is None:
         certificate, certificate_candidate = certify_run(view, host, delta=delta, fingerprints=[fingerprint]), 0
     return SafetyReport(

@@ -152,12 +152,16 @@ def finish_run(
     loop.rule, loop.confidence, loop.delta = safety_rule, confidence, delta
     if candidates not in ("final", "checkpoints"):
         raise ValueError(f"candidates must be 'final' or 'checkpoints', got {candidates!r}")
-    certificate, candidate, released = (certify_checkpoints(loop, delta) if candidates == "checkpoints"
-                                        else (None, 0, None))
+    certificate, candidate, released, fingerprint = None, 0, None, None
+    if candidates == "checkpoints":
+        fingerprint = weights_fingerprint(host.model)  # the final weights, hashed once for the ledger and the report
+        certificate, candidate, released = certify_checkpoints(loop, delta, fingerprint)
+        if released is not None:
+            fingerprint = None  # a checkpoint's weights replaced them: the report hashes those
     report = loop.new_report(objective_metrics=objective_metrics, confidence=confidence, safety_rule=safety_rule,
                              extra_columns=extra_columns, delta=delta, certificate=certificate,
                              certificate_candidate=candidate, checkpoint=released,
-                             statistics=certified_statistics(view, host, old_model))
+                             statistics=certified_statistics(view, host, old_model), fingerprint=fingerprint)
     if released is not None:
         report.global_step = checkpoint_step(released)
     loop.set_report(report)
@@ -180,16 +184,18 @@ def finish_run(
     return report
 
 
-def certify_checkpoints(loop: SafetyLoop, delta: float) -> tuple[Optional[Certificate], int, Optional[str]]:
+def certify_checkpoints(loop: SafetyLoop, delta: float, current: Optional[str] = None
+                        ) -> tuple[Optional[Certificate], int, Optional[str]]:
     """Certify every complete checkpoint of the output directory in training order (then the
     final weights when they are none of them) and load the released one into the trainer:
     the certified candidate with the best selection-split objective, else the final weights.
+    ``current``: the :func:`weights_fingerprint` of the trainer's weights, where the caller has it.
     Returns the certificate, the released candidate's index and, when the trainer's weights
     were replaced, the checkpoint they now come from."""
     args, state, model = loop.view.args, loop.host.state, loop.host.model
     # training order (checkpoint_folders lists the newest first)
     folders = [f for f in reversed(checkpoint_folders(args.output_dir)) if is_complete_checkpoint(f)]
-    current = weights_fingerprint(model)
+    current = current if current is not None else weights_fingerprint(model)
     fingerprints: list[Optional[str]] = []
 
     def models() -> Iterator[Any]:

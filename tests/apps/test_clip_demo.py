@@ -368,6 +368,7 @@ def test_results_record_the_command_and_the_settings_it_parses_to(tmp_path, monk
     fake_run = {"accuracy": {n: 0.5 for n in demo.DIGIT_NAMES}, "h_train": {"a": 0.0}, "h_test": {"a": 0.0},
                 "kept_step": 1, "certificate": {"certified": True, "largest_bound": 0.1, "failing": []}}
     monkeypatch.setattr(demo, "pretrain_old_model", lambda *a, **k: "old")
+    monkeypatch.setattr(demo, "load_old_model", lambda path: None)
     monkeypatch.setattr(demo, "old_pools", lambda *a, **k: None)
     monkeypatch.setattr(demo, "old_accuracy", lambda *a, **k: {n: 0.5 for n in demo.DIGIT_NAMES})
     monkeypatch.setattr(demo, "finetune", lambda cfg, path, p, **k: {**fake_run, "penalty": p})

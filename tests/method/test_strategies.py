@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -35,7 +36,9 @@ from hf_constrained.method.strategies import (
     TwoSplit,
     estimate_source,
     margin_rules,
+    margin_settings,
     run_margin,
+    split_for_indicator,
 )
 
 
@@ -156,6 +159,40 @@ def test_the_earlier_spellings_keep_working():
     assert constraint("c", margin=0.1).confidence is None
     assert run_margin() is None and run_margin(margin=0.0) == FixedMargin(0.0)
     assert run_margin(certificate_delta=0.1) == CertificateMargin(0.1)
+
+
+def test_a_margin_rule_stands_for_its_flag_and_its_value():
+    """Each run flag gives the rule that reports that flag back with the same value, the other flags ``None``;
+    a rule no flag spells (a user's own class, even a subclass of a flag's) reports no flag."""
+    for flag, value in (("margin", 0.05), ("confidence", 0.9), ("certificate_delta", 0.01)):
+        expected = dict.fromkeys(("constraint_margin", "constraint_confidence", "constraint_certificate_delta"))
+        expected[f"constraint_{flag}"] = value
+        assert margin_settings(run_margin(**{flag: value})) == expected
+
+    @dataclass(frozen=True)
+    class Wider(FixedMargin):
+        extra: float = 1.0
+
+    assert set(margin_settings(Wider(0.1)).values()) == {None} and set(margin_settings(None).values()) == {None}
+
+
+def test_a_bad_indicator_fraction_is_one_error_naming_the_flag_before_training(tmp_path):
+    """One check (``check_indicator_fraction``), one message, from the arguments (0 included: it does not
+    silently mean one split there), the strategy and the split itself."""
+    from hf_constrained import ConstrainedTrainingArguments
+
+    message = r"constraint_indicator_fraction must be in \(0, 1\), got "
+    for bad in (0.0, 1.0, -0.2, 1.5):
+        with pytest.raises(ValueError, match=message + str(bad)):
+            ConstrainedTrainingArguments(output_dir=str(tmp_path), report_to=[], constraint_indicator_fraction=bad)
+        with pytest.raises(ValueError, match=message + str(bad)):
+            TwoSplit(bad)
+        with pytest.raises(ValueError, match=message + str(bad)):
+            split_for_indicator([], bad, seed=0)
+    with pytest.raises(ValueError, match=message + "True"):
+        TwoSplit(True)
+    assert ConstrainedTrainingArguments(output_dir=str(tmp_path), report_to=[],
+                                        constraint_indicator_fraction=0.25).estimate_source() == TwoSplit(0.25)
 
 
 def test_the_estimate_source_stands_for_its_flags():

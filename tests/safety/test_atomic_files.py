@@ -36,3 +36,32 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary_file(tmp_path, monk
         atomic_write_json(path, {"certified": False})
     assert json.loads(open(path, encoding="utf-8").read()) == {"certified": True}
     assert os.listdir(tmp_path) == ["report.json"]
+
+
+def test_binary_files_through_atomic_open_whole_or_not_at_all(tmp_path, monkeypatch):
+    """``torch.save``/``numpy.savez`` go through ``atomic_open``: written whole (synced with ``fsync``); a write that
+    fails midway leaves the old file and no temporary one; the temporary name ends with ``.tmp``, which a
+    checkpoint's manifest and the Hub push leave out."""
+    import numpy as np
+    import torch
+
+    from hf_constrained.constraint_state import atomic_torch_save
+
+    path = str(tmp_path / "state.pt")
+    atomic_torch_save({"x": torch.arange(3)}, path)
+    assert torch.equal(torch.load(path)["x"], torch.arange(3))
+    seen = []
+    with pytest.raises(RuntimeError, match="midway"):
+        with atomic.atomic_open(path, "wb") as f:
+            seen.append(f.name)
+            f.write(b"half")
+            raise RuntimeError("midway")
+    assert seen[0].endswith(".tmp") and os.path.dirname(seen[0]) == str(tmp_path)
+    assert torch.equal(torch.load(path)["x"], torch.arange(3)) and os.listdir(tmp_path) == ["state.pt"]
+    npz = str(tmp_path / "splits.npz")
+    with atomic.atomic_open(npz, "wb", fsync=True) as f:
+        np.savez_compressed(f, a=np.ones(2))
+    assert np.load(npz)["a"].tolist() == [1.0, 1.0] and sorted(os.listdir(tmp_path)) == ["splits.npz", "state.pt"]
+    with pytest.raises(ValueError, match="mode"):
+        with atomic.atomic_open(npz, "a"):
+            pass

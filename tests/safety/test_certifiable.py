@@ -1,12 +1,14 @@
 """Before training: a certification split that can never certify its tolerance is named, with its size."""
 
+import math
+
 import numpy as np
 import pytest
 from fairness_tiny import biased_split
 
 from hf_constrained.fairness import roc_fairness_constraints
 from hf_constrained.safety.bounds import clopper_pearson_upper_bound
-from hf_constrained.safety.certify import certifiability, first_look_delta
+from hf_constrained.safety.certify import certifiability, first_look_delta, rows_needed
 from hf_constrained.safety.splits import check_certifiable
 
 
@@ -44,3 +46,13 @@ def test_rows_needed_is_the_fewest_that_certify_with_nothing_forgotten():
         certifiability("forget", "clopper_pearson", (0, 1), 1.5, [100], 0.025)
     with pytest.raises(ValueError, match="'gap': tolerance -0.1 cannot be expressed.*difference of group means"):
         certifiability("gap", "clopper_pearson", (0, 1), -0.1, [100, 100], 0.025, absolute=True)
+
+
+@pytest.mark.parametrize("delta", [0.05, 0.045, 0.0045, 0.00045, 0.025, 0.001])
+@pytest.mark.parametrize("tolerance", [0.01, 0.02, 0.03, 0.05, 0.1, 0.15, 0.2, 0.25, 0.5])
+def test_rows_needed_for_a_rate_is_the_closed_form_the_demo_states(tolerance, delta):
+    """Clopper-Pearson with none of n forgotten bounds at ``1 - delta ** (1 / n)``: the fewest rows within
+    ``tolerance`` are ``ceil(log(delta) / log(1 - tolerance))`` (what the demo's "needs at least" line says)."""
+    n = rows_needed("clopper_pearson", (0.0, 1.0), tolerance, delta)
+    assert n == math.ceil(math.log(delta) / math.log(1 - tolerance))
+    assert certifiability("f", "clopper_pearson", (0, 1), tolerance, [n - 1], delta).rows_needed == n

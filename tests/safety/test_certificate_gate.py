@@ -144,25 +144,27 @@ def test_a_proxy_statistic_is_what_gets_certified(tmp_path):
     assert SafetyReport.load(str(tmp_path / "run")).certified == report.certified
 
 
+def make_saving(tmp_path, tolerance):
+    """A run that saves (and evaluates) a checkpoint at each of its 5 steps."""
+    kw = dict(dataset=rows(1, 40), eval_dataset=rows(2, 40), tolerance=tolerance,
+              certify=Certification(dataset=rows(3, 300), value_range=(0.0, 1.0)))
+    args = ConstrainedTrainingArguments(
+        output_dir=str(tmp_path / "run"), per_device_train_batch_size=4, learning_rate=0.1, optim="sgd",
+        weight_decay=0.0, max_grad_norm=0.0, lr_scheduler_type="constant", report_to=[], disable_tqdm=True,
+        use_cpu=True, seed=0, max_steps=5, logging_steps=1, eval_strategy="steps", eval_steps=1,
+        save_strategy="steps", save_steps=1, metric_for_best_model="loss", constraint_penalty="none",
+        constraint_batch_size=4, save_only_model=True)
+    torch.manual_seed(0)
+    return ConstrainedTrainer(model=ThetaModel(ThetaConfig()), args=args, train_dataset=objective_data(),
+                              eval_dataset=objective_data(8),
+                              constraints=[Constraint("rate", row_fn=scaled_rate, **kw)])
+
+
 def test_checkpoints_are_certified_in_training_order_and_the_best_certified_is_released(tmp_path):
     """theta grows with every step (1.0, 1.8, 2.44, 2.95, ...), and so does the rate: fixed-sequence
     testing in training order certifies the early checkpoints, stops at the first that fails, and
     the release is the certified checkpoint with the best selection objective (the latest certified)."""
-    def make_saving(tolerance):
-        kw = dict(dataset=rows(1, 40), eval_dataset=rows(2, 40), tolerance=tolerance,
-                  certify=Certification(dataset=rows(3, 300), value_range=(0.0, 1.0)))
-        args = ConstrainedTrainingArguments(
-            output_dir=str(tmp_path / "run"), per_device_train_batch_size=4, learning_rate=0.1, optim="sgd",
-            weight_decay=0.0, max_grad_norm=0.0, lr_scheduler_type="constant", report_to=[], disable_tqdm=True,
-            use_cpu=True, seed=0, max_steps=5, logging_steps=1, eval_strategy="steps", eval_steps=1,
-            save_strategy="steps", save_steps=1, metric_for_best_model="loss", constraint_penalty="none",
-            constraint_batch_size=4, save_only_model=True)
-        torch.manual_seed(0)
-        return ConstrainedTrainer(model=ThetaModel(ThetaConfig()), args=args, train_dataset=objective_data(),
-                                  eval_dataset=objective_data(8),
-                                  constraints=[Constraint("rate", row_fn=scaled_rate, **kw)])
-
-    trainer = make_saving(tolerance=0.13)
+    trainer = make_saving(tmp_path, tolerance=0.13)
     trainer.train()
     x = np.asarray(rows(3, 300)["x"])
     thetas = [5.0 * (1 - 0.8 ** t) for t in range(1, 6)]
@@ -179,6 +181,34 @@ def test_checkpoints_are_certified_in_training_order_and_the_best_certified_is_r
     assert report.certified and report.certificate_candidate == expected[-1]
     assert float(trainer.model.theta) == pytest.approx(thetas[expected[-1]], abs=1e-5)
     assert report.global_step == expected[-1] + 1 and report.checkpoint == f"checkpoint-{expected[-1] + 1}"
+
+
+def test_certified_checkpoints_are_known_by_their_own_weights_each_hashed_once(tmp_path, monkeypatch):
+    """Every checkpoint certifies and the last (the final weights) is released: the ledger's identities are the
+    candidates' own weights fingerprints (certifying the same checkpoints again, each hashed afresh, is the same
+    look), the report's fingerprint is the weights in the trainer, and each candidate's weights are hashed once
+    (5 checkpoints; the final weights, which are the last of them, once more, to know that they are)."""
+    from hf_constrained.safety import evaluation, finish
+    from hf_constrained.safety.fingerprint import weights_fingerprint
+
+    trainer = make_saving(tmp_path, tolerance=0.5)
+    trainer.train()
+    hashed = []
+
+    def counted(model):
+        hashed.append(model)
+        return weights_fingerprint(model)
+
+    for module in (finish, evaluation):
+        monkeypatch.setattr(module, "weights_fingerprint", counted)
+    report = finish_run(trainer, plots=False, candidates="checkpoints")
+    assert report.certificate["certified"] == [0, 1, 2, 3, 4] and report.certificate_candidate == 4
+    assert report.checkpoint is None and report.weights_fingerprint == weights_fingerprint(trainer.model)
+    assert len(hashed) == 6 and report.certificate["looks"] == {"rate": 1}
+    monkeypatch.undo()
+    folders = [str(tmp_path / "run" / f"checkpoint-{step}") for step in range(1, 6)]
+    again = trainer.safety.certify([trainer.safety.checkpoint_model(f) for f in folders])
+    assert again.looks == {"rate": 1} and again.upper_bounds == report.certificate["upper_bounds"]
 
 
 def test_license_and_pipeline_tag_reach_the_card(tmp_path):
