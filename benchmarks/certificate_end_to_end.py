@@ -35,6 +35,9 @@ from typing import Any, Callable
 
 from scipy.stats import binomtest
 
+from hf_constrained.atomic_files import atomic_write_json
+from hf_constrained.publishable import publishable_command
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "recipes"))
 
@@ -130,13 +133,11 @@ def main() -> None:
         runs.append(run)
         logging.getLogger(__name__).info("seed %d done", seed)
         sys.stderr.write(f"seed {seed}: certified={run['certified']} point={run['point_rule_passes']}\n")
-    summary = {"command": " ".join(["python benchmarks/certificate_end_to_end.py", *sys.argv[1:]]),
+    summary = {"command": publishable_command("python benchmarks/certificate_end_to_end.py", sys.argv[1:]),
                "recipe": args.recipe, "seeds": args.seeds, "seconds": round(time.time() - start, 1),
                **summarize(runs, args.delta), "per_run": runs}
-    text = json.dumps(summary, indent=1)
     if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            f.write(text + "\n")
+        atomic_write_json(args.out, summary, indent=1, newline=True)
     sys.stdout.write(json.dumps({k: summary[k] for k in ("certificate", "point_rule")}, indent=1) + "\n")
 
 

@@ -41,7 +41,6 @@ Every field of ``ConstrainedTrainingArguments`` is a flag (``--penalty_beta``, `
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import shutil
@@ -63,6 +62,7 @@ from hf_constrained import (
     constraints_per_value,
     finish_run,
 )
+from hf_constrained.atomic_files import atomic_write_json
 from hf_constrained.extras import require_extra
 from hf_constrained.non_forgetting import CORRECT_KEY, ForgottenRows
 from hf_constrained.publishable import publishable_command
@@ -223,8 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     results = release_results(trainer, report, rows.get("audit"), opts)
     if trainer.is_world_process_zero():
-        with open(os.path.join(training_args.output_dir, "results.json"), "w", encoding="utf-8") as f:
-            json.dump(results, f, indent=1)
+        atomic_write_json(os.path.join(training_args.output_dir, "results.json"), results, indent=1)
     print(report.render())
     try:
         trainer.safety.check_safe_to_push(allow_unsafe=opts.allow_unsafe)
