@@ -106,11 +106,16 @@ def parse_with_config(parser: argparse.ArgumentParser, argv: Sequence[str]) -> a
             values = load_config_file(known.config)
         except RecipeConfigError as err:
             parser.error(str(err))
-        dests = {a.dest for a in parser._actions}
-        unknown = sorted(str(k).replace("-", "_") for k in values if str(k).replace("-", "_") not in dests)
+        # a key is an option's name without dashes (`penalty_beta` for `--penalty_beta`, which the demo stores
+        # as `beta`) or its destination: the help shows the option names, so those must work in a file too
+        dest_of = {a.dest: a.dest for a in parser._actions if a.dest != argparse.SUPPRESS}
+        dest_of.update({o[2:].replace("-", "_"): a.dest for a in parser._actions for o in a.option_strings
+                        if o.startswith("--") and a.dest != argparse.SUPPRESS})
+        keys = {str(k): str(k).replace("-", "_") for k in values}
+        unknown = sorted(k for k in keys.values() if k not in dest_of)
         if unknown:
             parser.error(f"--config {known.config}: unknown keys {unknown} (not an option of this command)")
-        parser.set_defaults(**{str(k).replace("-", "_"): v for k, v in values.items()})
+        parser.set_defaults(**{dest_of[keys[str(k)]]: v for k, v in values.items()})
     return parser.parse_args(list(argv))
 
 

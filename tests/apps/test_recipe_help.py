@@ -101,6 +101,26 @@ def test_the_demo_takes_a_config_file(tmp_path):
         parse_with_config(parser, ["--config", str(config)])
 
 
+def test_a_demo_config_file_takes_the_option_names_its_help_shows(tmp_path):
+    """``--penalty_beta BETA`` in the demo's help is stored as ``beta``: a file says ``penalty_beta: 3`` (the
+    name the help shows, the recipes' spelling) or ``beta: 3``; a misspelt key is still an error."""
+    from hf_constrained.recipe_args import parse_with_config
+    from hf_constrained.recipes import demo_clip_digits as demo
+
+    parser = argparse.ArgumentParser(prog="hf-constrained demo")
+    parser.add_argument("--config", default=None)
+    demo.add_demo_arguments(parser)
+    config = tmp_path / "demo.yaml"
+    config.write_text("penalty_beta: 3.5\nmax_steps: 12\nconstraint_penalty: none\nlearning-rate: 0.01\n")
+    options = parse_with_config(parser, ["--config", str(config)])
+    assert (options.beta, options.steps, options.penalties, options.lr) == (3.5, 12, "none", 0.01)
+    config.write_text("beta: 2.5\n")
+    assert parse_with_config(parser, ["--config", str(config), "--max_steps", "4"]).beta == 2.5
+    config.write_text("penalty_bta: 3\n")
+    with pytest.raises(SystemExit):
+        parse_with_config(parser, ["--config", str(config)])
+
+
 def test_the_demo_module_takes_a_config_file_too(tmp_path, capsys):
     """``python -m hf_constrained.recipes.demo_clip_digits`` (what ``make demo`` runs) reads ``--config``."""
     from hf_constrained.recipes import demo_clip_digits as demo
