@@ -228,7 +228,15 @@ def parse_recipe_args(dataclass_types: Sequence[type], argv: Optional[Sequence[s
             getattr(a, "dest", None) == "dataloader_pin_memory" for a in parser._actions):
         # pinned memory only helps copies to an accelerator; without one torch warns at every dataloader
         parser.set_defaults(dataloader_pin_memory=False)
-    outputs = parser.parse_args_into_dataclasses(args=list(rest))
+    try:
+        outputs = parser.parse_args_into_dataclasses(args=list(rest))
+    except RecipeConfigError:
+        raise
+    except ValueError as err:
+        # a dataclass's own check of the merged values (``__post_init__``: the recipe's, or the Trainer's, e.g.
+        # --load_best_model_at_end with unequal strategies) is the user's setting, found before anything loads:
+        # ``hf-constrained <recipe>`` shows it in one line, not under a traceback
+        raise RecipeConfigError(str(err)) from err
     for parsed in outputs[: len(dataclass_types)]:
         if isinstance(parsed, TrainingArguments):  # before any model or data loads
             check_multi_process_launch(parsed, parser.error)

@@ -548,6 +548,16 @@ def mean_loss(model: torch.nn.Module, dataset: Any, zs: ZeroShotLoss, collate: C
     return float(reference_losses(model, dataset, zs, collate).mean())
 
 
+def check_certificate_settings(cfg: DemoConfig) -> None:
+    """The certificate's claim and level, checked before any model is trained (they are read only at the
+    end, after minutes of training), naming the flag."""
+    if not 0 < cfg.delta < 1:  # NaN fails too
+        raise ValueError(f"--delta must be in (0, 1), got {cfg.delta}")
+    if not 0 < cfg.forget_tolerance <= 1:
+        raise ValueError(f"--forget_tolerance is a share of each protected class's images forgotten, in (0, 1] "
+                         f"(0.15: at most 15 points lost), got {cfg.forget_tolerance}")
+
+
 def check_indicator(cfg: DemoConfig, certify: bool = True) -> None:
     """Reject indicator settings that would be ignored or contradictory, naming the flag."""
     if cfg.select_on not in SELECT_ON:
@@ -1207,6 +1217,7 @@ def run_demo(ns: argparse.Namespace, echo: Optional[Callable[[str], None]] = Non
     echo(f"hf_constrained demo: CLIP non-forgetting fine-tuning on {cfg0.data} (target: {source.names[cfg0.target]}, "
          f"seeds {seeds})")
     check_indicator(cfg0, certify=cfg0.certify_fraction > 0)  # before any model is trained
+    check_certificate_settings(cfg0)
     if command is None:
         command = shlex.join([os.path.basename(sys.argv[0]), *sys.argv[1:]])
     # no secret and no local path in a results file: an absolute --output or cache folder becomes <local>/name

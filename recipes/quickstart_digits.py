@@ -66,7 +66,7 @@ from hf_constrained import (
 )
 from hf_constrained.atomic_files import atomic_write_json
 from hf_constrained.publishable import publishable_command, publishable_values
-from hf_constrained.recipe_args import given_flags, parse_recipe_args
+from hf_constrained.recipe_args import RecipeConfigError, given_flags, parse_recipe_args
 from hf_constrained.safety.evaluation import certify_models
 from hf_constrained.safety.splits import carve_certification, check_certify_fraction
 
@@ -220,17 +220,21 @@ def check_recipe_flags(opts: QuickstartArguments, args: ConstrainedTrainingArgum
     trains all three methods (so ``--constraint_penalty`` must stay at its default), and
     ``--seeds`` gives the seeds (so ``--seed`` must stay at its default)."""
     if opts.compare and args.constraint_penalty != "hinge":
-        raise ValueError(f"--constraint_penalty {args.constraint_penalty} is not used with --compare true (it trains "
-                         "hinge, squared_hinge and none): pass --compare false to train one method")
+        raise RecipeConfigError(f"--constraint_penalty {args.constraint_penalty} is not used with --compare true (it "
+                                "trains hinge, squared_hinge and none): pass --compare false to train one method")
     if opts.seeds and args.seed != TRAINING_DEFAULTS["seed"]:
-        raise ValueError(f"--seed {args.seed} is not used with --seeds {opts.seeds}: put every seed in --seeds")
+        raise RecipeConfigError(f"--seed {args.seed} is not used with --seeds {opts.seeds}: put every seed in "
+                                "--seeds")
     if opts.seeds and not all(s.strip().lstrip("-").isdigit() for s in opts.seeds.split(",")):
-        raise ValueError(f"--seeds {opts.seeds!r}: expected comma-separated integers, e.g. 0,1,2")
-    check_certify_fraction(opts.certify_fraction)
+        raise RecipeConfigError(f"--seeds {opts.seeds!r}: expected comma-separated integers, e.g. 0,1,2")
+    try:
+        check_certify_fraction(opts.certify_fraction)
+    except ValueError as err:
+        raise RecipeConfigError(str(err)) from None
     if not 0.0 <= opts.error_tolerance <= 1.0:
-        raise ValueError(f"--error_tolerance is an error rate, in [0, 1]; got {opts.error_tolerance}")
+        raise RecipeConfigError(f"--error_tolerance is an error rate, in [0, 1]; got {opts.error_tolerance}")
     if not 0.0 < opts.delta < 1.0:
-        raise ValueError(f"--delta must be in (0, 1), got {opts.delta}")
+        raise RecipeConfigError(f"--delta must be in (0, 1), got {opts.delta}")
 
 
 def parse_args(argv: Optional[list[str]] = None) -> tuple[QuickstartArguments, ConstrainedTrainingArguments]:

@@ -157,6 +157,15 @@ class ReleaseArguments:
     docs: Optional[str] = field(default=None, metadata={"help": "copy the figures and the card here (README material)"})
     allow_unsafe: bool = field(default=False, metadata={"help": "with --hub_model_id: push even if a constraint fails"})
 
+    def __post_init__(self) -> None:
+        # the certificate reads these only after training: a value it cannot use stops the run here, naming the flag
+        if not 0 < self.forget_tolerance <= 1:  # NaN fails too
+            raise ValueError(f"--forget_tolerance is a share of each old digit's images forgotten, in (0, 1] "
+                             f"(0.2: at most 20%), got {self.forget_tolerance}")
+        if not 0 < self.delta < 1:
+            raise ValueError(f"--delta must be in (0, 1), got {self.delta}")
+        check_certify_fraction(self.audit_fraction, "--audit_fraction")
+
 
 def main(argv: list[str] | None = None) -> int:
     opts, training_args = parse_recipe_args([ReleaseArguments, ConstrainedTrainingArguments], argv,
@@ -164,7 +173,6 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     seed = training_args.seed
 
-    check_certify_fraction(opts.audit_fraction, "--audit_fraction")
     load_digits = require_extra("sklearn.datasets", "recipes", "the safe-release recipe's digits").load_digits
     train_test_split = require_extra("sklearn.model_selection", "recipes", "the safe-release recipe's splits"
                                      ).train_test_split

@@ -126,6 +126,8 @@ class ROCFairnessArguments:
         if any(not 0 < f < 1 for f in self.decay_list):
             raise ValueError(f"lr_decay_at fractions must be in (0, 1), got {self.decay_list}")
         check_certify_fraction(self.certify_fraction)
+        if not 0 < float(self.delta) < 1:  # read only by the certificate, after training: checked here, before it
+            raise ValueError(f"--delta must be in (0, 1), got {self.delta}")
 
 
 def _score_bound(text: Any, thresholds: Sequence[float]) -> Optional[float]:

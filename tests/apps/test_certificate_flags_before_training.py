@@ -1,0 +1,50 @@
+"""A certificate setting a recipe cannot use (``--delta 2``, a share above 1, an audit share of 1) and a
+combination the Trainer's own arguments refuse are one-line errors naming the flag, before anything trains:
+these values are read only at the end of a run, so a late check costs the user the whole training."""
+
+from __future__ import annotations
+
+import pytest
+
+from hf_constrained import ConstrainedTrainer
+from hf_constrained.cli import main
+
+
+def _no_training(*args, **kwargs):
+    raise AssertionError("the recipe trained before refusing a flag")
+
+
+@pytest.mark.parametrize("command, flags, message", [
+    ("safe-release", ["--delta", "2"], "--delta must be in (0, 1), got 2.0"),
+    ("safe-release", ["--forget_tolerance", "1.5"], "--forget_tolerance is a share of each old digit's images"),
+    ("safe-release", ["--audit_fraction", "1"], "--audit_fraction must be in [0, 1), got 1.0"),
+    ("safe-release", ["--eval_strategy", "no", "--load_best_model_at_end", "true"],
+     "--load_best_model_at_end requires the save and eval strategy to match"),
+    ("quickstart", ["--delta", "0"], "--delta must be in (0, 1), got 0.0"),
+    ("quickstart", ["--certify_fraction", "1"], "--certify_fraction must be in [0, 1)"),
+    ("fairness", ["--delta", "1.5"], "--delta must be in (0, 1), got 1.5"),
+    ("fairness", ["--dataset", "csv"], "--dataset csv needs --csv_path, --label_column and --group_column"),
+])
+def test_a_certificate_setting_is_refused_in_one_line_before_training(command, flags, message, tmp_path, capsys,
+                                                                      monkeypatch):
+    monkeypatch.setattr(ConstrainedTrainer, "train", _no_training)
+    out = tmp_path / "out"
+    code = main([command, *flags, "--output_dir", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.strip() == f"hf-constrained {command}: error: {err.strip().split('error: ', 1)[1]}"
+    assert message in err and "Traceback" not in err
+    assert not out.exists()  # nothing written: no checkpoint, no report
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--delta", "2"], "--delta must be in (0, 1), got 2.0"),
+    (["--forget_tolerance", "15"], "--forget_tolerance is a share of each protected class's images forgotten"),
+])
+def test_the_demo_refuses_a_certificate_setting_before_stage_1(flags, message, tmp_path, capsys, monkeypatch):
+    from hf_constrained.recipes import demo_clip_digits as demo
+
+    monkeypatch.setattr(demo, "run_seed", _no_training)
+    assert main(["demo", *flags, "--cache_dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
