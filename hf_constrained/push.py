@@ -19,8 +19,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
 
-PUSH_IGNORE = ["checkpoint-*", "checkpoint-*/**", "*.tmp*", "runs/**", "optimizer.pt", "scheduler.pt", "rng_state*.pth"]
-"""What ``hf-constrained push`` leaves out of the upload: checkpoints (judged on their own), training state, logs."""
+PUSH_IGNORE = ["checkpoint-*", "checkpoint-*/**", "*.tmp*", "runs/**", "optimizer.pt", "scheduler.pt", "rng_state*.pth",
+               "*.lock"]
+"""What ``hf-constrained push`` leaves out of the upload: checkpoints (judged on their own), training state, logs,
+lock files (the empty ``certification_ledger.json.lock`` beside the ledger)."""
+
+OFFLINE_BEFORE_TRAINING = ("unset it, or drop --push_to_hub / --hub_model_id and push the finished run later "
+                           "(hf-constrained push RUN_DIR --repo_id owner/name)")
+OFFLINE_PUSH = "unset it (or set HF_HUB_OFFLINE=0) and run the push again"
 
 
 def hub_api() -> Any:
@@ -36,16 +42,17 @@ def _offline() -> bool:
     return bool(constants.HF_HUB_OFFLINE)
 
 
-def hub_access_problem(token: Optional[str] = None, api: Optional[Any] = None) -> Optional[str]:
+def hub_access_problem(token: Optional[str] = None, api: Optional[Any] = None, *,
+                       offline_hint: str = OFFLINE_BEFORE_TRAINING) -> Optional[str]:
     """Why a push to the Hub would fail, in one line, or ``None``: ``whoami`` with ``token`` (default:
-    the logged-in token or ``HF_TOKEN``) through ``api`` (default: :func:`hub_api`)."""
+    the logged-in token or ``HF_TOKEN``) through ``api`` (default: :func:`hub_api`). ``offline_hint``: what to
+    do about ``HF_HUB_OFFLINE=1``, in the words of the command that asks (a recipe's flags, or ``push``)."""
     api = hub_api() if api is None else api
     try:
         api.whoami(token=token)
     except Exception as exc:  # noqa: BLE001 - any failure of the Hub client is the user's to fix, said in one line
         if _offline():
-            return ("HF_HUB_OFFLINE=1 is set, so nothing can be pushed: unset it, or drop --push_to_hub / "
-                    "--hub_model_id and push the finished run later (hf-constrained push RUN_DIR --repo_id owner/name)")
+            return f"HF_HUB_OFFLINE=1 is set, so nothing can be pushed: {offline_hint}"
         from huggingface_hub import get_token
 
         if token is None and get_token() is None:
@@ -105,7 +112,7 @@ def push_run(run_dir: str, repo_id: str, *, private: Optional[bool] = None, comm
         return PushResult(EXIT_STALE_OR_UNREADABLE, f"not pushed: {run_dir} has no model card (README.md); "
                           "finish_run writes one")
     api = hub_api() if api is None else api
-    problem = hub_access_problem(api=api)
+    problem = hub_access_problem(api=api, offline_hint=OFFLINE_PUSH)  # this is the push: no flags to drop
     if problem is not None:
         return PushResult(EXIT_STALE_OR_UNREADABLE, f"not pushed: {problem}")
     api.create_repo(repo_id, exist_ok=True, private=private)
@@ -114,4 +121,5 @@ def push_run(run_dir: str, repo_id: str, *, private: Optional[bool] = None, comm
     return PushResult(0, f"pushed {run_dir} to https://huggingface.co/{repo_id} ({check.report.summary()})")
 
 
-__all__ = ["PUSH_IGNORE", "PushResult", "check_hub_before_training", "hub_access_problem", "hub_api", "push_run"]
+__all__ = ["OFFLINE_BEFORE_TRAINING", "OFFLINE_PUSH", "PUSH_IGNORE", "PushResult", "check_hub_before_training",
+           "hub_access_problem", "hub_api", "push_run"]

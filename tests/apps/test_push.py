@@ -97,6 +97,17 @@ def test_push_uploads_a_certified_run_after_the_checks(tmp_path, monkeypatch, ca
     assert "pushed" in capsys.readouterr().out
 
 
+def test_push_leaves_lock_files_and_training_state_out(tmp_path):
+    """What the Hub's own filter (the one ``upload_folder`` applies) keeps of a run folder: the model, its card,
+    report and ledger, not the empty lock file beside the ledger nor checkpoints."""
+    from huggingface_hub.utils import filter_repo_objects
+
+    names = ["model.safetensors", "README.md", "safety_report.json", "certification_ledger.json",
+             "certification_ledger.json.lock", "checkpoint-2/model.safetensors", "optimizer.pt"]
+    kept = list(filter_repo_objects(names, ignore_patterns=push.PUSH_IGNORE))
+    assert kept == ["model.safetensors", "README.md", "safety_report.json", "certification_ledger.json"]
+
+
 @pytest.mark.parametrize("damage, code, words", [
     ("unsafe", 1, "not pushed: "),
     ("edited", 2, "was edited after it was written"),
@@ -133,7 +144,9 @@ def test_push_offline_and_a_failed_upload(tmp_path, monkeypatch, capsys, offline
     capsys.readouterr()
     monkeypatch.setattr(push, "hub_api", lambda: StubHub(fail=OSError("offline")))
     assert cli.main(["push", run, "--repo_id", "owner/name"]) == 2
-    assert capsys.readouterr().err.startswith("not pushed: HF_HUB_OFFLINE=1 is set")
+    err = capsys.readouterr().err
+    assert err.startswith("not pushed: HF_HUB_OFFLINE=1 is set") and "run the push again" in err
+    assert "--push_to_hub" not in err  # the push command has no such flag to drop
     broken = StubHub(upload_error=RuntimeError("500 Server Error"))
     monkeypatch.setattr(push, "hub_api", lambda: broken)
     assert cli.main(["push", run, "--repo_id", "owner/name"]) == 2
