@@ -235,7 +235,10 @@ def main(argv: list[str] | None = None) -> int:
     print(report.render())
     try:
         trainer.safety.check_safe_to_push(allow_unsafe=opts.allow_unsafe)
-        print("push gate: open" + (" (override)" if not report.all_satisfied else ""))
+        # without a push asked for, say what an open gate allows and how (a bare "open" leaves a newcomer guessing)
+        print("push gate: open" + (" (override)" if not report.all_satisfied else "")
+              + ("" if training_args.hub_model_id else f" (no push was asked for; to publish: hf-constrained push "
+                 f"{training_args.output_dir} --repo_id owner/name)"))
         if training_args.hub_model_id:
             trainer.push_to_hub(allow_unsafe=opts.allow_unsafe)
     except UnsafeModelError as err:
@@ -246,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
         gate_closed = True
     else:
         gate_closed = False
+    if trainer.is_world_process_zero():  # where the run's evidence is, as the demo prints it
+        print(f"written to {training_args.output_dir}: the model, safety_report.json (hf-constrained report "
+              f"{training_args.output_dir}), the model card README.md, figures/ and results.json")
     if opts.docs:
         os.makedirs(opts.docs, exist_ok=True)
         for name in ("constraints.png", "objective.png"):

@@ -168,3 +168,20 @@ def test_safe_release_without_a_push_does_not_say_push_refused(tmp_path, capsys)
     gate = [line for line in out.splitlines() if line.startswith("push gate")]
     assert status == 1 and len(gate) == 1 and gate[0].startswith("push gate: closed: ")
     assert "no push was asked for" in gate[0] and "push_to_hub refused" not in out
+    assert f"written to {tmp_path / 'run'}: the model, safety_report.json" in out
+
+
+def test_safe_release_with_an_open_gate_says_how_to_publish(tmp_path, capsys):
+    """A certified run without --hub_model_id: the gate line says no push was asked for and names the command
+    that publishes this folder; the last line says where the report, card and figures are."""
+    from conftest import import_script
+
+    recipe = import_script("recipes", "safe_release_digits")
+    run = tmp_path / "run"
+    assert recipe.main(["--output_dir", str(run), "--max_steps", "40", "--eval_steps", "20",
+                        "--save_steps", "20"]) == 0
+    out = capsys.readouterr().out
+    gate = [line for line in out.splitlines() if line.startswith("push gate")]
+    assert gate == [f"push gate: open (no push was asked for; to publish: hf-constrained push {run} "
+                    "--repo_id owner/name)"]
+    assert out.rstrip().splitlines()[-1].startswith(f"written to {run}: the model, safety_report.json")
