@@ -246,8 +246,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     if getattr(args, "recipe", None) is not None:
-        # not under the try below: a recipe's errors keep their traceback, as with python recipes/x.py;
-        # only a missing optional package is a one-line error naming the extra
+        # not under the try below: a recipe's errors keep their traceback, as with python recipes/x.py; a
+        # missing optional package, a setting refused before anything loads and a missing file are one line
         try:
             kind = "help-all" if "--help-all" in rest else "help" if {"-h", "--help"} & set(rest) else None
             if kind is not None:  # printed from the cache after the first time: no torch import
@@ -258,6 +258,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return run_recipe(args.recipe, rest)
         except (MissingExtraError, RecipeConfigError) as exc:  # settings, found before anything loads
             print(f"hf-constrained {args.recipe.command}: error: {exc}", file=sys.stderr)
+            return 2
+        except FileNotFoundError as exc:
+            # a missing data file, model folder or checkpoint is the user's to fix, and the recipes' messages name
+            # it with its flag (--csv_path, --model_name_or_path, ...): one line; HF_CONSTRAINED_DEBUG=1 re-raises
+            if os.environ.get("HF_CONSTRAINED_DEBUG", "").strip() not in ("", "0"):
+                raise
+            print(f"hf-constrained {args.recipe.command}: error: {exc} (HF_CONSTRAINED_DEBUG=1 shows the traceback)",
+                  file=sys.stderr)
             return 2
         except ModuleNotFoundError as err:  # an optional package a recipe imports late
             return _missing_extra(args.recipe.command, err)

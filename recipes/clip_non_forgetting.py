@@ -64,7 +64,7 @@ from hf_constrained.clip.data import (
 from hf_constrained.errors import check_model_path
 from hf_constrained.extras import require_extra
 from hf_constrained.publishable import publishable_command, publishable_path, publishable_values
-from hf_constrained.recipe_args import parse_recipe_args
+from hf_constrained.recipe_args import RecipeConfigError, parse_recipe_args
 from hf_constrained.safety.bounds import clopper_pearson_upper_bound
 from hf_constrained.safety.finish import push_last
 from hf_constrained.safety.splits import carve_certification, check_certify_fraction
@@ -148,7 +148,7 @@ def build_data(script: ScriptArguments) -> dict:
     """Target rows, protected train/eval rows and the class list, from BDD100K and/or CSVs."""
     if script.data == "bdd100k":
         if not script.bdd100k_root:
-            raise ValueError("--data bdd100k needs --bdd100k_root")
+            raise RecipeConfigError("--data bdd100k needs --bdd100k_root")
         task = BDD100K_TASKS[script.task]
         if script.target_class or script.protected_classes or script.prompt_template:
             from hf_constrained.clip.data import BDD100KTask
@@ -164,9 +164,10 @@ def build_data(script: ScriptArguments) -> dict:
     else:
         target, protected = script.target_class, _split(script.protected_classes)
         if not target or not protected or not script.prompt_template:
-            raise ValueError("--data csv needs --target_class, --protected_classes and --prompt_template")
+            raise RecipeConfigError("--data csv needs --target_class, --protected_classes and --prompt_template")
         if not script.target_csv or not script.protected_csv:
-            raise ValueError("--data csv needs --target_csv (image-text pairs) and --protected_csv (protected images)")
+            raise RecipeConfigError("--data csv needs --target_csv (image-text pairs) and --protected_csv "
+                                    "(protected images)")
         classes, template = protected + [target], script.prompt_template
         target_rows = []
         index = {c: i for i, c in enumerate(classes)}
@@ -186,7 +187,7 @@ def build_data(script: ScriptArguments) -> dict:
         train = protected_rows(script.protected_csv)
         held_out = protected_rows(script.protected_eval_csv) if script.protected_eval_csv else None
     if "{}" not in template:
-        raise ValueError(f"--prompt_template needs a '{{}}' for the class name, got {template!r}")
+        raise RecipeConfigError(f"--prompt_template needs a '{{}}' for the class name, got {template!r}")
     if script.target_csv:
         extra = load_image_text_csv(script.target_csv, image_column=script.image_column,
                                     caption_column=script.caption_column, label_column=script.label_column)

@@ -358,29 +358,33 @@ def check_arguments(config: RecipeArguments) -> None:
     if not 0.0 <= data.eval_fraction < 1.0:
         raise RecipeConfigError(f"--eval_fraction must be in [0, 1), got {data.eval_fraction}")
     if model.use_peft and model.lora_r < 1:
-        raise ValueError(f"--lora_r must be >= 1 with --use_peft, got {model.lora_r}")
+        raise RecipeConfigError(f"--lora_r must be >= 1 with --use_peft, got {model.lora_r}")
     if model.use_peft and not has_module("peft"):
         raise MissingExtraError(f"--use_peft: LoRA adapters need the optional package 'peft', which is not "
                                 f"installed: {install_hint('peft')}")
     for flag in ("constraint_tolerance", "relative_tolerance", "safety_tolerance"):
         if getattr(data, flag) < 0:
-            raise ValueError(f"--{flag} must be >= 0, got {getattr(data, flag)}")
+            raise RecipeConfigError(f"--{flag} must be >= 0, got {getattr(data, flag)}")
     if args.max_length is not None and args.max_length < 2:
-        raise ValueError(f"--max_length must be >= 2, got {args.max_length}")
-    check_certify_fraction(data.certify_fraction)
+        raise RecipeConfigError(f"--max_length must be >= 2, got {args.max_length}")
+    try:
+        check_certify_fraction(data.certify_fraction)
+    except ValueError as err:
+        raise RecipeConfigError(str(err)) from None
     if data.certify_fraction > 0 and data.eval_fraction <= 0:
-        raise ValueError(f"--certify_fraction {data.certify_fraction} splits the held-out rows, but --eval_fraction "
-                         "is 0: raise --eval_fraction or pass --certify_fraction 0 (no certificate)")
+        raise RecipeConfigError(f"--certify_fraction {data.certify_fraction} splits the held-out rows, but "
+                                "--eval_fraction is 0: raise --eval_fraction or pass --certify_fraction 0 (no "
+                                "certificate)")
     if not 0.0 <= data.forget_tolerance <= 1.0:
-        raise ValueError(f"--forget_tolerance is a share of examples, in [0, 1]; got {data.forget_tolerance}")
+        raise RecipeConfigError(f"--forget_tolerance is a share of examples, in [0, 1]; got {data.forget_tolerance}")
     if not 0.0 < data.delta < 1.0:
-        raise ValueError(f"--delta must be in (0, 1), got {data.delta}")
+        raise RecipeConfigError(f"--delta must be in (0, 1), got {data.delta}")
     # a logger whose package is missing would fail when the Trainer is built, after the model loaded
     loggers = {"tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",), "mlflow": ("mlflow",)}
     for name in args.report_to or []:
         if name in loggers and not any(importlib.util.find_spec(m) is not None for m in loggers[name]):
-            raise ValueError(f"--report_to {name}: the {loggers[name][0]} package is not installed "
-                             f"(pip install {loggers[name][0]}), or pass --report_to none")
+            raise RecipeConfigError(f"--report_to {name}: the {loggers[name][0]} package is not installed "
+                                    f"(pip install {loggers[name][0]}), or pass --report_to none")
     # a mistyped path is an error naming the flag, before the tokenizer or the model loads
     model.model_name_or_path = check_model_path(model.model_name_or_path)
 

@@ -48,3 +48,43 @@ def test_the_demo_refuses_a_certificate_setting_before_stage_1(flags, message, t
     assert main(["demo", *flags, "--cache_dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("command, flags, message", [
+    ("fairness", ["--dataset", "csv", "--csv_path", "{tmp}/nope.csv", "--label_column", "y", "--group_column", "g"],
+     "CSV file '{tmp}/nope.csv' (--csv_path) does not exist"),
+    ("llm", ["--dataset_name", "{tmp}/t.json", "--protected_datasets", "{tmp}/p.json",
+             "--model_name_or_path", "{tmp}/no-model"],
+     "--model_name_or_path='{tmp}/no-model': the local path does not exist"),
+    ("clip", ["--model_name_or_path", "{tmp}/no-model", "--data", "csv", "--target_class", "cat",
+              "--protected_classes", "dog", "--prompt_template", "a {{}}", "--target_csv", "t.csv",
+              "--protected_csv", "p.csv"],
+     "--model_name_or_path='{tmp}/no-model': the local path does not exist"),
+])
+def test_a_missing_input_file_is_one_line_naming_it(command, flags, message, tmp_path, capsys, monkeypatch):
+    """From ``hf-constrained <recipe>``: the recipe's own message (the file and its flag), without a traceback;
+    ``HF_CONSTRAINED_DEBUG=1`` gives the traceback back."""
+    monkeypatch.setattr(ConstrainedTrainer, "train", _no_training)
+    monkeypatch.delenv("HF_CONSTRAINED_DEBUG", raising=False)
+    argv = [command, *(f.format(tmp=tmp_path) for f in flags), "--output_dir", str(tmp_path / "out")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"hf-constrained {command}: error: ") and len(err.splitlines()) == 1
+    assert message.format(tmp=tmp_path) in err and "Traceback" not in err
+    monkeypatch.setenv("HF_CONSTRAINED_DEBUG", "1")
+    with pytest.raises(FileNotFoundError):
+        main(argv)
+
+
+@pytest.mark.parametrize("command, flags, message", [
+    ("llm", ["--delta", "2"], "--delta must be in (0, 1), got 2.0"),
+    ("llm", ["--forget_tolerance", "3"], "--forget_tolerance is a share of examples, in [0, 1]; got 3.0"),
+    ("clip", ["--model_name_or_path", "{tmp}", "--data", "csv"], "--data csv needs --target_class"),
+])
+def test_the_llm_and_clip_recipes_refuse_a_setting_in_one_line(command, flags, message, tmp_path, capsys):
+    extra = ["--dataset_name", "t.json", "--protected_datasets", "p.json", "--model_name_or_path", "m"] \
+        if command == "llm" else []
+    flags = [f.format(tmp=tmp_path) for f in flags]
+    assert main([command, *extra, *flags, "--output_dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1 and "Traceback" not in err
