@@ -118,10 +118,10 @@ def _plot(args: argparse.Namespace) -> int:
     return 0
 
 
-def _demo(args: argparse.Namespace) -> int:
+def _demo_parser() -> tuple[Any, argparse.ArgumentParser]:
+    """The demo's module and its option parser (``hf-constrained demo``)."""
     # imported here, not at the top: the demo imports torch and transformers, which would
     # make every other command (and --help) take seconds to start
-    from .recipe_args import parse_with_config
     from .recipes import DEMO_MODULE
     from .recipes import __name__ as recipes_package
 
@@ -131,6 +131,28 @@ def _demo(args: argparse.Namespace) -> int:
     parser.add_argument("--config", default=None, help="YAML file of option values (names as the options, "
                         "without dashes); options on the command line override it")
     demo.add_demo_arguments(parser)
+    return demo, parser
+
+
+def _demo_source() -> Optional[str]:
+    """The demo's source file (its help depends on it), or ``None``."""
+    from .recipes import DEMO_MODULE, recipe_file
+
+    try:
+        return recipe_file(f"{DEMO_MODULE}.py")
+    except FileNotFoundError:
+        return None
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .recipe_args import parse_with_config
+
+    if {"-h", "--help"} & set(args.demo_args):
+        # printed from the shipped or cached text, as a recipe's: importing the demo (torch) takes seconds
+        code, text = cached_help("demo", "help", _demo_source(), lambda: _demo_parser()[1].parse_args(["--help"]))
+        print(text, end="")
+        return code
+    demo, parser = _demo_parser()
     options = parse_with_config(parser, args.demo_args)
     logging.basicConfig(level=logging.WARNING)
     demo.run_demo(options, echo=lambda line: print(line, flush=True))
@@ -301,6 +323,9 @@ def write_shipped_help() -> dict[str, str]:
         if code != 0:
             raise RuntimeError(f"hf-constrained {recipe.command} --help exited with {code}")
         texts[recipe.command] = text
+    code, texts["demo"] = render_help(lambda: _demo_parser()[1].parse_args(["--help"]))
+    if code != 0:
+        raise RuntimeError(f"hf-constrained demo --help exited with {code}")
     atomic_write_json(SHIPPED, {"versions": versions(), "texts": texts}, indent=1, sort_keys=True, newline=True)
     return texts
 

@@ -65,10 +65,32 @@ def test_the_shipped_help_is_each_recipes_help_rendered_now(monkeypatch):
         assert all(help_cache.shipped_help(r.command, "help") is None for r in RECIPES)
         return
     monkeypatch.setenv("COLUMNS", "100")
-    assert sorted(shipped["texts"]) == sorted(r.command for r in RECIPES)
+    assert sorted(shipped["texts"]) == sorted([r.command for r in RECIPES] + ["demo"])
     for recipe in RECIPES:
         code, text = help_cache.render_help(lambda recipe=recipe: cli.run_recipe(recipe, ["--help"]))
         assert code == 0 and text == shipped["texts"][recipe.command], recipe.command
+    code, text = help_cache.render_help(lambda: cli._demo_parser()[1].parse_args(["--help"]))
+    assert code == 0 and text == shipped["texts"]["demo"]
+
+
+def test_the_demos_help_is_printed_without_importing_the_demo(capsys, monkeypatch, tmp_path):
+    """``hf-constrained demo --help`` took 6 s (torch's import); now it is the shipped (or cached) text."""
+    from hf_constrained import help_cache
+
+    monkeypatch.setenv("HF_CONSTRAINED_CACHE", str(tmp_path))
+    assert cli.main(["demo", "--help"]) == 0
+    first = capsys.readouterr().out
+    assert first.startswith("usage: hf-constrained demo") and "--penalty_beta" in first and "--config" in first
+
+    def no_import(*args, **kwargs):
+        raise AssertionError("the demo was imported")
+
+    monkeypatch.setattr(cli, "import_recipe", no_import)
+    assert cli.main(["demo", "-h"]) == 0
+    assert capsys.readouterr().out == first
+    monkeypatch.setattr(help_cache, "shipped_help", lambda command, kind: f"shipped help of {command}\n")
+    assert cli.main(["demo", "--help"]) == 0
+    assert capsys.readouterr().out == "shipped help of demo\n"
 
 
 def test_a_shipped_help_is_printed_without_importing_the_recipe(capsys, monkeypatch, tmp_path):
