@@ -145,13 +145,13 @@ def _demo_source() -> Optional[str]:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from .recipe_args import parse_with_config
-
     if {"-h", "--help"} & set(args.demo_args):
         # printed from the shipped or cached text, as a recipe's: importing the demo (torch) takes seconds
         code, text = cached_help("demo", "help", _demo_source(), lambda: _demo_parser()[1].parse_args(["--help"]))
         print(text, end="")
         return code
+    from .recipe_args import parse_with_config  # imports transformers: not for --help
+
     demo, parser = _demo_parser()
     options = parse_with_config(parser, args.demo_args)
     logging.basicConfig(level=logging.WARNING)

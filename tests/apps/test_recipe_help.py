@@ -93,6 +93,20 @@ def test_the_demos_help_is_printed_without_importing_the_demo(capsys, monkeypatc
     assert capsys.readouterr().out == "shipped help of demo\n"
 
 
+def test_the_demos_help_imports_neither_torch_nor_transformers(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    code = ("import contextlib, io, sys\nfrom hf_constrained import cli\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n    cli.main(['demo', '--help'])\n"
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": root, "HF_CONSTRAINED_CACHE": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
 def test_a_shipped_help_is_printed_without_importing_the_recipe(capsys, monkeypatch, tmp_path):
     from hf_constrained import help_cache
 
