@@ -98,6 +98,10 @@ def test_the_demos_help_imports_neither_torch_nor_transformers(tmp_path):
     import subprocess
     import sys
 
+    from hf_constrained import help_cache
+
+    if help_cache.shipped_help("demo", "help") is None:
+        pytest.skip("the shipped help was rendered with other transformers/trl versions: the first call renders it")
     code = ("import contextlib, io, sys\nfrom hf_constrained import cli\n"
             "with contextlib.redirect_stdout(io.StringIO()):\n    cli.main(['demo', '--help'])\n"
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
