@@ -161,9 +161,10 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _recipes(args: argparse.Namespace) -> int:
     print("Recipes (hf-constrained RECIPE --help lists a recipe's flags; every recipe takes --config x.yaml):")
+    width = max(len(r.command) for r in RECIPES)  # every summary in one column, the longest command included
     for recipe in RECIPES:
-        print(f"  {recipe.command:<13} {recipe.summary}")
-        print(f"  {'':<13} module {recipe.module_name}")
+        print(f"  {recipe.command:<{width}} {recipe.summary}")
+        print(f"  {'':<{width}} module {recipe.module_name}")
     print()
     print("Shipped configs:")
     for path in shipped_recipe_files():
@@ -214,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      description="Run the recipes and inspect constrained fine-tuning runs.")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("report", help="print the safety table (safety_report.json) of a run or checkpoint")
-    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run's output folder or one of its checkpoint-N folders")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--check", action="store_true",
                    help="verify the report and turn it into the exit status: 0 certified (the report is intact, "
@@ -236,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--debug", action="store_true", help="show the traceback of a failed upload")
     p.set_defaults(func=_push)
     p = sub.add_parser("plot", help="write PNG figures of the constraints and the objective over training")
-    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run's output folder or one of its checkpoint-N folders")
     p.add_argument("--out", default=None, help="output directory (default: RUN_DIR/figures)")
     p.add_argument("--metric", default=None,
                    help="held-out objective key to plot (default: eval_loss, else the selection metric)")
@@ -244,7 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
     # the demo's own options are parsed by _demo (they live with the demo, see recipes/demo_clip_digits.py)
     p = sub.add_parser("demo", help=DEMO_HELP, add_help=False)
     p.set_defaults(func=_demo, demo_args=[])
-    p = sub.add_parser("recipes", help="list the recipes, their modules and the shipped configs")
+    p = sub.add_parser("recipes", help="list the recipes, their modules and the shipped configs",
+                       description="List the recipes (hf-constrained RECIPE), their modules (python -m MODULE, "
+                       "accelerate launch -m MODULE) and the configs shipped with them (--config NAME.yaml).")
     p.set_defaults(func=_recipes)
     # each recipe parses its own flags (and --config) when it runs
     for recipe in RECIPES:

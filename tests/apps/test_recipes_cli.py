@@ -238,3 +238,13 @@ def test_fairness_method_from_a_config_file(tmp_path, monkeypatch):
     config.write_text(yaml.safe_dump({"constraint_penalty": "none", "method": "hinge"}))
     with pytest.raises(ValueError, match="--constraint_penalty none contradicts --method hinge"):
         main(["fairness", "--config", str(config), "--output_dir", str(tmp_path)])
+
+
+def test_the_recipe_list_keeps_every_summary_in_one_column(capsys):
+    """``hf-constrained recipes``: the longest command (shapes-example) no longer pushes its summary out of line."""
+    assert main(["recipes"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = [line for line in lines if any(line.startswith(f"  {r.command} ") for r in RECIPES)]
+    assert len(rows) == len(RECIPES)
+    summary_at = {next(line.index(r.summary) for r in RECIPES if line.startswith(f"  {r.command} ")) for line in rows}
+    assert len(summary_at) == 1
