@@ -80,8 +80,10 @@ def shorten_help(parser: argparse.ArgumentParser, dataclass_types: Sequence[type
         group._group_actions.sort(key=lambda a: a.dest in inherited)  # a stable sort: order kept within each
     if parser.description:  # the first paragraph; the rest is the recipe's documentation
         parser.description = parser.description.strip().split("\n\n")[0]
+    # a recipe without Trainer flags (llm-example) hides none: no "0 more flags"
     parser.epilog = (f"{hidden} more flags (the Trainer's and the method's advanced settings) and every flag's "
-                     f"full help: {parser.prog} {HELP_ALL}")
+                     f"full help: {parser.prog} {HELP_ALL}" if hidden else
+                     f"every flag's full help: {parser.prog} {HELP_ALL}")
     parser.formatter_class = _CompactFormatter
 
 

@@ -33,6 +33,7 @@ def test_help_is_short_and_help_all_keeps_the_trainers_flags(capsys, command):
         assert "--lr_scheduler_type" in full
         assert short.index(OWN_FLAG[command]) < short.index("--output_dir")  # the recipe's flags first
     assert len(full.splitlines()) > len(short.splitlines())
+    assert "\n0 more flags" not in short  # llm-example hides none: its epilog does not count them
 
 
 def test_a_recipes_help_is_printed_from_the_cache_without_importing_it(capsys, monkeypatch, tmp_path):
