@@ -267,8 +267,10 @@ def usage_snippet(source: ModelSource, repo_id: str) -> str:
         imports += [f"from {where} import {source.class_name}{comment}"]
         lines += [f"model = {source.class_name}.from_pretrained(repo_id)"]
     if source.processor_class:
+        # named for what it is: `processor = AutoTokenizer...` read as if an image processor were loaded
+        name = "tokenizer" if "Tokenizer" in source.processor_class else "processor"
         imports.append(f"from transformers import {source.processor_class}")
-        lines.append(f"processor = {source.processor_class}.from_pretrained(repo_id)  # what the inputs go through")
+        lines.append(f"{name} = {source.processor_class}.from_pretrained(repo_id)  # what the inputs go through")
     return "\n".join(imports + [""] + lines)
 
 

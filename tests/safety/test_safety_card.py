@@ -275,3 +275,14 @@ def test_card_usage_snippet_runs_as_written(tmp_path, monkeypatch, make):
 
 
 SNAKE = r"^[a-z][a-z0-9]*(_[a-z0-9]+)*$"
+
+
+@pytest.mark.parametrize("loader, name", [("AutoTokenizer", "tokenizer"), ("CLIPTokenizerFast", "tokenizer"),
+                                          ("AutoProcessor", "processor"), ("CLIPProcessor", "processor")])
+def test_the_usage_snippet_names_a_tokenizer_tokenizer(loader, name):
+    """The demo's card said ``processor = AutoTokenizer.from_pretrained(...)``: a tokenizer is ``tokenizer``."""
+    from hf_constrained.safety.card import ModelSource
+
+    snippet = usage_snippet(ModelSource("transformers", "CLIPModel", processor_class=loader), "owner/name")
+    assert f"\n{name} = {loader}.from_pretrained(repo_id)" in snippet
+    compile(snippet, "<card>", "exec")  # Python as written
