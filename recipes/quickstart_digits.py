@@ -284,8 +284,9 @@ def verdict(penalty: str, r: dict[str, Any], bound: float, epochs: float) -> str
                "the penalty has not brought them down: try a larger --penalty_beta or more --num_train_epochs")
         return f"{penalty}: {len(over_train)} of 10 constraints violated on their own training rows: {why}"
     if over_test:
+        verb = "exceeds" if len(over_test) == 1 else "exceed"
         return (f"{penalty}: every constraint holds on its training rows; on unseen test images "
-                f"{', '.join(over_test)} exceed {bound:g} (50 training rows per digit do not pin the test value "
+                f"{', '.join(over_test)} {verb} {bound:g} (50 training rows per digit do not pin the test value "
                 "down: docs/method.md)")
     return f"{penalty}: every constraint holds on its training rows and on unseen test images"
 

@@ -65,8 +65,10 @@ def test_the_verdict_names_what_a_column_shows():
     assert "too few epochs" in qs.verdict("hinge", _record(0.9, 0.9), 0.4, 2)
     long_run = qs.verdict("hinge", _record(0.9, 0.9), 0.4, 40)
     assert "too few epochs" not in long_run and "--penalty_beta" in long_run
-    assert "digit3" in qs.verdict("hinge", {**_record(0.3, 0.3), "test_constraint": {
+    assert "digit3 exceeds 0.4" in qs.verdict("hinge", {**_record(0.3, 0.3), "test_constraint": {
         **_record(0.3, 0.3)["test_constraint"], "digit3": 0.5}}, 0.4, 20)
+    assert "digit3, digit4 exceed 0.4" in qs.verdict("hinge", {**_record(0.3, 0.3), "test_constraint": {
+        **_record(0.3, 0.3)["test_constraint"], "digit3": 0.5, "digit4": 0.6}}, 0.4, 20)
     assert "holds on its training rows and on unseen test images" in qs.verdict("hinge", _record(0.3, 0.3), 0.4, 20)
     assert "baseline" in qs.verdict("none", _record(0.9, 0.9), 0.4, 20)
 
