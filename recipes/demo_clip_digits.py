@@ -1079,6 +1079,15 @@ def newcomer_summary(cfg: DemoConfig, old: dict[str, float], run: dict[str, Any]
                    f"claim needs ({source.supply_flag}; docs/generated_images.md).")
         lines += textwrap.wrap(claim, 100, initial_indent="  ", subsequent_indent="  ")
         lines += textwrap.wrap(why, 100, initial_indent="  ", subsequent_indent="  ")
+        looks = int(cert.get("look", 1))
+        if looks > 1:  # a newcomer who tried a flag sees a smaller level and should know why, and the way out
+            earlier = f"{looks - 1} time{'s' if looks > 2 else ''}"
+            lines += textwrap.wrap(
+                f"Why look {looks}: these certification images were certified on {earlier} before (other settings or "
+                f"penalties on the same split, counted by the certification ledger), and all looks share the one "
+                f"budget delta {cfg.delta:g} so that retrying until a run certifies cannot void the guarantee; "
+                "another --seed draws a fresh split that starts at look 1.", 100,
+                initial_indent="  ", subsequent_indent="  ")
     files = run.get("files") or {}
     if files:
         folder = os.path.join(cache_dir, run_folder(cfg.seed, run["penalty"]))

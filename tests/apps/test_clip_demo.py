@@ -512,6 +512,11 @@ def test_several_penalties_certified_on_one_split_are_counted_looks_each_printed
     assert [c["level"] for c in certs] == pytest.approx(levels)
     shown = re.findall(r"look (\d) at these images, tested at ([0-9.e-]+) of the budget delta 0.05", printed)
     assert [(int(j), float(x)) for j, x in shown] == [(j, float(f"{x:.3g}")) for j, x in enumerate(levels, 1)]
+    # looks 2 and 3 say why their level is smaller and how to start afresh; look 1 has nothing to explain
+    assert "Why look 1" not in printed
+    assert "Why look 2: these certification images were certified on 1 time before" in printed
+    assert "Why look 3: these certification images were certified on 2 times before" in printed
+    assert printed.count("another --seed draws a fresh split that starts at look 1") == 2
     for c, level in zip(certs, levels):
         for key, n in c["rows"].items():
             assert c["bounds"][key] == pytest.approx(clopper_pearson_upper_bound(round(c["forgotten"][key] * n), n,
