@@ -821,7 +821,8 @@ def write_run(cfg: DemoConfig, trainer: ContrastiveConstrainedTrainer, tokenizer
                if n_cert else "no certification split")),
         eval_dataset=cfg.data, task="zero-shot-image-classification", license="apache-2.0",
         reproduce_command=command, delta=cfg.delta,
-        objective_metrics={f"accuracy/{k}": v for k, v in acc.items()}, extra_columns=extra)
+        objective_metrics={f"accuracy/{k}": v for k, v in acc.items()}, extra_columns=extra,
+        show=False)  # the demo prints the verdict itself, in words: not a second time as a logged table
     return {key: name for key, name in RUN_FILES.items() if os.path.exists(os.path.join(out, name))}
 
 
