@@ -126,7 +126,7 @@ def _demo_parser() -> tuple[Any, argparse.ArgumentParser]:
     from .recipes import __name__ as recipes_package
 
     demo = import_recipe(f"{recipes_package}.{DEMO_MODULE}")
-    parser = argparse.ArgumentParser(prog="hf-constrained demo", description=DEMO_HELP,
+    parser = argparse.ArgumentParser(prog="hf-constrained demo", description=DEMO_HELP, usage=demo.DEMO_USAGE,
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
     parser.add_argument("--config", default=None, help="YAML file of option values (names as the options, "
                         "without dashes); options on the command line override it")

@@ -1289,6 +1289,10 @@ def run_demo(ns: argparse.Namespace, echo: Optional[Callable[[str], None]] = Non
     return results
 
 
+DEMO_USAGE = "%(prog)s [--config FILE.yaml] [--OPTION VALUE ...]  (--help: every option)"
+"""The usage line: a mistyped option prints it and the error, not the 45 lines of every option."""
+
+
 def command_line(argv: Optional[list[str]], prog: str, description: str,
                  add_arguments: Callable[[argparse.ArgumentParser], None],
                  run: Callable[..., dict[str, Any]], module_command: str) -> int:
@@ -1296,7 +1300,7 @@ def command_line(argv: Optional[list[str]], prog: str, description: str,
     ``add_arguments``, then ``run(ns, echo=..., command=...)`` printing to stdout; a ``ValueError`` is a usage
     error naming the option."""
     args = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog=prog, description=description,
+    parser = argparse.ArgumentParser(prog=prog, description=description, usage=DEMO_USAGE,
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
     parser.add_argument("--config", default=None, help="YAML file of option values (names as the options, without "
                         "dashes); options on the command line override it")

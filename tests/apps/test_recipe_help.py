@@ -162,6 +162,15 @@ def test_a_demo_config_file_takes_the_option_names_its_help_shows(tmp_path):
         parse_with_config(parser, ["--config", str(config)])
 
 
+def test_a_mistyped_demo_option_prints_one_usage_line_and_the_error(capsys):
+    with pytest.raises(SystemExit) as done:
+        cli.main(["demo", "--penalty_bta", "5"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert done.value.code == 2 and len(err) == 2
+    assert err[0].startswith("usage: hf-constrained demo [--config FILE.yaml]")
+    assert err[1] == "hf-constrained demo: error: unrecognized arguments: --penalty_bta 5"
+
+
 def test_the_demo_module_takes_a_config_file_too(tmp_path, capsys):
     """``python -m hf_constrained.recipes.demo_clip_digits`` (what ``make demo`` runs) reads ``--config``."""
     from hf_constrained.recipes import demo_clip_digits as demo
