@@ -1118,6 +1118,57 @@ DEMO_FOLDER = "demo_clip_digits"
 """The demo writes into ``outputs/demo_clip_digits`` by default, as every recipe writes into ``outputs/<module>``."""
 
 
+OPTION_HELP = {
+    "target": "class index of the new class to learn (9: 'nine')",
+    "pulled": "the protected class whose images pollute the target data (captioned as the target)",
+    "seed": "the seed of the split, the old model and the fine-tuning (--seeds: several)",
+    "test_fraction": "per class: share of the images held out for the reported numbers",
+    "selection_fraction": "per class: share of the images that decides which checkpoint is kept",
+    "constraint_fraction": "per class: share of the images in D_k, the constraint data (unseen in stage 1)",
+    "certify_fraction": "share of each class's held-out images the certificate reads (0: no certificate)",
+    "stage1_target_keep": "stage 1: images of the target class the old model sees (it knows it barely)",
+    "stage1_epochs": "stage 1: epochs of the old model's training",
+    "stage1_lr": "stage 1: learning rate of the old model's training",
+    "noisy_fraction": "polluting images (of --pulled) per clean target image in the target data",
+    "negatives_per_class": "negative image-caption pairs per other class in the target data",
+    "steps": "fine-tuning steps",
+    "batch_size": "fine-tuning batch size (image-caption pairs)",
+    "lr": "fine-tuning learning rate",
+    "schedule": "fine-tuning learning-rate schedule (a transformers scheduler type)",
+    "warmup_steps": "fine-tuning warm-up steps",
+    "beta": "the penalty parameter beta (the hinge's weight, the paper's eq. (3))",
+    "constraint_batch_size": "|B_k|: rows of each sampled constraint per step",
+    "forgetting": "per-row constraint value: CE(new) - CE(old) ('mean') or its positive part ('increase')",
+    "tolerance": "training: h_k <= tolerance (nats), checked on the selection and test splits",
+    "margin": "training enforces h_k <= tolerance - margin on D_k",
+    "confidence": "> 0: calibrated constraints, margin z_c * s_k / sqrt(originals of D_k); 0: off",
+    "msvr_gamma": "the MSVR constraint estimator's weight (Algorithm 2, line 12)",
+    "max_grad_norm": "gradient clipping of the fine-tuning (0: none, as the method expects)",
+    "temperature": "temperature of the zero-shot logits in the constraints",
+    "constraint_copies": "augmented copies of each constraint image (the first is the image itself)",
+    "eval_copies": "augmented copies of each selection / test image",
+    "shift": "largest translation (pixels) of a copy",
+    "rotate": "largest rotation (degrees) of a copy",
+    "noise": "std of the Gaussian noise of a copy (images are in [-1, 1])",
+    "select_every": "steps between checkpoint-selection evaluations; 0 keeps the last iterate",
+    "forget_tolerance": "the claim, certified: each protected class loses at most 100x this many points",
+    "delta": "the certificate's error level",
+    "indicator_fraction": "> 0: two-split estimation, this share of D_k decides the hinge's indicator; 0: off",
+    "indicator_batch_size": "with two-split estimation: rows per indicator batch (0: --constraint_batch_size)",
+    "proxy_indicator": "with two-split estimation: the hinge's indicator follows the share of D_k forgotten",
+    "proxy_forget_rate": "with --proxy_indicator: the share forgotten above which the hinge acts",
+    "select_on": "feasible checkpoint: every h_k <= tolerance ('loss') or share forgotten ('forgotten')",
+    "select_forget_rate": "with --select_on forgotten: the largest share of a class's selection images forgotten",
+    "data": "the images: scikit-learn's digits, or generated shapes",
+    "pretrain_images": "--data shapes: images per class for stage 1 and the target data",
+    "constraint_images": "--data shapes: images per class in D_k",
+    "selection_images": "--data shapes: images per class for the checkpoint selection",
+    "held_out_images": "--data shapes: held-out images per class (--certify_fraction of them certify)",
+    "shape_noise": "--data shapes: std of the generated images' pixel noise",
+}
+"""One line of ``--help`` per :class:`DemoConfig` field (the fields' comments, for the user)."""
+
+
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     """The demo's options (every :class:`DemoConfig` field, seeds, penalties, cache and output),
     spelt as the recipes spell them (``--penalty_beta``, ``--learning_rate``, ``--msvr_gamma``);
@@ -1130,7 +1181,8 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
         if legacy not in flags:
             flags.append(legacy)
         kind = _flag_bool if isinstance(value, bool) else type(value)
-        parser.add_argument(*flags, dest=f.name, type=kind, default=value, choices=choices)
+        parser.add_argument(*flags, dest=f.name, type=kind, default=value, choices=choices,
+                            help=OPTION_HELP.get(f.name))
     parser.add_argument("--seeds", default=None,
                         help="comma-separated seeds (e.g. 100,101,102,103,104), each with its own split and old "
                         "model; overrides --seed")

@@ -162,6 +162,16 @@ def test_a_demo_config_file_takes_the_option_names_its_help_shows(tmp_path):
         parse_with_config(parser, ["--config", str(config)])
 
 
+def test_every_demo_option_has_a_help_line():
+    from hf_constrained.recipes import demo_clip_digits as demo
+
+    parser = argparse.ArgumentParser()
+    demo.add_demo_arguments(parser)
+    bare = [a.option_strings[0] for a in parser._actions if a.option_strings and a.dest != "help" and not a.help]
+    assert bare == []
+    assert set(demo.OPTION_HELP) == {f.name for f in demo.fields(demo.DemoConfig)}  # none stale, none missing
+
+
 def test_a_mistyped_demo_option_prints_one_usage_line_and_the_error(capsys):
     with pytest.raises(SystemExit) as done:
         cli.main(["demo", "--penalty_bta", "5"])
