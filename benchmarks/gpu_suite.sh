@@ -8,7 +8,7 @@
 #                       Launched through `accelerate launch` with recipes/accelerate_configs/single_gpu.yaml.
 #   clip_scaling.json   the default step's time as the number of constraints m goes 10, 100, 1000, 5000.
 #   llm_step.json       the LLM recipe's step (recipes/configs/llm_non_forgetting_lora.yaml: LoRA r16 on all linear
-#                       layers, 8 rows x 2 accumulation, 3 constraints of |B_k| = 8, gamma' 0.1) on a 0.5B-class
+#                       layers, 8 rows x 2 accumulation, 3 constraints of |B_k| = 8, gamma' 0) on a 0.5B-class
 #                       Llama-shaped model (Qwen2.5-0.5B's shape, bf16), constrained against unconstrained, peak memory.
 #
 #   OUT=benchmarks/results/gpu bash benchmarks/gpu_suite.sh
