@@ -286,6 +286,7 @@ def finetune(old_path: str, penalty: str, seed: int, cfg: ExampleArguments,
             model=model, args=_args(tmp, seed, constraint_penalty=penalty, penalty_beta=cfg.penalty_beta,
                                     max_steps=cfg.max_steps, learning_rate=cfg.learning_rate,
                                     per_device_train_batch_size=32, lr_scheduler_type=cfg.lr_scheduler_type,
+                                    warmup_steps=cfg.warmup_steps,
                                     constraint_batch_size=cfg.constraint_batch_size,
                                     constraints_per_step=cfg.constraints_per_step,
                                     msvr_gamma=cfg.msvr_gamma, msvr_gamma_prime=cfg.msvr_gamma_prime,
@@ -488,6 +489,8 @@ class ExampleArguments:
     max_steps: int = field(default=300, metadata={"help": "fine-tuning steps on the new task"})
     learning_rate: float = field(default=2e-3, metadata={"help": "fine-tuning learning rate"})
     lr_scheduler_type: str = field(default="cosine", metadata={"help": "fine-tuning learning-rate schedule"})
+    warmup_steps: int = field(default=0, metadata={
+        "help": "fine-tuning steps of linear learning-rate warmup (every method of the comparison shares it)"})
     constraint_penalty: str = field(default="hinge", metadata={
         "help": "penalty of the constrained run (each seed also runs unconstrained, penalty none)",
         "choices": ["hinge", "squared_hinge"]})
@@ -559,6 +562,8 @@ class ExampleArguments:
             raise ValueError(f"--constraint_margin must be a finite number >= 0, got {self.constraint_margin}")
         if not (math.isfinite(self.kl_to_old) and self.kl_to_old >= 0):
             raise ValueError(f"--kl_to_old must be a finite number >= 0, got {self.kl_to_old}")
+        if not 0 <= self.warmup_steps < self.max_steps:
+            raise ValueError(f"--warmup_steps must be in [0, --max_steps), got {self.warmup_steps}")
         if self.constraints_per_step is not None and not 1 <= self.constraints_per_step <= len(OLD_TASKS):
             raise ValueError(f"--constraints_per_step must be in [1, {len(OLD_TASKS)}], "
                              f"got {self.constraints_per_step}")
