@@ -266,7 +266,7 @@ IGNORED_SETTINGS = ("seeds", "json", "workers", "old_model")  # where and how fa
 def same_settings(saved_example: dict[str, Any], cfg: ex.ExampleArguments, path: str, flag: str) -> None:
     """Refuse a result file whose example settings differ from this run's (apart from IGNORED_SETTINGS)."""
     mine = {k: v for k, v in publishable_values(dataclasses.asdict(cfg)).items() if k not in IGNORED_SETTINGS}
-    theirs = {k: v for k, v in saved_example.items() if k not in IGNORED_SETTINGS}
+    theirs = {k: v for k, v in ex.stored_settings(saved_example).items() if k not in IGNORED_SETTINGS}
     if mine != theirs:
         differ = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
         raise SystemExit(f"{flag} {path}: its example settings differ from this run's in {differ}")

@@ -573,6 +573,16 @@ class ExampleArguments:
             raise ValueError(f"--threads must be >= 1, got {self.threads}")
 
 
+# settings added after results were stored, with the value that reproduces what ran before they existed: a stored
+# configuration without one of them ran with that value (no warmup: the Trainer's default)
+SETTINGS_ADDED_LATER: dict[str, Any] = {"warmup_steps": 0}
+
+
+def stored_settings(config: dict[str, Any]) -> dict[str, Any]:
+    """A stored result's example settings, completed with :data:`SETTINGS_ADDED_LATER` where they predate one."""
+    return {**SETTINGS_ADDED_LATER, **config}
+
+
 def parse(argv: Optional[list[str]] = None) -> ExampleArguments:
     """The flags (``--config x.yaml`` included); an unknown flag is an error."""
     (cfg,) = parse_recipe_args([ExampleArguments], argv, description=__doc__.split("\n\n")[0])

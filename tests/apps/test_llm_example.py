@@ -109,6 +109,8 @@ def test_flags_that_cannot_work_are_errors_naming_the_flag():
         ex.parse(["--threads", "0"])
     with pytest.raises(ValueError, match="--workers"):
         ex.parse(["--workers", "0"])
+    with pytest.raises(ValueError, match="--warmup_steps"):
+        ex.parse(["--warmup_steps", "300"])  # as long as the run (--max_steps 300): no step at the full rate
     cfg = ex.parse(["--constraint_indicator_fraction", "0.25", "--constraint_margin", "0.05"])
     assert ex._estimation_args(cfg, "hinge") == {"constraint_indicator_fraction": 0.25,
                                                  "constraint_proxy_indicator": True, "constraint_margin": 0.05}
@@ -208,7 +210,7 @@ def test_the_committed_results_come_from_the_command_shown_beside_them():
     argv = shlex.split(saved["command"])
     assert argv[:2] == ["python", "recipes/llm_tiny_example.py"]
     cfg = ex.parse(argv[2:])
-    assert dataclasses.asdict(cfg) == saved["config"]
+    assert dataclasses.asdict(cfg) == ex.stored_settings(saved["config"])
     assert cfg.json == "benchmarks/results/llm_example.json" and cfg.seeds == [100, 101, 102, 103, 104]
     # the old model is trained by the command itself: none, or a folder under outputs/, which a fresh clone lacks
     assert cfg.old_model is None or cfg.old_model.startswith("outputs/")

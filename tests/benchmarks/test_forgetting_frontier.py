@@ -116,3 +116,18 @@ def test_run_jobs_returns_the_results_in_the_jobs_order_and_reports_each_once(wo
     ended = []
     assert ff.run_jobs(abs, [-3, 1, -2], workers, lambda r, i: ended.append((i, r)), first=(abs, [-1])) == [3, 1, 2]
     assert sorted(i for i, _ in ended) == [0, 1, 2] and sorted(r for _, r in ended) == [1, 2, 3]
+
+
+def test_the_stored_example_result_is_read_with_settings_added_since():
+    """The README's frontier command reads benchmarks/results/llm_example.json (--example_result): a setting added
+    after it was stored counts at the value that ran before it existed, and any other value is refused."""
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "benchmarks", "results", "llm_example.json")) as f:
+        saved = json.load(f)
+    assert "warmup_steps" not in saved["config"]  # stored before the flag existed
+    ff.same_settings(saved["config"], ff.ex.parse([]), "llm_example.json", "--example_result")
+    with pytest.raises(SystemExit, match=r"differ from this run's in \['warmup_steps'\]"):
+        ff.same_settings(saved["config"], ff.ex.parse(["--warmup_steps", "30"]), "llm_example.json",
+                         "--example_result")
