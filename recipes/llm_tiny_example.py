@@ -43,7 +43,7 @@ task (held-out exact match >= ``--learned_accuracy``), each in at least 80% of t
 
 The fine-tuning flags carry the names of ``ConstrainedTrainingArguments``
 (``--constraint_penalty``, ``--penalty_beta``, ``--max_steps``, ``--learning_rate``,
-``--lr_scheduler_type``, ``--msvr_gamma``, ``--msvr_gamma_prime``, ``--constraint_batch_size``,
+``--lr_scheduler_type``, ``--warmup_steps``, ``--msvr_gamma``, ``--msvr_gamma_prime``, ``--constraint_batch_size``,
 ``--constraint_indicator_fraction``, ``--constraint_proxy_indicator``, ``--constraint_margin``);
 ``--kl_to_old`` adds the KL anchor (``hf_constrained.method.regularisers.KLToOld``) to the constrained run;
 a flag the example does not list is an error.
