@@ -30,7 +30,7 @@ from .checkpointing import checkpoint_folders, checkpoint_problem
 from .errors import RecipeConfigError
 from .extras import MissingExtraError, extra_for_module, install_hint
 from .help_cache import SHIPPED, cached_help, render_help, versions
-from .recipes import RECIPES, Recipe, shipped_recipe_files
+from .recipes import DEMO_MODULE, RECIPES, Recipe, shipped_recipe_files
 from .safety.figures import plot_log_history
 from .safety.report import SAFETY_REPORT_NAME, SAFETY_RULES, SafetyReport, format_number
 from .safety.selection import FeasibleSelection
@@ -122,7 +122,6 @@ def _demo_parser() -> tuple[Any, argparse.ArgumentParser]:
     """The demo's module and its option parser (``hf-constrained demo``)."""
     # imported here, not at the top: the demo imports torch and transformers, which would
     # make every other command (and --help) take seconds to start
-    from .recipes import DEMO_MODULE
     from .recipes import __name__ as recipes_package
 
     demo = import_recipe(f"{recipes_package}.{DEMO_MODULE}")
@@ -134,20 +133,11 @@ def _demo_parser() -> tuple[Any, argparse.ArgumentParser]:
     return demo, parser
 
 
-def _demo_source() -> Optional[str]:
-    """The demo's source file (its help depends on it), or ``None``."""
-    from .recipes import DEMO_MODULE, recipe_file
-
-    try:
-        return recipe_file(f"{DEMO_MODULE}.py")
-    except FileNotFoundError:
-        return None
-
-
 def _demo(args: argparse.Namespace) -> int:
     if {"-h", "--help"} & set(args.demo_args):
         # printed from the shipped or cached text, as a recipe's: importing the demo (torch) takes seconds
-        code, text = cached_help("demo", "help", _demo_source(), lambda: _demo_parser()[1].parse_args(["--help"]))
+        code, text = cached_help("demo", "help", _source_file(DEMO_MODULE),
+                                 lambda: _demo_parser()[1].parse_args(["--help"]))
         print(text, end="")
         return code
     from .recipe_args import parse_with_config  # imports transformers: not for --help
@@ -174,12 +164,12 @@ def _recipes(args: argparse.Namespace) -> int:
     return 0
 
 
-def _recipe_source(recipe: Recipe) -> Optional[str]:
-    """The recipe's source file (its help depends on it), or ``None``."""
+def _source_file(module: str) -> Optional[str]:
+    """The source file of the recipe (or demo) ``module`` (its help depends on it), or ``None``."""
     from .recipes import recipe_file
 
     try:
-        return recipe_file(f"{recipe.module}.py")
+        return recipe_file(f"{module}.py")
     except FileNotFoundError:
         return None
 
@@ -279,7 +269,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         try:
             kind = "help-all" if "--help-all" in rest else "help" if {"-h", "--help"} & set(rest) else None
             if kind is not None:  # printed from the cache after the first time: no torch import
-                code, text = cached_help(args.recipe.command, kind, _recipe_source(args.recipe),
+                code, text = cached_help(args.recipe.command, kind, _source_file(args.recipe.module),
                                          lambda: run_recipe(args.recipe, rest))
                 print(text, end="")
                 return code
