@@ -275,7 +275,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 return code
             return run_recipe(args.recipe, rest)
         except (MissingExtraError, RecipeConfigError) as exc:  # settings, found before anything loads
-            print(f"hf-constrained {args.recipe.command}: error: {exc}", file=sys.stderr)
+            # one line, also for the Trainer's own multi-line messages (--load_best_model_at_end's)
+            print(f"hf-constrained {args.recipe.command}: error: {' '.join(str(exc).split())}", file=sys.stderr)
             return 2
         except FileNotFoundError as exc:
             # a missing data file, model folder or checkpoint is the user's to fix, and the recipes' messages name
