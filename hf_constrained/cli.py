@@ -280,8 +280,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return 2
         except FileNotFoundError as exc:
             # a missing data file, model folder or checkpoint is the user's to fix, and the recipes' messages name
-            # it with its flag (--csv_path, --model_name_or_path, ...): one line; HF_CONSTRAINED_DEBUG=1 re-raises
-            if os.environ.get("HF_CONSTRAINED_DEBUG", "").strip() not in ("", "0"):
+            # it with its flag (--csv_path, --model_name_or_path, ...): one line; HF_CONSTRAINED_DEBUG=1 re-raises.
+            # One the operating system raised (errno set: an open() of a path the code built) names no flag and
+            # is more likely a bug than a mistyped flag: it keeps its traceback
+            if exc.errno is not None or os.environ.get("HF_CONSTRAINED_DEBUG", "").strip() not in ("", "0"):
                 raise
             print(f"hf-constrained {args.recipe.command}: error: {exc} (HF_CONSTRAINED_DEBUG=1 shows the traceback)",
                   file=sys.stderr)

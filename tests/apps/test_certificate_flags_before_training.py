@@ -76,6 +76,20 @@ def test_a_missing_input_file_is_one_line_naming_it(command, flags, message, tmp
         main(argv)
 
 
+def test_a_file_the_operating_system_could_not_open_keeps_its_traceback(monkeypatch):
+    """A raw ``[Errno 2]`` (an ``open()`` of a path the code built, e.g. a file a run should have written) names
+    no flag: it is not shown as the user's mistake in one line, but raised with its traceback."""
+    from hf_constrained import cli
+
+    def lost_file(recipe, argv):
+        open("/nonexistent-hf-constrained/trainer_state.json", encoding="utf-8")
+
+    monkeypatch.delenv("HF_CONSTRAINED_DEBUG", raising=False)
+    monkeypatch.setattr(cli, "run_recipe", lost_file)
+    with pytest.raises(FileNotFoundError, match="trainer_state.json"):
+        main(["quickstart"])
+
+
 @pytest.mark.parametrize("command, flags, message", [
     ("llm", ["--delta", "2"], "--delta must be in (0, 1), got 2.0"),
     ("llm", ["--forget_tolerance", "3"], "--forget_tolerance is a share of examples, in [0, 1]; got 3.0"),
