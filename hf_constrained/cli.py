@@ -133,11 +133,16 @@ def _demo_parser() -> tuple[Any, argparse.ArgumentParser]:
     return demo, parser
 
 
+def _render_demo_help() -> int:
+    """Print the demo's ``--help``: argparse prints it and exits (status 0, which :func:`render_help` reads)."""
+    _demo_parser()[1].parse_args(["--help"])
+    return 0  # not reached
+
+
 def _demo(args: argparse.Namespace) -> int:
     if {"-h", "--help"} & set(args.demo_args):
         # printed from the shipped or cached text, as a recipe's: importing the demo (torch) takes seconds
-        code, text = cached_help("demo", "help", _source_file(DEMO_MODULE),
-                                 lambda: _demo_parser()[1].parse_args(["--help"]))
+        code, text = cached_help("demo", "help", _source_file(DEMO_MODULE), _render_demo_help)
         print(text, end="")
         return code
     from .recipe_args import parse_with_config  # imports transformers: not for --help
@@ -312,19 +317,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def write_shipped_help() -> dict[str, str]:
-    """Render every recipe's short ``--help`` and write the package's shipped texts
+    """Render every recipe's short ``--help`` (and the demo's) and write the package's shipped texts
     (:data:`~hf_constrained.help_cache.SHIPPED`); run after changing a recipe's flags:
     ``python -m hf_constrained.cli --write-shipped-help``."""
     texts = {}
     os.environ["COLUMNS"] = "100"  # argparse wraps to the terminal: the shipped texts at one fixed width
-    for recipe in RECIPES:
-        code, text = render_help(lambda recipe=recipe: run_recipe(recipe, ["--help"]))
+    renders = {recipe.command: lambda recipe=recipe: run_recipe(recipe, ["--help"]) for recipe in RECIPES}
+    renders["demo"] = _render_demo_help
+    for command, render in renders.items():
+        code, texts[command] = render_help(render)
         if code != 0:
-            raise RuntimeError(f"hf-constrained {recipe.command} --help exited with {code}")
-        texts[recipe.command] = text
-    code, texts["demo"] = render_help(lambda: _demo_parser()[1].parse_args(["--help"]))
-    if code != 0:
-        raise RuntimeError(f"hf-constrained demo --help exited with {code}")
+            raise RuntimeError(f"hf-constrained {command} --help exited with {code}")
     atomic_write_json(SHIPPED, {"versions": versions(), "texts": texts}, indent=1, sort_keys=True, newline=True)
     return texts
 

@@ -70,7 +70,7 @@ def test_the_shipped_help_is_each_recipes_help_rendered_now(monkeypatch):
     for recipe in RECIPES:
         code, text = help_cache.render_help(lambda recipe=recipe: cli.run_recipe(recipe, ["--help"]))
         assert code == 0 and text == shipped["texts"][recipe.command], recipe.command
-    code, text = help_cache.render_help(lambda: cli._demo_parser()[1].parse_args(["--help"]))
+    code, text = help_cache.render_help(cli._render_demo_help)
     assert code == 0 and text == shipped["texts"]["demo"]
 
 
