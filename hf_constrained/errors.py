@@ -32,7 +32,7 @@ def check_model_path(name_or_path: str, flag: str = "--model_name_or_path") -> s
     try:
         validate_repo_id(path)
     except HFValidationError:
-        raise ValueError(f"{flag}={name_or_path!r} is neither a local model directory nor a hub id "
+        raise RecipeConfigError(f"{flag}={name_or_path!r} is neither a local model directory nor a hub id "
                          "('name' or 'org/name')") from None
     if constants.HF_HUB_OFFLINE and not isinstance(try_to_load_from_cache(path, "config.json"), str):
         raise FileNotFoundError(f"{flag}={name_or_path!r}: not in the local Hugging Face cache, and HF_HUB_OFFLINE "

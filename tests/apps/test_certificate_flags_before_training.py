@@ -94,6 +94,7 @@ def test_a_file_the_operating_system_could_not_open_keeps_its_traceback(monkeypa
     ("llm", ["--delta", "2"], "--delta must be in (0, 1), got 2.0"),
     ("llm", ["--forget_tolerance", "3"], "--forget_tolerance is a share of examples, in [0, 1]; got 3.0"),
     ("clip", ["--model_name_or_path", "{tmp}", "--data", "csv"], "--data csv needs --target_class"),
+    ("llm", ["--model_name_or_path", "bad id!!"], "is neither a local model directory nor a hub id"),
 ])
 def test_the_llm_and_clip_recipes_refuse_a_setting_in_one_line(command, flags, message, tmp_path, capsys):
     extra = ["--dataset_name", "t.json", "--protected_datasets", "p.json", "--model_name_or_path", "m"] \
