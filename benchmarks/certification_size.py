@@ -33,13 +33,18 @@ from hf_constrained.publishable import publishable_command
 from hf_constrained.safety.bounds import clopper_pearson_upper_bound, most_forgotten_that_certify
 
 
+def all_certify(most: int, n: int, rate: float, tasks: int) -> float:
+    """P(all ``tasks`` tasks certify) when each truly forgets ``rate`` of its ``n`` rows and certifies with at most
+    ``most`` forgotten (binomial; 0 when no count certifies, ``most`` -1)."""
+    return float(binom.cdf(most, n, rate) ** tasks) if most >= 0 else 0.0
+
+
 def sizing(eps: float, delta: float, tasks: int, grid: list[int], rates: list[float]) -> list[dict[str, Any]]:
     rows = []
     for n in grid:
         x = most_forgotten_that_certify(n, eps, delta)
         rows.append({"n": n, "most_forgotten_rows": x,
-                     "probability_all_tasks_certify": {f"{p:g}": float(binom.cdf(x, n, p) ** tasks) if x >= 0 else 0.0
-                                                       for p in rates}})
+                     "probability_all_tasks_certify": {f"{p:g}": all_certify(x, n, p, tasks) for p in rates}})
     return rows
 
 
@@ -51,7 +56,7 @@ def tightest_claim(rows: int, rate: float, delta: float, tasks: int, power: floa
     for eps in sorted(grid):
         x = most_forgotten_that_certify(rows, eps, delta)
         table.append({"eps": eps, "most_forgotten_rows": x,
-                      "probability_all_tasks_certify": float(binom.cdf(x, rows, rate) ** tasks) if x >= 0 else 0.0})
+                      "probability_all_tasks_certify": all_certify(x, rows, rate, tasks)})
     return next((r["eps"] for r in table if r["probability_all_tasks_certify"] >= power), None), table
 
 

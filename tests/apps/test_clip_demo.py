@@ -490,7 +490,8 @@ def test_make_demo_default_path_prints_a_summary_and_the_paths_it_wrote(tmp_path
 
 
 def test_several_penalties_certified_on_one_split_are_counted_looks_each_printed_at_its_spent_level(tmp_path,
-                                                                                                    capsys, caplog):
+                                                                                                    capsys, caplog,
+                                                                                                    monkeypatch):
     """One seed, three penalties: the three kept models are certified on the same certification images, so they
     are looks 1, 2 and 3 of that split's ledger, tested at 0.9, 0.09 and 0.009 of delta (the default spending),
     and each run's printed certificate names its look and the level it spent (its bounds are at that level).
@@ -498,7 +499,18 @@ def test_several_penalties_certified_on_one_split_are_counted_looks_each_printed
     import re
 
     from hf_constrained.safety.bounds import clopper_pearson_upper_bound
+    from hf_constrained.safety.fingerprint import weights_fingerprint
 
+    # the three runs share the one old model loaded for the seed: each trains its own copy, the old one stays as it was
+    olds, finetune = [], demo.finetune
+
+    def finetune_checked(*a, **k):
+        before = weights_fingerprint(k["old_model"])
+        run = finetune(*a, **k)
+        olds.append((k["old_model"], before, weights_fingerprint(k["old_model"])))
+        return run
+
+    monkeypatch.setattr(demo, "finetune", finetune_checked)
     argv = ["--seed", "0", "--stage1_epochs", "2", "--max_steps", "4", "--learning_rate", "3e-2",
             "--constraint_copies", "1", "--eval_copies", "1", "--select_every", "0",
             "--penalties", "hinge,squared_hinge,none", "--cache_dir", str(tmp_path / "cache")]
@@ -506,6 +518,7 @@ def test_several_penalties_certified_on_one_split_are_counted_looks_each_printed
     printed = " ".join(capsys.readouterr().out.split())
     runs = json.loads((tmp_path / "a.json").read_text())["per_seed"][0]["runs"]
     assert [r["penalty"] for r in runs] == ["hinge", "squared_hinge", "none"]
+    assert len(olds) == 3 and all(m is olds[0][0] and b == a == olds[0][1] for m, b, a in olds)
     certs = [r["certificate"] for r in runs]
     assert [c["look"] for c in certs] == [1, 2, 3]
     levels = [0.05 * 0.9, 0.05 * 0.09, 0.05 * 0.009]

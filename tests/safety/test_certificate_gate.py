@@ -13,6 +13,7 @@ from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments, Con
 from hf_constrained.cli import main
 from hf_constrained.constraint import Certification, CertifyStatistic
 from hf_constrained.safety.bounds import clopper_pearson_upper_bound, hoeffding_bentkus_upper_bound
+from hf_constrained.safety.fingerprint import weights_fingerprint
 from hf_constrained.safety.report import SafetyReport, UnsafeModelError
 
 
@@ -175,12 +176,15 @@ def test_checkpoints_are_certified_in_training_order_and_the_best_certified_is_r
             break
         expected.append(j)
     assert expected and len(expected) < 5  # the tolerance cuts the sequence inside the run
+    final = weights_fingerprint(trainer.model)
     report = finish_run(trainer, plots=False, candidates="checkpoints")
     assert report.certificate["certified"] == expected
     assert report.certificate["num_candidates"] == 5 and len(report.certificate["upper_bounds"]) == len(expected) + 1
     assert report.certified and report.certificate_candidate == expected[-1]
     assert float(trainer.model.theta) == pytest.approx(thetas[expected[-1]], abs=1e-5)
     assert report.global_step == expected[-1] + 1 and report.checkpoint == f"checkpoint-{expected[-1] + 1}"
+    # the report names the released checkpoint's weights, not the final ones it hashed first
+    assert report.weights_fingerprint == weights_fingerprint(trainer.model) != final
 
 
 def test_certified_checkpoints_are_known_by_their_own_weights_each_hashed_once(tmp_path, monkeypatch):
@@ -189,7 +193,6 @@ def test_certified_checkpoints_are_known_by_their_own_weights_each_hashed_once(t
     look), the report's fingerprint is the weights in the trainer, and each candidate's weights are hashed once
     (5 checkpoints; the final weights, which are the last of them, once more, to know that they are)."""
     from hf_constrained.safety import evaluation, finish
-    from hf_constrained.safety.fingerprint import weights_fingerprint
 
     trainer = make_saving(tmp_path, tolerance=0.5)
     trainer.train()
