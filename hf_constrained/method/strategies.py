@@ -85,9 +85,10 @@ class Margin(ABC):
     def describe(self) -> str:
         return _describe(self)
 
-    @abstractmethod
-    def flag_value(self) -> float:
-        """The value of the run flag that spells this rule (:data:`MARGIN_FLAGS`), as reports record it."""
+    def flag_value(self) -> Optional[float]:
+        """The value of the run flag that spells this rule (:data:`MARGIN_FLAGS`), as reports record it; ``None``
+        for a rule no flag spells (a user's own subclass need not define it)."""
+        return None
 
     @abstractmethod
     def coefficient(self, constraint: "Constraint") -> float:

@@ -32,6 +32,7 @@ from hf_constrained import (
 from hf_constrained.constraint import CertifyStatistic
 from hf_constrained.method.margins import RowSpread
 from hf_constrained.method.strategies import (
+    Margin,
     OneSplit,
     TwoSplit,
     estimate_source,
@@ -174,6 +175,17 @@ def test_a_margin_rule_stands_for_its_flag_and_its_value():
         extra: float = 1.0
 
     assert set(margin_settings(Wider(0.1)).values()) == {None} and set(margin_settings(None).values()) == {None}
+
+    @dataclass(frozen=True)
+    class Constant(Margin):  # a user's own rule on the base class: what it must define is what a margin needs
+        def coefficient(self, constraint: Constraint) -> float:
+            return 0.02
+
+        @classmethod
+        def margins(cls, coefficient: torch.Tensor, at: object) -> torch.Tensor:
+            return coefficient
+
+    assert Constant().flag_value() is None and set(margin_settings(Constant()).values()) == {None}
 
 
 def test_a_bad_indicator_fraction_is_one_error_naming_the_flag_before_training(tmp_path):
