@@ -1,4 +1,4 @@
-"""A recipe's ``--help`` without importing torch: the text is kept after its first rendering.
+"""A recipe's (and the demo's) ``--help`` without importing torch: the text is kept after its first rendering.
 
 A recipe's flags come from dataclasses in modules that import torch and transformers, which take
 10-20 s to import on a busy machine. ``hf-constrained RECIPE --help`` (and ``--help-all``) prints
@@ -9,10 +9,10 @@ it (and pays the imports); later calls print it in well under a second. The text
 ``$HF_CONSTRAINED_CACHE`` or ``~/.cache/hf_constrained/help`` (``$XDG_CACHE_HOME`` honoured); a
 folder that cannot be written only means no cache.
 
-The short ``--help`` of every recipe also ships with the package (``help_texts.json``, rendered by
+The short ``--help`` of every recipe and of the demo also ships with the package (``help_texts.json``, rendered by
 ``python -m hf_constrained.cli --write-shipped-help`` with the ``transformers`` and ``trl`` versions it
 records): where the installed versions are those, even the first call prints it without importing
-anything heavy. A test renders every recipe's help afresh and compares it with the shipped text.
+anything heavy. A test renders each of them afresh and compares it with the shipped text.
 """
 
 from __future__ import annotations
