@@ -145,7 +145,7 @@ from hf_constrained.progress import StepProgressBar
 from hf_constrained.publishable import publishable_values
 from hf_constrained.recipe_args import parse_with_config
 from hf_constrained.redact import redact_command
-from hf_constrained.safety.bounds import most_forgotten_that_certify
+from hf_constrained.safety.bounds import check_delta, most_forgotten_that_certify
 from hf_constrained.safety.certify import rows_needed
 from hf_constrained.safety.evaluation import certify_models
 from hf_constrained.safety.finish import finish_run
@@ -551,8 +551,7 @@ def mean_loss(model: torch.nn.Module, dataset: Any, zs: ZeroShotLoss, collate: C
 def check_certificate_settings(cfg: DemoConfig) -> None:
     """The certificate's claim and level, checked before any model is trained (they are read only at the
     end, after minutes of training), naming the flag."""
-    if not 0 < cfg.delta < 1:  # NaN fails too
-        raise ValueError(f"--delta must be in (0, 1), got {cfg.delta}")
+    check_delta(cfg.delta, "--delta")  # NaN fails too
     if not 0 < cfg.forget_tolerance <= 1:
         raise ValueError(f"--forget_tolerance is a share of each protected class's images forgotten, in (0, 1] "
                          f"(0.15: at most 15 points lost), got {cfg.forget_tolerance}")

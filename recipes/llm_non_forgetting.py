@@ -83,6 +83,7 @@ from hf_constrained.non_forgetting import (
 from hf_constrained.per_sample_loss import causal_lm_per_example_correct
 from hf_constrained.publishable import publishable_command, publishable_path, publishable_values
 from hf_constrained.recipe_args import RecipeConfigError, parse_recipe_args
+from hf_constrained.safety.bounds import check_delta
 from hf_constrained.safety.finish import push_last
 from hf_constrained.safety.splits import carve_certification, check_certify_fraction
 from hf_constrained.text_data import SFTPaddingCollator, load_text_dataset, tokenize_sft
@@ -377,8 +378,7 @@ def check_arguments(config: RecipeArguments) -> None:
                                 "certificate)")
     if not 0.0 <= data.forget_tolerance <= 1.0:
         raise RecipeConfigError(f"--forget_tolerance is a share of examples, in [0, 1]; got {data.forget_tolerance}")
-    if not 0.0 < data.delta < 1.0:
-        raise RecipeConfigError(f"--delta must be in (0, 1), got {data.delta}")
+    check_delta(data.delta, "--delta", RecipeConfigError)
     # a logger whose package is missing would fail when the Trainer is built, after the model loaded
     loggers = {"tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",), "mlflow": ("mlflow",)}
     for name in args.report_to or []:

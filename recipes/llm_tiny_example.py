@@ -98,6 +98,7 @@ from hf_constrained.progress import StepProgressBar
 from hf_constrained.publishable import publishable_command, publishable_values
 from hf_constrained.recipe_args import parse_recipe_args
 from hf_constrained.recipes.tiny_lm import char_tokenizer, tiny_causal_lm
+from hf_constrained.safety.bounds import check_delta
 from hf_constrained.safety.evaluation import certify_models
 from hf_constrained.safety.ledger import user_ledger_at
 from hf_constrained.text_data import tokenize_sft
@@ -547,8 +548,7 @@ class ExampleArguments:
             raise ValueError(f"--certify_rows must be >= 0, got {self.certify_rows}")
         if not 0.0 <= self.forget_tolerance <= 1.0:
             raise ValueError(f"--forget_tolerance is a share of examples, in [0, 1]; got {self.forget_tolerance}")
-        if not 0.0 < self.delta < 1.0:
-            raise ValueError(f"--delta must be in (0, 1), got {self.delta}")
+        check_delta(self.delta, "--delta")
         if self.constraint_indicator_fraction is not None and not 0.0 <= self.constraint_indicator_fraction < 1.0:
             raise ValueError("--constraint_indicator_fraction must be in (0, 1), or 0 for one split; got "
                              f"{self.constraint_indicator_fraction}")

@@ -67,6 +67,7 @@ from hf_constrained import (
 from hf_constrained.atomic_files import atomic_write_json
 from hf_constrained.publishable import publishable_command, publishable_values
 from hf_constrained.recipe_args import RecipeConfigError, given_flags, parse_recipe_args
+from hf_constrained.safety.bounds import check_delta
 from hf_constrained.safety.evaluation import certify_models
 from hf_constrained.safety.splits import carve_certification, check_certify_fraction
 
@@ -233,8 +234,7 @@ def check_recipe_flags(opts: QuickstartArguments, args: ConstrainedTrainingArgum
         raise RecipeConfigError(str(err)) from None
     if not 0.0 <= opts.error_tolerance <= 1.0:
         raise RecipeConfigError(f"--error_tolerance is an error rate, in [0, 1]; got {opts.error_tolerance}")
-    if not 0.0 < opts.delta < 1.0:
-        raise RecipeConfigError(f"--delta must be in (0, 1), got {opts.delta}")
+    check_delta(opts.delta, "--delta", RecipeConfigError)
 
 
 def parse_args(argv: Optional[list[str]] = None) -> tuple[QuickstartArguments, ConstrainedTrainingArguments]:

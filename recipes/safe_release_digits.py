@@ -67,6 +67,7 @@ from hf_constrained.extras import require_extra
 from hf_constrained.non_forgetting import CORRECT_KEY, ForgottenRows
 from hf_constrained.publishable import publishable_command
 from hf_constrained.recipe_args import parse_recipe_args
+from hf_constrained.safety.bounds import check_delta
 from hf_constrained.safety.splits import check_certify_fraction
 
 OLD_DIGITS = list(range(8))
@@ -162,8 +163,7 @@ class ReleaseArguments:
         if not 0 < self.forget_tolerance <= 1:  # NaN fails too
             raise ValueError(f"--forget_tolerance is a share of each old digit's images forgotten, in (0, 1] "
                              f"(0.2: at most 20%), got {self.forget_tolerance}")
-        if not 0 < self.delta < 1:
-            raise ValueError(f"--delta must be in (0, 1), got {self.delta}")
+        check_delta(self.delta, "--delta")
         check_certify_fraction(self.audit_fraction, "--audit_fraction")
 
 

@@ -34,6 +34,7 @@ from ..atomic_files import atomic_write_json
 from ..config import ConstrainedTrainingArguments
 from ..extras import require_extra
 from ..publishable import publishable_command
+from ..safety.bounds import check_delta
 from ..safety.evaluation import certify_models
 from ..safety.finish import finish_run, push_last
 from ..safety.splits import check_certify_fraction
@@ -126,8 +127,7 @@ class ROCFairnessArguments:
         if any(not 0 < f < 1 for f in self.decay_list):
             raise ValueError(f"lr_decay_at fractions must be in (0, 1), got {self.decay_list}")
         check_certify_fraction(self.certify_fraction)
-        if not 0 < float(self.delta) < 1:  # read only by the certificate, after training: checked here, before it
-            raise ValueError(f"--delta must be in (0, 1), got {self.delta}")
+        check_delta(self.delta, "--delta")  # read only by the certificate, after training: checked here, before it
 
 
 def _score_bound(text: Any, thresholds: Sequence[float]) -> Optional[float]:

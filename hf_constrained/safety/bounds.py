@@ -69,10 +69,10 @@ data: most of ``delta`` goes where a non-forgetting claim is decided."""
 _GRID_POINTS = 4001  # candidate means tested by the betting bound; the bound is rounded UP to this grid
 
 
-def check_delta(delta: float) -> float:
-    """``delta`` if it is in (0, 1), else a ``ValueError``."""
+def check_delta(delta: float, name: str = "delta", error: type[ValueError] = ValueError) -> float:
+    """``delta`` if it is in (0, 1), else ``error`` naming it as ``name`` (a recipe passes its flag, ``--delta``)."""
     if not (isinstance(delta, (int, float)) and 0.0 < float(delta) < 1.0):
-        raise ValueError(f"delta must be in (0, 1), got {delta!r}")
+        raise error(f"{name} must be in (0, 1), got {delta!r}")
     return float(delta)
 
 
