@@ -349,11 +349,17 @@ class ReferenceGap:
     ``row_fn(model, batch)`` for :class:`~hf_constrained.Constraint`: the mean over a
     batch B_k is h_k(w; B_k) of section 5.2. One object serves every protected task,
     so a fused trainer step computes all of them in one model call.
+
+    With ``increase_only`` a row contributes only what its loss rose, ``max(0, l(w, x) - l(w_old, x))``:
+    rows whose loss fell cannot offset rows whose loss rose, so the mean follows the rows at risk of
+    being forgotten. A surrogate for a proxy constraint whose certified statistic is the share of rows
+    forgotten (``constraint_proxy_indicator``): that statistic drives the indicator, this the gradient.
     """
 
-    def __init__(self, loss: Union[PerSampleLoss, Any]) -> None:
+    def __init__(self, loss: Union[PerSampleLoss, Any], *, increase_only: bool = False) -> None:
         self.loss = loss
         self.per_sample = as_per_sample_loss(loss)
+        self.increase_only = bool(increase_only)
 
     def __call__(self, model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
         self._check(batch)
@@ -376,12 +382,13 @@ class ReferenceGap:
             raise KeyError(f"constraint batch has no {REFERENCE_KEY!r}: wrap the data in ReferenceLossDataset "
                            "(non_forgetting_constraints does)")
 
-    @staticmethod
-    def _gap(current: torch.Tensor, batch: Mapping[str, Any]) -> torch.Tensor:
-        return current - torch.as_tensor(batch[REFERENCE_KEY]).to(current)
+    def _gap(self, current: torch.Tensor, batch: Mapping[str, Any]) -> torch.Tensor:
+        gap = current - torch.as_tensor(batch[REFERENCE_KEY]).to(current)
+        return gap.clamp(min=0.0) if self.increase_only else gap
 
     def __repr__(self) -> str:
-        return f"ReferenceGap({getattr(self.loss, '__name__', type(self.loss).__name__)})"
+        loss = getattr(self.loss, '__name__', type(self.loss).__name__)
+        return f"ReferenceGap({loss}, increase_only=True)" if self.increase_only else f"ReferenceGap({loss})"
 
 
 Tolerance = Union[float, Mapping[str, float]]

@@ -88,6 +88,7 @@ from hf_constrained.atomic_files import atomic_write_json
 from hf_constrained.method.regularisers import KLToOld, L2ToOld, ObjectiveRegulariser, Replay
 from hf_constrained.non_forgetting import (
     PaddingCollator,
+    ReferenceGap,
     causal_lm_per_example_loss,
     non_forgetting_constraints,
     reference_losses,
@@ -272,7 +273,8 @@ def finetune(old_path: str, penalty: str, seed: int, cfg: ExampleArguments,
     collate = PaddingCollator(tokenizer)
     held_out, constraint_rows = data_splits(tokenizer, cfg)
     certify = certification_rows(tokenizer, cfg) if cfg.certify_rows else None
-    constraints = non_forgetting_constraints(model, causal_lm_per_example_loss, constraint_rows, collate,
+    row_fn = ReferenceGap(causal_lm_per_example_loss, increase_only=cfg.constraint_surrogate == "loss_increase")
+    constraints = non_forgetting_constraints(model, causal_lm_per_example_loss, constraint_rows, collate, row_fn=row_fn,
                                              eval_datasets={t: held_out[t] for t in OLD_TASKS},
                                              tolerance=cfg.tolerance, batch_size=256, certify_datasets=certify,
                                              correct=causal_lm_per_example_correct,
@@ -506,6 +508,11 @@ class ExampleArguments:
     constraint_proxy_indicator: bool = field(default=True, metadata={
         "help": "with --constraint_indicator_fraction: the indicator follows the certificate's statistic (the share "
                 "of the indicator rows forgotten) against --forget_tolerance; the gradient follows the loss change"})
+    constraint_surrogate: str = field(default="loss_change", metadata={
+        "help": "the constraint's row values, which give its gradient (and its held-out h_k): loss_change, the "
+                "per-row loss change l(w, x) - l(w_old, x); loss_increase, its positive part, so rows whose loss "
+                "fell do not offset rows at risk of being forgotten",
+        "choices": ["loss_change", "loss_increase"]})
     constraint_margin: Optional[float] = field(default=0.01, metadata={
         "help": "the constrained run's margin: the hinge acts when the estimate exceeds its tolerance minus this "
                 "(with --constraint_proxy_indicator a share of rows, else nats per answer token)"})
@@ -575,7 +582,7 @@ class ExampleArguments:
 
 # settings added after results were stored, with the value that reproduces what ran before they existed: a stored
 # configuration without one of them ran with that value (no warmup: the Trainer's default)
-SETTINGS_ADDED_LATER: dict[str, Any] = {"warmup_steps": 0}
+SETTINGS_ADDED_LATER: dict[str, Any] = {"warmup_steps": 0, "constraint_surrogate": "loss_change"}
 
 
 def stored_settings(config: dict[str, Any]) -> dict[str, Any]:
