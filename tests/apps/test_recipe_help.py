@@ -192,3 +192,16 @@ def test_the_demo_module_takes_a_config_file_too(tmp_path, capsys):
     with pytest.raises(SystemExit) as done:
         demo.main(["--config", str(config)])  # the file is read: its unknown key stops the demo before it runs
     assert done.value.code == 2 and "unknown keys ['bogus']" in capsys.readouterr().err
+
+
+def test_a_demo_config_that_sets_one_option_twice_is_refused(tmp_path, capsys):
+    """``beta:`` and ``penalty_beta:`` name one option: a file with both stops before anything runs (one would
+    silently win)."""
+    from hf_constrained.recipes import demo_clip_digits as demo
+
+    config = tmp_path / "demo.yaml"
+    config.write_text("beta: 5\npenalty_beta: 2\n")
+    with pytest.raises(SystemExit) as done:
+        demo.main(["--config", str(config)])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and "keys ['beta', 'penalty_beta'] set the same option" in err
