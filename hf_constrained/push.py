@@ -27,6 +27,9 @@ lock files (the empty ``certification_ledger.json.lock`` beside the ledger)."""
 OFFLINE_BEFORE_TRAINING = ("unset it, or drop --push_to_hub / --hub_model_id and push the finished run later "
                            "(hf-constrained push RUN_DIR --repo_id owner/name)")
 OFFLINE_PUSH = "unset it (or set HF_HUB_OFFLINE=0) and run the push again"
+OFFLINE_TRAINER = ("unset it, or build the trainer with push_to_hub=False and push the finished run later "
+                   "(hf-constrained push RUN_DIR --repo_id owner/name)")
+"""The offline advice for a ``ConstrainedTrainer`` built in the user's own code (no recipe flags to drop)."""
 
 
 def hub_api() -> Any:
@@ -121,5 +124,5 @@ def push_run(run_dir: str, repo_id: str, *, private: Optional[bool] = None, comm
     return PushResult(0, f"pushed {run_dir} to https://huggingface.co/{repo_id} ({check.report.summary()})")
 
 
-__all__ = ["OFFLINE_BEFORE_TRAINING", "OFFLINE_PUSH", "PUSH_IGNORE", "PushResult", "check_hub_before_training",
-           "hub_access_problem", "hub_api", "push_run"]
+__all__ = ["OFFLINE_BEFORE_TRAINING", "OFFLINE_PUSH", "OFFLINE_TRAINER", "PUSH_IGNORE", "PushResult",
+           "check_hub_before_training", "hub_access_problem", "hub_api", "push_run"]

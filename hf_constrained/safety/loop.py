@@ -588,9 +588,10 @@ class SafetyLoop:
         when it creates the repository, if the Hub cannot be reached or refuses the token."""
         import transformers.trainer as hf_trainer  # its hf_api: the one the Trainer's pushes use
 
-        from ..push import hub_access_problem  # the recipes' check before training, and `hf-constrained push`'s
+        from ..push import OFFLINE_TRAINER, hub_access_problem  # the recipes' check, and `hf-constrained push`'s
 
-        problem = hub_access_problem(token or self.view.args.hub_token, hf_trainer.hf_api())
+        problem = hub_access_problem(token or self.view.args.hub_token, hf_trainer.hf_api(),
+                                     offline_hint=OFFLINE_TRAINER)
         if problem is not None:
             raise RuntimeError(
                 f"push_to_hub=True, but {problem}; the run would fail at its first push. Fix that (the network, "

@@ -336,7 +336,9 @@ def test_an_unreachable_hub_fails_when_the_trainer_is_built(tmp_path, monkeypatc
         make_trainer(str(tmp_path / "run"), push_to_hub=True, hub_model_id="user/model", hub_token="hf_" + "x" * 34)
     # the same one-line reason as the recipes' check before training (hub_access_problem): offline mode named
     monkeypatch.setattr(push, "_offline", lambda: True)
-    with pytest.raises(RuntimeError, match="push_to_hub=True, but HF_HUB_OFFLINE=1 is set"):
+    with pytest.raises(RuntimeError, match="push_to_hub=True, but HF_HUB_OFFLINE=1 is set") as offline:
         make_trainer(str(tmp_path / "run2"), push_to_hub=True, hub_model_id="user/model", hub_token="hf_" + "x" * 34)
+    # advice in the words of the code that built the trainer: no recipe flags to drop
+    assert "push_to_hub=False" in str(offline.value) and "--push_to_hub" not in str(offline.value)
     assert hub.calls == []  # nothing created
 
