@@ -45,6 +45,7 @@ The fine-tuning flags carry the names of ``ConstrainedTrainingArguments``
 (``--constraint_penalty``, ``--penalty_beta``, ``--max_steps``, ``--learning_rate``,
 ``--lr_scheduler_type``, ``--warmup_steps``, ``--msvr_gamma``, ``--msvr_gamma_prime``, ``--constraint_batch_size``,
 ``--constraint_indicator_fraction``, ``--constraint_proxy_indicator``, ``--constraint_margin``);
+``--constraint_surrogate loss_increase`` makes the gradient follow each row's loss rise only;
 ``--kl_to_old`` adds the KL anchor (``hf_constrained.method.regularisers.KLToOld``) to the constrained run;
 a flag the example does not list is an error.
 
