@@ -110,7 +110,7 @@ def test_flags_that_cannot_work_are_errors_naming_the_flag():
     with pytest.raises(ValueError, match="--workers"):
         ex.parse(["--workers", "0"])
     with pytest.raises(ValueError, match="--warmup_steps"):
-        ex.parse(["--warmup_steps", "300"])  # as long as the run (--max_steps 300): no step at the full rate
+        ex.parse(["--warmup_steps", "500"])  # as long as the run (--max_steps 500): no step at the full rate
     cfg = ex.parse(["--constraint_indicator_fraction", "0.25", "--constraint_margin", "0.05"])
     assert ex._estimation_args(cfg, "hinge") == {"constraint_indicator_fraction": 0.25,
                                                  "constraint_proxy_indicator": True, "constraint_margin": 0.05}
