@@ -185,21 +185,37 @@ def plot(settings: list[dict[str, Any]], path: str, claim: float, target: str = 
          title: str = "Forgetting frontier, offline LLM example",
          xlabel: str = "worst old-task exact-match change (points, median over seeds)",
          ylabel: str = "new-task exact match (%, median)") -> None:
-    """Median new-task exact match (``target``) against the median worst old-task change, one line per method."""
+    """Median new-task exact match (``target``) against the median worst old-task change, one line per method.
+
+    The horizontal axis spans the methods that keep their old tasks within 50 points (and the goal); a method
+    that forgets more (plain fine-tuning) is drawn at the left edge with its value written beside it, so that
+    it does not squeeze the others into one point."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    goal = -100 * claim
+    medians = [100 * s["worst_old_change"]["median"] for s in settings]
+    left = min([goal, *[x for x in medians if x > -50]]) - 1.0
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for method in dict.fromkeys(s["method"] for s in settings):
+    for k, method in enumerate(dict.fromkeys(s["method"] for s in settings)):
         mine = sorted((s for s in settings if s["method"] == method), key=lambda s: s["worst_old_change"]["median"])
         xs = [100 * s["worst_old_change"]["median"] for s in mine]
         ys = [100 * s[target]["median"] for s in mine]
-        ax.plot(xs, ys, marker="o", label=method)
-        for s, x, y in zip(mine, xs, ys):
-            if s["value"] is not None:
-                ax.annotate(f"{s['value']:g}", (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
-    ax.axvline(-100 * claim, color="grey", linestyle=":", linewidth=1, label=f"goal: {-100 * claim:g} points")
+        shown = [max(x, left) for x in xs]
+        line, = ax.plot(shown, ys, marker="o", label=method)
+        for s, x, x_shown, y in zip(mine, xs, shown, ys):
+            label = method if s["value"] is None else f"{method} {s['value']:g}"
+            if x < left:  # off the axis: at the edge, with its value
+                ax.plot([x_shown], [y], marker="<", markersize=10, color=line.get_color())
+                label = f"{label} ({x:+.1f} pts, off scale)"
+            # methods at one point (several reach the same accuracy) get their labels on separate lines
+            ax.annotate(label, (x_shown, y), fontsize=7, xytext=(3, 3 + 9 * (k % 4)), textcoords="offset points")
+    ax.axvline(goal, color="grey", linestyle=":", linewidth=1, label=f"goal: {goal:g} points")
+    ax.set_xlim(left - 0.5, max(1.0, max(medians) + 0.5))
+    targets = [100 * s[target]["median"] for s in settings]
+    pad = max(1.0, 0.08 * (max(targets) - min(targets)))  # room for the labels above the highest point
+    ax.set_ylim(min(targets) - pad, max(targets) + 3 * pad)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)

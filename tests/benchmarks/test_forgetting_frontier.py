@@ -126,8 +126,11 @@ def test_the_stored_example_result_is_read_with_settings_added_since():
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     with open(os.path.join(root, "benchmarks", "results", "llm_example.json")) as f:
         saved = json.load(f)
-    assert "warmup_steps" not in saved["config"]  # stored before the flag existed
     ff.same_settings(saved["config"], ff.ex.parse([]), "llm_example.json", "--example_result")
-    with pytest.raises(SystemExit, match=r"differ from this run's in \['warmup_steps'\]"):
-        ff.same_settings(saved["config"], ff.ex.parse(["--warmup_steps", "30"]), "llm_example.json",
-                         "--example_result")
+    for added, value, other in (("warmup_steps", 0, ["--warmup_steps", "30"]),
+                                ("constraint_surrogate", "loss_change", ["--constraint_surrogate", "loss_increase"])):
+        assert ff.ex.SETTINGS_ADDED_LATER[added] == value
+        older = {k: v for k, v in saved["config"].items() if k != added}  # as stored before the flag existed
+        ff.same_settings(older, ff.ex.parse([]), "llm_example.json", "--example_result")
+        with pytest.raises(SystemExit, match=rf"differ from this run's in \['{added}'\]"):
+            ff.same_settings(older, ff.ex.parse(other), "llm_example.json", "--example_result")
