@@ -372,7 +372,8 @@ class ReferenceGap:
         return self.per_sample is causal_lm_per_example_loss
 
     def values_from_logits(self, logits: torch.Tensor, batch: Mapping[str, Any]) -> torch.Tensor:
-        """``l(w, x) - l(w_old, x)`` per row from the logits of the batch's rows (possibly wider)."""
+        """``l(w, x) - l(w_old, x)`` per row (its positive part with ``increase_only``) from the logits of the
+        batch's rows (possibly wider)."""
         self._check(batch)
         return self._gap(causal_lm_losses_from_logits(logits, causal_lm_labels(batch)), batch)
 

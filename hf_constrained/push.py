@@ -27,9 +27,9 @@ lock files (the empty ``certification_ledger.json.lock`` beside the ledger)."""
 OFFLINE_BEFORE_TRAINING = ("unset it, or drop --push_to_hub / --hub_model_id and push the finished run later "
                            "(hf-constrained push RUN_DIR --repo_id owner/name)")
 OFFLINE_PUSH = "unset it (or set HF_HUB_OFFLINE=0) and run the push again"
-OFFLINE_TRAINER = ("unset it, or build the trainer with push_to_hub=False and push the finished run later "
-                   "(hf-constrained push RUN_DIR --repo_id owner/name)")
-"""The offline advice for a ``ConstrainedTrainer`` built in the user's own code (no recipe flags to drop)."""
+OFFLINE_TRAINER = "unset it (or set HF_HUB_OFFLINE=0)"
+"""The offline advice for a ``ConstrainedTrainer`` built in the user's own code (no recipe flags to drop): the
+trainer's error goes on to name the other way, ``push_to_hub=False`` and ``hf-constrained push`` afterwards."""
 
 
 def hub_api() -> Any:

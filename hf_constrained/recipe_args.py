@@ -116,8 +116,8 @@ def parse_with_config(parser: argparse.ArgumentParser, argv: Sequence[str]) -> a
         if unknown:
             parser.error(f"--config {known.config}: unknown keys {unknown} (not an option of this command)")
         spellings: dict[str, list[str]] = {}
-        for key in values:
-            spellings.setdefault(dest_of[keys[str(key)]], []).append(str(key))
+        for key, name in keys.items():
+            spellings.setdefault(dest_of[name], []).append(key)
         twice = [names for names in spellings.values() if len(names) > 1]
         if twice:  # e.g. `beta:` and `penalty_beta:`: one would silently win
             parser.error(f"--config {known.config}: keys {twice[0]} set the same option; keep one")
