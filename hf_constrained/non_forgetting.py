@@ -350,16 +350,15 @@ class ReferenceGap:
     batch B_k is h_k(w; B_k) of section 5.2. One object serves every protected task,
     so a fused trainer step computes all of them in one model call.
 
-    With ``increase_only`` a row contributes only what its loss rose, ``max(0, l(w, x) - l(w_old, x))``:
-    rows whose loss fell cannot offset rows whose loss rose, so the mean follows the rows at risk of
-    being forgotten. A surrogate for a proxy constraint whose certified statistic is the share of rows
-    forgotten (``constraint_proxy_indicator``): that statistic drives the indicator, this the gradient.
+    For a surrogate that follows only the rows whose loss rose, ``max(0, l(w, x) - l(w_old, x))`` (rows
+    whose loss fell then cannot offset rows at risk of being forgotten), give the constraints
+    ``row_transform=torch.relu``: the CLIP demo's ``--forgetting increase`` and the LLM example's
+    ``--constraint_surrogate loss_increase`` do.
     """
 
-    def __init__(self, loss: Union[PerSampleLoss, Any], *, increase_only: bool = False) -> None:
+    def __init__(self, loss: Union[PerSampleLoss, Any]) -> None:
         self.loss = loss
         self.per_sample = as_per_sample_loss(loss)
-        self.increase_only = bool(increase_only)
 
     def __call__(self, model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
         self._check(batch)
@@ -372,8 +371,7 @@ class ReferenceGap:
         return self.per_sample is causal_lm_per_example_loss
 
     def values_from_logits(self, logits: torch.Tensor, batch: Mapping[str, Any]) -> torch.Tensor:
-        """``l(w, x) - l(w_old, x)`` per row (its positive part with ``increase_only``) from the logits of the
-        batch's rows (possibly wider)."""
+        """``l(w, x) - l(w_old, x)`` per row from the logits of the batch's rows (possibly wider)."""
         self._check(batch)
         return self._gap(causal_lm_losses_from_logits(logits, causal_lm_labels(batch)), batch)
 
@@ -383,13 +381,12 @@ class ReferenceGap:
             raise KeyError(f"constraint batch has no {REFERENCE_KEY!r}: wrap the data in ReferenceLossDataset "
                            "(non_forgetting_constraints does)")
 
-    def _gap(self, current: torch.Tensor, batch: Mapping[str, Any]) -> torch.Tensor:
-        gap = current - torch.as_tensor(batch[REFERENCE_KEY]).to(current)
-        return gap.clamp(min=0.0) if self.increase_only else gap
+    @staticmethod
+    def _gap(current: torch.Tensor, batch: Mapping[str, Any]) -> torch.Tensor:
+        return current - torch.as_tensor(batch[REFERENCE_KEY]).to(current)
 
     def __repr__(self) -> str:
-        loss = getattr(self.loss, '__name__', type(self.loss).__name__)
-        return f"ReferenceGap({loss}, increase_only=True)" if self.increase_only else f"ReferenceGap({loss})"
+        return f"ReferenceGap({getattr(self.loss, '__name__', type(self.loss).__name__)})"
 
 
 Tolerance = Union[float, Mapping[str, float]]

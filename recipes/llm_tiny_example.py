@@ -28,11 +28,11 @@
    (``--constraint_rows``), in two splits: a quarter drive the indicator (``--constraint_indicator_fraction
    0.25``), the rest the gradient; a proxy indicator (``--constraint_proxy_indicator``: it follows the
    certificate's statistic, the share of the indicator rows forgotten, against the claim minus
-   ``--constraint_margin`` 0.02, while the gradient follows the loss change h_k), an MSVR estimate that
-   averages about five steps (``--msvr_gamma 0.2``), beta 1, 8 constraint rows per task and step, and a KL
-   anchor to the old model on the old rows (``--kl_to_old 1``); 500 fine-tuning steps, shared by every
-   method of the comparison. The results on seeds 100-104 and 200-204, against KL, replay and plain
-   fine-tuning, are in docs/benchmarks.md.
+   ``--constraint_margin`` 0.02, while the gradient follows the loss change h_k, ``--constraint_surrogate``),
+   an MSVR estimate that averages about five steps (``--msvr_gamma 0.2``), beta 1, 8 constraint rows per
+   task and step, and a KL anchor to the old model on the old rows (``--kl_to_old 1``); 500 fine-tuning
+   steps, shared by every method of the comparison. The results on seeds 100-104 and 200-204, against
+   KL, replay and plain fine-tuning, are in docs/benchmarks.md.
 
 Goals, over the seeds (median and worst reported): the unconstrained run forgets some old task
 (its held-out h_k exceeds ``--tolerance``); the constrained run is certified, and learns the new
@@ -91,7 +91,6 @@ from hf_constrained.atomic_files import atomic_write_json
 from hf_constrained.method.regularisers import KLToOld, L2ToOld, ObjectiveRegulariser, Replay
 from hf_constrained.non_forgetting import (
     PaddingCollator,
-    ReferenceGap,
     causal_lm_per_example_loss,
     non_forgetting_constraints,
     reference_losses,
@@ -276,12 +275,14 @@ def finetune(old_path: str, penalty: str, seed: int, cfg: ExampleArguments,
     collate = PaddingCollator(tokenizer)
     held_out, constraint_rows = data_splits(tokenizer, cfg)
     certify = certification_rows(tokenizer, cfg) if cfg.certify_rows else None
-    row_fn = ReferenceGap(causal_lm_per_example_loss, increase_only=cfg.constraint_surrogate == "loss_increase")
-    constraints = non_forgetting_constraints(model, causal_lm_per_example_loss, constraint_rows, collate, row_fn=row_fn,
+    constraints = non_forgetting_constraints(model, causal_lm_per_example_loss, constraint_rows, collate,
                                              eval_datasets={t: held_out[t] for t in OLD_TASKS},
                                              tolerance=cfg.tolerance, batch_size=256, certify_datasets=certify,
                                              correct=causal_lm_per_example_correct,
                                              forget_tolerance=cfg.forget_tolerance)
+    if cfg.constraint_surrogate == "loss_increase":
+        for c in constraints:  # each row's loss rise only (the gradient's rows, and the held-out h_k)
+            c.row_transform = torch.relu
     if cfg.constraint_proxy_indicator and penalty != "none":
         add_old_correctness(model, constraints, collate)
     if regulariser is None and penalty != "none" and cfg.kl_to_old > 0:
@@ -512,7 +513,8 @@ class ExampleArguments:
                 "paper)"})
     constraint_proxy_indicator: bool = field(default=True, metadata={
         "help": "with --constraint_indicator_fraction: the indicator follows the certificate's statistic (the share "
-                "of the indicator rows forgotten) against --forget_tolerance; the gradient follows the loss change"})
+                "of the indicator rows forgotten) against --forget_tolerance; the gradient follows the constraint's "
+                "row values (--constraint_surrogate)"})
     constraint_surrogate: str = field(default="loss_change", metadata={
         "help": "the constraint's row values, which give its gradient (and its held-out h_k): loss_change, the "
                 "per-row loss change l(w, x) - l(w_old, x); loss_increase, its positive part, so rows whose loss "
@@ -579,6 +581,9 @@ class ExampleArguments:
         if self.constraints_per_step is not None and not 1 <= self.constraints_per_step <= len(OLD_TASKS):
             raise ValueError(f"--constraints_per_step must be in [1, {len(OLD_TASKS)}], "
                              f"got {self.constraints_per_step}")
+        if self.constraint_surrogate not in ("loss_change", "loss_increase"):
+            raise ValueError(f"--constraint_surrogate must be loss_change or loss_increase, got "
+                             f"{self.constraint_surrogate!r}")
         if self.workers < 1:
             raise ValueError(f"--workers must be >= 1, got {self.workers}")
         if self.threads < 1:

@@ -2,6 +2,7 @@
 sequence classifiers, the shared row function, tolerances, LoRA's base as the old model."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -138,26 +139,27 @@ def test_constraints_share_one_row_function_and_measure_new_minus_old(causal_lm,
 
 
 def test_the_loss_increase_surrogate_keeps_only_the_rows_whose_loss_rose(causal_lm, lm_rows, tokenizer):
-    """``increase_only``: per row max(0, l(w, x) - l(w_old, x)), from a forward of its own and from shared
-    logits alike; its gradient is the gradient of the mean over the rows whose loss rose only (checked
-    against the plain gap's per-row gradients), so a row whose loss fell cannot offset one at risk."""
+    """``row_transform=torch.relu`` on a non-forgetting constraint (the LLM example's ``--constraint_surrogate
+    loss_increase``): per row max(0, l(w, x) - l(w_old, x)), from a forward of its own and from shared logits
+    alike; its gradient is the gradient of the mean over the rows whose loss rose only (checked against the
+    plain gap's per-row gradients), so a row whose loss fell cannot offset one at risk."""
     collate = PaddingCollator(tokenizer)
     rows = lm_rows.select(range(8))
     (plain,) = non_forgetting_constraints(causal_lm, causal_lm_per_example_loss, {"t": rows}, collate)
-    increase = ReferenceGap(causal_lm_per_example_loss, increase_only=True)
-    assert "increase_only=True" in repr(increase)
+    increase = dataclasses.replace(plain, fn=None, row_transform=torch.relu)  # fn: derived from row_fn again
     batch = collate([plain.dataset[i] for i in range(8)])
     new = _perturbed(causal_lm, scale=0.05, seed=5)
-    gaps = plain.row_fn(new, batch)
+    gaps = plain.row_values(plain.row_fn(new, batch))
     rose = gaps > 0
     assert rose.any() and (~rose).any(), gaps  # rows of both signs, or the test shows nothing
-    torch.testing.assert_close(increase(new, batch), gaps.clamp(min=0))
+    torch.testing.assert_close(increase.row_values(increase.row_fn(new, batch)), gaps.clamp(min=0))
     with torch.no_grad():
         logits = new(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    torch.testing.assert_close(increase.values_from_logits(logits, batch), gaps.detach().clamp(min=0),
-                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(increase.row_values(increase.row_fn.values_from_logits(logits, batch)),
+                               gaps.detach().clamp(min=0), rtol=1e-5, atol=1e-6)
     params = [p for p in new.parameters() if p.requires_grad]
-    surrogate = torch.autograd.grad(increase(new, batch).mean(), params, allow_unused=True)
+    surrogate = torch.autograd.grad(increase.row_values(increase.row_fn(new, batch)).mean(), params,
+                                    allow_unused=True)
     per_row = plain.row_fn(new, batch)
     expected = torch.autograd.grad(per_row[rose].sum() / len(per_row), params, allow_unused=True)
     for got, want in zip(surrogate, expected):
