@@ -15,7 +15,7 @@ knob swept over a few values:
   beta;
 * ``hinge+replay`` / ``hinge+kl``: the hinge (at ``--combo_tolerance``, default the example's
   ``--forget_tolerance``) with replay at share ``ratio`` / with the KL anchor at weight ``lam`` (``hinge+kl`` at
-  lam 1 is the example's default constrained run).
+  lam 2 is the example's default constrained run).
 
 Every baseline reads the same old rows as the constraints (the example's ``--constraint_rows``, 4096 per task);
 none reads the held-out or the certification rows. Per run: the new task's held-out exact match (the target
@@ -82,7 +82,7 @@ METHODS: dict[str, Method] = {
     "squared_hinge": Method("squared_hinge", "forget_tolerance", (0.03,), example_field="forget_tolerance"),
     "hinge_beta": Method("hinge", "penalty_beta", (5.0,), example_field="penalty_beta"),
     "hinge+replay": Method("hinge", "ratio", (0.25, 0.5), regulariser="replay"),
-    "hinge+kl": Method("hinge", "lam", (1.0,), regulariser="kl"),
+    "hinge+kl": Method("hinge", "lam", (1.0, 2.0), regulariser="kl"),
 }
 COMBINATIONS = ("hinge+replay", "hinge+kl")  # the hinge at --combo_tolerance plus a baseline
 

@@ -88,14 +88,14 @@ def test_runs_taken_from_the_example_are_its_runs_and_must_match_its_settings(tm
     result = ff.main(["--seeds", "0", "--workers", "1", "--methods", "replay", "--values", "replay=0.5",
                       "--example_result", example_json, "--old_model", old, "--json", str(tmp_path / "f.json"), *TINY])
     by = {r["method"]: r for r in result["runs"]}
-    # the example's constrained run is the hinge with its KL anchor (--kl_to_old 1): the benchmark's hinge+kl
+    # the example's constrained run is the hinge with its KL anchor (--kl_to_old 2): the benchmark's hinge+kl
     assert set(by) == {"none", "hinge+kl", "replay"} and {r["steps"] for r in result["runs"]} == {2}
     for method, penalty in (("none", "none"), ("hinge+kl", "hinge")):
         run = next(r for r in saved["runs"] if r["penalty"] == penalty)
         assert by[method]["new_task_accuracy"] == run["held_out"]["first"]["accuracy"]
         assert by[method]["upper_bounds"] == run["certificate"]["upper_bounds"]
         assert by[method]["seconds_per_step"] == run["seconds_per_step"]  # the example's run, not a new one
-    assert by["hinge+kl"]["value"] == 1.0 and by["none"]["value"] is None
+    assert by["hinge+kl"]["value"] == 2.0 and by["none"]["value"] is None
     assert by["hinge+kl"]["constraint_settings"]["forget_tolerance"] == 0.03
     assert by["none"]["constraint_settings"] is None
     # a later invocation gathers earlier result files without running anything
