@@ -31,8 +31,8 @@
    ``--constraint_margin`` 0.02, while the gradient follows the loss change h_k, ``--constraint_surrogate``),
    an MSVR estimate that averages about five steps (``--msvr_gamma 0.2``), beta 1, 8 constraint rows per
    task and step, and a KL anchor to the old model on the old rows (``--kl_to_old 2``); 500 fine-tuning
-   steps, shared by every method of the comparison. The results on seeds 100-104 and 200-204, against
-   KL, replay and plain fine-tuning, are in docs/benchmarks.md.
+   steps, shared by every method of the comparison. The results on seeds 100-104, 200-204 and 300-304,
+   against KL, replay and plain fine-tuning, are in docs/benchmarks.md.
 
 Goals, over the seeds (median and worst reported): the unconstrained run forgets some old task
 (its held-out h_k exceeds ``--tolerance``); the constrained run is certified, and learns the new
