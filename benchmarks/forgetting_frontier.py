@@ -10,12 +10,12 @@ knob swept over a few values:
 * ``kl``: ``lam * KL(p_old || p_new)`` on 32 old-task rows per step
   (:class:`~hf_constrained.method.regularisers.KLToOld`);
 * ``l2``: ``lam / 2 * ||w - w_old||^2`` (:class:`~hf_constrained.method.regularisers.L2ToOld`);
-* ``hinge`` / ``squared_hinge`` (ours): the example's constrained run without its KL anchor (``--kl_to_old``),
+* ``hinge`` / ``squared_hinge`` (ours): the example's constrained run without its anchor (``--replay_old``),
   knob the forgetting tolerance of its proxy indicator (``forget_tolerance``); ``hinge_beta``: the hinge, knob
   beta;
 * ``hinge+replay`` / ``hinge+kl``: the hinge (at ``--combo_tolerance``, default the example's
   ``--forget_tolerance``) with replay at share ``ratio`` / with the KL anchor at weight ``lam`` (``hinge+kl`` at
-  lam 2 is the example's default constrained run).
+  ratio 0.5, at the example's beta 0.25, is the example's default constrained run).
 
 Every baseline reads the same old rows as the constraints (the example's ``--constraint_rows``, 4096 per task);
 none reads the held-out or the certification rows. Per run: the new task's held-out exact match (the target
@@ -91,7 +91,8 @@ def run_spec(method: str, value: float, cfg: ex.ExampleArguments,
              combo_tolerance: float) -> tuple[str, ex.ExampleArguments, Optional[tuple[str, float]]]:
     """(penalty, the example's settings, baseline) of one run."""
     m = METHODS[method]
-    run_cfg = dataclasses.replace(cfg, kl_to_old=0.0)  # each method's own terms only (hinge+kl sets its KL)
+    # each method's own terms only (a combination sets its baseline)
+    run_cfg = dataclasses.replace(cfg, kl_to_old=0.0, replay_old=0.0)
     if m.example_field is not None:
         run_cfg = dataclasses.replace(run_cfg, **{m.example_field: value})
     if method in COMBINATIONS:
@@ -320,7 +321,7 @@ def example_runs(path: str, cfg: ex.ExampleArguments, seeds: list[int], old_sha2
             continue
         if r["penalty"] == "none":
             method, value = "none", None
-        elif r.get("regulariser"):  # the example's constrained run with its KL anchor (--kl_to_old)
+        elif r.get("regulariser"):  # the example's constrained run with its anchor (--replay_old / --kl_to_old)
             if cfg.forget_tolerance != combo_tolerance:
                 raise SystemExit(f"--example_result {path}: its hinge combination uses forget_tolerance "
                                  f"{cfg.forget_tolerance}, --combo_tolerance is {combo_tolerance}")

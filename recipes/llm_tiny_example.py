@@ -6,7 +6,7 @@
 2. Fine-tuning on a new task, answering with the first letter only (``fst:abc=a``), twice per
    seed: unconstrained (plain SFT) and with one non-forgetting constraint per old task,
    h_k(w) = L_k(w) - L_k(w_old) <= tol (mean per-example token loss of the answers; hinge
-   exact penalty with MSVR estimates, Algorithm 1), plus a KL anchor to the old model (``--kl_to_old``).
+   exact penalty with MSVR estimates, Algorithm 1), plus replay of old rows in its batches (``--replay_old``).
 3. Held-out per-task loss and exact-match accuracy (greedy decoding; computed in one
    teacher-forced pass: the greedy answer is exact iff every answer token, EOS included,
    is the argmax given the correct prefix), old vs new.
@@ -29,10 +29,10 @@
    0.25``), the rest the gradient; a proxy indicator (``--constraint_proxy_indicator``: it follows the
    certificate's statistic, the share of the indicator rows forgotten, against the claim minus
    ``--constraint_margin`` 0.02, while the gradient follows the loss change h_k, ``--constraint_surrogate``),
-   an MSVR estimate that averages about five steps (``--msvr_gamma 0.2``), beta 1, 8 constraint rows per
-   task and step, and a KL anchor to the old model on the old rows (``--kl_to_old 2``); 500 fine-tuning
-   steps, shared by every method of the comparison. The results on seeds 100-104, 200-204 and 300-304,
-   against KL, replay and plain fine-tuning, are in docs/benchmarks.md.
+   an MSVR estimate that averages about five steps (``--msvr_gamma 0.2``), beta 0.25, 8 constraint rows per
+   task and step, and the old tasks' constraint rows replayed as half of each batch's rows (``--replay_old 0.5``);
+   500 fine-tuning steps, shared by every method of the comparison. The results on seeds 100-104, 200-204,
+   300-304 and 400-404, against KL, replay and plain fine-tuning, are in docs/benchmarks.md.
 
 Goals, over the seeds (median and worst reported): the unconstrained run forgets some old task
 (its held-out h_k exceeds ``--tolerance``); the constrained run is certified, and learns the new
@@ -40,7 +40,7 @@ task (held-out exact match >= ``--learned_accuracy``), each in at least 80% of t
 ``--seeds 0 1 2 3 4``). One seed by default, a few minutes; the wider evaluation is a flag away:
 
     python recipes/llm_tiny_example.py --seeds 100 101 102 103 104 --json benchmarks/results/llm_example.json
-    python recipes/llm_tiny_example.py --penalty_beta 5 --kl_to_old 0 --seeds 0
+    python recipes/llm_tiny_example.py --penalty_beta 5 --replay_old 0 --seeds 0
     hf-constrained llm-example --config my_settings.yaml       # any flag below, as YAML
 
 The fine-tuning flags carry the names of ``ConstrainedTrainingArguments``
@@ -48,7 +48,8 @@ The fine-tuning flags carry the names of ``ConstrainedTrainingArguments``
 ``--lr_scheduler_type``, ``--warmup_steps``, ``--msvr_gamma``, ``--msvr_gamma_prime``, ``--constraint_batch_size``,
 ``--constraint_indicator_fraction``, ``--constraint_proxy_indicator``, ``--constraint_margin``);
 ``--constraint_surrogate loss_increase`` makes the gradient follow each row's loss rise only;
-``--kl_to_old`` adds the KL anchor (``hf_constrained.method.regularisers.KLToOld``) to the constrained run;
+``--replay_old`` mixes old rows into the constrained run's batches (``hf_constrained.method.regularisers.Replay``),
+``--kl_to_old`` adds a KL anchor instead (``KLToOld``; with ``--replay_old 0``);
 a flag the example does not list is an error.
 
 The old model is trained by every invocation, deterministically (seed 0, ``--threads`` torch
@@ -285,8 +286,8 @@ def finetune(old_path: str, penalty: str, seed: int, cfg: ExampleArguments,
             c.row_transform = torch.relu
     if cfg.constraint_proxy_indicator and penalty != "none":
         add_old_correctness(model, constraints, collate)
-    if regulariser is None and penalty != "none" and cfg.kl_to_old > 0:
-        regulariser = ("kl", cfg.kl_to_old)  # the constrained run's own anchor (--kl_to_old)
+    if regulariser is None and penalty != "none":
+        regulariser = constrained_anchor(cfg)  # the constrained run's own anchor (--replay_old / --kl_to_old)
     baseline = baseline_regulariser(regulariser, model, constraint_rows, collate, seed)
     with tempfile.TemporaryDirectory() as tmp:
         trainer = ConstrainedTrainer(
@@ -448,10 +449,18 @@ def format_per_seed(summary: dict[str, Any], cfg: ExampleArguments) -> str:
     return "\n".join(lines)
 
 
+def constrained_anchor(cfg: ExampleArguments) -> Optional[tuple[str, float]]:
+    """The constrained run's own baseline ``(name, value)``: replay (``--replay_old``) or KL (``--kl_to_old``)."""
+    if cfg.replay_old:
+        return ("replay", cfg.replay_old)
+    return ("kl", cfg.kl_to_old) if cfg.kl_to_old else None
+
+
 def constrained_name(cfg: ExampleArguments) -> str:
-    """The constrained run in words: its penalty, beta and KL anchor."""
-    anchor = f", KL {cfg.kl_to_old:g}" if cfg.kl_to_old else ""
-    return f"{cfg.constraint_penalty} (beta {cfg.penalty_beta:g}{anchor})"
+    """The constrained run in words: its penalty, beta and anchor."""
+    anchor = constrained_anchor(cfg)
+    words = "" if anchor is None else f", {'replay' if anchor[0] == 'replay' else 'KL'} {anchor[1]:g}"
+    return f"{cfg.constraint_penalty} (beta {cfg.penalty_beta:g}{words})"
 
 
 def format_table(summary: dict[str, Any], cfg: ExampleArguments) -> str:
@@ -502,7 +511,7 @@ class ExampleArguments:
     constraint_penalty: str = field(default="hinge", metadata={
         "help": "penalty of the constrained run (each seed also runs unconstrained, penalty none)",
         "choices": ["hinge", "squared_hinge"]})
-    penalty_beta: float = field(default=1.0, metadata={"help": "penalty parameter beta of the constrained run"})
+    penalty_beta: float = field(default=0.25, metadata={"help": "penalty parameter beta of the constrained run"})
     msvr_gamma: float = field(default=0.2, metadata={
         "help": "MSVR gamma of the constraint estimates (0.2: an average over about the last five steps)"})
     msvr_gamma_prime: str = field(default="0.1", metadata={
@@ -540,9 +549,12 @@ class ExampleArguments:
     constraints_per_step: Optional[int] = field(default=None, metadata={
         "help": "old-task constraints sampled per step (Algorithm 1's |I_t|; default: all three; the estimates of "
                 "the others are kept)"})
-    kl_to_old: float = field(default=2.0, metadata={
-        "help": "the constrained run's objective also adds this weight times KL(old || new) on 32 of the old tasks' "
-                "constraint rows per step (0: none; the unconstrained run never has it)"})
+    replay_old: float = field(default=0.5, metadata={
+        "help": "the constrained run's batches mix in the old tasks' constraint rows, this share of each batch's rows "
+                "(0.5: 32 old beside the 32 new; 0: none; the unconstrained run never has it)"})
+    kl_to_old: float = field(default=0.0, metadata={
+        "help": "instead of --replay_old: the constrained run's objective adds this weight times KL(old || new) on 32 "
+                "of the old tasks' constraint rows per step (0: none)"})
     tolerance: float = field(default=0.2, metadata={"help": "h_k <= tolerance (nats per answer token)"})
     learned_accuracy: float = field(default=0.9, metadata={"help": "held-out new-task accuracy that counts as learned"})
     old_model: Optional[str] = field(default=None, metadata={"help": "reuse (or create) the old model in this folder"})
@@ -576,6 +588,11 @@ class ExampleArguments:
             raise ValueError(f"--constraint_margin must be a finite number >= 0, got {self.constraint_margin}")
         if not (math.isfinite(self.kl_to_old) and self.kl_to_old >= 0):
             raise ValueError(f"--kl_to_old must be a finite number >= 0, got {self.kl_to_old}")
+        if not 0.0 <= self.replay_old < 1.0:
+            raise ValueError(f"--replay_old is a share of each batch's rows, in [0, 1); got {self.replay_old}")
+        if self.replay_old and self.kl_to_old:
+            raise ValueError(f"--replay_old {self.replay_old:g} and --kl_to_old {self.kl_to_old:g}: the constrained "
+                             "run takes one anchor; set the other to 0")
         if not 0 <= self.warmup_steps < self.max_steps:
             raise ValueError(f"--warmup_steps must be in [0, --max_steps), got {self.warmup_steps}")
         if self.constraints_per_step is not None and not 1 <= self.constraints_per_step <= len(OLD_TASKS):
@@ -592,7 +609,7 @@ class ExampleArguments:
 
 # settings added after results were stored, with the value that reproduces what ran before they existed: a stored
 # configuration without one of them ran with that value (no warmup: the Trainer's default)
-SETTINGS_ADDED_LATER: dict[str, Any] = {"warmup_steps": 0, "constraint_surrogate": "loss_change"}
+SETTINGS_ADDED_LATER: dict[str, Any] = {"warmup_steps": 0, "constraint_surrogate": "loss_change", "replay_old": 0.0}
 
 
 def stored_settings(config: dict[str, Any]) -> dict[str, Any]:

@@ -225,24 +225,32 @@ def test_the_committed_results_come_from_the_command_shown_beside_them():
 
 
 @pytest.mark.slow
-def test_each_run_certifies_as_its_own_first_look_and_kl_to_old_anchors_only_the_constrained_run(tmp_path,
-                                                                                                 monkeypatch):
+def test_each_run_certifies_as_its_own_first_look_and_the_anchor_is_only_the_constrained_runs(tmp_path,
+                                                                                             monkeypatch):
     """Every run of the example is one simulated release certified once: two runs on the same certification rows
     are each the split's first look (level 0.9 delta under the default spending), and the user-level ledger is
-    left alone. ``--kl_to_old`` adds the KL anchor to the constrained run, never to the unconstrained one."""
+    left alone. ``--replay_old`` (the default) or ``--kl_to_old`` adds its anchor to the constrained run, never to
+    the unconstrained one; the two together are refused."""
     user_ledger = tmp_path / "user_ledger.json"
     monkeypatch.setenv("HF_CONSTRAINED_LEDGER", str(user_ledger))
     cfg = ex.parse(["--old_steps", "5", "--old_rows", "20", "--hidden", "16", "--max_steps", "2", "--new_rows",
                     "64", "--constraint_rows", "40", "--held_out_rows", "16", "--certify_rows", "16",
-                    "--constraint_batch_size", "8", "--kl_to_old", "0.5"])
+                    "--constraint_batch_size", "8", "--replay_old", "0", "--kl_to_old", "0.5"])
     old = str(tmp_path / "old")
     ex.train_old_model(old, cfg)
     runs = [ex.finetune(old, penalty, seed, cfg) for penalty, seed in (("hinge", 0), ("hinge", 1), ("none", 0))]
+    replayed = ex.finetune(old, "hinge", 0, dataclasses.replace(cfg, kl_to_old=0.0, replay_old=0.5))
     for run in runs:
         assert set(run["certificate"]["looks"].values()) == {1}
         assert run["certificate"]["level"] == pytest.approx(0.9 * cfg.delta)
     assert not user_ledger.exists() and ex.os.environ["HF_CONSTRAINED_LEDGER"] == str(user_ledger)
     assert runs[0]["regulariser"] == {"name": "kl", "lam": 0.5, "rows_per_step": 32, "seed": 0}
     assert runs[2]["regulariser"] is None
+    assert replayed["regulariser"] == {"name": "replay", "ratio": 0.5, "rows": 120, "seed": 0}
+    assert ex.parse([]).replay_old == 0.5 and ex.parse([]).kl_to_old == 0.0  # the default anchor: replay
     with pytest.raises(ValueError, match="--kl_to_old"):
-        ex.parse(["--kl_to_old", "-1"])
+        ex.parse(["--replay_old", "0", "--kl_to_old", "-1"])
+    with pytest.raises(ValueError, match="--replay_old 0.5 and --kl_to_old 2: the constrained run takes one anchor"):
+        ex.parse(["--kl_to_old", "2"])
+    with pytest.raises(ValueError, match=r"--replay_old is a share of each batch's rows, in \[0, 1\); got 1.0"):
+        ex.parse(["--replay_old", "1"])

@@ -88,15 +88,16 @@ def test_runs_taken_from_the_example_are_its_runs_and_must_match_its_settings(tm
     result = ff.main(["--seeds", "0", "--workers", "1", "--methods", "replay", "--values", "replay=0.5",
                       "--example_result", example_json, "--old_model", old, "--json", str(tmp_path / "f.json"), *TINY])
     by = {r["method"]: r for r in result["runs"]}
-    # the example's constrained run is the hinge with its KL anchor (--kl_to_old 2): the benchmark's hinge+kl
-    assert set(by) == {"none", "hinge+kl", "replay"} and {r["steps"] for r in result["runs"]} == {2}
-    for method, penalty in (("none", "none"), ("hinge+kl", "hinge")):
+    # the example's constrained run is the hinge with its replay (--replay_old 0.5): the benchmark's hinge+replay
+    assert set(by) == {"none", "hinge+replay", "replay"} and {r["steps"] for r in result["runs"]} == {2}
+    for method, penalty in (("none", "none"), ("hinge+replay", "hinge")):
         run = next(r for r in saved["runs"] if r["penalty"] == penalty)
         assert by[method]["new_task_accuracy"] == run["held_out"]["first"]["accuracy"]
         assert by[method]["upper_bounds"] == run["certificate"]["upper_bounds"]
         assert by[method]["seconds_per_step"] == run["seconds_per_step"]  # the example's run, not a new one
-    assert by["hinge+kl"]["value"] == 2.0 and by["none"]["value"] is None
-    assert by["hinge+kl"]["constraint_settings"]["forget_tolerance"] == 0.03
+    assert by["hinge+replay"]["value"] == 0.5 and by["none"]["value"] is None
+    assert by["hinge+replay"]["constraint_settings"]["forget_tolerance"] == 0.03
+    assert by["hinge+replay"]["constraint_settings"]["penalty_beta"] == 0.25
     assert by["none"]["constraint_settings"] is None
     # a later invocation gathers earlier result files without running anything
     merged = ff.main(["--seeds", "0", "--workers", "1", "--methods", "--include", str(tmp_path / "f.json"),
@@ -134,3 +135,9 @@ def test_the_stored_example_result_is_read_with_settings_added_since():
         ff.same_settings(older, ff.ex.parse([]), "llm_example.json", "--example_result")
         with pytest.raises(SystemExit, match=rf"differ from this run's in \['{added}'\]"):
             ff.same_settings(older, ff.ex.parse(other), "llm_example.json", "--example_result")
+    # a file stored before --replay_old existed ran without replay: it matches a run without replay only
+    assert ff.ex.SETTINGS_ADDED_LATER["replay_old"] == 0.0
+    older = {k: v for k, v in saved["config"].items() if k != "replay_old"}
+    with pytest.raises(SystemExit, match=r"differ from this run's in \['replay_old'\]"):
+        ff.same_settings(older, ff.ex.parse([]), "llm_example.json", "--example_result")
+    ff.same_settings(older, ff.ex.parse(["--replay_old", "0"]), "llm_example.json", "--example_result")
