@@ -69,12 +69,14 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple, Optional
 
 import torch
+from datasets import concatenate_datasets
 from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, set_seed
 
 from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments, finish_run
 from hf_constrained.atomic_files import atomic_write_json
 from hf_constrained.errors import check_model_path
 from hf_constrained.extras import MissingExtraError, has_module, install_hint
+from hf_constrained.method.regularisers import Replay
 from hf_constrained.non_forgetting import (
     ReferenceGap,
     causal_lm_per_example_loss,
@@ -109,6 +111,10 @@ class ConstraintDataArguments:
     max_constraint_rows: Optional[int] = field(default=None, metadata={
         "help": "Cap on the rows taken from each protected / safety dataset (before the held-out split)."})
     max_target_rows: Optional[int] = field(default=None, metadata={"help": "Cap on the target rows."})
+    replay_old: float = field(default=0.0, metadata={
+        "help": "Replay: mix the protected sets' constraint rows into every objective batch, this share of its rows "
+                "(0.5: as many old rows as new; 0: none). With the hinge it certified every seed of the offline LLM "
+                "example at 0.5 (docs/benchmarks.md); it adds those rows' forward and backward to each step."})
     constraint_tolerance: float = field(default=0.0, metadata={
         "help": "Absolute tolerance of every protected constraint (nats per token)."})
     relative_tolerance: float = field(default=0.0, metadata={
@@ -358,6 +364,11 @@ def check_arguments(config: RecipeArguments) -> None:
                          "(or --constraint_penalty none for plain SFT)")
     if not 0.0 <= data.eval_fraction < 1.0:
         raise RecipeConfigError(f"--eval_fraction must be in [0, 1), got {data.eval_fraction}")
+    if not 0.0 <= data.replay_old < 1.0:
+        raise RecipeConfigError(f"--replay_old is a share of each batch's rows, in [0, 1); got {data.replay_old}")
+    if data.replay_old and not data.protected_datasets:
+        raise RecipeConfigError(f"--replay_old {data.replay_old:g} replays the protected sets' rows, but there is no "
+                                "--protected_datasets")
     if model.use_peft and model.lora_r < 1:
         raise RecipeConfigError(f"--lora_r must be >= 1 with --use_peft, got {model.lora_r}")
     if model.use_peft and not has_module("peft"):
@@ -504,14 +515,18 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                            "forgotten the bound is %.3f): more rows (--eval_fraction, --certify_fraction) or a "
                            "larger tolerance", name, split["rows"], data.forget_tolerance, floor)
 
+    # replay reads the constraints' rows only (never held-out or certification rows), in the constraints' collate
+    replay = None if not data.replay_old else Replay(
+        concatenate_datasets([v.train for v in protected.values()]), data.replay_old, collate, seed=args.seed)
     if config.trl:  # TRL's data preparation, loss and metrics (mean_token_accuracy, num_tokens) for the objective
         from hf_constrained.integrations.trl import ConstrainedSFTTrainer
 
         trainer = ConstrainedSFTTrainer(model=model, args=args, train_dataset=train_rows, eval_dataset=eval_rows,
-                                        processing_class=tokenizer, constraints=constraints)
+                                        processing_class=tokenizer, constraints=constraints, regulariser=replay)
     else:
         trainer = ConstrainedTrainer(model=model, args=args, train_dataset=train_rows, eval_dataset=eval_rows,
-                                     data_collator=collate, processing_class=tokenizer, constraints=constraints)
+                                     data_collator=collate, processing_class=tokenizer, constraints=constraints,
+                                     regulariser=replay)
     train_result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     # the upload comes last, after the results, report and card exist: this save does not push
     push, args.push_to_hub = args.push_to_hub, False
@@ -553,6 +568,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         "model": publishable_path(margs.model_name_or_path),  # results are shared: no local paths
         "penalty": args.constraint_penalty,
         "penalty_beta": args.penalty_beta,
+        "regulariser": None if replay is None else replay.settings(),
         "num_processes": trainer.accelerator.num_processes,
         "train_metrics": train_result.metrics,
         "eval_metrics": metrics,

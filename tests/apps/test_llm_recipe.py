@@ -106,6 +106,25 @@ def test_recipe_trains_under_one_constraint_per_protected_set_and_reports(setup,
     assert "%" not in card.split("## Data")[1].split("\n## ")[0]  # fractions, as every number of the card
 
 
+def test_replay_mixes_the_protected_sets_constraint_rows_into_every_batch(setup, tmp_path):
+    """``--replay_old`` adds the protected sets' constraint rows (never held-out or certification rows) to the
+    objective's batches: the run records it, and its training loss is no longer the new task's alone."""
+    recipe = _recipe()
+    plain = recipe.main(_flags(setup, tmp_path / "plain", constraint_penalty="none"))
+    replayed = recipe.main(_flags(setup, tmp_path / "replay", constraint_penalty="none", replay_old=0.5))
+    # 12 rows per protected file, 25% held out: 9 constraint rows each of reverse and copy
+    assert replayed["regulariser"] == {"name": "replay", "ratio": 0.5, "rows": 18, "seed": 0}
+    assert plain["regulariser"] is None
+    assert replayed["train_metrics"]["train_loss"] != pytest.approx(plain["train_metrics"]["train_loss"], rel=1e-3)
+    argv = ["--model_name_or_path", setup["gpt2"], "--dataset_name", setup["target"], "--output_dir", str(tmp_path),
+            "--use_cpu", "True", "--report_to", "none"]
+    with pytest.raises(ValueError, match=r"--replay_old is a share of each batch's rows, in \[0, 1\); got 1.0"):
+        recipe.main(argv + ["--protected_datasets", setup["reverse"], "--replay_old", "1"])
+    with pytest.raises(ValueError, match="--replay_old 0.5 replays the protected sets' rows, but there is no "
+                                         "--protected_datasets"):
+        recipe.main(argv + ["--safety_dataset", setup["safety"], "--replay_old", "0.5"])
+
+
 def _clopper_pearson_upper(k: int, n: int, delta: float) -> float:
     from scipy.stats import beta
 
