@@ -113,8 +113,8 @@ class ConstraintDataArguments:
     max_target_rows: Optional[int] = field(default=None, metadata={"help": "Cap on the target rows."})
     replay_old: float = field(default=0.0, metadata={
         "help": "Replay: mix the protected sets' constraint rows into every objective batch, this share of its rows "
-                "(0.5: as many old rows as new; 0: none). With the hinge it certified every seed of the offline LLM "
-                "example at 0.5 (docs/benchmarks.md); it adds those rows' forward and backward to each step."})
+                "(0.5: as many old rows as new; 0: none). 0.5 with the hinge at beta 0.25 is the offline LLM example's "
+                "default (docs/benchmarks.md); it adds those rows' forward and backward to each step."})
     constraint_tolerance: float = field(default=0.0, metadata={
         "help": "Absolute tolerance of every protected constraint (nats per token)."})
     relative_tolerance: float = field(default=0.0, metadata={
@@ -369,6 +369,9 @@ def check_arguments(config: RecipeArguments) -> None:
     if data.replay_old and not data.protected_datasets:
         raise RecipeConfigError(f"--replay_old {data.replay_old:g} replays the protected sets' rows, but there is no "
                                 "--protected_datasets")
+    packed = [f"--{flag}" for flag in ("packing", "padding_free") if getattr(args, flag, False)]
+    if data.replay_old and packed:  # a packed batch is one row: replay would mix one old row into it
+        raise RecipeConfigError(f"--replay_old counts a batch's rows; it cannot be used with {' and '.join(packed)}")
     if model.use_peft and model.lora_r < 1:
         raise RecipeConfigError(f"--lora_r must be >= 1 with --use_peft, got {model.lora_r}")
     if model.use_peft and not has_module("peft"):
@@ -549,8 +552,10 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
             dataset_description=(
                 f"SFT on {publishable_path(target_source)}; "
                 f"protected: {sorted(protected) or 'none'}"
-                f"{'; safety set ' + publishable_path(data.safety_dataset) if data.safety_dataset else ''}; "
-                f"a fraction {data.eval_fraction:g} of every dataset held out"
+                f"{'; safety set ' + publishable_path(data.safety_dataset) if data.safety_dataset else ''}"
+                + (f"; the protected sets' training rows replayed as a share {data.replay_old:g} of every "
+                   "training batch" if data.replay_old else "")
+                + f"; a fraction {data.eval_fraction:g} of every dataset held out"
                 + (f", a fraction {data.certify_fraction:g} of each protected / safety set's "
                    "held-out rows "
                    "set aside as its certification split (read only by the certificate: the "

@@ -115,6 +115,9 @@ def test_replay_mixes_the_protected_sets_constraint_rows_into_every_batch(setup,
     # 12 rows per protected file, 25% held out: 9 constraint rows each of reverse and copy
     assert replayed["regulariser"] == {"name": "replay", "ratio": 0.5, "rows": 18, "seed": 0}
     assert plain["regulariser"] is None
+    card = (tmp_path / "replay" / "README.md").read_text()  # the card says the protected rows were trained on
+    assert "replayed as a share 0.5 of every training batch" in card
+    assert "replayed" not in (tmp_path / "plain" / "README.md").read_text()
     assert replayed["train_metrics"]["train_loss"] != pytest.approx(plain["train_metrics"]["train_loss"], rel=1e-3)
     argv = ["--model_name_or_path", setup["gpt2"], "--dataset_name", setup["target"], "--output_dir", str(tmp_path),
             "--use_cpu", "True", "--report_to", "none"]
@@ -123,6 +126,9 @@ def test_replay_mixes_the_protected_sets_constraint_rows_into_every_batch(setup,
     with pytest.raises(ValueError, match="--replay_old 0.5 replays the protected sets' rows, but there is no "
                                          "--protected_datasets"):
         recipe.main(argv + ["--safety_dataset", setup["safety"], "--replay_old", "0.5"])
+    if importlib.util.find_spec("trl") is not None:  # a packed batch is one row: replay cannot count its rows
+        with pytest.raises(ValueError, match="--replay_old counts a batch's rows; it cannot be used with --packing"):
+            recipe.main(argv + ["--protected_datasets", setup["reverse"], "--replay_old", "0.5", "--packing", "true"])
 
 
 def _clopper_pearson_upper(k: int, n: int, delta: float) -> float:
