@@ -182,22 +182,25 @@ def frontier(settings: list[dict[str, Any]], target: str = "new_task_accuracy") 
     return {"per_method": per_method, "dominated_by": dominated_by}
 
 
+OFF_SCALE_GOALS = 5  # the figure's axis spans drops up to this many times the goal
+
+
 def plot(settings: list[dict[str, Any]], path: str, claim: float, target: str = "new_task_accuracy",
          title: str = "Forgetting frontier, offline LLM example",
          xlabel: str = "worst old-task exact-match change (points, median over seeds)",
          ylabel: str = "new-task exact match (%, median)") -> None:
     """Median new-task exact match (``target``) against the median worst old-task change, one line per method.
 
-    The horizontal axis spans the methods that keep their old tasks within 50 points (and the goal); a method
-    that forgets more (plain fine-tuning) is drawn at the left edge with its value written beside it, so that
-    it does not squeeze the others into one point."""
+    The horizontal axis spans the methods whose median worst drop is within five times the goal (15 points for a
+    3-point goal); a method that forgets more (plain fine-tuning) is drawn at the left edge with its value written
+    beside it, so that it does not squeeze the methods near the goal into one point."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     goal = -100 * claim
     medians = [100 * s["worst_old_change"]["median"] for s in settings]
-    left = min([goal, *[x for x in medians if x > -50]]) - 1.0
+    left = min([goal, *[x for x in medians if x >= OFF_SCALE_GOALS * goal]]) - 1.0
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for k, method in enumerate(dict.fromkeys(s["method"] for s in settings)):
         mine = sorted((s for s in settings if s["method"] == method), key=lambda s: s["worst_old_change"]["median"])
