@@ -389,7 +389,8 @@ class ConstrainedTrainer(TrainerInternals):
         if self.penalty.active:
             self.preflight_constraints()
         if self.regularised is not None:
-            self.regularised.regulariser.bind(self.model, self._to_device)
+            self.regularised.bind(self.model, self._to_device, world=self.accelerator.num_processes,
+                                  rank=self.accelerator.process_index)
         with best_checkpoint_restored(self, resume_from_checkpoint):  # trainer_state.json stores it without its path
             return super().train(resume_from_checkpoint, *args, **kwargs)
 

@@ -107,12 +107,29 @@ def tiny_args(output_dir: str, **overrides: Any) -> ConstrainedTrainingArguments
 
 
 def make_trainer(output_dir: str, model: Optional[nn.Module] = None, data_seed: int = 0,
-                 **overrides: Any) -> ConstrainedTrainer:
+                 regulariser: Optional[Any] = None, **overrides: Any) -> ConstrainedTrainer:
     torch.manual_seed(1234)
     model = TinyClassifier() if model is None else model
     train, constraints = make_data(data_seed)
     return ConstrainedTrainer(model=model, args=tiny_args(output_dir, **overrides), train_dataset=train,
-                              constraints=constraints)
+                              constraints=constraints, regulariser=regulariser)
+
+
+def make_replay(rows_seen: list[list[int]]) -> Any:
+    """Replay (ratio 0.5) of 40 rows of their own, recording the old rows of every micro-batch in ``rows_seen``."""
+    from hf_constrained.batches import collate_examples
+    from hf_constrained.method.regularisers import Replay
+
+    replay = Replay(ListDataset(make_rows(40, 7)[0]), 0.5, collate_examples, seed=0)
+    draw_rows = replay.replay_rows
+
+    def recorded(draw: int, num_new: int) -> list[int]:
+        rows = draw_rows(draw, num_new)
+        rows_seen.append(rows)
+        return rows
+
+    replay.replay_rows = recorded
+    return replay
 
 
 def snapshot(trainer: ConstrainedTrainer) -> dict[str, Any]:

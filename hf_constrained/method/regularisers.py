@@ -76,8 +76,8 @@ class ObjectiveRegulariser(ABC):
     """A change of the training objective that keeps the old model's behaviour (a baseline).
 
     :meth:`apply` is the one dispatch point: it takes the objective's loss on the step's batch and
-    returns the loss to train on. ``draw`` numbers the step's micro-batch (the trainer passes
-    ``global_step * accumulation_steps + micro-batch``) and fixes any old rows the step reads.
+    returns the loss to train on. ``draw`` numbers the step's micro-batch on this process (the trainer passes
+    ``(global_step * accumulation_steps + micro-batch) * processes + rank``) and fixes any old rows it reads.
     """
 
     name: str = "regulariser"
@@ -99,13 +99,21 @@ class RegularisedObjective:
     """How a trainer applies a regulariser: once per training micro-batch, to that micro-batch's own
     mean objective (a loss the Trainer already scaled for gradient accumulation is unscaled for
     :meth:`ObjectiveRegulariser.apply` and rescaled after), with the micro-batch's number as ``draw``
-    (``global_step * accumulation_steps + micro-batch``), so that a resumed run reads the same old rows."""
+    (``(global_step * accumulation_steps + micro-batch) * world + rank``), so that a resumed run reads the
+    same old rows and the ``world`` processes of a run read disjoint ones: together, the rows one process
+    with the global batch would read."""
 
     def __init__(self, regulariser: ObjectiveRegulariser) -> None:
         if not isinstance(regulariser, ObjectiveRegulariser):
             raise TypeError(f"regulariser must be an ObjectiveRegulariser, got {type(regulariser).__name__}")
         self.regulariser = regulariser
         self._last: tuple[int, int] = (-1, 0)  # (global step, micro-batches of it so far)
+        self.world, self.rank = 1, 0
+
+    def bind(self, model: nn.Module, to_device: ToDevice, *, world: int = 1, rank: int = 0) -> None:
+        """Before training: the model and its device for the regulariser, and this process's place in the run."""
+        self.world, self.rank = int(world), int(rank)
+        self.regulariser.bind(model, to_device)
 
     def __call__(self, model: nn.Module, result: Any, inputs: Any, global_step: int, accumulation_steps: int,
                  scaled_for_accumulation: bool) -> Any:
@@ -115,7 +123,8 @@ class RegularisedObjective:
         self._last = (global_step, micro)
         scale = accumulation_steps if scaled_for_accumulation else 1
         loss = result[0] if isinstance(result, tuple) else result
-        loss = self.regulariser.apply(model, loss * scale, inputs, global_step * accumulation_steps + micro) / scale
+        draw = (global_step * accumulation_steps + micro) * self.world + self.rank
+        loss = self.regulariser.apply(model, loss * scale, inputs, draw) / scale
         return (loss, result[1]) if isinstance(result, tuple) else loss
 
 

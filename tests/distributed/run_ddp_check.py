@@ -10,7 +10,8 @@ stop/resume run (``rank<r>_resumed.pt``); ``--fused`` the row-wise constraints t
 step (``rank<r>_fused.pt``); ``--contrastive`` the Setting II trainer
 (``rank<r>_contrastive.pt``); ``--two-split`` two-split estimation (``constraint_indicator_fraction``
 0.5) straight and stopped/resumed, with the rows this rank scored with and without grad
-(``rank<r>_two_split.pt``).
+(``rank<r>_two_split.pt``); ``--replay`` the constrained run with replay of old rows (ratio 0.5), with the old
+rows of every step on this rank (``rank<r>_replay.pt``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from scale_tiny import (  # noqa: E402
     disjoint_trainer,
     indicator_rows,
     make_contrastive_trainer,
+    make_replay,
     make_rowwise_trainer,
     make_trainer,
     record_constraint_calls,
@@ -58,6 +60,8 @@ def main() -> None:
     parser.add_argument("--two-split", action="store_true",
                         help="also run two-split estimation, straight and stop-at-3 / resume-to-6 "
                              "(rank<r>_two_split.pt)")
+    parser.add_argument("--replay", action="store_true",
+                        help="also run the constrained set-up with replay (rank<r>_replay.pt)")
     a = parser.parse_args()
     trainer = make_trainer(os.path.join(a.out, "run"), max_steps=a.steps,
                            per_device_train_batch_size=a.per_device_batch, constraint_batch_size=a.constraint_batch)
@@ -118,6 +122,15 @@ def main() -> None:
         result["resumed"] = snapshot(resumed)
         result["resumed_with_grad"] = resumed_record.with_grad
         _save(a.out, f"rank{rank}_two_split.pt", result)
+
+
+    if a.replay:  # each rank's old rows: its own, together the 1-process run's
+        rows_seen: list[list[int]] = []
+        replayed = make_trainer(os.path.join(a.out, "replay"), regulariser=make_replay(rows_seen),
+                                max_steps=a.steps, per_device_train_batch_size=a.per_device_batch,
+                                constraint_batch_size=a.constraint_batch)
+        replayed.train()
+        _save(a.out, f"rank{rank}_replay.pt", {**snapshot(replayed), "replay_rows": rows_seen})
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ from scale_tiny import (
     contrastive_snapshot,
     disjoint_trainer,
     make_contrastive_trainer,
+    make_replay,
     make_rowwise_trainer,
     make_trainer,
     per_row_ce,  # noqa: E402  (the shared row_fn)
@@ -69,7 +70,7 @@ def _launch_two_processes(out: Path) -> None:
         "--main_process_port", str(free_port()),
         str(HERE / "distributed" / "run_ddp_check.py"),
         "--out", str(out), "--per-device-batch", "4", "--constraint-batch", "3", "--steps", str(STEPS),
-        "--contrastive", "--extra", "--fused", "--two-split",
+        "--contrastive", "--extra", "--fused", "--two-split", "--replay",
     ]
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
@@ -99,6 +100,25 @@ def one_process_run(tmp_path_factory):
     snap = snapshot(trainer)
     snap["constraint_calls"] = calls
     return snap
+
+
+def test_replay_ranks_read_disjoint_old_rows_that_make_up_one_process_run(two_process_run, tmp_path):
+    """With replay, each rank reads its own old rows (draw = micro-batch number * processes + rank): per step the
+    two ranks' rows are disjoint and together the rows one process with the global batch reads; the 2-process run
+    then matches that process within float rounding."""
+    out = Path(two_process_run[0]["out"])
+    r0, r1 = [torch.load(out / f"rank{r}_replay.pt", weights_only=False) for r in range(2)]
+    single_rows: list[list[int]] = []
+    single = make_trainer(str(tmp_path / "replay"), regulariser=make_replay(single_rows), max_steps=STEPS,
+                          per_device_train_batch_size=8, constraint_batch_size=6)
+    single.train()
+    assert len(r0["replay_rows"]) == len(r1["replay_rows"]) == len(single_rows) == STEPS
+    for rows0, rows1, rows in zip(r0["replay_rows"], r1["replay_rows"], single_rows):
+        assert len(rows0) == len(rows1) == 4 and not set(rows0) & set(rows1)
+        assert rows0 + rows1 == rows  # rank r holds slice [4r, 4r + 4) of the step's 8 old rows
+    for name, p in snapshot(single)["params"].items():
+        torch.testing.assert_close(r0["params"][name], p, rtol=0, atol=TOL)
+        assert torch.equal(r0["params"][name], r1["params"][name]), name
 
 
 def test_two_ranks_hold_identical_state(two_process_run):
