@@ -114,6 +114,8 @@ def test_replay_mixes_the_protected_sets_constraint_rows_into_every_batch(setup,
     replayed = recipe.main(_flags(setup, tmp_path / "replay", constraint_penalty="none", replay_old=0.5))
     # 12 rows per protected file, 25% held out: 9 constraint rows each of reverse and copy
     assert replayed["regulariser"] == {"name": "replay", "ratio": 0.5, "rows": 18, "seed": 0}
+    # with TRL installed this is ConstrainedSFTTrainer's path (the plain trainer's: test_llm_recipe_flags.py)
+    assert replayed["trl"] == (importlib.util.find_spec("trl") is not None)
     assert plain["regulariser"] is None
     card = (tmp_path / "replay" / "README.md").read_text()  # the card says the protected rows were trained on
     assert "replayed as a share 0.5 of every training batch" in card

@@ -110,7 +110,7 @@ def test_trl_parses_the_flags_and_its_trainer_logs_its_metrics(tiny, tmp_path, m
 
 def test_without_trl_the_same_flags_train_with_the_plain_trainer(tiny, tmp_path):
     """TRL hidden (a sys.modules block): the same flag names through HfArgumentParser, ConstrainedTrainer
-    (no TRL metrics); a TRL-only flag is an error naming the extra to install."""
+    (no TRL metrics), replay included; a TRL-only flag is an error naming the extra to install."""
     script = textwrap.dedent("""
         import json, sys
         sys.modules["trl"] = None  # import trl fails
@@ -121,8 +121,8 @@ def test_without_trl_the_same_flags_train_with_the_plain_trainer(tiny, tmp_path)
             recipe.main(argv + ["--packing", "true"])
         except ValueError as err:
             print("ERROR", err)
-        results = recipe.main(argv + ["--use_peft", "--lora_target_modules", "c_attn", "c_proj"])
-        print("TRL", results["trl"])
+        results = recipe.main(argv + ["--use_peft", "--lora_target_modules", "c_attn", "c_proj", "--replay_old", "0.5"])
+        print("TRL", results["trl"], "REPLAY", results["regulariser"]["name"], results["regulariser"]["ratio"])
     """)
     out = tmp_path / "plain"
     proc = subprocess.run([sys.executable, "-c", script, json.dumps(_argv(tiny, out))], capture_output=True,
@@ -130,7 +130,7 @@ def test_without_trl_the_same_flags_train_with_the_plain_trainer(tiny, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "ERROR --packing: implemented by TRL, which is not installed; pip install 'hf_constrained[trl]'" \
         in proc.stdout
-    assert "TRL False" in proc.stdout
+    assert "TRL False REPLAY replay 0.5" in proc.stdout
     log = json.loads((out / "trainer_state.json").read_text())["log_history"]
     assert any("constraint/penalty_loss" in e for e in log)
     assert not any("mean_token_accuracy" in e for e in log)
