@@ -12,6 +12,7 @@ from typing import Any, Optional
 
 from transformers import TrainingArguments
 
+from .launch import accelerator_available
 from .method.estimators import parse_gamma_prime
 from .method.penalties import PENALTIES
 from .method.strategies import EstimateSource, Margin, check_indicator_fraction, estimate_source, run_margin
@@ -39,6 +40,13 @@ class ConstrainedTrainingArguments(TrainingArguments):
     """
 
     USER_SETTINGS = ("penalty_beta", "constraints_per_step", "constraint_batch_size")
+
+    # the Trainer's default is true; pinned memory only speeds copies to an accelerator, and without one torch
+    # warns at every data loader, so the default follows the machine (an explicit value is kept)
+    dataloader_pin_memory: Optional[bool] = field(
+        default=None,
+        metadata={"help": "Pin the data loaders' memory (default: true where an accelerator is available)."},
+    )
 
     penalty_beta: float = field(
         default=10.0,
@@ -153,6 +161,8 @@ class ConstrainedTrainingArguments(TrainingArguments):
     )
 
     def __post_init__(self) -> None:
+        if self.dataloader_pin_memory is None:
+            self.dataloader_pin_memory = accelerator_available()
         super().__post_init__()
         _check_types(self)
         if self.constraint_penalty not in PENALTIES:

@@ -8,8 +8,8 @@ usage error (exit status 2): neither is silently ignored. A usage error prints t
 line and the error, not the list of every flag (``--help`` lists them).
 
 Without an accelerator, ``--dataloader_pin_memory`` defaults to false (torch warns at every
-dataloader that pinning needs one); a multi-process launch that cannot form one run is refused
-(:mod:`hf_constrained.launch`).
+dataloader that pinning needs one; :class:`~hf_constrained.ConstrainedTrainingArguments`); a multi-process
+launch that cannot form one run is refused (:mod:`hf_constrained.launch`).
 
 ``--bf16`` follows what a user asks for: given on the command line or in the file on a machine
 without bf16 support, it is a usage error naming the flag before any model loads; a default of
@@ -29,7 +29,7 @@ import yaml
 from transformers import HfArgumentParser, TrainingArguments
 
 from .errors import RecipeConfigError
-from .launch import accelerator_available, check_multi_process_launch
+from .launch import check_multi_process_launch
 from .push import check_hub_before_training
 from .recipe_help import add_help_all, shorten_help, wants_short_help
 
@@ -230,10 +230,6 @@ def parse_recipe_args(dataclass_types: Sequence[type], argv: Optional[Sequence[s
         parser.error(f"unrecognized arguments: {' '.join(unknown_flags)} "
                      "(not a flag of this recipe; --help-all lists them)")
     _check_bf16(parser, namespace, rest, given, known.config)
-    if "dataloader_pin_memory" not in given and not accelerator_available() and any(
-            getattr(a, "dest", None) == "dataloader_pin_memory" for a in parser._actions):
-        # pinned memory only helps copies to an accelerator; without one torch warns at every dataloader
-        parser.set_defaults(dataloader_pin_memory=False)
     try:
         outputs = parser.parse_args_into_dataclasses(args=list(rest))
     except RecipeConfigError:

@@ -15,10 +15,10 @@ from hf_constrained.recipe_args import parse_recipe_args
 
 @pytest.fixture
 def no_accelerator(monkeypatch):
-    """The recipe flags parsed as on a machine without an accelerator, also where this one has one."""
-    import hf_constrained.recipe_args as recipe_args
+    """The arguments resolved as on a machine without an accelerator, also where this one has one."""
+    import hf_constrained.config as config
 
-    monkeypatch.setattr(recipe_args, "accelerator_available", lambda: False)
+    monkeypatch.setattr(config, "accelerator_available", lambda: False)
 
 
 def _without_use_cpu(flags: list[str]) -> list[str]:
@@ -35,11 +35,30 @@ def test_pin_memory_is_off_by_default_without_an_accelerator(tmp_path, no_accele
 
 
 def test_pin_memory_keeps_the_trainers_default_with_an_accelerator(tmp_path, monkeypatch):
-    import hf_constrained.recipe_args as recipe_args
+    import hf_constrained.config as config
 
-    monkeypatch.setattr(recipe_args, "accelerator_available", lambda: True)
+    monkeypatch.setattr(config, "accelerator_available", lambda: True)
     (args,) = parse_recipe_args([ConstrainedTrainingArguments], ["--output_dir", str(tmp_path)])
     assert args.dataloader_pin_memory is True
+    assert ConstrainedTrainingArguments(output_dir=str(tmp_path)).dataloader_pin_memory is True
+
+
+def test_library_arguments_pin_memory_only_with_an_accelerator(tmp_path, no_accelerator):
+    """The library's own arguments (the README's quick start builds them in Python) follow the machine too,
+    keep an explicit value, and a trainer built from them on a CPU prints no pin_memory warning."""
+    from scale_tiny import TinyClassifier, make_data
+
+    from hf_constrained import ConstrainedTrainer
+
+    args = ConstrainedTrainingArguments(output_dir=str(tmp_path), report_to=[], max_steps=2, save_strategy="no",
+                                        constraint_batch_size=4)
+    assert args.dataloader_pin_memory is False
+    assert ConstrainedTrainingArguments(output_dir=str(tmp_path), dataloader_pin_memory=True).dataloader_pin_memory
+    train, constraints = make_data(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ConstrainedTrainer(model=TinyClassifier(), args=args, train_dataset=train, constraints=constraints).train()
+    assert not [w for w in caught if "pin_memory" in str(w.message)]
 
 
 def test_the_roc_recipe_prints_no_pin_memory_warning_on_a_cpu(splits, tmp_path, no_accelerator):  # noqa: F811
