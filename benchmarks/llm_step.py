@@ -14,7 +14,9 @@ once before training, one shared row function: the fused step), the hinge with b
   step, gamma' 0: no look-ahead); ``8:all:0.1`` adds the library's default gamma' 0.1, whose
   look-ahead evaluates the next step's constraint rows without grad. The constraint rows join the
   objective's forward (the model has no dropout: :mod:`hf_constrained.method.shared_forward`); a
-  ``:separate`` suffix gives them their own forward and backward graph, as on a model with dropout.
+  ``:separate`` suffix gives them their own forward and backward graph, as on a model with dropout; a
+  ``:replayR`` suffix adds the recipe's ``--replay_old R`` (the protected rows mixed into every objective
+  micro-batch, a share R of its rows).
 
 Variants alternate for ``--rounds`` rounds in one process; each ratio is of the median step
 times (optimizer steps, ``gradient_accumulation_steps`` micro-batches each). On CUDA each
@@ -43,6 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import default_clock, machine, setup_threads, summary, timed_train, write_json  # noqa: E402
 
 from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments  # noqa: E402
+from hf_constrained.method.regularisers import Replay  # noqa: E402
 from hf_constrained.non_forgetting import ReferenceGap, non_forgetting_constraints  # noqa: E402
 from hf_constrained.per_sample_loss import PaddingCollator, causal_lm_per_example_loss  # noqa: E402
 
@@ -90,22 +93,33 @@ class TokenRows(torch.utils.data.Dataset):
                 "labels": [-100] * self.prompt + ids[self.prompt:]}
 
 
-def parse_variant(text: str) -> tuple[int, Optional[int], float, bool]:
-    """``"|B_k|:|B_c|:gamma'[:separate]"`` -> (constraint_batch_size, constraints_per_step or None for all,
-    gamma', whether the constraint rows get their own forward instead of the objective's)."""
+def parse_variant(text: str) -> tuple[int, Optional[int], float, bool, float]:
+    """``"|B_k|:|B_c|:gamma'[:separate][:replayR]"`` -> (constraint_batch_size, constraints_per_step or None for
+    all, gamma', whether the constraint rows get their own forward instead of the objective's, replay share R
+    or 0)."""
     parts = text.split(":")
     try:
-        if len(parts) == 4 and parts[3] != "separate":
-            raise ValueError(parts[3])
-        bk, bc, gp = parts[:3]
-        return int(bk), None if bc == "all" else int(bc), float(gp), len(parts) == 4
+        if len(parts) < 3:
+            raise ValueError(text)
+        bk, bc, gp, *options = parts
+        separate, replay = False, 0.0
+        for option in options:
+            if option == "separate" and not separate:
+                separate = True
+            elif option.startswith("replay") and not replay and 0.0 < float(option[len("replay"):]) < 1.0:
+                replay = float(option[len("replay"):])
+            else:
+                raise ValueError(option)
+        return int(bk), None if bc == "all" else int(bc), float(gp), separate, replay
     except ValueError:
-        raise SystemExit(f"--variants: {text!r} is not |B_k|:|B_c|:gamma'[:separate] (e.g. 8:all:0.1)") from None
+        raise SystemExit(f"--variants: {text!r} is not |B_k|:|B_c|:gamma'[:separate][:replayR] (e.g. 8:all:0.1, "
+                         "8:all:0:replay0.5)") from None
 
 
 def variant_key(text: str) -> str:
-    bk, bc, gp, separate = parse_variant(text)
-    return f"bk{bk}_bc{'all' if bc is None else bc}_gp{gp:g}" + ("_separate" if separate else "")
+    bk, bc, gp, separate, replay = parse_variant(text)
+    return (f"bk{bk}_bc{'all' if bc is None else bc}_gp{gp:g}" + ("_separate" if separate else "")
+            + (f"_replay{replay:g}" if replay else ""))
 
 
 def make_trainer(a: argparse.Namespace, variant: Optional[str], steps: int) -> ConstrainedTrainer:
@@ -124,7 +138,7 @@ def make_trainer(a: argparse.Namespace, variant: Optional[str], steps: int) -> C
     if variant is None:
         args = ConstrainedTrainingArguments(constraint_penalty="none", **common)
         return ConstrainedTrainer(model=model, args=args, train_dataset=train, data_collator=collate)
-    bk, bc, gp, separate = parse_variant(variant)
+    bk, bc, gp, separate, replay = parse_variant(variant)
     args = ConstrainedTrainingArguments(constraint_penalty="hinge", penalty_beta=RECIPE["penalty_beta"],
                                         constraint_batch_size=bk, constraints_per_step=bc, msvr_gamma_prime=gp,
                                         **common)
@@ -132,8 +146,10 @@ def make_trainer(a: argparse.Namespace, variant: Optional[str], steps: int) -> C
     constraints = non_forgetting_constraints(
         model, causal_lm_per_example_loss, protected, collate, relative_tolerance=RECIPE["relative_tolerance"],
         batch_size=RECIPE["reference_batch_size"], row_fn=ReferenceGap(causal_lm_per_example_loss))
+    replayed = None if not replay else Replay(  # the recipe's --replay_old: the protected rows, replayed
+        torch.utils.data.ConcatDataset(list(protected.values())), replay, collate, seed=0)
     trainer = ConstrainedTrainer(model=model, args=args, train_dataset=train, data_collator=collate,
-                                 constraints=constraints)
+                                 constraints=constraints, regulariser=replayed)
     if separate:
         trainer._forward_shareable = False  # the rows in their own forward (the library shares it where it can)
     return trainer
@@ -185,9 +201,10 @@ def main() -> None:
     rows = {"objective_rows_per_step": a.batch * a.accumulation}
     for key, variant in keys.items():
         if variant is not None:
-            bk, bc, gp, _ = parse_variant(variant)
+            bk, bc, gp, _, replay = parse_variant(variant)
             with_grad = bk * (len(TASKS) if bc is None else bc)
-            rows[key] = {"constraint_rows_with_grad": with_grad, "lookahead_rows_no_grad": with_grad if gp > 0 else 0}
+            rows[key] = {"constraint_rows_with_grad": with_grad, "lookahead_rows_no_grad": with_grad if gp > 0 else 0,
+                         "replayed_rows": a.accumulation * round(replay / (1 - replay) * a.batch) if replay else 0}
     result = {
         "benchmark": "llm_step",
         "command": "python benchmarks/llm_step.py " + " ".join(sys.argv[1:]),

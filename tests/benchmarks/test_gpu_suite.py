@@ -110,6 +110,15 @@ def test_llm_step_builds_the_recipe_constraints(tmp_path):
     assert unconstrained.constraints == [] and unconstrained.args.constraint_penalty == "none"
     with pytest.raises(SystemExit, match="not \\|B_k\\|:\\|B_c\\|:gamma'"):
         llm_step.parse_variant("8:all")
+    # the recipe's --replay_old: the protected rows mixed into the objective's micro-batches
+    assert llm_step.parse_variant("8:all:0:replay0.5") == (8, None, 0.0, False, 0.5)
+    assert llm_step.variant_key("8:all:0:separate:replay0.5") == "bk8_bcall_gp0_separate_replay0.5"
+    for bad in ("8:all:0:replay1", "8:all:0:replay", "8:all:0:sep"):
+        with pytest.raises(SystemExit, match="replayR"):
+            llm_step.parse_variant(bad)
+    replayed = llm_step.make_trainer(a, "2:all:0:replay0.5", steps=1)
+    assert replayed.regularised.regulariser.settings()["ratio"] == 0.5
+    assert replayed.regularised.regulariser.settings()["rows"] == 3 * a.constraint_rows
 
 
 @pytest.mark.slow
