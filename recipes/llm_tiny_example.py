@@ -45,7 +45,8 @@ task (held-out exact match >= ``--learned_accuracy``), each in at least 80% of t
 
 The fine-tuning flags carry the names of ``ConstrainedTrainingArguments``
 (``--constraint_penalty``, ``--penalty_beta``, ``--max_steps``, ``--learning_rate``,
-``--lr_scheduler_type``, ``--warmup_steps``, ``--msvr_gamma``, ``--msvr_gamma_prime``, ``--constraint_batch_size``,
+``--lr_scheduler_type``, ``--warmup_steps``, ``--per_device_train_batch_size``, ``--msvr_gamma``, ``--msvr_gamma_prime``,
+``--constraint_batch_size``,
 ``--constraint_indicator_fraction``, ``--constraint_proxy_indicator``, ``--constraint_margin``);
 ``--constraint_surrogate loss_increase`` makes the gradient follow each row's loss rise only;
 ``--replay_old`` mixes old rows into the constrained run's batches (``hf_constrained.method.regularisers.Replay``),
@@ -293,7 +294,8 @@ def finetune(old_path: str, penalty: str, seed: int, cfg: ExampleArguments,
         trainer = ConstrainedTrainer(
             model=model, args=_args(tmp, seed, constraint_penalty=penalty, penalty_beta=cfg.penalty_beta,
                                     max_steps=cfg.max_steps, learning_rate=cfg.learning_rate,
-                                    per_device_train_batch_size=32, lr_scheduler_type=cfg.lr_scheduler_type,
+                                    per_device_train_batch_size=cfg.per_device_train_batch_size,
+                                    lr_scheduler_type=cfg.lr_scheduler_type,
                                     warmup_steps=cfg.warmup_steps,
                                     constraint_batch_size=cfg.constraint_batch_size,
                                     constraints_per_step=cfg.constraints_per_step,
@@ -315,6 +317,7 @@ def finetune(old_path: str, penalty: str, seed: int, cfg: ExampleArguments,
     return {"penalty": penalty, "seed": seed, "held_out": metrics, "h_held_out": h_eval,
             "tolerance": cfg.tolerance, "certificate": cert, "seconds": round(time.time() - t0, 1),
             "regulariser": None if baseline is None else baseline.settings(),
+            "new_rows_per_step": trainer.args.per_device_train_batch_size,
             "seconds_per_step": train_seconds / max(cfg.max_steps, 1)}
 
 
@@ -505,6 +508,10 @@ class ExampleArguments:
     max_steps: int = field(default=500, metadata={
         "help": "fine-tuning steps on the new task (every method of the comparison shares them)"})
     learning_rate: float = field(default=2e-3, metadata={"help": "fine-tuning learning rate"})
+    per_device_train_batch_size: int = field(default=32, metadata={
+        "help": "new-task rows per fine-tuning step (every method of the comparison shares it; replay's old rows "
+                "come on top: with --replay_old 0.5, 16 gives 16 new and 16 old rows, the 32 rows of an "
+                "unconstrained step at the default)"})
     lr_scheduler_type: str = field(default="cosine", metadata={"help": "fine-tuning learning-rate schedule"})
     warmup_steps: int = field(default=0, metadata={
         "help": "fine-tuning steps of linear learning-rate warmup (every method of the comparison shares it)"})
@@ -551,7 +558,7 @@ class ExampleArguments:
                 "the others are kept)"})
     replay_old: float = field(default=0.5, metadata={
         "help": "the constrained run's batches mix in the old tasks' constraint rows, this share of each batch's rows "
-                "(0.5: 32 old beside the 32 new; 0: none; the unconstrained run never has it)"})
+                "(0.5: as many old rows as new, 32 beside the default's 32; 0: none; the unconstrained run never has it)"})
     kl_to_old: float = field(default=0.0, metadata={
         "help": "instead of --replay_old: the constrained run's objective adds this weight times KL(old || new) on 32 "
                 "of the old tasks' constraint rows per step (0: none)"})
@@ -601,6 +608,8 @@ class ExampleArguments:
         if self.constraint_surrogate not in ("loss_change", "loss_increase"):
             raise ValueError(f"--constraint_surrogate must be loss_change or loss_increase, got "
                              f"{self.constraint_surrogate!r}")
+        if self.per_device_train_batch_size < 1:
+            raise ValueError(f"--per_device_train_batch_size must be >= 1, got {self.per_device_train_batch_size}")
         if self.workers < 1:
             raise ValueError(f"--workers must be >= 1, got {self.workers}")
         if self.threads < 1:
@@ -609,7 +618,8 @@ class ExampleArguments:
 
 # settings added after results were stored, with the value that reproduces what ran before they existed: a stored
 # configuration without one of them ran with that value (no warmup: the Trainer's default)
-SETTINGS_ADDED_LATER: dict[str, Any] = {"warmup_steps": 0, "constraint_surrogate": "loss_change", "replay_old": 0.0}
+SETTINGS_ADDED_LATER: dict[str, Any] = {"warmup_steps": 0, "constraint_surrogate": "loss_change", "replay_old": 0.0,
+                                        "per_device_train_batch_size": 32}
 
 
 def stored_settings(config: dict[str, Any]) -> dict[str, Any]:

@@ -109,6 +109,8 @@ def test_flags_that_cannot_work_are_errors_naming_the_flag():
         ex.parse(["--threads", "0"])
     with pytest.raises(ValueError, match="--workers"):
         ex.parse(["--workers", "0"])
+    with pytest.raises(ValueError, match="--per_device_train_batch_size must be >= 1, got 0"):
+        ex.parse(["--per_device_train_batch_size", "0"])
     with pytest.raises(ValueError, match="--warmup_steps"):
         ex.parse(["--warmup_steps", "500"])  # as long as the run (--max_steps 500): no step at the full rate
     cfg = ex.parse(["--constraint_indicator_fraction", "0.25", "--constraint_margin", "0.05"])
@@ -239,7 +241,8 @@ def test_each_run_certifies_as_its_own_first_look_and_the_anchor_is_only_the_con
     old = str(tmp_path / "old")
     ex.train_old_model(old, cfg)
     runs = [ex.finetune(old, penalty, seed, cfg) for penalty, seed in (("hinge", 0), ("hinge", 1), ("none", 0))]
-    replayed = ex.finetune(old, "hinge", 0, dataclasses.replace(cfg, kl_to_old=0.0, replay_old=0.5))
+    replayed = ex.finetune(old, "hinge", 0, dataclasses.replace(cfg, kl_to_old=0.0, replay_old=0.5,
+                                                                per_device_train_batch_size=16))
     for run in runs:
         assert set(run["certificate"]["looks"].values()) == {1}
         assert run["certificate"]["level"] == pytest.approx(0.9 * cfg.delta)
@@ -247,6 +250,8 @@ def test_each_run_certifies_as_its_own_first_look_and_the_anchor_is_only_the_con
     assert runs[0]["regulariser"] == {"name": "kl", "lam": 0.5, "rows_per_step": 32, "seed": 0}
     assert runs[2]["regulariser"] is None
     assert replayed["regulariser"] == {"name": "replay", "ratio": 0.5, "rows": 120, "seed": 0}
+    # --per_device_train_batch_size: the new-task rows of a step (replay's old rows come on top)
+    assert replayed["new_rows_per_step"] == 16 and runs[0]["new_rows_per_step"] == 32
     assert ex.parse([]).replay_old == 0.5 and ex.parse([]).kl_to_old == 0.0  # the default anchor: replay
     with pytest.raises(ValueError, match="--kl_to_old"):
         ex.parse(["--replay_old", "0", "--kl_to_old", "-1"])

@@ -129,7 +129,8 @@ def test_the_stored_example_result_is_read_with_settings_added_since():
         saved = json.load(f)
     ff.same_settings(saved["config"], ff.ex.parse([]), "llm_example.json", "--example_result")
     for added, value, other in (("warmup_steps", 0, ["--warmup_steps", "30"]),
-                                ("constraint_surrogate", "loss_change", ["--constraint_surrogate", "loss_increase"])):
+                                ("constraint_surrogate", "loss_change", ["--constraint_surrogate", "loss_increase"]),
+                                ("per_device_train_batch_size", 32, ["--per_device_train_batch_size", "16"])):
         assert ff.ex.SETTINGS_ADDED_LATER[added] == value
         older = {k: v for k, v in saved["config"].items() if k != added}  # as stored before the flag existed
         ff.same_settings(older, ff.ex.parse([]), "llm_example.json", "--example_result")
