@@ -5,18 +5,20 @@ The set-up of ``recipes/llm_non_forgetting.py`` with ``recipes/configs/llm_non_f
 weights), LoRA r16 / alpha 32 / no dropout on all linear layers, synthetic prompt/completion
 rows (loss on the completion), three non-forgetting constraints (two protected tasks and a
 safety set, h_k = L_k(w) - L_k(w_old) <= 0.02 L_k(w_old), the old per-example losses computed
-once before training, one shared row function: the fused step), the hinge with beta 10.
+once before training, one shared row function: the fused step), the hinge at the recipe's settings
+(``BENCHMARK_DEFAULTS``: beta 0.25, gamma 0.2, margin 0.02; step time does not depend on them).
 
 * ``unconstrained``: the same trainer with ``constraint_penalty="none"`` and no constraints
   (the recipe with ``--constraint_penalty none``);
-* a constrained variant per ``--variants`` entry ``|B_k|:|B_c|:gamma'`` (``all`` for |B_c| = m):
-  ``8:all:0`` is the recipe's default (``constraint_batch_size`` 8, every constraint each
-  step, gamma' 0: no look-ahead); ``8:all:0.1`` adds the library's default gamma' 0.1, whose
-  look-ahead evaluates the next step's constraint rows without grad. The constraint rows join the
-  objective's forward (the model has no dropout: :mod:`hf_constrained.method.shared_forward`); a
-  ``:separate`` suffix gives them their own forward and backward graph, as on a model with dropout; a
-  ``:replayR`` suffix adds the recipe's ``--replay_old R`` (the protected rows mixed into every objective
-  micro-batch, a share R of its rows).
+* a constrained variant per ``--variants`` entry ``|B_k|:|B_c|:gamma'`` (``all`` for |B_c| = m), with options:
+  ``:replayR`` adds the recipe's ``--replay_old R`` (the protected rows mixed into every objective micro-batch, a
+  share R of its rows); ``:splitF`` two-split estimation with the proxy indicator
+  (``--constraint_indicator_fraction F --constraint_proxy_indicator true``: |B_k| indicator rows per constraint
+  and step, forward only, scored by the old model's exact match); ``:separate`` gives the constraint rows their
+  own forward and backward graph, as on a model with dropout (otherwise they join the objective's forward where
+  :mod:`hf_constrained.method.shared_forward` allows it: no regulariser, one split). ``8:all:0.1:replay0.5:split0.25``
+  is the recipe's default (:data:`RECIPE_DEFAULT_VARIANT`); ``8:all:0`` its earlier default (no replay, one split,
+  no look-ahead); gamma' > 0 adds the look-ahead (the next step's constraint rows, forward only).
 
 Variants alternate for ``--rounds`` rounds in one process; each ratio is of the median step
 times (optimizer steps, ``gradient_accumulation_steps`` micro-batches each). On CUDA each
@@ -27,7 +29,7 @@ proxy), ``0.5b`` (Qwen2.5-0.5B's shape as a Llama: hidden 896, 24 layers, 14 hea
 MLP 4864, vocabulary 151,936, tied embeddings: 494M parameters).
 
     python benchmarks/llm_step.py --model proxy --threads 1 \\
-        --variants 8:all:0.1,2:all:0.1,2:all:0,1:all:0,2:1:0 --out benchmarks/results/llm_step_proxy_cpu.json
+        --variants 8:all:0.1:replay0.5:split0.25,8:all:0 --out benchmarks/results/llm_step_proxy_cpu.json
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import argparse
 import gc
 import os
 import sys
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -47,7 +49,12 @@ from common import default_clock, machine, setup_threads, summary, timed_train, 
 from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments  # noqa: E402
 from hf_constrained.method.regularisers import Replay  # noqa: E402
 from hf_constrained.non_forgetting import ReferenceGap, non_forgetting_constraints  # noqa: E402
-from hf_constrained.per_sample_loss import PaddingCollator, causal_lm_per_example_loss  # noqa: E402
+from hf_constrained.per_sample_loss import (  # noqa: E402
+    PaddingCollator,
+    causal_lm_per_example_correct,
+    causal_lm_per_example_loss,
+)
+from hf_constrained.recipes.llm_non_forgetting import BENCHMARK_DEFAULTS  # noqa: E402
 
 LLAMA_SIZES: dict[str, dict[str, Any]] = {
     "tiny": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -58,8 +65,9 @@ LLAMA_SIZES: dict[str, dict[str, Any]] = {
                  intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True, rope_theta=1000000.0),
 }
 # recipes/configs/llm_non_forgetting_lora.yaml
-RECIPE = dict(batch=8, accumulation=2, constraint_batch=8, per_step="all", gamma_prime=0.0, relative_tolerance=0.02,
-              reference_batch_size=16, lora_r=16, lora_alpha=32, learning_rate=1e-4, penalty_beta=10.0)
+RECIPE = dict(batch=8, accumulation=2, relative_tolerance=0.02, forget_tolerance=0.05, reference_batch_size=16,
+              lora_r=16, lora_alpha=32, learning_rate=1e-4)
+RECIPE_DEFAULT_VARIANT = "8:all:0.1:replay0.5:split0.25"  # BENCHMARK_DEFAULTS and the recipe's --replay_old 0.5
 TASKS = ("math", "code", "refusals")
 
 
@@ -93,33 +101,45 @@ class TokenRows(torch.utils.data.Dataset):
                 "labels": [-100] * self.prompt + ids[self.prompt:]}
 
 
-def parse_variant(text: str) -> tuple[int, Optional[int], float, bool, float]:
-    """``"|B_k|:|B_c|:gamma'[:separate][:replayR]"`` -> (constraint_batch_size, constraints_per_step or None for
-    all, gamma', whether the constraint rows get their own forward instead of the objective's, replay share R
-    or 0)."""
+class Variant(NamedTuple):
+    """A constrained variant of the step (``--variants``)."""
+
+    constraint_batch_size: int
+    constraints_per_step: Optional[int]  # None: all
+    gamma_prime: float
+    separate: bool  # the constraint rows in their own forward
+    replay: float  # the recipe's --replay_old (0: none)
+    split: float  # two-split estimation with the proxy indicator (0: one split)
+
+
+def parse_variant(text: str) -> Variant:
+    """``"|B_k|:|B_c|:gamma'[:separate][:replayR][:splitF]"`` -> :class:`Variant`."""
     parts = text.split(":")
     try:
         if len(parts) < 3:
             raise ValueError(text)
         bk, bc, gp, *options = parts
-        separate, replay = False, 0.0
+        separate, shares = False, {"replay": 0.0, "split": 0.0}
         for option in options:
+            name = next((n for n in shares if option.startswith(n)), None)
             if option == "separate" and not separate:
                 separate = True
-            elif option.startswith("replay") and not replay and 0.0 < float(option[len("replay"):]) < 1.0:
-                replay = float(option[len("replay"):])
+            elif name and not shares[name] and 0.0 < float(option[len(name):]) < 1.0:
+                shares[name] = float(option[len(name):])
             else:
                 raise ValueError(option)
-        return int(bk), None if bc == "all" else int(bc), float(gp), separate, replay
+        return Variant(int(bk), None if bc == "all" else int(bc), float(gp), separate, shares["replay"],
+                       shares["split"])
     except ValueError:
-        raise SystemExit(f"--variants: {text!r} is not |B_k|:|B_c|:gamma'[:separate][:replayR] (e.g. 8:all:0.1, "
-                         "8:all:0:replay0.5)") from None
+        raise SystemExit(f"--variants: {text!r} is not |B_k|:|B_c|:gamma'[:separate][:replayR][:splitF] (e.g. "
+                         f"8:all:0, {RECIPE_DEFAULT_VARIANT})") from None
 
 
 def variant_key(text: str) -> str:
-    bk, bc, gp, separate, replay = parse_variant(text)
-    return (f"bk{bk}_bc{'all' if bc is None else bc}_gp{gp:g}" + ("_separate" if separate else "")
-            + (f"_replay{replay:g}" if replay else ""))
+    v = parse_variant(text)
+    return (f"bk{v.constraint_batch_size}_bc{'all' if v.constraints_per_step is None else v.constraints_per_step}"
+            f"_gp{v.gamma_prime:g}" + ("_separate" if v.separate else "")
+            + (f"_replay{v.replay:g}" if v.replay else "") + (f"_split{v.split:g}" if v.split else ""))
 
 
 def make_trainer(a: argparse.Namespace, variant: Optional[str], steps: int) -> ConstrainedTrainer:
@@ -138,19 +158,26 @@ def make_trainer(a: argparse.Namespace, variant: Optional[str], steps: int) -> C
     if variant is None:
         args = ConstrainedTrainingArguments(constraint_penalty="none", **common)
         return ConstrainedTrainer(model=model, args=args, train_dataset=train, data_collator=collate)
-    bk, bc, gp, separate, replay = parse_variant(variant)
-    args = ConstrainedTrainingArguments(constraint_penalty="hinge", penalty_beta=RECIPE["penalty_beta"],
-                                        constraint_batch_size=bk, constraints_per_step=bc, msvr_gamma_prime=gp,
-                                        **common)
+    v = parse_variant(variant)
+    estimation = dict(BENCHMARK_DEFAULTS, constraint_indicator_fraction=v.split or None,
+                      constraint_proxy_indicator=bool(v.split), constraint_batch_size=v.constraint_batch_size,
+                      msvr_gamma_prime=v.gamma_prime)
+    args = ConstrainedTrainingArguments(constraint_penalty="hinge", constraints_per_step=v.constraints_per_step,
+                                        **estimation, **common)
     protected = {task: TokenRows(a.constraint_rows, a.seq_len, vocab, seed=10 + i) for i, task in enumerate(TASKS)}
+    # the proxy indicator scores the certificate's statistic (rows forgotten): it needs certification rows
+    certify = None if not v.split else {task: TokenRows(8, a.seq_len, vocab, seed=20 + i)
+                                        for i, task in enumerate(TASKS)}
     constraints = non_forgetting_constraints(
         model, causal_lm_per_example_loss, protected, collate, relative_tolerance=RECIPE["relative_tolerance"],
-        batch_size=RECIPE["reference_batch_size"], row_fn=ReferenceGap(causal_lm_per_example_loss))
-    replayed = None if not replay else Replay(  # the recipe's --replay_old: the protected rows, replayed
-        torch.utils.data.ConcatDataset(list(protected.values())), replay, collate, seed=0)
+        batch_size=RECIPE["reference_batch_size"], row_fn=ReferenceGap(causal_lm_per_example_loss),
+        certify_datasets=certify, correct=causal_lm_per_example_correct if certify else None,
+        forget_tolerance=RECIPE["forget_tolerance"] if certify else None, old_correct_on_rows=bool(certify))
+    replayed = None if not v.replay else Replay(  # the recipe's --replay_old: the protected rows, replayed
+        torch.utils.data.ConcatDataset(list(protected.values())), v.replay, collate, seed=0)
     trainer = ConstrainedTrainer(model=model, args=args, train_dataset=train, data_collator=collate,
                                  constraints=constraints, regulariser=replayed)
-    if separate:
+    if v.separate:
         trainer._forward_shareable = False  # the rows in their own forward (the library shares it where it can)
     return trainer
 
@@ -167,8 +194,9 @@ def main() -> None:
                         help="gradient_accumulation_steps (recipe: 2)")
     parser.add_argument("--seq-len", type=int, default=128, help="tokens per row (half prompt, half completion)")
     parser.add_argument("--constraint-rows", type=int, default=64, help="rows per protected task")
-    parser.add_argument("--variants", default="8:all:0",
-                        help="comma-separated constrained variants |B_k|:|B_c|:gamma' (recipe default: 8:all:0)")
+    parser.add_argument("--variants", default=RECIPE_DEFAULT_VARIANT,
+                        help="comma-separated constrained variants |B_k|:|B_c|:gamma'[:separate][:replayR][:splitF] "
+                             f"(the recipe's default: {RECIPE_DEFAULT_VARIANT})")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2)
@@ -201,10 +229,14 @@ def main() -> None:
     rows = {"objective_rows_per_step": a.batch * a.accumulation}
     for key, variant in keys.items():
         if variant is not None:
-            bk, bc, gp, _, replay = parse_variant(variant)
-            with_grad = bk * (len(TASKS) if bc is None else bc)
-            rows[key] = {"constraint_rows_with_grad": with_grad, "lookahead_rows_no_grad": with_grad if gp > 0 else 0,
-                         "replayed_rows": a.accumulation * round(replay / (1 - replay) * a.batch) if replay else 0}
+            v = parse_variant(variant)
+            per_step = v.constraint_batch_size * (len(TASKS) if v.constraints_per_step is None
+                                                  else v.constraints_per_step)
+            rows[key] = {"constraint_rows_with_grad": per_step,
+                         "lookahead_rows_no_grad": per_step if v.gamma_prime > 0 else 0,
+                         "indicator_rows_no_grad": per_step if v.split else 0,
+                         "replayed_rows": (a.accumulation * round(v.replay / (1 - v.replay) * a.batch)
+                                           if v.replay else 0)}
     result = {
         "benchmark": "llm_step",
         "command": "python benchmarks/llm_step.py " + " ".join(sys.argv[1:]),
@@ -214,7 +246,7 @@ def main() -> None:
         "device": a.device, "bf16": a.bf16, "clock": clock, "seq_len": a.seq_len,
         "per_device_train_batch_size": a.batch, "gradient_accumulation_steps": a.accumulation,
         "num_constraints": len(TASKS), "constraint_rows_per_task": a.constraint_rows, "rows": rows,
-        "recipe_default_variant": "bk8_bcall_gp0",
+        "recipe_default_variant": variant_key(RECIPE_DEFAULT_VARIANT),
         "steps_timed_per_round": a.steps - a.warmup, "rounds": a.rounds,
         "step_time": stats,
         "ratio_to_unconstrained": {k: stats[k]["median_s"] / base for k in keys if k != "unconstrained"},

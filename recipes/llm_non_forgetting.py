@@ -9,6 +9,10 @@ model before fine-tuning (with ``--lora_r`` the adapter-disabled base). The old 
 per-example losses are computed once before training. All constraints share one row
 function (one model call for all sampled constraints when the trainer fuses them).
 
+The defaults (``BENCHMARK_DEFAULTS``, ``--replay_old 0.5``) are the setting the forgetting benchmark chose on the
+offline LLM example (docs/benchmarks.md): the hinge at beta 0.25 on top of replay of the protected rows,
+two-split estimation whose indicator follows the share of rows forgotten (docs/llm.md).
+
 Data: each dataset is a Hub dataset id or a local JSON/JSONL/CSV/TSV/parquet file, with
 rows in one of TRL's SFT formats: ``text``; ``prompt`` + ``completion`` (loss on the
 completion); ``messages`` (a chat rendered with the tokenizer's chat template; loss on
@@ -48,7 +52,7 @@ Run::
         --protected_datasets math=data/math.jsonl code=data/code.jsonl \\
         --safety_dataset data/refusals.jsonl \\
         --output_dir outputs/llm --max_steps 500 --learning_rate 1e-4 \\
-        --constraint_penalty hinge --penalty_beta 10 --relative_tolerance 0.02
+        --relative_tolerance 0.02
 
 or put the flags in a YAML file (keys = flag names) and pass ``--config x.yaml``; flags on
 the command line override the file. ``--help`` lists the main flags, ``--help-all`` every flag. At the end: held-out
@@ -95,6 +99,16 @@ RESULTS_FILE = "llm_results.json"
 TRL_EXTRA = install_hint("trl")
 
 
+# The constrained run the forgetting benchmark chose on the offline LLM example (docs/benchmarks.md, thirteenth
+# round): the hinge at beta 0.25 on top of replay 0.5, MSVR gamma 0.2 and gamma' 0.1, two-split estimation (a quarter
+# of each protected set's constraint rows drive the indicator) whose indicator follows the certificate's statistic
+# (the share of rows forgotten) against --forget_tolerance minus a margin of 0.02, 8 rows per constraint and step.
+BENCHMARK_DEFAULTS: dict[str, Any] = {
+    "penalty_beta": 0.25, "msvr_gamma": 0.2, "msvr_gamma_prime": "0.1", "constraint_batch_size": 8,
+    "constraint_indicator_fraction": 0.25, "constraint_proxy_indicator": True, "constraint_margin": 0.02}
+BENCHMARK_REPLAY = 0.5
+
+
 @dataclass
 class ConstraintDataArguments:
     """The recipe's own flags: the protected and safety data, the tolerances and the certificate."""
@@ -111,10 +125,12 @@ class ConstraintDataArguments:
     max_constraint_rows: Optional[int] = field(default=None, metadata={
         "help": "Cap on the rows taken from each protected / safety dataset (before the held-out split)."})
     max_target_rows: Optional[int] = field(default=None, metadata={"help": "Cap on the target rows."})
-    replay_old: float = field(default=0.0, metadata={
+    replay_old: Optional[float] = field(default=None, metadata={
         "help": "Replay: mix the protected sets' constraint rows into every objective batch, this share of its rows "
-                "(0.5: as many old rows as new; 0: none). 0.5 with the hinge at beta 0.25 is the offline LLM example's "
-                "default (docs/benchmarks.md); it adds those rows' forward and backward to each step."})
+                "(0.5: as many old rows as new, on top of them; 0: none). Default: 0.5 (with the hinge at beta 0.25, "
+                "the setting the forgetting benchmark chose, docs/benchmarks.md), 0 for --constraint_penalty none, "
+                "without --protected_datasets, or with --packing / --padding_free. It adds those rows' forward and "
+                "backward to each step."})
     constraint_tolerance: float = field(default=0.0, metadata={
         "help": "Absolute tolerance of every protected constraint (nats per token)."})
     relative_tolerance: float = field(default=0.0, metadata={
@@ -267,8 +283,7 @@ def parse_arguments(argv: Optional[list[str]] = None, use_trl: Optional[bool] = 
     dataset, training, model, data = parse_recipe_args(
         _dataclass_types(use_trl), argv, description=__doc__.split("\n\n")[0], parser_class=parser_class,
         replaced_flags=REPLACED_FLAGS,
-        # the constraint step sized for a language model (docs/scale.md): 8 rows per protected set, no look-ahead
-        defaults={"output_dir": "outputs/llm_non_forgetting", "constraint_batch_size": 8, "msvr_gamma_prime": "0"})
+        defaults={"output_dir": "outputs/llm_non_forgetting", **BENCHMARK_DEFAULTS})
     lora_flags = sorted(given & {"lora_r", "lora_alpha", "lora_dropout", "lora_target_modules",
                                  "lora_target_parameters", "lora_modules_to_save", "use_rslora", "use_dora"})
     if lora_flags and not model.use_peft:
@@ -277,7 +292,32 @@ def parse_arguments(argv: Optional[list[str]] = None, use_trl: Optional[bool] = 
                              "by --use_peft)")
         raise RecipeConfigError(f"{', '.join('--' + f for f in lora_flags)} without --use_peft: LoRA is turned on by "
                          "--use_peft (TRL's ModelConfig); add --use_peft true")
+    resolve_automatic_defaults(data, training, given)
     return RecipeArguments(dataset, training, model, data, use_trl)
+
+
+def resolve_automatic_defaults(data: ConstraintDataArguments, args: Any, given: set[str]) -> None:
+    """The defaults that depend on other flags: replay (``--replay_old``, 0.5 where it applies) and the proxy
+    indicator (on where there is a certificate, whose statistic it follows). A value the user gave is kept (and
+    checked by :func:`check_arguments`); a default that cannot apply is turned off, with a warning naming why."""
+    if data.replay_old is None:
+        packed = [f"--{flag}" for flag in ("packing", "padding_free") if getattr(args, flag, False)]
+        off = ("--constraint_penalty none" if args.constraint_penalty == "none" else
+               "no --protected_datasets" if not data.protected_datasets else
+               " and ".join(packed) if packed else None)
+        data.replay_old = BENCHMARK_REPLAY if off is None else 0.0
+        if off is not None and args.constraint_penalty != "none":  # plain SFT never replays: nothing to say
+            logger.warning("replay off (the default --replay_old %g needs a batch of rows from protected sets): %s",
+                           BENCHMARK_REPLAY, off)
+    no_certificate = data.certify_fraction <= 0 or data.eval_fraction <= 0
+    if no_certificate and args.constraint_proxy_indicator:
+        if "constraint_proxy_indicator" in given:
+            raise RecipeConfigError("--constraint_proxy_indicator follows the certificate's statistic on the "
+                                    "indicator rows, but there is no certificate (--certify_fraction 0 or "
+                                    "--eval_fraction 0): pass --constraint_proxy_indicator false")
+        args.constraint_proxy_indicator = False
+        logger.warning("the proxy indicator is off: it follows the certificate's statistic, and this run has no "
+                       "certificate (--certify_fraction 0 or --eval_fraction 0); the indicator follows the loss gap")
 
 
 def lora_targets(modules: Optional[Any]) -> Optional[Any]:
@@ -574,6 +614,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         "penalty": args.constraint_penalty,
         "penalty_beta": args.penalty_beta,
         "regulariser": None if replay is None else replay.settings(),
+        "constraint_step": {k: getattr(args, k) for k in BENCHMARK_DEFAULTS},  # with penalty_beta: the run's method
         "num_processes": trainer.accelerator.num_processes,
         "train_metrics": train_result.metrics,
         "eval_metrics": metrics,

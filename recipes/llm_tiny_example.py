@@ -45,9 +45,9 @@ task (held-out exact match >= ``--learned_accuracy``), each in at least 80% of t
 
 The fine-tuning flags carry the names of ``ConstrainedTrainingArguments``
 (``--constraint_penalty``, ``--penalty_beta``, ``--max_steps``, ``--learning_rate``,
-``--lr_scheduler_type``, ``--warmup_steps``, ``--per_device_train_batch_size``, ``--msvr_gamma``, ``--msvr_gamma_prime``,
-``--constraint_batch_size``,
-``--constraint_indicator_fraction``, ``--constraint_proxy_indicator``, ``--constraint_margin``);
+``--lr_scheduler_type``, ``--warmup_steps``, ``--per_device_train_batch_size``, ``--msvr_gamma``,
+``--msvr_gamma_prime``, ``--constraint_batch_size``, ``--constraint_indicator_fraction``,
+``--constraint_proxy_indicator``, ``--constraint_margin``);
 ``--constraint_surrogate loss_increase`` makes the gradient follow each row's loss rise only;
 ``--replay_old`` mixes old rows into the constrained run's batches (``hf_constrained.method.regularisers.Replay``),
 ``--kl_to_old`` adds a KL anchor instead (``KLToOld``; with ``--replay_old 0``);
@@ -558,7 +558,8 @@ class ExampleArguments:
                 "the others are kept)"})
     replay_old: float = field(default=0.5, metadata={
         "help": "the constrained run's batches mix in the old tasks' constraint rows, this share of each batch's rows "
-                "(0.5: as many old rows as new, 32 beside the default's 32; 0: none; the unconstrained run never has it)"})
+                "(0.5: as many old rows as new, 32 beside the default's 32; 0: none; the unconstrained run never has "
+                "it)"})
     kl_to_old: float = field(default=0.0, metadata={
         "help": "instead of --replay_old: the constrained run's objective adds this weight times KL(old || new) on 32 "
                 "of the old tasks' constraint rows per step (0: none)"})

@@ -78,6 +78,9 @@ def test_recipe_trains_under_one_constraint_per_protected_set_and_reports(setup,
     out = tmp_path / "run"
     results = _recipe().main(_flags(setup, out, constraint_tolerance=0.05))
     assert sorted(results["constraints"]) == ["non_forgetting/copy", "non_forgetting/reverse", "safety/refusals"]
+    # the defaults (but --constraint_batch_size 3): the hinge on top of replay 0.5, two-split with the proxy indicator
+    assert results["regulariser"] == {"name": "replay", "ratio": 0.5, "rows": 18, "seed": 0}
+    assert results["penalty_beta"] == 0.25 and results["constraint_step"]["constraint_proxy_indicator"] is True
     assert results["train_metrics"]["train_loss"] > 0
     assert "eval_loss" in results["eval_metrics"]
     report = results["safety_report"]
@@ -104,6 +107,42 @@ def test_recipe_trains_under_one_constraint_per_protected_set_and_reports(setup,
     assert "Tokenizer" in type(loaded["tokenizer"]).__name__ and loaded["tokenizer"]("ab")["input_ids"]
     assert type(loaded["model"]).__name__ == "GPT2LMHeadModel"
     assert "%" not in card.split("## Data")[1].split("\n## ")[0]  # fractions, as every number of the card
+
+
+def test_the_defaults_are_the_benchmarks_choice_and_turn_off_only_where_they_cannot_apply(setup, tmp_path, caplog):
+    """With no flag given, the recipe runs the setting the forgetting benchmark chose (docs/benchmarks.md): the hinge
+    at beta 0.25 on top of replay 0.5, gamma 0.2, gamma' 0.1, two-split 0.25 with the proxy indicator, margin 0.02.
+    Replay is off for plain SFT, without protected sets and with packing; the proxy indicator without a
+    certificate: each with a warning, except plain SFT; a value the user gave is kept or refused, never changed."""
+    recipe = _recipe()
+    base = ["--model_name_or_path", setup["gpt2"], "--dataset_name", setup["target"], "--output_dir", str(tmp_path),
+            "--bf16", "false"]
+    protected = ["--protected_datasets", setup["reverse"]]
+    config = recipe.parse_arguments(base + protected)
+    args, data = config.training, config.data
+    assert (args.constraint_penalty, args.penalty_beta, data.replay_old) == ("hinge", 0.25, 0.5)
+    assert {k: getattr(args, k) for k in recipe.BENCHMARK_DEFAULTS} == {
+        "penalty_beta": 0.25, "msvr_gamma": 0.2, "msvr_gamma_prime": 0.1, "constraint_batch_size": 8,
+        "constraint_indicator_fraction": 0.25, "constraint_proxy_indicator": True, "constraint_margin": 0.02}
+    with caplog.at_level("WARNING", logger="llm_non_forgetting"):
+        caplog.clear()
+        assert recipe.parse_arguments(base + protected + ["--constraint_penalty", "none"]).data.replay_old == 0.0
+        assert "replay" not in caplog.text  # plain SFT: nothing to say
+        assert recipe.parse_arguments(base + ["--safety_dataset", setup["safety"]]).data.replay_old == 0.0
+        assert "replay off" in caplog.text and "no --protected_datasets" in caplog.text
+        caplog.clear()
+        assert recipe.parse_arguments(base + protected + ["--replay_old", "0.25"]).data.replay_old == 0.25
+        assert "replay" not in caplog.text
+        no_certificate = recipe.parse_arguments(base + protected + ["--certify_fraction", "0"])
+        assert no_certificate.training.constraint_proxy_indicator is False and no_certificate.data.replay_old == 0.5
+        assert "the proxy indicator is off" in caplog.text and "--certify_fraction 0" in caplog.text
+        if importlib.util.find_spec("trl") is not None:  # a packed batch is one row: the default replay is off
+            caplog.clear()
+            assert recipe.parse_arguments(base + protected + ["--packing", "true"]).data.replay_old == 0.0
+            assert "replay off" in caplog.text and "--packing" in caplog.text
+    with pytest.raises(ValueError, match="--constraint_proxy_indicator follows the certificate's statistic.*pass "
+                                         "--constraint_proxy_indicator false"):
+        recipe.parse_arguments(base + protected + ["--certify_fraction", "0", "--constraint_proxy_indicator", "true"])
 
 
 def test_replay_mixes_the_protected_sets_constraint_rows_into_every_batch(setup, tmp_path):
