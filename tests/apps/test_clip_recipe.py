@@ -137,6 +137,22 @@ def test_short_constrained_run_forgets_less_than_unconstrained(tmp_path):
     assert max(hinge["h_train"].values()) < 0.1  # and no other protected class pays for it
 
 
+def test_the_default_beta_is_the_papers_for_the_penalty(tmp_path):
+    """Without --penalty_beta the recipe takes the paper's beta of its penalty in this library's units (hinge 10 and
+    squared hinge 800, times tau 0.05: 0.5 and 40), not the library's 10; a given beta is kept."""
+    from hf_constrained import ConstrainedTrainingArguments
+
+    recipe = _recipe()
+    for penalty, beta in (("hinge", 0.5), ("squared_hinge", 40.0)):
+        args = ConstrainedTrainingArguments(output_dir=str(tmp_path), constraint_penalty=penalty, use_cpu=True)
+        recipe.default_penalty_beta(args, set())
+        assert args.penalty_beta == beta
+        given = ConstrainedTrainingArguments(output_dir=str(tmp_path), constraint_penalty=penalty, penalty_beta=3.0,
+                                             use_cpu=True)
+        recipe.default_penalty_beta(given, {"penalty_beta"})
+        assert given.penalty_beta == 3.0
+
+
 def test_recipe_certifies_on_held_out_images_nothing_else_reads(assets, tmp_path):
     """--certify_fraction sets part of each protected class's held-out images aside; the certified bound
     is the exact Clopper-Pearson bound of the share of them forgotten, recomputed here from the old and
