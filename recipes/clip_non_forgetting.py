@@ -223,7 +223,7 @@ PAPER_BETA = {"hinge": 0.5, "squared_hinge": 40.0}
 
 
 def default_penalty_beta(args: ConstrainedTrainingArguments, given: set[str]) -> None:
-    """Without ``--penalty_beta``: the paper's beta for the run's penalty (:data:`PAPER_BETA`); a given value is kept."""
+    """Without ``--penalty_beta``: the paper's beta for the run's penalty (:data:`PAPER_BETA`); a given one is kept."""
     if "penalty_beta" not in given and args.constraint_penalty in PAPER_BETA:
         args.penalty_beta = PAPER_BETA[args.constraint_penalty]
 
