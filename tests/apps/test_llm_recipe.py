@@ -145,6 +145,25 @@ def test_the_defaults_are_the_benchmarks_choice_and_turn_off_only_where_they_can
         recipe.parse_arguments(base + protected + ["--certify_fraction", "0", "--constraint_proxy_indicator", "true"])
 
 
+def test_the_defaults_that_follow_other_flags_never_fail_on_a_flag_the_user_did_not_give(setup, tmp_path):
+    """The default proxy indicator follows two-split estimation (one split in a config file: no proxy, no error about
+    a flag the user never set) and the default margin yields to another margin rule the user gives."""
+    recipe = _recipe()
+    base = ["--model_name_or_path", setup["gpt2"], "--dataset_name", setup["target"], "--output_dir", str(tmp_path),
+            "--bf16", "false", "--protected_datasets", setup["reverse"]]
+    config = tmp_path / "one_split.yaml"
+    config.write_text("constraint_indicator_fraction: null\n")
+    one_split = recipe.parse_arguments(base + ["--config", str(config)]).training
+    assert one_split.constraint_indicator_fraction is None and one_split.constraint_proxy_indicator is False
+    assert type(one_split.estimate_source()).__name__ == "OneSplit"
+    for rule, value in (("constraint_confidence", 0.9), ("constraint_certificate_delta", 0.05)):
+        args = recipe.parse_arguments(base + [f"--{rule}", str(value)]).training
+        assert args.constraint_margin is None and getattr(args, rule) == value
+        assert args.constraint_proxy_indicator is True  # the rest of the defaults stand
+    with pytest.raises(ValueError, match="at most one of constraint_margin"):  # both given: the user's conflict
+        recipe.parse_arguments(base + ["--constraint_confidence", "0.9", "--constraint_margin", "0.02"])
+
+
 def test_replay_mixes_the_protected_sets_constraint_rows_into_every_batch(setup, tmp_path):
     """``--replay_old`` adds the protected sets' constraint rows (never held-out or certification rows) to the
     objective's batches: the run records it, and its training loss is no longer the new task's alone."""
