@@ -365,6 +365,9 @@ def test_shipped_yaml_config_uses_only_recipe_flags(use_trl):
     flags = {a.dest for a in parser._actions}
     config = yaml.safe_load((ROOT / "recipes" / "configs" / "llm_non_forgetting_lora.yaml").read_text())
     assert config and sorted(set(config) - flags) == []
+    # the constrained step it ships is the recipe's default (the benchmark's choice, docs/llm.md), not a drifted copy
+    assert {k: config[k] for k in recipe.BENCHMARK_DEFAULTS} == recipe.BENCHMARK_DEFAULTS
+    assert config["replay_old"] == recipe.BENCHMARK_REPLAY and config["constraint_penalty"] == "hinge"
     # the values parse with the flags' types (bf16 needs a GPU, so it is left to the run)
     argv = [f"--{k}={v}" for k, v in config.items() if not isinstance(v, list) and k != "bf16"]
     namespace = parser.parse_args(argv + ["--protected_datasets", *config["protected_datasets"],
