@@ -326,8 +326,9 @@ def resolve_automatic_defaults(data: ConstraintDataArguments, args: Any, given: 
                            BENCHMARK_REPLAY, off)
     no_certificate = data.certify_fraction <= 0 or data.eval_fraction <= 0
     if "constraint_proxy_indicator" not in given:
-        # on where it applies: two-split estimation (its indicator rows) and a certificate (whose statistic it follows)
-        two_split = bool(args.constraint_indicator_fraction)
+        # on where it applies: two-split estimation (its indicator rows) and a certificate (whose statistic it follows),
+        # in a constrained run (plain SFT has no indicator: its old model's correctness on the rows would be wasted)
+        two_split = bool(args.constraint_indicator_fraction) and args.constraint_penalty != "none"
         args.constraint_proxy_indicator = two_split and not no_certificate
         if two_split and no_certificate:
             logger.warning("the proxy indicator is off: it follows the certificate's statistic, and this run has no "

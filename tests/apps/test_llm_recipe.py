@@ -126,8 +126,9 @@ def test_the_defaults_are_the_benchmarks_choice_and_turn_off_only_where_they_can
         "constraint_indicator_fraction": 0.25, "constraint_proxy_indicator": True, "constraint_margin": 0.02}
     with caplog.at_level("WARNING", logger="llm_non_forgetting"):
         caplog.clear()
-        assert recipe.parse_arguments(base + protected + ["--constraint_penalty", "none"]).data.replay_old == 0.0
-        assert "replay" not in caplog.text  # plain SFT: nothing to say
+        plain = recipe.parse_arguments(base + protected + ["--constraint_penalty", "none"])
+        assert plain.data.replay_old == 0.0 and plain.training.constraint_proxy_indicator is False
+        assert "replay" not in caplog.text and "proxy" not in caplog.text  # plain SFT: nothing to say
         assert recipe.parse_arguments(base + ["--safety_dataset", setup["safety"]]).data.replay_old == 0.0
         assert "replay off" in caplog.text and "no --protected_datasets" in caplog.text
         caplog.clear()
