@@ -284,7 +284,7 @@ def parse_arguments(argv: Optional[list[str]] = None, use_trl: Optional[bool] = 
     dataset, training, model, data = parse_recipe_args(
         _dataclass_types(use_trl), argv, description=__doc__.split("\n\n")[0], parser_class=parser_class,
         replaced_flags=REPLACED_FLAGS,
-        defaults={"output_dir": "outputs/llm_non_forgetting", **BENCHMARK_DEFAULTS})
+        defaults={"output_dir": "outputs/llm_non_forgetting", **parser_defaults(given)})
     lora_flags = sorted(given & {"lora_r", "lora_alpha", "lora_dropout", "lora_target_modules",
                                  "lora_target_parameters", "lora_modules_to_save", "use_rslora", "use_dora"})
     if lora_flags and not model.use_peft:
@@ -297,10 +297,25 @@ def parse_arguments(argv: Optional[list[str]] = None, use_trl: Optional[bool] = 
     return RecipeArguments(dataset, training, model, data, use_trl)
 
 
+OTHER_MARGINS = ("constraint_confidence", "constraint_certificate_delta")
+"""Margin rules exclusive with ``constraint_margin``: a user who gives one replaces the default margin."""
+
+
+def parser_defaults(given: set[str]) -> dict[str, Any]:
+    """:data:`BENCHMARK_DEFAULTS` as the parser's defaults, but those that depend on other flags: the proxy indicator
+    starts off (:func:`resolve_automatic_defaults` turns it on where the fraction and the certificate allow), and the
+    margin is none where the user chose another margin rule (the arguments accept one rule: the user's wins)."""
+    defaults = dict(BENCHMARK_DEFAULTS, constraint_proxy_indicator=False)
+    if given & set(OTHER_MARGINS) and "constraint_margin" not in given:
+        defaults["constraint_margin"] = None
+    return defaults
+
+
 def resolve_automatic_defaults(data: ConstraintDataArguments, args: Any, given: set[str]) -> None:
     """The defaults that depend on other flags: replay (``--replay_old``, 0.5 where it applies) and the proxy
-    indicator (on where there is a certificate, whose statistic it follows). A value the user gave is kept (and
-    checked by :func:`check_arguments`); a default that cannot apply is turned off, with a warning naming why."""
+    indicator (on with two-split estimation where there is a certificate, whose statistic it follows). A value the
+    user gave is kept (and checked by :func:`check_arguments`); a default that cannot apply is turned off, with a
+    warning naming why."""
     if data.replay_old is None:
         packed = [f"--{flag}" for flag in ("packing", "padding_free") if getattr(args, flag, False)]
         off = ("--constraint_penalty none" if args.constraint_penalty == "none" else
@@ -311,14 +326,19 @@ def resolve_automatic_defaults(data: ConstraintDataArguments, args: Any, given: 
             logger.warning("replay off (the default --replay_old %g needs a batch of rows from protected sets): %s",
                            BENCHMARK_REPLAY, off)
     no_certificate = data.certify_fraction <= 0 or data.eval_fraction <= 0
-    if no_certificate and args.constraint_proxy_indicator:
-        if "constraint_proxy_indicator" in given:
-            raise RecipeConfigError("--constraint_proxy_indicator follows the certificate's statistic on the "
-                                    "indicator rows, but there is no certificate (--certify_fraction 0 or "
-                                    "--eval_fraction 0): pass --constraint_proxy_indicator false")
-        args.constraint_proxy_indicator = False
-        logger.warning("the proxy indicator is off: it follows the certificate's statistic, and this run has no "
-                       "certificate (--certify_fraction 0 or --eval_fraction 0); the indicator follows the loss gap")
+    if "constraint_proxy_indicator" not in given:
+        # on where it applies: two-split estimation (its indicator rows) and a certificate (whose statistic it follows),
+        # in a constrained run (plain SFT has no indicator: its old model's correctness on the rows would be wasted)
+        two_split = bool(args.constraint_indicator_fraction) and args.constraint_penalty != "none"
+        args.constraint_proxy_indicator = two_split and not no_certificate
+        if two_split and no_certificate:
+            logger.warning("the proxy indicator is off: it follows the certificate's statistic, and this run has no "
+                           "certificate (--certify_fraction 0 or --eval_fraction 0); the indicator follows the loss "
+                           "gap")
+    elif no_certificate and args.constraint_proxy_indicator:
+        raise RecipeConfigError("--constraint_proxy_indicator follows the certificate's statistic on the "
+                                "indicator rows, but there is no certificate (--certify_fraction 0 or "
+                                "--eval_fraction 0): pass --constraint_proxy_indicator false")
 
 
 def lora_targets(modules: Optional[Any]) -> Optional[Any]:

@@ -127,8 +127,9 @@ def test_the_defaults_are_the_benchmarks_choice_and_turn_off_only_where_they_can
         "constraint_indicator_fraction": 0.25, "constraint_proxy_indicator": True, "constraint_margin": 0.02}
     with caplog.at_level("WARNING", logger="llm_non_forgetting"):
         caplog.clear()
-        assert recipe.parse_arguments(base + protected + ["--constraint_penalty", "none"]).data.replay_old == 0.0
-        assert "replay" not in caplog.text  # plain SFT: nothing to say
+        plain = recipe.parse_arguments(base + protected + ["--constraint_penalty", "none"])
+        assert plain.data.replay_old == 0.0 and plain.training.constraint_proxy_indicator is False
+        assert "replay" not in caplog.text and "proxy" not in caplog.text  # plain SFT: nothing to say
         assert recipe.parse_arguments(base + ["--safety_dataset", setup["safety"]]).data.replay_old == 0.0
         assert "replay off" in caplog.text and "no --protected_datasets" in caplog.text
         caplog.clear()
@@ -144,6 +145,25 @@ def test_the_defaults_are_the_benchmarks_choice_and_turn_off_only_where_they_can
     with pytest.raises(ValueError, match="--constraint_proxy_indicator follows the certificate's statistic.*pass "
                                          "--constraint_proxy_indicator false"):
         recipe.parse_arguments(base + protected + ["--certify_fraction", "0", "--constraint_proxy_indicator", "true"])
+
+
+def test_the_defaults_that_follow_other_flags_never_fail_on_a_flag_the_user_did_not_give(setup, tmp_path):
+    """The default proxy indicator follows two-split estimation (one split in a config file: no proxy, no error about
+    a flag the user never set) and the default margin yields to another margin rule the user gives."""
+    recipe = _recipe()
+    base = ["--model_name_or_path", setup["gpt2"], "--dataset_name", setup["target"], "--output_dir", str(tmp_path),
+            "--bf16", "false", "--protected_datasets", setup["reverse"]]
+    config = tmp_path / "one_split.yaml"
+    config.write_text("constraint_indicator_fraction: null\n")
+    one_split = recipe.parse_arguments(base + ["--config", str(config)]).training
+    assert one_split.constraint_indicator_fraction is None and one_split.constraint_proxy_indicator is False
+    assert type(one_split.estimate_source()).__name__ == "OneSplit"
+    for rule, value in (("constraint_confidence", 0.9), ("constraint_certificate_delta", 0.05)):
+        args = recipe.parse_arguments(base + [f"--{rule}", str(value)]).training
+        assert args.constraint_margin is None and getattr(args, rule) == value
+        assert args.constraint_proxy_indicator is True  # the rest of the defaults stand
+    with pytest.raises(ValueError, match="at most one of constraint_margin"):  # both given: the user's conflict
+        recipe.parse_arguments(base + ["--constraint_confidence", "0.9", "--constraint_margin", "0.02"])
 
 
 def test_replay_mixes_the_protected_sets_constraint_rows_into_every_batch(setup, tmp_path):
@@ -347,6 +367,9 @@ def test_shipped_yaml_config_uses_only_recipe_flags(use_trl):
     flags = {a.dest for a in parser._actions}
     config = yaml.safe_load((ROOT / "recipes" / "configs" / "llm_non_forgetting_lora.yaml").read_text())
     assert config and sorted(set(config) - flags) == []
+    # the constrained step it ships is the recipe's default (the benchmark's choice, docs/llm.md), not a drifted copy
+    assert {k: config[k] for k in recipe.BENCHMARK_DEFAULTS} == recipe.BENCHMARK_DEFAULTS
+    assert config["replay_old"] == recipe.BENCHMARK_REPLAY and config["constraint_penalty"] == "hinge"
     # the values parse with the flags' types (bf16 needs a GPU, so it is left to the run)
     argv = [f"--{k}={v}" for k, v in config.items() if not isinstance(v, list) and k != "bf16"]
     namespace = parser.parse_args(argv + ["--protected_datasets", *config["protected_datasets"],
