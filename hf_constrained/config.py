@@ -151,7 +151,8 @@ class ConstrainedTrainingArguments(TrainingArguments):
                   "constraint's rows, split off once by a seeded permutation, drives the MSVR estimate u_k and so "
                   "the hinge's indicator 1[u_k > 0]; the rest drives the constraint's gradient. No indicator row "
                   "ever reaches a gradient, so the penalty acts on an estimate of rows the model is not fitted to. "
-                  "In (0, 1); one extra forward without grad per step."},
+                  "In (0, 1); one extra forward without grad per step. 0 (or unset): one split, the paper's "
+                  "estimate."},
     )
     constraint_indicator_batch_size: Optional[int] = field(
         default=None,
@@ -177,7 +178,11 @@ class ConstrainedTrainingArguments(TrainingArguments):
                 raise ValueError(f"{name} must be in (0, 1], got {value}")
         for name in ("msvr_gamma_prime", "objective_msvr_gamma_prime"):
             setattr(self, name, parse_gamma_prime(getattr(self, name), name))
-        if self.constraint_indicator_fraction is not None:  # 0 would otherwise read as one-split estimation
+        if self.constraint_indicator_fraction == 0 and not isinstance(self.constraint_indicator_fraction, bool):
+            # 0 is how a command line or a config file turns two-split estimation off (it cannot pass None):
+            # one split, as documented in the field's help
+            self.constraint_indicator_fraction = None
+        if self.constraint_indicator_fraction is not None:
             check_indicator_fraction(self.constraint_indicator_fraction)
         self.margin_rule()  # the flags' errors now, before training
         self.estimate_source()

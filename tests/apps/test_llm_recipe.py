@@ -158,6 +158,8 @@ def test_the_defaults_that_follow_other_flags_never_fail_on_a_flag_the_user_did_
     one_split = recipe.parse_arguments(base + ["--config", str(config)]).training
     assert one_split.constraint_indicator_fraction is None and one_split.constraint_proxy_indicator is False
     assert type(one_split.estimate_source()).__name__ == "OneSplit"
+    command_line = recipe.parse_arguments(base + ["--constraint_indicator_fraction", "0"]).training  # the same, typed
+    assert command_line.constraint_indicator_fraction is None and command_line.constraint_proxy_indicator is False
     for rule, value in (("constraint_confidence", 0.9), ("constraint_certificate_delta", 0.05)):
         args = recipe.parse_arguments(base + [f"--{rule}", str(value)]).training
         assert args.constraint_margin is None and getattr(args, rule) == value

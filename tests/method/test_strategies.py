@@ -189,18 +189,24 @@ def test_a_margin_rule_stands_for_its_flag_and_its_value():
 
 
 def test_a_bad_indicator_fraction_is_one_error_naming_the_flag_before_training(tmp_path):
-    """One check (``check_indicator_fraction``), one message, from the arguments (0 included: it does not
-    silently mean one split there), the strategy and the split itself."""
+    """One check (``check_indicator_fraction``), one message, from the arguments, the strategy and the split
+    itself. The arguments read 0 as one split (documented in the field's help: a command line or a config file
+    cannot pass None); the strategy and the split refuse it."""
     from hf_constrained import ConstrainedTrainingArguments
 
     message = r"constraint_indicator_fraction must be in \(0, 1\), got "
     for bad in (0.0, 1.0, -0.2, 1.5):
-        with pytest.raises(ValueError, match=message + str(bad)):
-            ConstrainedTrainingArguments(output_dir=str(tmp_path), report_to=[], constraint_indicator_fraction=bad)
+        if bad:
+            with pytest.raises(ValueError, match=message + str(bad)):
+                ConstrainedTrainingArguments(output_dir=str(tmp_path), report_to=[], constraint_indicator_fraction=bad)
         with pytest.raises(ValueError, match=message + str(bad)):
             TwoSplit(bad)
         with pytest.raises(ValueError, match=message + str(bad)):
             split_for_indicator([], bad, seed=0)
+    off = ConstrainedTrainingArguments(output_dir=str(tmp_path), report_to=[], constraint_indicator_fraction=0)
+    assert off.constraint_indicator_fraction is None and off.estimate_source() == OneSplit()
+    assert "0 (or unset): one split" in ConstrainedTrainingArguments.__dataclass_fields__[
+        "constraint_indicator_fraction"].metadata["help"]
     with pytest.raises(ValueError, match=message + "True"):
         TwoSplit(True)
     assert ConstrainedTrainingArguments(output_dir=str(tmp_path), report_to=[],
