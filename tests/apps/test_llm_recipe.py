@@ -111,7 +111,7 @@ def test_recipe_trains_under_one_constraint_per_protected_set_and_reports(setup,
 
 def test_the_defaults_are_the_benchmarks_choice_and_turn_off_only_where_they_cannot_apply(setup, tmp_path, caplog):
     """With no flag given, the recipe runs the setting the forgetting benchmark chose (docs/benchmarks.md): the hinge
-    at beta 0.25 on top of replay 0.5, gamma 0.2, gamma' 0, 2 rows per constraint, two-split 0.25 with the proxy
+    at beta 0.25 on top of replay 0.5, gamma 0.2, gamma' 0.1, 8 rows per constraint, two-split 0.25 with the proxy
     indicator, margin 0.02.
     Replay is off for plain SFT, without protected sets and with packing; the proxy indicator without a
     certificate: each with a warning, except plain SFT; a value the user gave is kept or refused, never changed."""
@@ -123,7 +123,7 @@ def test_the_defaults_are_the_benchmarks_choice_and_turn_off_only_where_they_can
     args, data = config.training, config.data
     assert (args.constraint_penalty, args.penalty_beta, data.replay_old) == ("hinge", 0.25, 0.5)
     assert {k: getattr(args, k) for k in recipe.BENCHMARK_DEFAULTS} == {
-        "penalty_beta": 0.25, "msvr_gamma": 0.2, "msvr_gamma_prime": 0.0, "constraint_batch_size": 2,
+        "penalty_beta": 0.25, "msvr_gamma": 0.2, "msvr_gamma_prime": 0.1, "constraint_batch_size": 8,
         "constraint_indicator_fraction": 0.25, "constraint_proxy_indicator": True, "constraint_margin": 0.02}
     with caplog.at_level("WARNING", logger="llm_non_forgetting"):
         caplog.clear()
