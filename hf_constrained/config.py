@@ -147,12 +147,12 @@ class ConstrainedTrainingArguments(TrainingArguments):
     )
     constraint_indicator_fraction: Optional[float] = field(
         default=None,
-        metadata={"help": "Two-split estimation (a deviation from the paper, off by default): this share of each "
+        metadata={"help": "Two-split estimation (a deviation from the paper): this share of each "
                   "constraint's rows, split off once by a seeded permutation, drives the MSVR estimate u_k and so "
                   "the hinge's indicator 1[u_k > 0]; the rest drives the constraint's gradient. No indicator row "
                   "ever reaches a gradient, so the penalty acts on an estimate of rows the model is not fitted to. "
                   "In (0, 1); one extra forward without grad per step. 0 (or unset): one split, the paper's "
-                  "estimate."},
+                  "estimate (the library's default; a recipe may set another, e.g. the LLM recipe's 0.25)."},
     )
     constraint_indicator_batch_size: Optional[int] = field(
         default=None,
