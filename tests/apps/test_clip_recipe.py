@@ -54,6 +54,7 @@ def test_recipe_bdd100k_hinge_saves_model_and_results(assets, tmp_path):
     with open(os.path.join(out, "non_forgetting_results.json")) as f:
         saved = json.load(f)
     assert saved["penalty"] == "hinge" and len(saved["constraints_train"]) == 5
+    assert saved["penalty_beta"] == 10.0  # given in main's argv: kept, not the paper's default (0.5)
     curve = [h for h in saved["log_history"] if "eval_accuracy/foggy" in h]
     assert [h["step"] for h in curve] == [2]  # --accuracy_every_steps 2 over 3 steps
     reloaded = CLIPModel.from_pretrained(out)  # the fine-tuned model loads like any checkpoint
