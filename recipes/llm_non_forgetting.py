@@ -315,7 +315,8 @@ def resolve_automatic_defaults(data: ConstraintDataArguments, args: Any, given: 
     """The defaults that depend on other flags: replay (``--replay_old``, 0.5 where it applies) and the proxy
     indicator (on with two-split estimation where there is a certificate, whose statistic it follows). A value the
     user gave is kept (and checked by :func:`check_arguments`); a default that cannot apply is turned off, with a
-    warning naming why."""
+    warning naming why. The default beta, the hinge's, is kept for the squared hinge with a warning (no benchmark
+    chose one for it)."""
     if data.replay_old is None:
         packed = [f"--{flag}" for flag in ("packing", "padding_free") if getattr(args, flag, False)]
         off = ("--constraint_penalty none" if args.constraint_penalty == "none" else
@@ -325,6 +326,11 @@ def resolve_automatic_defaults(data: ConstraintDataArguments, args: Any, given: 
         if off is not None and args.constraint_penalty != "none":  # plain SFT never replays: nothing to say
             logger.warning("replay off (the default --replay_old %g needs a batch of rows from protected sets): %s",
                            BENCHMARK_REPLAY, off)
+    if args.constraint_penalty == "squared_hinge" and "penalty_beta" not in given:
+        # the benchmark chose beta for the hinge; the squared hinge's penalty is of another scale and was never run
+        logger.warning("--penalty_beta %g is the forgetting benchmark's choice for the hinge, never run with "
+                       "--constraint_penalty squared_hinge, which needs a much larger beta: give --penalty_beta",
+                       args.penalty_beta)
     no_certificate = data.certify_fraction <= 0 or data.eval_fraction <= 0
     if "constraint_proxy_indicator" not in given:
         # on where it applies: two-split estimation (its indicator rows) and a certificate (whose statistic it follows),

@@ -138,6 +138,13 @@ def test_the_defaults_are_the_benchmarks_choice_and_turn_off_only_where_they_can
         no_certificate = recipe.parse_arguments(base + protected + ["--certify_fraction", "0"])
         assert no_certificate.training.constraint_proxy_indicator is False and no_certificate.data.replay_old == 0.5
         assert "the proxy indicator is off" in caplog.text and "--certify_fraction 0" in caplog.text
+        caplog.clear()  # the default beta is the hinge's: kept for the squared hinge, with a warning
+        squared = recipe.parse_arguments(base + protected + ["--constraint_penalty", "squared_hinge"]).training
+        assert squared.penalty_beta == 0.25
+        assert "never run with --constraint_penalty squared_hinge" in caplog.text
+        caplog.clear()
+        recipe.parse_arguments(base + protected + ["--constraint_penalty", "squared_hinge", "--penalty_beta", "800"])
+        assert "squared_hinge" not in caplog.text
         if importlib.util.find_spec("trl") is not None:  # a packed batch is one row: the default replay is off
             caplog.clear()
             assert recipe.parse_arguments(base + protected + ["--packing", "true"]).data.replay_old == 0.0
