@@ -230,7 +230,9 @@ def default_penalty_beta(args: ConstrainedTrainingArguments, given: set[str]) ->
 
 def main(argv: Optional[list[str]] = None) -> dict:
     script, args = parse_recipe_args([ScriptArguments, ConstrainedTrainingArguments], argv, description=__doc__,
-                                     defaults={"remove_unused_columns": False, "output_dir": OUTPUT_DIR})
+                                     # --help-all shows the hinge's default beta (the squared hinge's follows below)
+                                     defaults={"remove_unused_columns": False, "output_dir": OUTPUT_DIR,
+                                               "penalty_beta": PAPER_BETA["hinge"]})
     default_penalty_beta(args, given_flags(argv))
     if args.remove_unused_columns:  # a flag this recipe cannot honour: an error, not silently replaced
         raise ValueError("--remove_unused_columns true is not supported by this recipe: its collator reads the "
