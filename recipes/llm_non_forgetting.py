@@ -311,6 +311,12 @@ def parser_defaults(given: set[str]) -> dict[str, Any]:
     return defaults
 
 
+def packed_flags(args: Any) -> list[str]:
+    """TRL's flags that make a batch one packed row (``--packing``, ``--padding_free``) this run sets: replay, which
+    counts a batch's rows, cannot apply to such a batch."""
+    return [f"--{flag}" for flag in ("packing", "padding_free") if getattr(args, flag, False)]
+
+
 def resolve_automatic_defaults(data: ConstraintDataArguments, args: Any, given: set[str]) -> None:
     """The defaults that depend on other flags: replay (``--replay_old``, 0.5 where it applies) and the proxy
     indicator (on with two-split estimation where there is a certificate, whose statistic it follows). A value the
@@ -318,7 +324,7 @@ def resolve_automatic_defaults(data: ConstraintDataArguments, args: Any, given: 
     warning naming why. The default beta, the hinge's, is kept for the squared hinge with a warning (no benchmark
     chose one for it)."""
     if data.replay_old is None:
-        packed = [f"--{flag}" for flag in ("packing", "padding_free") if getattr(args, flag, False)]
+        packed = packed_flags(args)
         off = ("--constraint_penalty none" if args.constraint_penalty == "none" else
                "no --protected_datasets" if not data.protected_datasets else
                " and ".join(packed) if packed else None)
@@ -436,7 +442,7 @@ def check_arguments(config: RecipeArguments) -> None:
     if data.replay_old and not data.protected_datasets:
         raise RecipeConfigError(f"--replay_old {data.replay_old:g} replays the protected sets' rows, but there is no "
                                 "--protected_datasets")
-    packed = [f"--{flag}" for flag in ("packing", "padding_free") if getattr(args, flag, False)]
+    packed = packed_flags(args)
     if data.replay_old and packed:  # a packed batch is one row: replay would mix one old row into it
         raise RecipeConfigError(f"--replay_old counts a batch's rows; it cannot be used with {' and '.join(packed)}")
     if model.use_peft and model.lora_r < 1:
