@@ -356,6 +356,10 @@ class ReferenceGap:
     ``--constraint_surrogate loss_increase`` do.
     """
 
+    # each row's value is a training loss minus a constant, so its gradient is the loss's: replay can read these
+    # rows in the same forward (:class:`~hf_constrained.method.regularisers.ConstraintRowReplay`)
+    rows_are_loss_gaps = True
+
     def __init__(self, loss: Union[PerSampleLoss, Any]) -> None:
         self.loss = loss
         self.per_sample = as_per_sample_loss(loss)

@@ -98,7 +98,8 @@ class ConstrainedTrainer(TrainerInternals):
         num_sampled = args.constraints_per_step if args.constraints_per_step is not None else m
         if m and not 1 <= num_sampled <= m:
             raise ValueError(f"constraints_per_step must be in [1, {m}] (there are {m} constraints), got {num_sampled}")
-        if self.penalty.active:
+        constraint_step = self.penalty.active or bool(getattr(regulariser, "reads_constraint_rows", False))
+        if constraint_step:
             configure_ddp_for_constraints(args)  # before the Trainer builds the Accelerator from args
         # Constraint-only periodic evaluation: the Trainer refuses eval_strategy without an eval_dataset, but evaluate()
         # has the constraints' exact values to evaluate, so the check is passed with the strategy off, then restored.
@@ -108,7 +109,7 @@ class ConstrainedTrainer(TrainerInternals):
         with arguments_set(args, **hidden):
             super().__init__(model=model, args=args, **kwargs)
         check_fsdp_set_up(self)
-        if self.penalty.active and uses_ddp(self.args):
+        if constraint_step and uses_ddp(self.args):
             self.add_callback(GradientCoverageCallback())
         # certification rows must be touched by nothing else: refuse an overlap before any training
         self.certification_fingerprints: dict[str, str] = check_certification_splits(
@@ -123,6 +124,8 @@ class ConstrainedTrainer(TrainerInternals):
             share_constraint_batches=self.args.share_constraint_batches,
             check_finite=self.args.check_constraint_finite, margin=self.args.margin_rule(),
             source=self.args.estimate_source())
+        if self.regularised is not None:  # one draw of old rows per step where it can, or a log line saying why not
+            self.regularised.check_rows(self.engine, self.penalty.active)
         self.in_training_step = False  # True inside training_step (subclasses' objectives read it)
         self._constraint_step = -1  # global step whose constraint part has run (once per accumulation window)
         self._forward_shareable: Optional[bool] = None
@@ -202,21 +205,27 @@ class ConstrainedTrainer(TrainerInternals):
         def objective(runner: Any = model, outputs: bool = return_outputs) -> Any:  # runner: the model, or merged
             return self.compute_objective_loss(runner, inputs, return_outputs=outputs,
                                                num_items_in_batch=num_items_in_batch)
-        penalised = self.in_training_step and self.penalty.active and self._constraint_step != self.state.global_step
-        shared = None  # the constraint rows in the objective's forward, where that changes no value
-        if penalised and self.regularised is None and self.objective_forward_shareable():
+
+        def regularised(result: Any) -> Any:
+            if not self.in_training_step or self.regularised is None:
+                return result
+            return self.regularised(model, result, inputs, self.state.global_step,
+                                    self.current_gradient_accumulation_steps,
+                                    self._objective_is_scaled_for_ga(num_items_in_batch))
+        penalised = self.in_training_step and self.constraint_part_runs and \
+            self._constraint_step != self.state.global_step
+        replay = self.regularised.regulariser if self.regularised is not None else None
+        shared = None  # the constraint rows in the objective's forward (no other old rows), where that changes no value
+        if penalised and getattr(replay, "reads_constraint_rows", True) and self.objective_forward_shareable():
             shared = SharedObjectiveForward.for_inputs(inputs, lambda merged: objective(merged, True))
-        result = objective() if shared is None else None
-        if self.in_training_step and self.regularised is not None:
-            result = self.regularised(model, result, inputs, self.state.global_step,
-                                      self.current_gradient_accumulation_steps,
-                                      self._objective_is_scaled_for_ga(num_items_in_batch))
+        result = regularised(objective()) if shared is None else None
         if not penalised:
             return result
         self._constraint_step = self.state.global_step
-        penalty_loss = self.engine.penalty_loss(model, self.state.global_step, shared)
+        row_weight = replay.ratio if getattr(replay, "reads_constraint_rows", False) else 0.0  # replay's own weight
+        penalty_loss = self.engine.penalty_loss(model, self.state.global_step, shared, row_weight=row_weight)
         if result is None:  # shared, unless no row group of this draw could join
-            result = shared.objective_result(return_outputs) if shared.loss is not None else objective()
+            result = regularised(shared.objective_result(return_outputs) if shared.loss is not None else objective())
         if not self._objective_is_scaled_for_ga(num_items_in_batch):
             # the Trainer divides the summed loss by the window length; the penalty counts once per window
             penalty_loss = penalty_loss * self.current_gradient_accumulation_steps
@@ -224,6 +233,12 @@ class ConstrainedTrainer(TrainerInternals):
             loss, outputs = result
             return loss + penalty_loss.to(loss.dtype), outputs
         return result + penalty_loss.to(result.dtype)
+
+    @property
+    def constraint_part_runs(self) -> bool:
+        """Whether training steps run lines 3-9: with a penalty, or for a replay of the constraints' rows."""
+        return self.engine is not None and (self.penalty.active or bool(
+            self.regularised is not None and self.regularised.regulariser.reads_constraint_rows))
 
     def objective_forward_shareable(self) -> bool:
         """Whether constraint rows may join the objective's forward (:func:`trainer_objective_is_model_loss` and a
@@ -241,7 +256,7 @@ class ConstrainedTrainer(TrainerInternals):
         ran = self._constraint_step
         try:
             loss = super().training_step(model, inputs, num_items_in_batch)
-            if self._constraint_step != ran:
+            if self._constraint_step != ran and self.penalty.active:
                 # after the backward the step's activations are freed and the parameters are still w_t (the
                 # optimizer steps after the window): the previous-iterate values of step t+1 (line 6)
                 with self.compute_loss_context_manager():
@@ -386,7 +401,7 @@ class ConstrainedTrainer(TrainerInternals):
         resume_from_checkpoint = prepare_resume(self, resume_from_checkpoint, CONSTRAINT_STATE_NAME)
         if resume_from_checkpoint and finished_at(self, str(resume_from_checkpoint)):
             return TrainOutput(self.state.global_step, 0.0, {})
-        if self.penalty.active:
+        if self.constraint_part_runs:
             self.preflight_constraints()
         if self.regularised is not None:
             self.regularised.bind(self.model, self._to_device, world=self.accelerator.num_processes,

@@ -266,10 +266,13 @@ class ConstraintEngine:
             draw.indicator = ConstraintDraw(step, ids, self.estimate_rows.rows(ids))
         return draw
 
-    def penalty_loss(self, model: nn.Module, step: int, shared: Optional[SharedObjectiveForward] = None
-                     ) -> torch.Tensor:
+    def penalty_loss(self, model: nn.Module, step: int, shared: Optional[SharedObjectiveForward] = None,
+                     row_weight: float = 0.0) -> torch.Tensor:
         """Lines 3-9 of step ``step``: the loss whose gradient is G_2. With ``shared`` (the objective's
         micro-batch) a row group's rows may join the objective's forward (:mod:`.shared_forward`).
+        ``row_weight``: a weight every sampled constraint's value carries besides the penalty's (the old rows'
+        share of the loss when replay reads these rows: :class:`~.regularisers.ConstraintRowReplay`), so the
+        rows are drawn and forwarded once and one backward applies both.
 
         Host synchronisations (on a GPU): one for the finite check (``check_finite``), one for the
         group counts of ``group_key`` constraints, the collective of a multi-process run.
@@ -280,7 +283,7 @@ class ConstraintEngine:
         ids = ids_cpu.to(self.device, non_blocking=True)
         values, current, stats = self.values.evaluate(model, draw, need_grad=True, shared=shared)  # h_k(w_t; B_k^t)
         estimate = draw.estimate_draw
-        if self.separate_estimate:  # two-split: the estimate follows rows no gradient uses
+        if self.separate_estimate and self.penalty.active:  # two-split: the estimate follows rows no gradient uses
             with torch.no_grad():
                 _, current, stats = self.estimate_rows.values.evaluate(model, estimate, need_grad=False)
         if self.check_finite:
@@ -292,9 +295,10 @@ class ConstraintEngine:
         margin = self.spread.margin_values(ids) if self.spread.has_margins else None
         violation, slope = self.violations(ids_cpu, u_t, margin)
         weights = self.penalty.weight(violation) * slope                            # line 9
-        loss = (weights.detach().to(values.dtype) * values).sum() / ids.numel()
+        loss = ((weights.detach() + row_weight).to(values.dtype) * values).sum() / ids.numel()
         self.step_metrics["constraint/sampled_active_fraction"].append((weights != 0).float().mean())
-        self.step_metrics["constraint/penalty_loss"].append(loss.detach())
+        self.step_metrics["constraint/penalty_loss"].append(
+            loss.detach() if not row_weight else (weights.detach().to(values.dtype) * values.detach()).mean())
         return loss
 
     @torch.no_grad()

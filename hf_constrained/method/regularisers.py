@@ -1,14 +1,17 @@
 """What users do instead of constraints to keep what the old model knew, as strategy objects.
 
-The baselines of the forgetting benchmark (``benchmarks/forgetting_frontier.py``; REFERENCE
-section 9), each a change of the objective F of Algorithm 1 (the G_1 part of a step), so each runs
-inside the same :class:`~hf_constrained.ConstrainedTrainer` and combines with any
-``constraint_penalty`` ("none", "hinge", "squared_hinge"): "hinge + a little replay" is one run.
+The baselines of the forgetting benchmark (``benchmarks/forgetting_frontier.py``), each a change of the
+objective F of Algorithm 1 (the G_1 part of a step), so each runs inside the same
+:class:`~hf_constrained.ConstrainedTrainer` and combines with any ``constraint_penalty`` ("none", "hinge",
+"squared_hinge"): "hinge + a little replay" is one run.
 
 * :class:`Replay`: old-task rows mixed into the objective batches, a share ``ratio`` of the rows.
   The new-task batch stays as it is (every method sees the same new rows per step); the step adds
   ``k = round(ratio / (1 - ratio) * B)`` old rows and the loss is the row-weighted mean
   ``(B * F_new + k * F_old) / (B + k)``, what one mixed batch of ``B + k`` rows gives.
+* :class:`ConstraintRowReplay`: replay whose old rows are the constraints' own gradient rows B_k^t
+  (one draw of old rows per step, each row's loss computed once; with the hinge, each row carries
+  replay's weight plus the penalty's). The way to combine replay with non-forgetting constraints.
 * :class:`KLToOld`: ``lam * KL(p_old || p_w)`` on old rows, the old model's next-token (or class)
   distribution against the current one (full vocabulary, forward KL as in LLaMA-Factory), averaged
   over the scored positions (labels other than -100) of a batch of old rows.
@@ -24,6 +27,7 @@ method of a benchmark draws from the same stream.
 from __future__ import annotations
 
 import copy
+import logging
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -34,6 +38,8 @@ from torch import nn
 
 from ..batches import fetch_rows
 from .sampling import _mixed_seed
+
+logger = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100  # labels the loss skips (transformers' convention)
 
@@ -81,6 +87,8 @@ class ObjectiveRegulariser(ABC):
     """
 
     name: str = "regulariser"
+    # True for a regulariser whose old rows are the constraints' gradient rows (:class:`ConstraintRowReplay`)
+    reads_constraint_rows: bool = False
 
     def bind(self, model: nn.Module, to_device: ToDevice) -> None:
         """Called once by the trainer before training: the model being trained and how batches reach its device."""
@@ -114,6 +122,20 @@ class RegularisedObjective:
         """Before training: the model and its device for the regulariser, and this process's place in the run."""
         self.world, self.rank = int(world), int(rank)
         self.regulariser.bind(model, to_device)
+
+    def check_rows(self, engine: Any, penalty_active: bool) -> None:
+        """Before training: a regulariser that replays the constraints' rows can (:meth:`ConstraintRowReplay.
+        check_constraints` on the engine's gradient rows); one that reads old rows of its own beside an active
+        penalty says, once, that a step then draws old rows twice."""
+        reg = self.regulariser
+        if reg.reads_constraint_rows:
+            if engine is None:
+                raise ValueError(f"{type(reg).__name__} replays the constraints' rows: give the trainer constraints")
+            reg.check_constraints(engine.gradient_rows.views, engine.batch_size * engine.world)
+        elif penalty_active and isinstance(reg, (Replay, KLToOld)):
+            logger.info("%s draws old rows of its own besides the constraints' rows: two draws of old rows and two "
+                        "forwards over them per step (ConstraintRowReplay replays the constraints' rows in one)",
+                        type(reg).__name__)
 
     def __call__(self, model: nn.Module, result: Any, inputs: Any, global_step: int, accumulation_steps: int,
                  scaled_for_accumulation: bool) -> Any:
@@ -192,6 +214,68 @@ class Replay(ObjectiveRegulariser):
 
     def settings(self) -> dict[str, Any]:
         return {"name": self.name, "ratio": self.ratio, "rows": len(self.dataset), "seed": self.seed}
+
+
+class ConstraintRowReplay(ObjectiveRegulariser):
+    """Replay that reads the constraints' own rows: one draw of old rows per step, one forward over them.
+
+    A non-forgetting constraint's row value is ``l(w, x) - l(w_old, x)`` (section 5.2), a per-row training
+    loss minus a constant, so the hinge's term of Algorithm 1, line 9, ``(beta/|B_c|) sum_k 1[u_k > 0] grad
+    h_k(w_t; B_k^t)``, is a gradient of the old tasks' loss on old rows: the gradient replay computes, with
+    another weight. This replay takes its old rows from the same draw: the gradient rows B_k^t of the sampled
+    constraints (line 5), balanced over the tasks, so a step's loss is
+
+        (1 - ratio) * F_new + (1/|B_c|) sum_{k in B_c} (ratio + weight(u_k^t)) * h_k(w_t; B_k^t)
+
+    (plus a constant): each old row's loss is computed once (in the objective's forward where
+    :mod:`~hf_constrained.method.shared_forward` allows) and one backward applies replay's weight plus the
+    penalty's. With ``constraint_penalty="none"`` it is plain replay of those rows: the same rows and weights
+    without the hinge, the baseline at equal cost.
+
+    Args:
+        ratio: the old rows' share of the step's loss, in (0, 1). :class:`Replay` mixes ``k`` old rows into
+            ``B`` new ones, a share ``k / (B + k)``; here the share is ``ratio`` whatever the number of
+            constraint rows, ``|B_c| * constraint_batch_size`` per process and step.
+
+    The old term is the mean over rows of each row's loss as the constraint measures it (for a causal LM the
+    mean token loss of each example), counted once per optimizer step (the constraint part runs on a gradient
+    accumulation window's first micro-batch; the other micro-batches' objectives are scaled by ``1 - ratio``).
+    Every constraint of the run must be such a loss gap (:meth:`check_constraints`).
+    """
+
+    name = "replay"
+    reads_constraint_rows = True
+
+    def __init__(self, ratio: float) -> None:
+        if not (isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and 0.0 < ratio < 1.0):
+            raise ValueError(f"ConstraintRowReplay: ratio is the old rows' share of the loss, in (0, 1); got {ratio!r}")
+        self.ratio = float(ratio)
+
+    def apply(self, model: nn.Module, objective: torch.Tensor, inputs: Any, draw: int) -> torch.Tensor:
+        return (1.0 - self.ratio) * objective  # the old rows' share comes with the constraint part (row_weight)
+
+    @staticmethod
+    def check_constraints(views: Sequence[Any], global_batch_size: int) -> None:
+        """Every constraint's rows are a loss gap (``row_fn.rows_are_loss_gaps``, no ``row_transform``, ``outer``
+        or ``group_key``) and hold at least one draw's rows (``global_batch_size``); else a ValueError naming it."""
+        if not views:
+            raise ValueError("ConstraintRowReplay replays the constraints' rows: the run has no constraints")
+        for c in views:
+            why = None
+            if c.data_free or not getattr(c.row_fn, "rows_are_loss_gaps", False):
+                why = "its rows are not a per-row loss minus the old model's (a non_forgetting_constraints row_fn)"
+            elif c.row_transform is not None:
+                why = "it has a row_transform (e.g. --constraint_surrogate loss_increase): its gradient is not replay's"
+            elif c.outer is not None or c.group_key is not None:
+                why = "it is compositional (outer / group_key)"
+            elif len(c.dataset) < global_batch_size:
+                why = (f"it has {len(c.dataset)} rows to draw from, fewer than one step's draw of {global_batch_size} "
+                       "(constraint_batch_size x processes): lower constraint_batch_size or give it more rows")
+            if why is not None:
+                raise ValueError(f"ConstraintRowReplay cannot replay constraint {c.name!r}: {why}")
+
+    def settings(self) -> dict[str, Any]:
+        return {"name": self.name, "ratio": self.ratio, "rows": "constraint_rows"}
 
 
 def _model_loss(model: nn.Module, batch: Any) -> torch.Tensor:
@@ -334,6 +418,7 @@ def make_regulariser(name: str, **kwargs: Any) -> ObjectiveRegulariser:
 
 __all__ = [
     "REGULARISERS",
+    "ConstraintRowReplay",
     "KLToOld",
     "L2ToOld",
     "ObjectiveRegulariser",

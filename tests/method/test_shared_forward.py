@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, TrainerCallback
 
 from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments
+from hf_constrained.method.regularisers import ConstraintRowReplay, Replay
 from hf_constrained.method.shared_forward import (
     MergedForward,
     SharedObjectiveForward,
@@ -48,7 +49,7 @@ def llama(tmp_path, dropout: float = 0.0) -> nn.Module:
 
 
 def make_trainer(tmp_path, model: nn.Module, name: str, *, accumulation: int = 1,
-                 cls: type = ConstrainedTrainer) -> ConstrainedTrainer:
+                 cls: type = ConstrainedTrainer, regulariser=None) -> ConstrainedTrainer:
     collate = PaddingCollator(pad_token_id=0)
     args = ConstrainedTrainingArguments(
         output_dir=str(tmp_path / name), per_device_train_batch_size=4, gradient_accumulation_steps=accumulation,
@@ -58,12 +59,27 @@ def make_trainer(tmp_path, model: nn.Module, name: str, *, accumulation: int = 1
     protected = {"a": Rows(24, 1), "b": Rows(24, 2)}
     constraints = non_forgetting_constraints(model, causal_lm_per_example_loss, protected, collate, tolerance=-1.0,
                                              batch_size=8, row_fn=ReferenceGap(causal_lm_per_example_loss))
-    return cls(model=model, args=args, train_dataset=Rows(32, 0), data_collator=collate, constraints=constraints)
+    return cls(model=model, args=args, train_dataset=Rows(32, 0), data_collator=collate, constraints=constraints,
+               regulariser=regulariser)
 
 
 def count_forwards(model: nn.Module) -> list[int]:
     calls = [0]
     model.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    return calls
+
+
+class _ResetAtTrainBegin(TrainerCallback):
+    def __init__(self, calls: list[int]) -> None:
+        self.calls = calls
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.calls[0] = 0  # the preflight's calls before training are no step's
+
+
+def count_training_forwards(trainer: ConstrainedTrainer) -> list[int]:
+    calls = count_forwards(trainer.model)
+    trainer.add_callback(_ResetAtTrainBegin(calls))
     return calls
 
 
@@ -87,6 +103,30 @@ def test_shared_forward_gives_the_separate_forwards_step(tmp_path):
         initial = torch.cat([p.detach().flatten() for p in llama(tmp_path).parameters()])
         assert (p1 - initial).abs().max() > 1e-3  # it trained
         assert c0 - c1 == 4, (c0, c1)  # one call fewer per optimizer step
+
+
+def test_replay_of_the_constraint_rows_shares_the_objectives_forward(tmp_path):
+    """Replay that reads the constraints' rows (ConstraintRowReplay) keeps one forward for the objective's, the
+    replayed and the constraint rows: float64 parameters and estimates agree to 1e-12 with the rows in a forward
+    of their own, and each step makes two model calls (that forward and the look-ahead), where replay with
+    rows of its own beside the hinge makes four (objective, replayed rows, constraint rows, look-ahead)."""
+    results = {}
+    for shared in (True, False):
+        trainer = make_trainer(tmp_path, llama(tmp_path), f"replay_{shared}", regulariser=ConstraintRowReplay(0.5))
+        trainer._forward_shareable = shared
+        calls = count_training_forwards(trainer)
+        trainer.train()
+        params = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
+        results[shared] = (params, trainer.engine.estimator.values.clone(), calls[0])
+    (p1, u1, c1), (p0, u0, c0) = results[True], results[False]
+    assert torch.allclose(p1, p0, rtol=0, atol=1e-12), (p1 - p0).abs().max()
+    assert torch.allclose(u1, u0, rtol=0, atol=1e-12)
+    assert (c1, c0) == (2 * 4, 3 * 4)
+    collate = PaddingCollator(pad_token_id=0)
+    own = make_trainer(tmp_path, llama(tmp_path), "own", regulariser=Replay(Rows(24, 1), 0.5, collate))
+    calls = count_training_forwards(own)
+    own.train()
+    assert calls[0] == 4 * 4, calls[0]
 
 
 def test_shared_forward_moves_the_parameters_as_the_penalty_says(tmp_path):
