@@ -13,9 +13,13 @@ knob swept over a few values:
 * ``hinge`` / ``squared_hinge`` (ours): the example's constrained run without its anchor (``--replay_old``),
   knob the forgetting tolerance of its proxy indicator (``forget_tolerance``); ``hinge_beta``: the hinge, knob
   beta;
+* ``replay_rows``: replay of the rows the constraints would draw, |B_k| per old task and step, at share ``ratio``
+  of the loss (:class:`~hf_constrained.method.regularisers.ConstraintRowReplay` without a penalty): replay at the
+  constrained run's rows per step;
 * ``hinge+replay`` / ``hinge+kl``: the hinge (at ``--combo_tolerance``, default the example's
-  ``--forget_tolerance``) with replay at share ``ratio`` / with the KL anchor at weight ``lam`` (``hinge+kl`` at
-  ratio 0.5, at the example's beta 0.25, is the example's default constrained run).
+  ``--forget_tolerance``) with replay of the constraints' own rows at share ``ratio`` (one draw of old rows per
+  step; ratio 0.5 at the example's beta 0.25 is the example's default constrained run) / with the KL anchor at
+  weight ``lam``; ``hinge+replay_own``: the hinge with replay drawing rows of its own (two draws per step).
 
 Every baseline reads the same old rows as the constraints (the example's ``--constraint_rows``, 4096 per task);
 none reads the held-out or the certification rows. Per run: the new task's held-out exact match (the target
@@ -81,10 +85,12 @@ METHODS: dict[str, Method] = {
     "hinge": Method("hinge", "forget_tolerance", (0.03, 0.1), example_field="forget_tolerance"),
     "squared_hinge": Method("squared_hinge", "forget_tolerance", (0.03,), example_field="forget_tolerance"),
     "hinge_beta": Method("hinge", "penalty_beta", (5.0,), example_field="penalty_beta"),
-    "hinge+replay": Method("hinge", "ratio", (0.25, 0.5), regulariser="replay"),
+    "hinge+replay": Method("hinge", "ratio", (0.25, 0.5), regulariser="replay_rows"),
+    "hinge+replay_own": Method("hinge", "ratio", (0.5,), regulariser="replay"),
     "hinge+kl": Method("hinge", "lam", (1.0, 2.0), regulariser="kl"),
+    "replay_rows": Method("none", "ratio", (0.5,), regulariser="replay_rows"),
 }
-COMBINATIONS = ("hinge+replay", "hinge+kl")  # the hinge at --combo_tolerance plus a baseline
+COMBINATIONS = ("hinge+replay", "hinge+replay_own", "hinge+kl")  # the hinge at --combo_tolerance plus a baseline
 
 
 def run_spec(method: str, value: float, cfg: ex.ExampleArguments,
@@ -328,7 +334,8 @@ def example_runs(path: str, cfg: ex.ExampleArguments, seeds: list[int], old_sha2
             if cfg.forget_tolerance != combo_tolerance:
                 raise SystemExit(f"--example_result {path}: its hinge combination uses forget_tolerance "
                                  f"{cfg.forget_tolerance}, --combo_tolerance is {combo_tolerance}")
-            method = f"hinge+{r['regulariser']['name']}"
+            own_rows = r["regulariser"]["name"] == "replay" and r["regulariser"].get("rows") != "constraint_rows"
+            method = f"hinge+{r['regulariser']['name']}" + ("_own" if own_rows else "")
             value = r["regulariser"][METHODS[method].knob]
         else:
             method, value = r["penalty"], cfg.forget_tolerance

@@ -73,14 +73,13 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple, Optional
 
 import torch
-from datasets import concatenate_datasets
 from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, set_seed
 
 from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments, finish_run
 from hf_constrained.atomic_files import atomic_write_json
 from hf_constrained.errors import check_model_path
 from hf_constrained.extras import MissingExtraError, has_module, install_hint
-from hf_constrained.method.regularisers import Replay
+from hf_constrained.method.regularisers import ConstraintRowReplay
 from hf_constrained.non_forgetting import (
     ReferenceGap,
     causal_lm_per_example_loss,
@@ -127,11 +126,13 @@ class ConstraintDataArguments:
         "help": "Cap on the rows taken from each protected / safety dataset (before the held-out split)."})
     max_target_rows: Optional[int] = field(default=None, metadata={"help": "Cap on the target rows."})
     replay_old: Optional[float] = field(default=None, metadata={
-        "help": "Replay: mix the protected sets' constraint rows into every objective batch, this share of its rows "
-                "(0.5: as many old rows as new, on top of them; 0: none). Default: 0.5 (with the hinge at beta 0.25, "
-                "the setting the forgetting benchmark chose, docs/benchmarks.md), 0 for --constraint_penalty none, "
-                "without --protected_datasets, or with --packing / --padding_free. It adds those rows' forward and "
-                "backward to each step."})
+        "help": "Replay: the constraints' rows of each step (|B_k| per protected set and safety set) trained on "
+                "as this share of the loss (0.5: old rows weigh as much as new ones; 0: none). The rows are drawn "
+                "once and their loss computed once: with the hinge each row carries replay's weight plus the "
+                "penalty's, so replay adds no rows to the step. Default: 0.5 (with the hinge at beta 0.25, the "
+                "setting the forgetting benchmark chose, docs/benchmarks.md), 0 for --constraint_penalty none, "
+                "without --protected_datasets, or with --packing / --padding_free. With --constraint_penalty none "
+                "it is plain replay of the same rows."})
     constraint_tolerance: float = field(default=0.0, metadata={
         "help": "Absolute tolerance of every protected constraint (nats per token)."})
     relative_tolerance: float = field(default=0.0, metadata={
@@ -438,7 +439,7 @@ def check_arguments(config: RecipeArguments) -> None:
     if not 0.0 <= data.eval_fraction < 1.0:
         raise RecipeConfigError(f"--eval_fraction must be in [0, 1), got {data.eval_fraction}")
     if not 0.0 <= data.replay_old < 1.0:
-        raise RecipeConfigError(f"--replay_old is a share of each batch's rows, in [0, 1); got {data.replay_old}")
+        raise RecipeConfigError(f"--replay_old is the old rows' share of the loss, in [0, 1); got {data.replay_old}")
     if data.replay_old and not data.protected_datasets:
         raise RecipeConfigError(f"--replay_old {data.replay_old:g} replays the protected sets' rows, but there is no "
                                 "--protected_datasets")
@@ -591,9 +592,9 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                            "forgotten the bound is %.3f): more rows (--eval_fraction, --certify_fraction) or a "
                            "larger tolerance", name, split["rows"], data.forget_tolerance, floor)
 
-    # replay reads the constraints' rows only (never held-out or certification rows), in the constraints' collate
-    replay = None if not data.replay_old else Replay(
-        concatenate_datasets([v.train for v in protected.values()]), data.replay_old, collate, seed=args.seed)
+    # replay reads the constraints' own rows of each step (never held-out or certification rows): one draw of old
+    # rows per step, each row's loss computed once; with the hinge each row carries both weights
+    replay = None if not data.replay_old else ConstraintRowReplay(data.replay_old)
     if config.trl:  # TRL's data preparation, loss and metrics (mean_token_accuracy, num_tokens) for the objective
         from hf_constrained.integrations.trl import ConstrainedSFTTrainer
 
@@ -626,8 +627,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                 f"SFT on {publishable_path(target_source)}; "
                 f"protected: {sorted(protected) or 'none'}"
                 f"{'; safety set ' + publishable_path(data.safety_dataset) if data.safety_dataset else ''}"
-                + (f"; the protected sets' training rows replayed as a share {data.replay_old:g} of every "
-                   "training batch" if data.replay_old else "")
+                + (f"; the protected and safety sets' training rows replayed as a share {data.replay_old:g} of the "
+                   "loss" if data.replay_old else "")
                 + f"; a fraction {data.eval_fraction:g} of every dataset held out"
                 + (f", a fraction {data.certify_fraction:g} of each protected / safety set's "
                    "held-out rows "

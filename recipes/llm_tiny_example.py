@@ -90,7 +90,7 @@ from transformers.trainer_callback import PrinterCallback
 
 from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments
 from hf_constrained.atomic_files import atomic_write_json
-from hf_constrained.method.regularisers import KLToOld, L2ToOld, ObjectiveRegulariser, Replay
+from hf_constrained.method.regularisers import ConstraintRowReplay, KLToOld, L2ToOld, ObjectiveRegulariser, Replay
 from hf_constrained.non_forgetting import (
     PaddingCollator,
     causal_lm_per_example_loss,
@@ -248,12 +248,16 @@ def certification_rows(tokenizer: Any, cfg: ExampleArguments) -> dict[str, Indep
 def baseline_regulariser(spec: Optional[tuple[str, float]], model: torch.nn.Module, constraint_rows: dict[str, Dataset],
                      collate: PaddingCollator, seed: int) -> Optional[ObjectiveRegulariser]:
     """The baseline ``(name, value)`` of a run (``benchmarks/forgetting_frontier.py``): ``("replay", r)`` mixes the
-    old tasks' constraint rows into the batches at share r; ``("kl", lam)`` adds lam * KL(old || new) on 32 of
-    them per step; ``("l2", lam)`` adds lam / 2 * ||w - w_old||^2. Every baseline reads the same old rows as the
-    constraints (the constraint rows, never the held-out or certification rows)."""
+    old tasks' constraint rows into the batches at share r, drawn on their own; ``("replay_rows", r)`` replays the
+    constraints' own rows of each step at share r of the loss (``ConstraintRowReplay``: one draw of old rows per
+    step, |B_k| per task; with the hinge each row carries both weights); ``("kl", lam)`` adds lam * KL(old || new)
+    on 32 of them per step; ``("l2", lam)`` adds lam / 2 * ||w - w_old||^2. Every baseline reads the same old rows
+    as the constraints (the constraint rows, never the held-out or certification rows)."""
     if spec is None:
         return None
     name, value = spec
+    if name == "replay_rows":
+        return ConstraintRowReplay(value)
     old_rows = concatenate_datasets([constraint_rows[t] for t in OLD_TASKS])
     if name == "replay":
         return Replay(old_rows, value, collate, seed=seed)
@@ -261,7 +265,7 @@ def baseline_regulariser(spec: Optional[tuple[str, float]], model: torch.nn.Modu
         return KLToOld(model, old_rows, value, collate, rows_per_step=32, seed=seed)
     if name == "l2":
         return L2ToOld(value)
-    raise ValueError(f"unknown baseline {name!r}: one of replay, kl, l2")
+    raise ValueError(f"unknown baseline {name!r}: one of replay, replay_rows, kl, l2")
 
 
 def finetune(old_path: str, penalty: str, seed: int, cfg: ExampleArguments,
@@ -453,16 +457,17 @@ def format_per_seed(summary: dict[str, Any], cfg: ExampleArguments) -> str:
 
 
 def constrained_anchor(cfg: ExampleArguments) -> Optional[tuple[str, float]]:
-    """The constrained run's own baseline ``(name, value)``: replay (``--replay_old``) or KL (``--kl_to_old``)."""
+    """The constrained run's own baseline ``(name, value)``: replay of the constraints' rows (``--replay_old``: one
+    draw of old rows per step) or KL (``--kl_to_old``)."""
     if cfg.replay_old:
-        return ("replay", cfg.replay_old)
+        return ("replay_rows", cfg.replay_old)
     return ("kl", cfg.kl_to_old) if cfg.kl_to_old else None
 
 
 def constrained_name(cfg: ExampleArguments) -> str:
     """The constrained run in words: its penalty, beta and anchor."""
     anchor = constrained_anchor(cfg)
-    words = "" if anchor is None else f", {'replay' if anchor[0] == 'replay' else 'KL'} {anchor[1]:g}"
+    words = "" if anchor is None else f", {'KL' if anchor[0] == 'kl' else 'replay'} {anchor[1]:g}"
     return f"{cfg.constraint_penalty} (beta {cfg.penalty_beta:g}{words})"
 
 
@@ -509,9 +514,8 @@ class ExampleArguments:
         "help": "fine-tuning steps on the new task (every method of the comparison shares them)"})
     learning_rate: float = field(default=2e-3, metadata={"help": "fine-tuning learning rate"})
     per_device_train_batch_size: int = field(default=32, metadata={
-        "help": "new-task rows per fine-tuning step (every method of the comparison shares it; replay's old rows "
-                "come on top: with --replay_old 0.5, 16 gives 16 new and 16 old rows, the 32 rows of an "
-                "unconstrained step at the default)"})
+        "help": "new-task rows per fine-tuning step (every method of the comparison shares it; old rows come on "
+                "top: the constrained run's --constraint_batch_size per old task, which its replay reads too)"})
     lr_scheduler_type: str = field(default="cosine", metadata={"help": "fine-tuning learning-rate schedule"})
     warmup_steps: int = field(default=0, metadata={
         "help": "fine-tuning steps of linear learning-rate warmup (every method of the comparison shares it)"})
@@ -557,9 +561,9 @@ class ExampleArguments:
         "help": "old-task constraints sampled per step (Algorithm 1's |I_t|; default: all three; the estimates of "
                 "the others are kept)"})
     replay_old: float = field(default=0.5, metadata={
-        "help": "the constrained run's batches mix in the old tasks' constraint rows, this share of each batch's rows "
-                "(0.5: as many old rows as new, 32 beside the default's 32; 0: none; the unconstrained run never has "
-                "it)"})
+        "help": "the constrained run replays the constraints' own rows of each step (--constraint_batch_size per old "
+                "task, drawn once: each row carries replay's weight plus the hinge's) as this share of its loss (0.5: "
+                "old rows weigh as much as new ones; 0: none; the unconstrained run never has it)"})
     kl_to_old: float = field(default=0.0, metadata={
         "help": "instead of --replay_old: the constrained run's objective adds this weight times KL(old || new) on 32 "
                 "of the old tasks' constraint rows per step (0: none)"})
@@ -597,7 +601,7 @@ class ExampleArguments:
         if not (math.isfinite(self.kl_to_old) and self.kl_to_old >= 0):
             raise ValueError(f"--kl_to_old must be a finite number >= 0, got {self.kl_to_old}")
         if not 0.0 <= self.replay_old < 1.0:
-            raise ValueError(f"--replay_old is a share of each batch's rows, in [0, 1); got {self.replay_old}")
+            raise ValueError(f"--replay_old is the old rows' share of the loss, in [0, 1); got {self.replay_old}")
         if self.replay_old and self.kl_to_old:
             raise ValueError(f"--replay_old {self.replay_old:g} and --kl_to_old {self.kl_to_old:g}: the constrained "
                              "run takes one anchor; set the other to 0")

@@ -249,13 +249,14 @@ def test_each_run_certifies_as_its_own_first_look_and_the_anchor_is_only_the_con
     assert not user_ledger.exists() and ex.os.environ["HF_CONSTRAINED_LEDGER"] == str(user_ledger)
     assert runs[0]["regulariser"] == {"name": "kl", "lam": 0.5, "rows_per_step": 32, "seed": 0}
     assert runs[2]["regulariser"] is None
-    assert replayed["regulariser"] == {"name": "replay", "ratio": 0.5, "rows": 120, "seed": 0}
-    # --per_device_train_batch_size: the new-task rows of a step (replay's old rows come on top)
+    # the constrained run replays its constraints' own rows: one draw of old rows per step
+    assert replayed["regulariser"] == {"name": "replay", "ratio": 0.5, "rows": "constraint_rows"}
+    # --per_device_train_batch_size: the new-task rows of a step (the constraint rows come on top)
     assert replayed["new_rows_per_step"] == 16 and runs[0]["new_rows_per_step"] == 32
     assert ex.parse([]).replay_old == 0.5 and ex.parse([]).kl_to_old == 0.0  # the default anchor: replay
     with pytest.raises(ValueError, match="--kl_to_old"):
         ex.parse(["--replay_old", "0", "--kl_to_old", "-1"])
     with pytest.raises(ValueError, match="--replay_old 0.5 and --kl_to_old 2: the constrained run takes one anchor"):
         ex.parse(["--kl_to_old", "2"])
-    with pytest.raises(ValueError, match=r"--replay_old is a share of each batch's rows, in \[0, 1\); got 1.0"):
+    with pytest.raises(ValueError, match=r"--replay_old is the old rows' share of the loss, in \[0, 1\); got 1.0"):
         ex.parse(["--replay_old", "1"])

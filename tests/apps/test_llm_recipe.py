@@ -79,7 +79,7 @@ def test_recipe_trains_under_one_constraint_per_protected_set_and_reports(setup,
     results = _recipe().main(_flags(setup, out, constraint_tolerance=0.05))
     assert sorted(results["constraints"]) == ["non_forgetting/copy", "non_forgetting/reverse", "safety/refusals"]
     # the defaults (but --constraint_batch_size 3): the hinge on top of replay 0.5, two-split with the proxy indicator
-    assert results["regulariser"] == {"name": "replay", "ratio": 0.5, "rows": 18, "seed": 0}
+    assert results["regulariser"] == {"name": "replay", "ratio": 0.5, "rows": "constraint_rows"}
     assert results["penalty_beta"] == 0.25 and results["constraint_step"]["constraint_proxy_indicator"] is True
     assert results["train_metrics"]["train_loss"] > 0
     assert "eval_loss" in results["eval_metrics"]
@@ -181,18 +181,18 @@ def test_replay_mixes_the_protected_sets_constraint_rows_into_every_batch(setup,
     recipe = _recipe()
     plain = recipe.main(_flags(setup, tmp_path / "plain", constraint_penalty="none"))
     replayed = recipe.main(_flags(setup, tmp_path / "replay", constraint_penalty="none", replay_old=0.5))
-    # 12 rows per protected file, 25% held out: 9 constraint rows each of reverse and copy
-    assert replayed["regulariser"] == {"name": "replay", "ratio": 0.5, "rows": 18, "seed": 0}
+    # the constraints' own rows of each step (12 rows per protected file, 25% held out: 9 each of reverse and copy)
+    assert replayed["regulariser"] == {"name": "replay", "ratio": 0.5, "rows": "constraint_rows"}
     # with TRL installed this is ConstrainedSFTTrainer's path (the plain trainer's: test_llm_recipe_flags.py)
     assert replayed["trl"] == (importlib.util.find_spec("trl") is not None)
     assert plain["regulariser"] is None
     card = (tmp_path / "replay" / "README.md").read_text()  # the card says the protected rows were trained on
-    assert "replayed as a share 0.5 of every training batch" in card
+    assert "replayed as a share 0.5 of the loss" in card
     assert "replayed" not in (tmp_path / "plain" / "README.md").read_text()
     assert replayed["train_metrics"]["train_loss"] != pytest.approx(plain["train_metrics"]["train_loss"], rel=1e-3)
     argv = ["--model_name_or_path", setup["gpt2"], "--dataset_name", setup["target"], "--output_dir", str(tmp_path),
             "--use_cpu", "True", "--report_to", "none"]
-    with pytest.raises(ValueError, match=r"--replay_old is a share of each batch's rows, in \[0, 1\); got 1.0"):
+    with pytest.raises(ValueError, match=r"--replay_old is the old rows' share of the loss, in \[0, 1\); got 1.0"):
         recipe.main(argv + ["--protected_datasets", setup["reverse"], "--replay_old", "1"])
     with pytest.raises(ValueError, match="--replay_old 0.5 replays the protected sets' rows, but there is no "
                                          "--protected_datasets"):
