@@ -268,13 +268,11 @@ def baseline_regulariser(spec: Optional[tuple[str, float]], model: torch.nn.Modu
     raise ValueError(f"unknown baseline {name!r}: one of replay, replay_rows, kl, l2")
 
 
-def finetune(old_path: str, penalty: str, seed: int, cfg: ExampleArguments,
-             regulariser: Optional[tuple[str, float]] = None) -> dict[str, Any]:
-    """Fine-tune the old model on the new task (``penalty`` "none" or the constrained run's) and evaluate it held-out.
-
-    ``regulariser``: a baseline ``(name, value)`` (:func:`baseline_regulariser`) added to the objective
-    (``benchmarks/forgetting_frontier.py``)."""
-    t0 = time.time()
+def build_trainer(old_path: str, penalty: str, seed: int, cfg: ExampleArguments, output_dir: str,
+                  regulariser: Optional[tuple[str, float]] = None) -> tuple[ConstrainedTrainer, dict[str, Dataset]]:
+    """The fine-tuning run of :func:`finetune` before it trains: the old model's copy under ``penalty`` ("none" or
+    the constrained run's) with the baseline ``regulariser`` (``(name, value)``, :func:`baseline_regulariser`;
+    default the constrained run's own anchor), and the held-out rows."""
     _quiet()
     tokenizer = AutoTokenizer.from_pretrained(old_path)
     model = AutoModelForCausalLM.from_pretrained(old_path)
@@ -294,34 +292,73 @@ def finetune(old_path: str, penalty: str, seed: int, cfg: ExampleArguments,
     if regulariser is None and penalty != "none":
         regulariser = constrained_anchor(cfg)  # the constrained run's own anchor (--replay_old / --kl_to_old)
     baseline = baseline_regulariser(regulariser, model, constraint_rows, collate, seed)
+    trainer = ConstrainedTrainer(
+        model=model, args=_args(output_dir, seed, constraint_penalty=penalty, penalty_beta=cfg.penalty_beta,
+                                max_steps=cfg.max_steps, learning_rate=cfg.learning_rate,
+                                per_device_train_batch_size=cfg.per_device_train_batch_size,
+                                lr_scheduler_type=cfg.lr_scheduler_type,
+                                warmup_steps=cfg.warmup_steps,
+                                constraint_batch_size=cfg.constraint_batch_size,
+                                constraints_per_step=cfg.constraints_per_step,
+                                msvr_gamma=cfg.msvr_gamma, msvr_gamma_prime=cfg.msvr_gamma_prime,
+                                **_estimation_args(cfg, penalty)),
+        train_dataset=task_data(NEW_TASK, cfg.new_rows, 100 + seed, tokenizer), data_collator=collate,
+        constraints=constraints, regulariser=baseline)
+    trainer.remove_callback(PrinterCallback)
+    return trainer, held_out
+
+
+def rows_per_step(trainer: ConstrainedTrainer) -> dict[str, int]:
+    """The step's cost in rows, a machine-independent cost: rows through a forward of the trained model (with or
+    without grad) and rows through its backward, per optimizer step, and where they come from."""
+    args, engine, reg = trainer.args, trainer.engine, trainer.regularised
+    new = args.per_device_train_batch_size * args.gradient_accumulation_steps
+    parts = {"new": new, "constraint": 0, "indicator": 0, "look_ahead": 0, "replay": 0, "kl": 0}
+    if trainer.constraint_part_runs:
+        sampled = engine.sampler.num_per_step
+        parts["constraint"] = sampled * engine.batch_size
+        estimate_rows = sampled * engine.estimate_rows.values.batch_size
+        if engine.separate_estimate and trainer.penalty.active:
+            parts["indicator"] = estimate_rows
+        if trainer.penalty.active and engine.estimator.gamma_prime > 0:
+            parts["look_ahead"] = estimate_rows
+    own = None if reg is None else reg.regulariser
+    if isinstance(own, Replay):
+        parts["replay"] = args.gradient_accumulation_steps * own.old_rows_for(args.per_device_train_batch_size)
+    elif isinstance(own, KLToOld):
+        parts["kl"] = args.gradient_accumulation_steps * own.rows_per_step
+    backward = parts["new"] + parts["constraint"] + parts["replay"] + parts["kl"]
+    # the KL's old model forwards its rows too (without grad, a model of the same size)
+    forward = backward + parts["indicator"] + parts["look_ahead"] + parts["kl"]
+    return {"forward": forward, "backward": backward, **parts}
+
+
+def finetune(old_path: str, penalty: str, seed: int, cfg: ExampleArguments,
+             regulariser: Optional[tuple[str, float]] = None) -> dict[str, Any]:
+    """Fine-tune the old model on the new task (``penalty`` "none" or the constrained run's) and evaluate it held-out.
+
+    ``regulariser``: a baseline ``(name, value)`` (:func:`baseline_regulariser`) added to the objective
+    (``benchmarks/forgetting_frontier.py``)."""
+    t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:
-        trainer = ConstrainedTrainer(
-            model=model, args=_args(tmp, seed, constraint_penalty=penalty, penalty_beta=cfg.penalty_beta,
-                                    max_steps=cfg.max_steps, learning_rate=cfg.learning_rate,
-                                    per_device_train_batch_size=cfg.per_device_train_batch_size,
-                                    lr_scheduler_type=cfg.lr_scheduler_type,
-                                    warmup_steps=cfg.warmup_steps,
-                                    constraint_batch_size=cfg.constraint_batch_size,
-                                    constraints_per_step=cfg.constraints_per_step,
-                                    msvr_gamma=cfg.msvr_gamma, msvr_gamma_prime=cfg.msvr_gamma_prime,
-                                    **_estimation_args(cfg, penalty)),
-            train_dataset=task_data(NEW_TASK, cfg.new_rows, 100 + seed, tokenizer), data_collator=collate,
-            constraints=constraints, regulariser=baseline)
-        trainer.remove_callback(PrinterCallback)
+        trainer, held_out = build_trainer(old_path, penalty, seed, cfg, tmp, regulariser)
         train_seconds = trainer.train().metrics["train_runtime"]
         h_eval = trainer.evaluate_constraints(split="eval")
         with study_ledger(tmp):  # the final weights, on the certification rows: this run's first look
             certificate = certify_models(trainer, delta=cfg.delta)
+    model, collate = trainer.model, trainer.data_collator
     metrics = evaluate(model, held_out, collate)
     cert = None if certificate is None else {
         "certified": certificate.is_certified(0), "forgotten": certificate.values[0],
         "upper_bounds": certificate.upper_bounds[0], "largest_bound": max(certificate.upper_bounds[0].values()),
         "num_rows": certificate.num_rows, "forget_tolerance": cfg.forget_tolerance, "delta": cfg.delta,
         "looks": dict(certificate.looks), "level": certificate.level}
+    baseline = trainer.regularised
     return {"penalty": penalty, "seed": seed, "held_out": metrics, "h_held_out": h_eval,
             "tolerance": cfg.tolerance, "certificate": cert, "seconds": round(time.time() - t0, 1),
-            "regulariser": None if baseline is None else baseline.settings(),
+            "regulariser": None if baseline is None else baseline.regulariser.settings(),
             "new_rows_per_step": trainer.args.per_device_train_batch_size,
+            "rows_per_step": rows_per_step(trainer),
             "seconds_per_step": train_seconds / max(cfg.max_steps, 1)}
 
 
