@@ -48,6 +48,7 @@ call. With a PEFT (LoRA) model the adapter-disabled base serves as the old model
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Callable, Optional, Union
@@ -261,10 +262,17 @@ class ForgottenRows:
         return f"ForgottenRows({getattr(self.correct, '__name__', type(self.correct).__name__)})"
 
 
+@functools.lru_cache(maxsize=None)
+def _shared(row_class: type, correct: PerSampleCorrect) -> Any:
+    """One row function per (statistic, ``correct``): the statistics of every protected task share it, so a proxy
+    indicator (two-split estimation) scores all sampled tasks' rows in one model call (one row group)."""
+    return row_class(correct)
+
+
 def forgetting_statistic(correct: PerSampleCorrect, tolerance: float) -> CertifyStatistic:
     """The certification statistic of a non-forgetting constraint: the share of its certification
     rows the old model got right and the new one gets wrong, at most ``tolerance``."""
-    return CertifyStatistic(ForgottenRows(correct), tolerance=float(tolerance), value_range=(0.0, 1.0),
+    return CertifyStatistic(_shared(ForgottenRows, correct), tolerance=float(tolerance), value_range=(0.0, 1.0),
                             bound="clopper_pearson", description="share of the task's examples forgotten",
                             old_model_value=0.0)
 
@@ -322,7 +330,7 @@ def points_lost_statistic(correct: PerSampleCorrect, tolerance: float) -> Certif
     """The certification statistic "the task loses at most ``tolerance`` of accuracy" (0.02 = 2
     points): the mean paired change ``old_correct - new_correct``, value range (-1, 1), with the
     ``"paired_change"`` bound."""
-    return CertifyStatistic(PairedChange(correct), tolerance=float(tolerance), value_range=(-1.0, 1.0),
+    return CertifyStatistic(_shared(PairedChange, correct), tolerance=float(tolerance), value_range=(-1.0, 1.0),
                             bound="paired_change",
                             description="accuracy lost on the task (old correct - new correct per example)")
 

@@ -40,6 +40,10 @@ from ..per_sample_loss import model_inputs
 
 SHAREABLE_KEYS = frozenset({"input_ids", "attention_mask", "labels"})
 _NOISE_WORDS = ("dropout", "pdrop", "jitter", "noise")
+# configuration entries read only by a sequence-summary or classification head (GPT-2's summary_first_dropout, the
+# classifier_dropout of many configurations), which builds an nn.Dropout module of its own: the module check sees
+# it where such a head exists, and a causal-LM model has none
+_HEAD_ONLY_PREFIXES = ("summary_", "classifier_")
 
 
 def trains_as_it_evaluates(model: nn.Module) -> bool:
@@ -61,7 +65,7 @@ def _config_has_noise(config: Any, depth: int = 0) -> bool:
             if _config_has_noise(value, depth + 1):
                 return True
         elif (isinstance(value, numbers.Real) and not isinstance(value, bool) and value > 0
-              and any(word in key for word in _NOISE_WORDS)):
+              and any(word in key for word in _NOISE_WORDS) and not key.startswith(_HEAD_ONLY_PREFIXES)):
             return True
     return False
 
@@ -140,7 +144,9 @@ class MergedForward:
         # would each scatter into a zero tensor of the full logits' size
         objective_logits, self.row_logits = logits.split([n, logits.shape[0] - n])
         head = causal_lm_head(self.model)
-        outputs["logits"] = objective_logits if objective_logits.shape[1] == width else objective_logits[:, :width]
+        # narrower than the constraint rows: the slice is a strided view, and a loss function may .view() it
+        outputs["logits"] = objective_logits if objective_logits.shape[1] == width \
+            else objective_logits[:, :width].contiguous()
         outputs["loss"] = head.loss_function(logits=outputs["logits"], labels=labels,
                                              vocab_size=head.config.get_text_config().vocab_size, **loss_kwargs)
         return outputs

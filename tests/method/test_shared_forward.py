@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, TrainerCallback
+from transformers import (
+    GPT2Config,
+    GPT2DoubleHeadsModel,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    TrainerCallback,
+)
 
 from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments
 from hf_constrained.method.regularisers import ConstraintRowReplay, Replay
@@ -148,6 +155,11 @@ def test_only_where_no_value_changes(tmp_path):
     assert not trains_as_it_evaluates(llama(tmp_path, dropout=0.1))  # functional dropout, from the config
     gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=VOCAB))
     assert not trains_as_it_evaluates(gpt2)  # nn.Dropout modules
+    # without dropout: GPT-2's summary_first_dropout (0.1) is read by GPT2DoubleHeadsModel's head only
+    quiet = GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=VOCAB, resid_pdrop=0.0, embd_pdrop=0.0,
+                       attn_pdrop=0.0)
+    assert quiet.summary_first_dropout > 0 and trains_as_it_evaluates(GPT2LMHeadModel(quiet))
+    assert not trains_as_it_evaluates(GPT2DoubleHeadsModel(quiet))  # its summary head's nn.Dropout(0.1)
     trainer = make_trainer(tmp_path, gpt2, "g")
     assert not trainer.objective_forward_shareable()
 
@@ -187,3 +199,18 @@ def test_merged_forward_gives_the_models_own_loss_and_logits(tmp_path):
         by_themselves = model(input_ids=rows["input_ids"], attention_mask=rows["attention_mask"]).logits
         width = rows["input_ids"].shape[1]
         assert torch.allclose(merged.row_logits[:, :width], by_themselves, rtol=0, atol=1e-12)
+
+
+def test_merged_forward_with_constraint_rows_wider_than_the_objectives_float32_gpt2():
+    """GPT-2 in float32: the objective's logits are a slice of the merged (wider) logits, and its loss function
+    views them flat; the merged loss is the model's own on the objective's rows."""
+    config = GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=VOCAB, resid_pdrop=0.0, embd_pdrop=0.0,
+                        attn_pdrop=0.0)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(config)
+    objective = {"input_ids": torch.randint(1, VOCAB, (3, 5)), "attention_mask": torch.ones(3, 5, dtype=torch.long)}
+    objective["labels"] = objective["input_ids"].clone()
+    rows = {"input_ids": torch.randint(1, VOCAB, (2, 9)), "attention_mask": torch.ones(2, 9, dtype=torch.long)}
+    out = MergedForward(model, rows)(**objective)
+    alone = model(**objective)
+    assert torch.allclose(out["loss"], alone.loss, rtol=0, atol=1e-6)
