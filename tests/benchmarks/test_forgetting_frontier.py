@@ -164,6 +164,15 @@ def test_agem_and_replay_agem_run_and_record_their_settings(tmp_path):
     assert replay_agem["gradient_projection"]["replay"] == replay_agem["regulariser"]
     assert all(r["constraint_settings"] is None and 0.0 <= r["new_task_accuracy"] <= 1.0 for r in by.values())
     assert {s["method"] for s in result["settings"]} == {"agem", "replay_agem"}
+    # their cost in rows: the reference batch is one more forward and backward per step
+    from hf_constrained.recipes import llm_tiny_example as ex
+
+    cfg = ex.parse([*TINY, "--seeds", "0"])
+    for spec, reference in ((("agem", 6.0), 6), (("replay_agem", 0.5), 32)):
+        trainer, _ = ex.build_trainer(str(tmp_path / "old"), "none", 0, cfg, str(tmp_path / "cost"), spec)
+        rows = ex.rows_per_step(trainer)
+        assert rows["agem_reference"] == reference and rows["replay"] == (reference if spec[0] == "replay_agem" else 0)
+        assert rows["backward"] == rows["new"] + rows["replay"] + reference
 
 
 def test_agem_reference_rows_must_split_equally_over_the_old_tasks():
