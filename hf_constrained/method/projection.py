@@ -42,7 +42,6 @@ gradient, by :class:`ProjectedGradient` (the trainer's adapter, a ``TrainerCallb
 
 from __future__ import annotations
 
-import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -55,8 +54,6 @@ from transformers import TrainerCallback
 from ..batches import fetch_rows
 from .regularisers import ObjectiveRegulariser, OldRowStream, Replay, _batch_rows, _model_loss
 from .sampling import _mixed_seed
-
-logger = logging.getLogger(__name__)
 
 Collate = Callable[[Sequence[Any]], Any]
 ToDevice = Callable[[Any], Any]
@@ -121,7 +118,8 @@ class GradientProjection(ABC):
 def agem_project(grads: Sequence[Optional[torch.Tensor]], reference: Sequence[torch.Tensor]) -> tuple[bool, float]:
     """A-GEM's projection (Chaudhry et al. 2019, the A-GEM update rule) of the gradient ``grads`` in place:
     ``g <- g - (g . g_ref / g_ref . g_ref) g_ref`` when ``g . g_ref < 0``, else ``g`` unchanged. The dot products are
-    summed over all parameters in float64. Returns (projected, g . g_ref)."""
+    summed over all parameters in float64. A gradient that is None (a parameter the step's loss does not reach)
+    counts as zero and stays None: that parameter takes no step. Returns (projected, g . g_ref)."""
     if len(grads) != len(reference):
         raise ValueError(f"agem_project: {len(grads)} gradients but {len(reference)} reference gradients")
     if not reference:
