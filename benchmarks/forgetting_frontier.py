@@ -10,6 +10,11 @@ knob swept over a few values:
 * ``kl``: ``lam * KL(p_old || p_new)`` on 32 old-task rows per step
   (:class:`~hf_constrained.method.regularisers.KLToOld`);
 * ``l2``: ``lam / 2 * ||w - w_old||^2`` (:class:`~hf_constrained.method.regularisers.L2ToOld`);
+* ``agem``: A-GEM, the step's gradient projected when it conflicts with the gradient of a balanced reference batch
+  of old rows, knob the reference rows per step (a multiple of the 3 old tasks)
+  (:class:`~hf_constrained.method.projection.AGEM`);
+* ``replay_agem``: replay at share ``ratio`` whose old rows are also A-GEM's reference batch
+  (:class:`~hf_constrained.method.projection.ReplayAGEM`);
 * ``hinge`` / ``squared_hinge`` (ours): the example's constrained run without its anchor (``--replay_old``),
   knob the forgetting tolerance of its proxy indicator (``forget_tolerance``); ``hinge_beta``: the hinge, knob
   beta;
@@ -73,7 +78,7 @@ class Method:
     penalty: str
     knob: Optional[str]
     values: tuple[float, ...]
-    regulariser: Optional[str] = None  # the baseline the knob feeds (replay, kl, l2)
+    regulariser: Optional[str] = None  # the baseline the knob feeds (replay, kl, l2, agem, replay_agem)
     example_field: Optional[str] = None  # the example's flag the knob sets (forget_tolerance, penalty_beta)
 
 
@@ -82,6 +87,8 @@ METHODS: dict[str, Method] = {
     "replay": Method("none", "ratio", (0.25, 0.5, 0.75), regulariser="replay"),
     "kl": Method("none", "lam", (1.0, 5.0), regulariser="kl"),
     "l2": Method("none", "lam", (0.1, 1.0, 10.0), regulariser="l2"),
+    "agem": Method("none", "rows_per_step", (12.0, 24.0, 48.0), regulariser="agem"),
+    "replay_agem": Method("none", "ratio", (0.25, 0.5), regulariser="replay_agem"),
     "hinge": Method("hinge", "forget_tolerance", (0.03, 0.1), example_field="forget_tolerance"),
     "squared_hinge": Method("squared_hinge", "forget_tolerance", (0.03,), example_field="forget_tolerance"),
     "hinge_beta": Method("hinge", "penalty_beta", (5.0,), example_field="penalty_beta"),
@@ -142,6 +149,7 @@ def run_row(run: dict[str, Any], old: dict[str, dict], claim: float) -> dict[str
             "certified_claim": None if cert is None else cert["largest_bound"] <= claim,
             "certificate_level": None if cert is None else cert.get("level"),
             "seconds_per_step": run["seconds_per_step"], "regulariser": run["regulariser"],
+            "gradient_projection": run.get("gradient_projection"),
             "constraint_settings": run.get("constraint_settings")}
 
 

@@ -41,6 +41,7 @@ from .distributed import (
 from .method.engine import ConstraintEngine
 from .method.estimators import run_precision
 from .method.penalties import make_penalty
+from .method.projection import GradientProjection, ProjectedGradient
 from .method.regularisers import ObjectiveRegulariser, RegularisedObjective
 from .method.shared_forward import SharedObjectiveForward, causal_lm_head, trains_as_it_evaluates
 from .preflight import preflight_constraints
@@ -70,6 +71,7 @@ class ConstrainedTrainer(TrainerInternals):
             With penalty ``none`` they are not trained on but still evaluated exactly by :meth:`evaluate`.
         regulariser: an optional change of the objective on every training micro-batch (replay, KL or L2
             to the old model: :mod:`hf_constrained.method.regularisers`), with any ``constraint_penalty``.
+        gradient_projection: an optional change of every step's gradient (A-GEM: :mod:`.method.projection`).
         **kwargs: passed to ``Trainer``, except ``model_card_info`` and ``reference_constraint_values``: to the
             safety loop (:class:`~hf_constrained.safety.loop.SafetyLoop`, held as ``trainer.safety``).
 
@@ -82,7 +84,7 @@ class ConstrainedTrainer(TrainerInternals):
 
     def __init__(self, model: Union[nn.Module, None] = None, args: Optional[ConstrainedTrainingArguments] = None,
                  *, constraints: Sequence[Constraint] = (), regulariser: Optional[ObjectiveRegulariser] = None,
-                 **kwargs: Any) -> None:
+                 gradient_projection: Optional[GradientProjection] = None, **kwargs: Any) -> None:
         if args is not None and not isinstance(args, ConstrainedTrainingArguments):
             raise TypeError(f"ConstrainedTrainer needs ConstrainedTrainingArguments, got {type(args).__name__}")
         if args is None:
@@ -109,6 +111,7 @@ class ConstrainedTrainer(TrainerInternals):
         with arguments_set(args, **hidden):
             super().__init__(model=model, args=args, **kwargs)
         check_fsdp_set_up(self)
+        self.projected = ProjectedGradient.attach(self, gradient_projection)  # None without one
         if constraint_step and uses_ddp(self.args):
             self.add_callback(GradientCoverageCallback())
         # certification rows must be touched by nothing else: refuse an overlap before any training
@@ -256,6 +259,8 @@ class ConstrainedTrainer(TrainerInternals):
         ran = self._constraint_step
         try:
             loss = super().training_step(model, inputs, num_items_in_batch)
+            if self.projected is not None:  # the window's reference gradient, at w_t
+                self.projected.micro_batch(inputs)
             if self._constraint_step != ran and self.penalty.active:
                 # after the backward the step's activations are freed and the parameters are still w_t (the
                 # optimizer steps after the window): the previous-iterate values of step t+1 (line 6)

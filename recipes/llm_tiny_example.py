@@ -90,6 +90,7 @@ from transformers.trainer_callback import PrinterCallback
 
 from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments
 from hf_constrained.atomic_files import atomic_write_json
+from hf_constrained.method.projection import AGEM, GradientProjection, ReplayAGEM
 from hf_constrained.method.regularisers import ConstraintRowReplay, KLToOld, L2ToOld, ObjectiveRegulariser, Replay
 from hf_constrained.non_forgetting import (
     PaddingCollator,
@@ -265,7 +266,30 @@ def baseline_regulariser(spec: Optional[tuple[str, float]], model: torch.nn.Modu
         return KLToOld(model, old_rows, value, collate, rows_per_step=32, seed=seed)
     if name == "l2":
         return L2ToOld(value)
-    raise ValueError(f"unknown baseline {name!r}: one of replay, replay_rows, kl, l2")
+    if name == "replay_agem":  # replay at share value; its rows are A-GEM's reference batch (baseline_projection)
+        return Replay(old_rows, value, collate, seed=seed)
+    if name == "agem":
+        return None  # a projection of the step's gradient, the objective unchanged (baseline_projection)
+    raise ValueError(f"unknown baseline {name!r}: one of replay, replay_rows, kl, l2, agem, replay_agem")
+
+
+def baseline_projection(spec: Optional[tuple[str, float]], regulariser: Optional[ObjectiveRegulariser],
+                        constraint_rows: dict[str, Dataset], collate: PaddingCollator,
+                        seed: int) -> Optional[GradientProjection]:
+    """The gradient projection of a baseline ``(name, value)`` (``benchmarks/forgetting_frontier.py``):
+    ``("agem", rows)`` is A-GEM with ``rows`` reference rows per step, equal rows of every old task's constraint
+    rows (``rows`` a multiple of the number of old tasks); ``("replay_agem", ratio)`` is replay + A-GEM, the replay
+    batch of ``regulariser`` (:func:`baseline_regulariser`) as A-GEM's reference batch. None for other baselines."""
+    if spec is None or spec[0] not in ("agem", "replay_agem"):
+        return None
+    name, value = spec
+    if name == "replay_agem":
+        return ReplayAGEM(regulariser)
+    tasks = len(OLD_TASKS)
+    if not (float(value).is_integer() and value >= tasks and int(value) % tasks == 0):
+        raise ValueError(f"agem: the reference rows per step must be a multiple of the {tasks} old tasks (equal rows "
+                         f"of every task), got {value:g}")
+    return AGEM({t: constraint_rows[t] for t in OLD_TASKS}, int(value) // tasks, collate, seed=seed)
 
 
 def build_trainer(old_path: str, penalty: str, seed: int, cfg: ExampleArguments, output_dir: str,
@@ -292,6 +316,7 @@ def build_trainer(old_path: str, penalty: str, seed: int, cfg: ExampleArguments,
     if regulariser is None and penalty != "none":
         regulariser = constrained_anchor(cfg)  # the constrained run's own anchor (--replay_old / --kl_to_old)
     baseline = baseline_regulariser(regulariser, model, constraint_rows, collate, seed)
+    projection = baseline_projection(regulariser, baseline, constraint_rows, collate, seed)
     trainer = ConstrainedTrainer(
         model=model, args=_args(output_dir, seed, constraint_penalty=penalty, penalty_beta=cfg.penalty_beta,
                                 max_steps=cfg.max_steps, learning_rate=cfg.learning_rate,
@@ -303,7 +328,7 @@ def build_trainer(old_path: str, penalty: str, seed: int, cfg: ExampleArguments,
                                 msvr_gamma=cfg.msvr_gamma, msvr_gamma_prime=cfg.msvr_gamma_prime,
                                 **_estimation_args(cfg, penalty)),
         train_dataset=task_data(NEW_TASK, cfg.new_rows, 100 + seed, tokenizer), data_collator=collate,
-        constraints=constraints, regulariser=baseline)
+        constraints=constraints, regulariser=baseline, gradient_projection=projection)
     trainer.remove_callback(PrinterCallback)
     return trainer, held_out
 
@@ -327,7 +352,12 @@ def rows_per_step(trainer: ConstrainedTrainer) -> dict[str, int]:
         parts["replay"] = args.gradient_accumulation_steps * own.old_rows_for(args.per_device_train_batch_size)
     elif isinstance(own, KLToOld):
         parts["kl"] = args.gradient_accumulation_steps * own.rows_per_step
-    backward = parts["new"] + parts["constraint"] + parts["replay"] + parts["kl"]
+    projection = None if trainer.projected is None else trainer.projected.projection
+    if isinstance(projection, AGEM):  # A-GEM's reference batch: one more forward and backward per step
+        parts["agem_reference"] = projection.settings()["rows_per_step"]
+    elif isinstance(projection, ReplayAGEM):  # the replayed rows once more, for the reference gradient
+        parts["agem_reference"] = parts["replay"]
+    backward = parts["new"] + parts["constraint"] + parts["replay"] + parts["kl"] + parts.get("agem_reference", 0)
     # the KL's old model forwards its rows too (without grad, a model of the same size)
     forward = backward + parts["indicator"] + parts["look_ahead"] + parts["kl"]
     return {"forward": forward, "backward": backward, **parts}
@@ -357,6 +387,8 @@ def finetune(old_path: str, penalty: str, seed: int, cfg: ExampleArguments,
     return {"penalty": penalty, "seed": seed, "held_out": metrics, "h_held_out": h_eval,
             "tolerance": cfg.tolerance, "certificate": cert, "seconds": round(time.time() - t0, 1),
             "regulariser": None if baseline is None else baseline.regulariser.settings(),
+            "gradient_projection": None if trainer.projected is None else {
+                **trainer.projected.projection.settings(), "projected_steps": trainer.projected.projected_steps},
             "new_rows_per_step": trainer.args.per_device_train_batch_size,
             "rows_per_step": rows_per_step(trainer),
             "seconds_per_step": train_seconds / max(cfg.max_steps, 1)}

@@ -107,12 +107,14 @@ def tiny_args(output_dir: str, **overrides: Any) -> ConstrainedTrainingArguments
 
 
 def make_trainer(output_dir: str, model: Optional[nn.Module] = None, data_seed: int = 0,
-                 regulariser: Optional[Any] = None, **overrides: Any) -> ConstrainedTrainer:
+                 regulariser: Optional[Any] = None, gradient_projection: Optional[Any] = None,
+                 **overrides: Any) -> ConstrainedTrainer:
     torch.manual_seed(1234)
     model = TinyClassifier() if model is None else model
     train, constraints = make_data(data_seed)
     return ConstrainedTrainer(model=model, args=tiny_args(output_dir, **overrides), train_dataset=train,
-                              constraints=constraints, regulariser=regulariser)
+                              constraints=constraints, regulariser=regulariser,
+                              gradient_projection=gradient_projection)
 
 
 def make_replay(rows_seen: list[list[int]]) -> Any:
@@ -130,6 +132,21 @@ def make_replay(rows_seen: list[list[int]]) -> Any:
 
     replay.replay_rows = recorded
     return replay
+
+
+def make_projection(kind: str, rows_per_task: int = 2) -> tuple[Any, Any]:
+    """(gradient projection, regulariser) for the A-GEM checks: ``agem`` on two old tasks of 20 rows (labels
+    flipped against the new task's rule, so the gradients conflict), ``rows_per_task`` rows of each per step and
+    process; ``replay_agem``: replay (ratio 0.5) of the same 40 rows as A-GEM's reference batch."""
+    from hf_constrained.batches import collate_examples
+    from hf_constrained.method.projection import AGEM, ReplayAGEM
+    from hf_constrained.method.regularisers import Replay
+
+    old = [{**r, "labels": 1 - r["labels"]} for r in make_rows(40, 7)[0]]
+    if kind == "agem":
+        return AGEM([ListDataset(old[:20]), ListDataset(old[20:])], rows_per_task, collate_examples, seed=1), None
+    replay = Replay(ListDataset(old), 0.5, collate_examples, seed=1)
+    return ReplayAGEM(replay), replay
 
 
 def snapshot(trainer: ConstrainedTrainer) -> dict[str, Any]:

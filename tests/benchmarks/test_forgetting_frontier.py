@@ -142,3 +142,50 @@ def test_the_stored_example_result_is_read_with_settings_added_since():
     with pytest.raises(SystemExit, match=r"differ from this run's in \['replay_old'\]"):
         ff.same_settings(older, ff.ex.parse([]), "llm_example.json", "--example_result")
     ff.same_settings(older, ff.ex.parse(["--replay_old", "0"]), "llm_example.json", "--example_result")
+
+
+def test_agem_and_replay_agem_run_and_record_their_settings(tmp_path):
+    """The gradient-projection baselines: A-GEM (knob: reference rows per step, equal rows of the 3 old tasks) and
+    replay + A-GEM (knob: the replay ratio; the replay batch is the reference batch) run inside the same trainer and
+    record their settings."""
+    result = ff.main(["--seeds", "0", "--workers", "1", "--methods", "agem", "replay_agem", "--values", "agem=6",
+                      "replay_agem=0.5", "--old_model", str(tmp_path / "old"), "--json", str(tmp_path / "a.json"),
+                      *TINY])
+    by = {r["method"]: r for r in result["runs"]}
+    assert set(by) == {"agem", "replay_agem"} and {r["steps"] for r in by.values()} == {2}
+    agem, replay_agem = by["agem"], by["replay_agem"]
+    assert agem["knob"] == "rows_per_step" and agem["value"] == 6 and agem["regulariser"] is None
+    settings = agem["gradient_projection"]
+    assert settings["name"] == "agem" and settings["rows_per_task"] == 2 and settings["rows_per_step"] == 6
+    assert settings["rows"] == {"reverse": 40, "copy": 40, "add": 40}  # the constraint rows, every old task
+    assert 0 <= settings["projected_steps"] <= 2
+    assert replay_agem["regulariser"] == {"name": "replay", "ratio": 0.5, "rows": 120, "seed": 0}
+    assert replay_agem["gradient_projection"]["name"] == "replay_agem"
+    assert replay_agem["gradient_projection"]["replay"] == replay_agem["regulariser"]
+    assert all(r["constraint_settings"] is None and 0.0 <= r["new_task_accuracy"] <= 1.0 for r in by.values())
+    assert {s["method"] for s in result["settings"]} == {"agem", "replay_agem"}
+    # their cost in rows: the reference batch is one more forward and backward per step
+    from hf_constrained.recipes import llm_tiny_example as ex
+
+    cfg = ex.parse([*TINY, "--seeds", "0"])
+    for spec, reference in ((("agem", 6.0), 6), (("replay_agem", 0.5), 32)):
+        trainer, _ = ex.build_trainer(str(tmp_path / "old"), "none", 0, cfg, str(tmp_path / "cost"), spec)
+        rows = ex.rows_per_step(trainer)
+        assert rows["agem_reference"] == reference and rows["replay"] == (reference if spec[0] == "replay_agem" else 0)
+        assert rows["backward"] == rows["new"] + rows["replay"] + reference
+
+
+def test_agem_reference_rows_must_split_equally_over_the_old_tasks():
+    from datasets import Dataset
+
+    from hf_constrained.recipes import llm_tiny_example as ex
+
+    rows = {t: Dataset.from_dict({"input_ids": [[1], [2]]}) for t in ex.OLD_TASKS}
+    for bad in (4.0, 1.0, 7.5):
+        with pytest.raises(ValueError, match="agem: the reference rows per step must be a multiple of the 3 old"):
+            ex.baseline_projection(("agem", bad), None, rows, None, 0)
+    assert ex.baseline_projection(("agem", 9.0), None, rows, None, 0).rows_per_task == 3
+    assert ex.baseline_projection(("replay", 0.5), None, rows, None, 0) is None
+    assert ex.baseline_regulariser(("agem", 9.0), None, rows, None, 0) is None
+    with pytest.raises(ValueError, match="unknown baseline 'gem'"):
+        ex.baseline_regulariser(("gem", 1.0), None, rows, None, 0)
