@@ -18,14 +18,23 @@ from __future__ import annotations
 import logging
 import math
 import os
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
 from transformers.trainer_callback import TrainerState
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from .atomic_files import atomic_open
-from .checkpointing import TRAINER_STATE_NAME, CheckpointError, check_named_checkpoint, latest_complete_checkpoint
-from .trainer_internals import trainer_load_checkpoint, trainer_restore_batch_size
+from .checkpointing import (
+    TRAINER_STATE_NAME,
+    CheckpointError,
+    check_named_checkpoint,
+    latest_complete_checkpoint,
+    mark_complete,
+    mark_incomplete,
+)
+from .config import arguments_set
+from .trainer_internals import trainer_load_checkpoint, trainer_restore_batch_size, trainer_run_dir
 
 if TYPE_CHECKING:
     from .method.engine import ConstraintEngine
@@ -207,5 +216,39 @@ def prepare_resume(trainer: "ConstrainedTrainer", resume_from_checkpoint: Option
 
 
 __all__ = ["BASE_STATE_KEYS", "CONSTRAINT_STATE_KEYS", "ConstraintStateMissingError", "atomic_torch_save",
+           "save_complete_checkpoint",
            "checkpoint_state_is_finite", "engine_state_dict", "finished_at", "library_state", "load_constraint_state",
            "load_engine_state_dict", "non_finite_state", "prepare_resume"]
+
+
+def save_complete_checkpoint(trainer: "ConstrainedTrainer", save: Callable[[], None], trial: Any,
+                             state_name: str) -> None:
+    """The Trainer's checkpoint save (``save``) made complete-or-ignored (:mod:`hf_constrained.checkpointing`).
+
+    No public hook runs between a checkpoint's last file and the rotation of old ones, so the Trainer saves without
+    ``save_total_limit``; the library's state (``state_name``) and the completeness marker are written (when it
+    keeps state of its own), then the checkpoint is pushed (gated) and old ones rotated. A kill at any moment leaves
+    the last complete checkpoint."""
+    args = trainer.args
+    run_dir = trainer_run_dir(trainer, trial)  # the Trainer's own run folder (hp search trials)
+    folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}")
+    if args.should_save:
+        mark_incomplete(folder)  # re-saving a step: the folder stops being complete before any file changes
+    trainer.accelerator.wait_for_everyone()
+    limit, push = args.save_total_limit, args.push_to_hub
+    with arguments_set(args, save_total_limit=None, push_to_hub=False):
+        save()
+    trainer.safety.publish_checkpoint_state(folder)  # trainer_state.json without local paths
+    state = library_state(trainer)  # None with nothing of our own to keep: the Trainer's files only
+    if state is not None and args.should_save:  # subclasses may keep objective estimators here
+        atomic_torch_save(state, os.path.join(folder, state_name))
+    trainer.accelerator.wait_for_everyone()  # every rank's files (RNG states, shards) are written
+    if state is not None and not checkpoint_state_is_finite(state, folder):
+        return  # left incomplete, nothing pushed, nothing rotated: the previous complete checkpoint stays
+    if state is not None and args.should_save:
+        mark_complete(folder, trainer.state.global_step)
+    if push:
+        trainer.push_checkpoint(folder)  # the Trainer's checkpoint push (hub_strategy), gated
+    if args.should_save:
+        rotate_checkpoints(output_dir=run_dir, save_total_limit=limit,
+                           best_model_checkpoint=trainer.state.best_model_checkpoint, use_mtime=True)

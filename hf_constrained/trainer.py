@@ -15,21 +15,19 @@ checkpoint.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Sequence
 from typing import Any, Optional, Union
 
 import torch
 from torch import nn
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, IntervalStrategy, TrainOutput, rotate_checkpoints
+from transformers.trainer_utils import IntervalStrategy, TrainOutput
 
 from . import constraint_state, exact
 from .batches import BatchMaker, pinned_to
-from .checkpointing import mark_complete, mark_incomplete
 from .clipping import PENALTY_GRAD_NORM_KEY, ClipMonitor
 from .config import ConstrainedTrainingArguments, arguments_set
 from .constraint import Constraint, ConstraintValueError, checked_constraints  # noqa: F401 (re-exported)
-from .constraint_state import atomic_torch_save, checkpoint_state_is_finite, finished_at, library_state, prepare_resume
+from .constraint_state import finished_at, prepare_resume, save_complete_checkpoint
 from .distributed import (
     GradientCoverageCallback,
     check_fsdp_set_up,
@@ -52,9 +50,9 @@ from .safety.view import RunView
 from .statistics import ConstraintStatistic
 from .trainer_internals import (
     TrainerInternals,
+    trainer_loss_scaled_for_accumulation,
     trainer_objective_is_model_loss,
     trainer_prepare_input,
-    trainer_run_dir,
 )
 
 logger = logging.getLogger(__name__)
@@ -197,51 +195,42 @@ class ConstrainedTrainer(TrainerInternals):
         return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                     num_items_in_batch=num_items_in_batch)
 
-    def _objective_is_scaled_for_ga(self, num_items_in_batch: Any) -> bool:
-        # mirrors Trainer.training_step: when False the Trainer divides the loss by the accumulation steps
-        if self.loss_is_scaled_for_ga is not None:
-            return self.loss_is_scaled_for_ga
-        return (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or self.compute_loss_func is not None
-
     def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Optional[Union[torch.Tensor, int]] = None) -> Any:
         def objective(runner: Any = model, outputs: bool = return_outputs) -> Any:  # runner: the model, or merged
             return self.compute_objective_loss(runner, inputs, return_outputs=outputs,
                                                num_items_in_batch=num_items_in_batch)
+        scaled = trainer_loss_scaled_for_accumulation(self, num_items_in_batch)
+        regularised = self.regularised if self.in_training_step else None
 
-        def regularised(result: Any) -> Any:
-            if not self.in_training_step or self.regularised is None:
-                return result
-            return self.regularised(model, result, inputs, self.state.global_step,
-                                    self.current_gradient_accumulation_steps,
-                                    self._objective_is_scaled_for_ga(num_items_in_batch))
+        def regularise(result: Any) -> Any:
+            return result if regularised is None else regularised(
+                model, result, inputs, self.state.global_step, self.current_gradient_accumulation_steps, scaled)
         penalised = self.in_training_step and self.constraint_part_runs and \
             self._constraint_step != self.state.global_step
-        replay = self.regularised.regulariser if self.regularised is not None else None
         shared = None  # the constraint rows in the objective's forward (no other old rows), where that changes no value
-        if penalised and getattr(replay, "reads_constraint_rows", True) and self.objective_forward_shareable():
+        if penalised and (regularised is None or regularised.reads_constraint_rows) \
+                and self.objective_forward_shareable():
             shared = SharedObjectiveForward.for_inputs(inputs, lambda merged: objective(merged, True))
-        result = regularised(objective()) if shared is None else None
+        result = regularise(objective()) if shared is None else None
         if not penalised:
             return result
         self._constraint_step = self.state.global_step
-        row_weight = replay.ratio if getattr(replay, "reads_constraint_rows", False) else 0.0  # replay's own weight
+        row_weight = 0.0 if regularised is None else regularised.constraint_row_weight  # replay of these rows
         penalty_loss = self.engine.penalty_loss(model, self.state.global_step, shared, row_weight=row_weight)
         if result is None:  # shared, unless no row group of this draw could join
-            result = regularised(shared.objective_result(return_outputs) if shared.loss is not None else objective())
-        if not self._objective_is_scaled_for_ga(num_items_in_batch):
-            # the Trainer divides the summed loss by the window length; the penalty counts once per window
+            result = regularise(shared.objective_result(return_outputs) if shared.loss is not None else objective())
+        if not scaled:  # the Trainer divides the summed loss by the window length; the penalty counts once per window
             penalty_loss = penalty_loss * self.current_gradient_accumulation_steps
         if return_outputs:
-            loss, outputs = result
-            return loss + penalty_loss.to(loss.dtype), outputs
+            return result[0] + penalty_loss.to(result[0].dtype), result[1]
         return result + penalty_loss.to(result.dtype)
 
     @property
     def constraint_part_runs(self) -> bool:
         """Whether training steps run lines 3-9: with a penalty, or for a replay of the constraints' rows."""
         return self.engine is not None and (self.penalty.active or bool(
-            self.regularised is not None and self.regularised.regulariser.reads_constraint_rows))
+            self.regularised is not None and self.regularised.reads_constraint_rows))
 
     def objective_forward_shareable(self) -> bool:
         """Whether constraint rows may join the objective's forward (:func:`trainer_objective_is_model_loss` and a
@@ -375,32 +364,11 @@ class ConstrainedTrainer(TrainerInternals):
         self._constraint_step = state["constraint_step"]
 
     def save_checkpoint(self, model: nn.Module, trial: Any) -> None:
-        """The Trainer's checkpoint save made complete-or-ignored (:mod:`hf_constrained.checkpointing`): no public
-        hook runs between a checkpoint's last file and the rotation of old ones, so the Trainer saves without
-        ``save_total_limit``, the constraint state and completeness marker are written (when it keeps state of its
-        own), then the checkpoint is pushed (gated) and old ones rotated. A kill leaves the last complete one."""
-        run_dir = trainer_run_dir(self, trial)  # the Trainer's own run folder (hp search trials)
-        folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        if self.args.should_save:
-            mark_incomplete(folder)  # re-saving a step: the folder stops being complete before any file changes
-        self.accelerator.wait_for_everyone()
-        limit, push = self.args.save_total_limit, self.args.push_to_hub
-        with arguments_set(self.args, save_total_limit=None, push_to_hub=False):
-            super().save_checkpoint(model, trial)
-        self.safety.publish_checkpoint_state(folder)  # trainer_state.json without local paths
-        state = library_state(self)  # None with nothing of our own to keep: the Trainer's files only
-        if state is not None and self.args.should_save:  # subclasses may keep objective estimators here
-            atomic_torch_save(state, os.path.join(folder, CONSTRAINT_STATE_NAME))
-        self.accelerator.wait_for_everyone()  # every rank's files (RNG states, shards) are written
-        if state is not None and not checkpoint_state_is_finite(state, folder):
-            return  # left incomplete, nothing pushed, nothing rotated: the previous complete checkpoint stays
-        if state is not None and self.args.should_save:
-            mark_complete(folder, self.state.global_step)
-        if push:
-            self.push_checkpoint(folder)  # the Trainer's checkpoint push (hub_strategy), gated
-        if self.args.should_save:
-            rotate_checkpoints(output_dir=run_dir, save_total_limit=limit,
-                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+        """The Trainer's checkpoint save made complete-or-ignored (:func:`.constraint_state.save_complete_checkpoint`):
+        the constraint state and completeness marker before the rotation of old checkpoints; a kill leaves the last
+        complete one."""
+        save_complete_checkpoint(self, lambda: super(ConstrainedTrainer, self).save_checkpoint(model, trial), trial,
+                                 CONSTRAINT_STATE_NAME)
 
     def train(self, resume_from_checkpoint: Optional[Union[str, bool]] = None, *args: Any, **kwargs: Any) -> Any:
         resume_from_checkpoint = prepare_resume(self, resume_from_checkpoint, CONSTRAINT_STATE_NAME)

@@ -185,6 +185,15 @@ def trainer_objective_is_model_loss(trainer: Trainer, owner: type) -> bool:
             and trainer.label_smoother is None and trainer.compute_loss_func is None)
 
 
+def trainer_loss_scaled_for_accumulation(trainer: Trainer, num_items_in_batch: Any) -> bool:
+    """Whether a micro-batch's loss is already scaled for gradient accumulation, as ``Trainer.training_step``
+    decides: when not, the Trainer divides the loss by the accumulation steps."""
+    if trainer.loss_is_scaled_for_ga is not None:
+        return trainer.loss_is_scaled_for_ga
+    return bool(trainer.model_accepts_loss_kwargs and num_items_in_batch is not None) \
+        or trainer.compute_loss_func is not None
+
+
 def trainer_restore_batch_size(trainer: Trainer, batch_size: Optional[int]) -> None:
     """Restore the train batch size a checkpoint's ``trainer_state.json`` records, as ``Trainer.train``
     does on resume: only with ``auto_find_batch_size`` and a recorded size

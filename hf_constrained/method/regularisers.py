@@ -123,6 +123,17 @@ class RegularisedObjective:
         self.world, self.rank = int(world), int(rank)
         self.regulariser.bind(model, to_device)
 
+    @property
+    def reads_constraint_rows(self) -> bool:
+        """Whether the regulariser's old rows are the constraints' gradient rows (:class:`ConstraintRowReplay`)."""
+        return self.regulariser.reads_constraint_rows
+
+    @property
+    def constraint_row_weight(self) -> float:
+        """The weight every sampled constraint's rows carry for the regulariser in the constraint part's loss (its
+        share of the loss where it replays them: :meth:`ConstraintEngine.penalty_loss`'s ``row_weight``; else 0)."""
+        return self.regulariser.ratio if self.reads_constraint_rows else 0.0
+
     def check_rows(self, engine: Any, penalty_active: bool) -> None:
         """Before training: a regulariser that replays the constraints' rows can (:meth:`ConstraintRowReplay.
         check_constraints` on the engine's gradient rows); one that reads old rows of its own beside an active
