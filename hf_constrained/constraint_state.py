@@ -215,12 +215,6 @@ def prepare_resume(trainer: "ConstrainedTrainer", resume_from_checkpoint: Option
     return resume_from_checkpoint
 
 
-__all__ = ["BASE_STATE_KEYS", "CONSTRAINT_STATE_KEYS", "ConstraintStateMissingError", "atomic_torch_save",
-           "save_complete_checkpoint",
-           "checkpoint_state_is_finite", "engine_state_dict", "finished_at", "library_state", "load_constraint_state",
-           "load_engine_state_dict", "non_finite_state", "prepare_resume"]
-
-
 def save_complete_checkpoint(trainer: "ConstrainedTrainer", save: Callable[[], None], trial: Any,
                              state_name: str) -> None:
     """The Trainer's checkpoint save (``save``) made complete-or-ignored (:mod:`hf_constrained.checkpointing`).
@@ -252,3 +246,8 @@ def save_complete_checkpoint(trainer: "ConstrainedTrainer", save: Callable[[], N
     if args.should_save:
         rotate_checkpoints(output_dir=run_dir, save_total_limit=limit,
                            best_model_checkpoint=trainer.state.best_model_checkpoint, use_mtime=True)
+
+
+__all__ = ["BASE_STATE_KEYS", "CONSTRAINT_STATE_KEYS", "ConstraintStateMissingError", "atomic_torch_save",
+           "checkpoint_state_is_finite", "engine_state_dict", "finished_at", "library_state", "load_constraint_state",
+           "load_engine_state_dict", "non_finite_state", "prepare_resume", "save_complete_checkpoint"]
