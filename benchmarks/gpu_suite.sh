@@ -39,7 +39,7 @@ if [ "${QUICK:-0}" = 1 ]; then
   # m = 200, not 5000: before training the library checks every constraint on |B_k| rows (preflight), which at
   # m = 5000 is 5,000 ViT-B/16 image forwards, over 25 minutes on a CPU
   SC="--ms 10,200 --steps 3 --warmup 1 --rounds 1"
-  LLM="--batch 1 --accumulation 2 --seq-len 32 --constraint-rows 8 --steps 3 --warmup 1 --rounds 1"
+  LLM="--batch 1 --accumulation 2 --seq-len 32 --constraint-rows 16 --steps 3 --warmup 1 --rounds 1"
 else
   SIZES="--batch 256 --per-step 5 --constraint-batch 10 --bank-size 256"
   OV="--steps 13 --warmup 3 --rounds 1 --op-steps 0"
@@ -78,7 +78,7 @@ part clip_step $LAUNCH benchmarks/step_overhead.py --model "$MODEL" $COMMON $SIZ
 part clip_scaling $PY benchmarks/constraint_scaling.py --model "$MODEL" $COMMON $SIZES $SC \
   --out "$OUT/clip_scaling.json"
 part llm_step $PY benchmarks/llm_step.py --model "$LLM_MODEL" $COMMON $LLM \
-  --variants 8:all:0.1:replay0.5:split0.25,8:all:0,8:all:0.1:split0.25,2:all:0:replay0.5:split0.25 \
+  --variants 8:all:0.1:replay0.5:split0.25,8:all:0:nopenalty:replay0.5,8:all:0.1:ownreplay0.5:split0.25,8:all:0 \
   --out "$OUT/llm_step.json"
 echo "suite: $([ $status = 0 ] && echo all parts done || echo SOME PARTS FAILED) in $SECONDS s"
 exit $status

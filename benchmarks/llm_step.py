@@ -11,14 +11,19 @@ once before training, one shared row function: the fused step), the hinge at the
 * ``unconstrained``: the same trainer with ``constraint_penalty="none"`` and no constraints
   (the recipe with ``--constraint_penalty none``);
 * a constrained variant per ``--variants`` entry ``|B_k|:|B_c|:gamma'`` (``all`` for |B_c| = m), with options:
-  ``:replayR`` adds the recipe's ``--replay_old R`` (the protected rows mixed into every objective micro-batch, a
-  share R of its rows); ``:splitF`` two-split estimation with the proxy indicator
+  ``:replayR`` adds the recipe's ``--replay_old R`` (replay of the constraints' own rows of each step at share R of
+  the loss: ``ConstraintRowReplay``, one draw of old rows); ``:ownreplayR`` replay drawing rows of its own instead
+  (``Replay``: the protected rows mixed into every objective micro-batch, a share R of its rows, the recipe's replay
+  before the one-draw step); ``:nopenalty`` runs it with ``constraint_penalty="none"`` (with ``:replayR``: the
+  recipe's ``--constraint_penalty none --replay_old R``, replay of the same rows without the hinge);
+  ``:splitF`` two-split estimation with the proxy indicator
   (``--constraint_indicator_fraction F --constraint_proxy_indicator true``: |B_k| indicator rows per constraint
   and step, forward only, scored by the old model's exact match); ``:separate`` gives the constraint rows their
   own forward and backward graph, as on a model with dropout (otherwise they join the objective's forward where
-  :mod:`hf_constrained.method.shared_forward` allows it: no regulariser, one split). ``8:all:0.1:replay0.5:split0.25``
-  is the recipe's default (:data:`RECIPE_DEFAULT_VARIANT`); ``8:all:0`` its earlier default (no replay, one split,
-  no look-ahead); gamma' > 0 adds the look-ahead (the next step's constraint rows, forward only).
+  :mod:`hf_constrained.method.shared_forward` allows it: no regulariser but replay of the constraint rows).
+  ``8:all:0.1:replay0.5:split0.25`` is the recipe's default (:data:`RECIPE_DEFAULT_VARIANT`); ``8:all:0`` its
+  earlier default (no replay, one split, no look-ahead); gamma' > 0 adds the look-ahead (the next step's constraint
+  rows, forward only).
 
 Variants alternate for ``--rounds`` rounds in one process; each ratio is of the median step
 times (optimizer steps, ``gradient_accumulation_steps`` micro-batches each). On CUDA each
@@ -47,7 +52,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import default_clock, machine, setup_threads, summary, timed_train, write_json  # noqa: E402
 
 from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments  # noqa: E402
-from hf_constrained.method.regularisers import Replay  # noqa: E402
+from hf_constrained.method.regularisers import ConstraintRowReplay, Replay  # noqa: E402
 from hf_constrained.non_forgetting import ReferenceGap, non_forgetting_constraints  # noqa: E402
 from hf_constrained.per_sample_loss import (  # noqa: E402
     PaddingCollator,
@@ -108,38 +113,43 @@ class Variant(NamedTuple):
     constraints_per_step: Optional[int]  # None: all
     gamma_prime: float
     separate: bool  # the constraint rows in their own forward
-    replay: float  # the recipe's --replay_old (0: none)
+    replay: float  # the recipe's --replay_old (0: none): replay of the constraints' rows
     split: float  # two-split estimation with the proxy indicator (0: one split)
+    own_replay: float = 0.0  # replay drawing rows of its own (Replay)
+    no_penalty: bool = False  # constraint_penalty "none"
 
 
 def parse_variant(text: str) -> Variant:
-    """``"|B_k|:|B_c|:gamma'[:separate][:replayR][:splitF]"`` -> :class:`Variant`."""
+    """``"|B_k|:|B_c|:gamma'[:separate][:nopenalty][:replayR][:ownreplayR][:splitF]"`` -> :class:`Variant`."""
     parts = text.split(":")
     try:
         if len(parts) < 3:
             raise ValueError(text)
         bk, bc, gp, *options = parts
-        separate, shares = False, {"replay": 0.0, "split": 0.0}
+        flags, shares = {"separate": False, "nopenalty": False}, {"ownreplay": 0.0, "replay": 0.0, "split": 0.0}
         for option in options:
             name = next((n for n in shares if option.startswith(n)), None)
-            if option == "separate" and not separate:
-                separate = True
+            if option in flags and not flags[option]:
+                flags[option] = True
             elif name and not shares[name] and 0.0 < float(option[len(name):]) < 1.0:
                 shares[name] = float(option[len(name):])
             else:
                 raise ValueError(option)
-        return Variant(int(bk), None if bc == "all" else int(bc), float(gp), separate, shares["replay"],
-                       shares["split"])
+        if shares["replay"] and shares["ownreplay"]:
+            raise ValueError(text)
+        return Variant(int(bk), None if bc == "all" else int(bc), float(gp), flags["separate"], shares["replay"],
+                       shares["split"], shares["ownreplay"], flags["nopenalty"])
     except ValueError:
-        raise SystemExit(f"--variants: {text!r} is not |B_k|:|B_c|:gamma'[:separate][:replayR][:splitF] (e.g. "
-                         f"8:all:0, {RECIPE_DEFAULT_VARIANT})") from None
+        raise SystemExit(f"--variants: {text!r} is not |B_k|:|B_c|:gamma'[:separate][:nopenalty][:replayR or "
+                         f":ownreplayR][:splitF] (e.g. 8:all:0, {RECIPE_DEFAULT_VARIANT})") from None
 
 
 def variant_key(text: str) -> str:
     v = parse_variant(text)
     return (f"bk{v.constraint_batch_size}_bc{'all' if v.constraints_per_step is None else v.constraints_per_step}"
             f"_gp{v.gamma_prime:g}" + ("_separate" if v.separate else "")
-            + (f"_replay{v.replay:g}" if v.replay else "") + (f"_split{v.split:g}" if v.split else ""))
+            + ("_nopenalty" if v.no_penalty else "") + (f"_replay{v.replay:g}" if v.replay else "")
+            + (f"_ownreplay{v.own_replay:g}" if v.own_replay else "") + (f"_split{v.split:g}" if v.split else ""))
 
 
 def make_trainer(a: argparse.Namespace, variant: Optional[str], steps: int) -> ConstrainedTrainer:
@@ -162,8 +172,8 @@ def make_trainer(a: argparse.Namespace, variant: Optional[str], steps: int) -> C
     estimation = dict(BENCHMARK_DEFAULTS, constraint_indicator_fraction=v.split or None,
                       constraint_proxy_indicator=bool(v.split), constraint_batch_size=v.constraint_batch_size,
                       msvr_gamma_prime=v.gamma_prime)
-    args = ConstrainedTrainingArguments(constraint_penalty="hinge", constraints_per_step=v.constraints_per_step,
-                                        **estimation, **common)
+    args = ConstrainedTrainingArguments(constraint_penalty="none" if v.no_penalty else "hinge",
+                                        constraints_per_step=v.constraints_per_step, **estimation, **common)
     protected = {task: TokenRows(a.constraint_rows, a.seq_len, vocab, seed=10 + i) for i, task in enumerate(TASKS)}
     # the proxy indicator scores the certificate's statistic (rows forgotten): it needs certification rows (64: a
     # split that can certify the recipe's 0.05, so the library does not warn; never read while the step is timed)
@@ -174,8 +184,8 @@ def make_trainer(a: argparse.Namespace, variant: Optional[str], steps: int) -> C
         batch_size=RECIPE["reference_batch_size"], row_fn=ReferenceGap(causal_lm_per_example_loss),
         certify_datasets=certify, correct=causal_lm_per_example_correct if certify else None,
         forget_tolerance=RECIPE["forget_tolerance"] if certify else None, old_correct_on_rows=bool(certify))
-    replayed = None if not v.replay else Replay(  # the recipe's --replay_old: the protected rows, replayed
-        torch.utils.data.ConcatDataset(list(protected.values())), v.replay, collate, seed=0)
+    replayed = ConstraintRowReplay(v.replay) if v.replay else None if not v.own_replay else Replay(
+        torch.utils.data.ConcatDataset(list(protected.values())), v.own_replay, collate, seed=0)
     trainer = ConstrainedTrainer(model=model, args=args, train_dataset=train, data_collator=collate,
                                  constraints=constraints, regulariser=replayed)
     if v.separate:
@@ -233,11 +243,13 @@ def main() -> None:
             v = parse_variant(variant)
             per_step = v.constraint_batch_size * (len(TASKS) if v.constraints_per_step is None
                                                   else v.constraints_per_step)
+            hinge = not v.no_penalty
             rows[key] = {"constraint_rows_with_grad": per_step,
-                         "lookahead_rows_no_grad": per_step if v.gamma_prime > 0 else 0,
-                         "indicator_rows_no_grad": per_step if v.split else 0,
-                         "replayed_rows": (a.accumulation * round(v.replay / (1 - v.replay) * a.batch)
-                                           if v.replay else 0)}
+                         "lookahead_rows_no_grad": per_step if hinge and v.gamma_prime > 0 else 0,
+                         "indicator_rows_no_grad": per_step if hinge and v.split else 0,
+                         # replay of the constraints' rows adds none; replay of its own draws these
+                         "replayed_rows": (a.accumulation * round(v.own_replay / (1 - v.own_replay) * a.batch)
+                                           if v.own_replay else 0)}
     result = {
         "benchmark": "llm_step",
         "command": "python benchmarks/llm_step.py " + " ".join(sys.argv[1:]),

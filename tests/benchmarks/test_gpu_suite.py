@@ -97,8 +97,10 @@ def test_llm_step_builds_the_recipe_constraints(tmp_path):
     """The LLM part: three non-forgetting constraints sharing one row function (the fused step), with
     the old model's losses, LoRA adapters only trainable, and |B_k|:|B_c|:gamma' parsed into the arguments."""
     llm_step = import_script("benchmarks", "llm_step")
+    # 16 rows per task: a two-split's gradient part (12) holds one step's draw of 8, which replay of the
+    # constraint rows needs
     a = argparse.Namespace(model="tiny", device="cpu", bf16=False, batch=2, accumulation=2, seq_len=8,
-                           constraint_rows=4, workdir=str(tmp_path))
+                           constraint_rows=16, workdir=str(tmp_path))
     trainer = llm_step.make_trainer(a, "2:1:0", steps=1)
     assert [c.name for c in trainer.constraints] == [f"non_forgetting/{t}" for t in llm_step.TASKS]
     assert len({id(c.row_fn) for c in trainer.constraints}) == 1
@@ -110,16 +112,21 @@ def test_llm_step_builds_the_recipe_constraints(tmp_path):
     assert unconstrained.constraints == [] and unconstrained.args.constraint_penalty == "none"
     with pytest.raises(SystemExit, match="not \\|B_k\\|:\\|B_c\\|:gamma'"):
         llm_step.parse_variant("8:all")
-    # the recipe's --replay_old: the protected rows mixed into the objective's micro-batches
-    assert llm_step.parse_variant("8:all:0:replay0.5") == (8, None, 0.0, False, 0.5, 0.0)
+    # the recipe's --replay_old: replay of the constraints' own rows (one draw); :ownreplay the two-draw replay
+    assert llm_step.parse_variant("8:all:0:replay0.5") == (8, None, 0.0, False, 0.5, 0.0, 0.0, False)
     assert llm_step.variant_key("8:all:0:separate:replay0.5") == "bk8_bcall_gp0_separate_replay0.5"
+    assert llm_step.variant_key("8:all:0:nopenalty:replay0.5") == "bk8_bcall_gp0_nopenalty_replay0.5"
     assert llm_step.variant_key(llm_step.RECIPE_DEFAULT_VARIANT) == "bk8_bcall_gp0.1_replay0.5_split0.25"
-    for bad in ("8:all:0:replay1", "8:all:0:replay", "8:all:0:sep", "8:all:0:split0", "8:all:0:split0.2:split0.3"):
+    for bad in ("8:all:0:replay1", "8:all:0:replay", "8:all:0:sep", "8:all:0:split0", "8:all:0:split0.2:split0.3",
+                "8:all:0:replay0.5:ownreplay0.5", "8:all:0:nopenalty:nopenalty"):
         with pytest.raises(SystemExit, match="replayR"):
             llm_step.parse_variant(bad)
     replayed = llm_step.make_trainer(a, "2:all:0:replay0.5", steps=1)
-    assert replayed.regularised.regulariser.settings()["ratio"] == 0.5
-    assert replayed.regularised.regulariser.settings()["rows"] == 3 * a.constraint_rows
+    assert replayed.regularised.regulariser.settings() == {"name": "replay", "ratio": 0.5, "rows": "constraint_rows"}
+    own = llm_step.make_trainer(a, "2:all:0:ownreplay0.5", steps=1)
+    assert own.regularised.regulariser.settings()["rows"] == 3 * a.constraint_rows
+    plain = llm_step.make_trainer(a, "2:all:0:nopenalty:replay0.5", steps=1)
+    assert plain.args.constraint_penalty == "none" and plain.constraint_part_runs  # replay of the same rows
     # the recipe's default: its BENCHMARK_DEFAULTS, replay, two-split with the proxy indicator
     default = llm_step.make_trainer(a, llm_step.RECIPE_DEFAULT_VARIANT, steps=1)
     recipe = import_script("recipes", "llm_non_forgetting")
