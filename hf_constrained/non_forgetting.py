@@ -60,6 +60,7 @@ from tqdm.auto import tqdm
 
 from .batches import collate_examples, fetch_rows
 from .constraint import Certification, CertifyStatistic, Constraint
+from .method.shared_forward import MergedForward
 from .per_sample_loss import (
     PaddingCollator,
     causal_lm_labels,
@@ -377,10 +378,18 @@ class ReferenceGap:
         return self._gap(self.per_sample(model, batch), batch)
 
     @property
-    def reads_causal_lm_logits(self) -> bool:
-        """True when the per-example loss is the causal-LM one: the rows' values can then be read from the
-        logits of a forward shared with the objective (:mod:`hf_constrained.method.shared_forward`)."""
-        return self.per_sample is causal_lm_per_example_loss
+    def merged_forward(self) -> Optional[Callable[[nn.Module, Mapping[str, Any]], Any]]:
+        """How these rows join the objective's forward (:mod:`hf_constrained.method.shared_forward`), or ``None``:
+        a causal LM's token rows merge with the objective's tokens; a loss that names a merge of its own (CLIP's
+        zero-shot loss: ``merged_forward``) merges its way."""
+        if self.per_sample is causal_lm_per_example_loss:
+            return MergedForward.for_rows
+        return getattr(self.loss, "merged_forward", None)
+
+    def values_from_merged(self, merged: Any, batch: Mapping[str, Any]) -> torch.Tensor:
+        """``l(w, x) - l(w_old, x)`` per row from a merged forward's outputs (``merged.row_losses``)."""
+        self._check(batch)
+        return self._gap(merged.row_losses(batch), batch)
 
     def values_from_logits(self, logits: torch.Tensor, batch: Mapping[str, Any]) -> torch.Tensor:
         """``l(w, x) - l(w_old, x)`` per row from the logits of the batch's rows (possibly wider)."""

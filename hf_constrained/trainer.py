@@ -211,7 +211,7 @@ class ConstrainedTrainer(TrainerInternals):
         shared = None  # the constraint rows in the objective's forward (no other old rows), where that changes no value
         if penalised and (regularised is None or regularised.reads_constraint_rows) \
                 and self.objective_forward_shareable():
-            shared = SharedObjectiveForward.for_inputs(inputs, lambda merged: objective(merged, True))
+            shared = self.shared_objective_forward(inputs, lambda merged: objective(merged, True))
         result = regularise(objective()) if shared is None else None
         if not penalised:
             return result
@@ -241,6 +241,11 @@ class ConstrainedTrainer(TrainerInternals):
                                        and trains_as_it_evaluates(self.model))
             logger.info("constraint rows %s the objective's forward", "share" if self._forward_shareable else "skip")
         return self._forward_shareable
+
+    def shared_objective_forward(self, inputs: dict[str, Any], objective: Any) -> Optional[SharedObjectiveForward]:
+        """The objective's micro-batch ready to take constraint rows into its forward; ``None`` where its keys or
+        shapes do not allow it (:meth:`.SharedObjectiveForward.for_inputs`: a causal LM's token batch)."""
+        return SharedObjectiveForward.for_inputs(inputs, objective)
 
     def training_step(self, model: nn.Module, inputs: dict[str, Any],
                       num_items_in_batch: Optional[Union[torch.Tensor, int]] = None) -> torch.Tensor:

@@ -44,6 +44,7 @@ from torch import nn
 
 from ..config import ConstrainedTrainingArguments
 from ..method.estimators import MSVREstimator, parse_gamma_prime, resolve_gamma_prime, run_precision
+from ..method.shared_forward import SharedObjectiveForward, trains_as_it_evaluates
 from ..trainer import ConstrainedTrainer
 from ..trainer_internals import trainer_num_items_in_batch, trainer_prepare_inputs
 from .encode import clip_embeddings
@@ -427,6 +428,21 @@ class ContrastiveConstrainedTrainer(ConstrainedTrainer):
             )
         loss = surrogate + (value - surrogate).detach()  # value for logs, gradient of the surrogate
         return (loss, None) if return_outputs else loss
+
+    def objective_forward_shareable(self) -> bool:
+        """Whether constraint rows may join the contrastive objective's forward (one vision and one text tower
+        call for the batch's and the constraint rows' images and texts: :class:`~.non_forgetting.MergedCLIPForward`):
+        the objective is this class's own and the model trains as it evaluates (no dropout)."""
+        if self._forward_shareable is None:
+            self._forward_shareable = (
+                type(self).compute_objective_loss is ContrastiveConstrainedTrainer.compute_objective_loss
+                and trains_as_it_evaluates(self.model))
+            logger.info("constraint rows %s the objective's forward", "share" if self._forward_shareable else "skip")
+        return self._forward_shareable
+
+    def shared_objective_forward(self, inputs: dict[str, Any], objective: Any) -> Optional[SharedObjectiveForward]:
+        """Every contrastive batch can take constraint images, except one with per-class text heads."""
+        return None if "text_class_ids" in inputs else SharedObjectiveForward(inputs, objective)
 
     def prediction_step(self, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
                         ignore_keys: Optional[list[str]] = None) -> tuple:

@@ -29,8 +29,9 @@ def clip_embeddings(model: nn.Module, pixel_values: torch.Tensor, input_ids: tor
     if text_class_ids is not None:
         kwargs["text_class_ids"] = text_class_ids
     out = model(**kwargs)
-    image, text = out.image_embeds, out.text_embeds
-    # at least fp32 and re-normalised: the loss exponentiates (s_ij - s_ii)/t with t = 0.05
-    image = nn.functional.normalize(image.to(torch.promote_types(image.dtype, torch.float32)), dim=-1)
-    text = nn.functional.normalize(text.to(torch.promote_types(text.dtype, torch.float32)), dim=-1)
-    return image, text
+    return normalised(out.image_embeds), normalised(out.text_embeds)
+
+
+def normalised(embeds: torch.Tensor) -> torch.Tensor:
+    """``embeds`` L2-normalised per row in at least fp32: the losses exponentiate (s_ij - s_ii)/t with t = 0.05."""
+    return nn.functional.normalize(embeds.to(torch.promote_types(embeds.dtype, torch.float32)), dim=-1)

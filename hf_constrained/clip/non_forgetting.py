@@ -22,11 +22,13 @@ Clopper-Pearson bound, see :func:`hf_constrained.non_forgetting.forgetting_stati
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from types import SimpleNamespace
 from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 
+from ..method.shared_forward import merge_right_padded
 from ..non_forgetting import (
     NonForgettingConstraint,
     PerSampleCorrect,
@@ -38,9 +40,10 @@ from ..non_forgetting import (
     to_device,
 )
 from ..non_forgetting import non_forgetting_constraints as generic_non_forgetting_constraints
-from .encode import clip_embeddings
+from .encode import clip_embeddings, normalised
 
 __all__ = [
+    "MergedCLIPForward",
     "NonForgettingConstraint",
     "ReferenceLossDataset",
     "ZeroShotCorrect",
@@ -91,10 +94,28 @@ class ZeroShotLoss:
         return image @ text.T / self.temperature
 
     def per_sample(self, model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
-        labels = torch.as_tensor(batch["label"]).to(batch["pixel_values"].device).long()
+        return self._cross_entropy(self.logits(model, batch["pixel_values"]), batch)
+
+    def per_sample_from_embeddings(self, image: torch.Tensor, text: torch.Tensor,
+                                   batch: Mapping[str, Any]) -> torch.Tensor:
+        """:meth:`per_sample` from the rows' image embeddings and the prompts' text embeddings of a model call
+        made elsewhere (normalised here, as :func:`~hf_constrained.clip.encode.clip_embeddings` does)."""
+        return self._cross_entropy(normalised(image) @ normalised(text).T / self.temperature, batch)
+
+    def _cross_entropy(self, logits: torch.Tensor, batch: Mapping[str, Any]) -> torch.Tensor:
+        labels = torch.as_tensor(batch["label"]).to(logits.device).long()
         if int(labels.max()) >= self.num_classes or int(labels.min()) < 0:
             raise ValueError(f"label {int(labels.max())} outside the {self.num_classes} class prompts")
-        return nn.functional.cross_entropy(self.logits(model, batch["pixel_values"]), labels, reduction="none")
+        return nn.functional.cross_entropy(logits, labels, reduction="none")
+
+    @property
+    def merged_forward(self) -> Optional[Callable[[nn.Module, Mapping[str, Any]], "MergedCLIPForward"]]:
+        """How a batch of these rows joins the contrastive objective's forward (:class:`MergedCLIPForward`);
+        ``None`` with class heads (the prompts need their class ids, the objective's texts have none)."""
+        return None if self.class_heads else self._merged
+
+    def _merged(self, model: nn.Module, batch: Mapping[str, Any]) -> "MergedCLIPForward":
+        return MergedCLIPForward(model, self, batch["pixel_values"])
 
     def correct(self, model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
         """(rows,) of 0/1 (float): whether the zero-shot prediction (argmax of :meth:`logits`) is the label."""
@@ -104,6 +125,39 @@ class ZeroShotLoss:
     def __call__(self, model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
         """h_k(w; B_k) = mean CE(w) - mean CE(w_old) on the batch's samples (rows carry ``reference_loss``)."""
         return ReferenceGap(self)(model, batch).mean()
+
+
+class MergedCLIPForward:
+    """Called as the CLIP model by the contrastive objective (``clip_embeddings``): ONE model call over the
+    objective's images and a constraint batch's images (one vision tower call) and over the objective's texts and
+    the class prompts (one text tower call, right-padded to one width, attention mask 0 on the padding: the causal
+    text model and its end-of-text pooling give every text the value it has alone). The objective reads the
+    embeddings of its own slice; :meth:`row_losses` the zero-shot cross-entropy of the constraint images. CLIP
+    embeds every image and text by itself, so no value changes (:mod:`hf_constrained.method.shared_forward`)."""
+
+    def __init__(self, model: nn.Module, loss: ZeroShotLoss, pixel_values: torch.Tensor) -> None:
+        self.model, self.loss, self.pixel_values = model, loss, pixel_values
+        self.row_image: Optional[torch.Tensor] = None
+        self.prompt_text: Optional[torch.Tensor] = None
+
+    def __call__(self, pixel_values: torch.Tensor, input_ids: torch.Tensor,
+                 attention_mask: Optional[torch.Tensor] = None, **other: Any) -> Any:
+        if other:
+            raise ValueError(f"the merged CLIP forward takes images and texts only, got {sorted(other)}")
+        prompts = {"input_ids": self.loss.prompt_input_ids.to(input_ids.device)}
+        if self.loss.prompt_attention_mask is not None:
+            prompts["attention_mask"] = self.loss.prompt_attention_mask.to(input_ids.device)
+        texts = {"input_ids": input_ids} if attention_mask is None else \
+            {"input_ids": input_ids, "attention_mask": attention_mask}
+        images = torch.cat([pixel_values, self.pixel_values.to(pixel_values)])
+        out = self.model(pixel_values=images, **merge_right_padded(texts, prompts))
+        image, self.row_image = out.image_embeds.split([len(pixel_values), len(self.pixel_values)])
+        text, self.prompt_text = out.text_embeds.split([len(input_ids), self.loss.num_classes])
+        return SimpleNamespace(image_embeds=image, text_embeds=text)
+
+    def row_losses(self, batch: Mapping[str, Any]) -> torch.Tensor:
+        """Each constraint image's zero-shot cross-entropy (:meth:`ZeroShotLoss.per_sample`)."""
+        return self.loss.per_sample_from_embeddings(self.row_image, self.prompt_text, batch)
 
 
 class ZeroShotCorrect:

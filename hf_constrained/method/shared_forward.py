@@ -36,7 +36,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from ..per_sample_loss import model_inputs
+from ..per_sample_loss import causal_lm_labels, causal_lm_losses_from_logits, model_inputs
 
 SHAREABLE_KEYS = frozenset({"input_ids", "attention_mask", "labels"})
 _NOISE_WORDS = ("dropout", "pdrop", "jitter", "noise")
@@ -78,10 +78,12 @@ class SharedObjectiveForward:
         objective: ``objective(model_like) -> (loss, outputs)``: the objective's loss on ``inputs``, computed
             by calling ``model_like(**inputs)`` as it would call the model (the Trainer's ``compute_loss``).
 
-    :meth:`take` says whether a row group's rows can join; :meth:`__call__` is then called in place of the
-    group's ``row_fn(model, batch)``: it runs the objective through :class:`MergedForward`, which makes ONE
-    model call over the objective's and the group's rows. After the engine has run,
-    :meth:`objective_result` is the objective's loss (and outputs), or ``None`` when no group joined.
+    :meth:`take` says whether a row group's rows can join: its ``row_fn`` names the merge that fits its rows
+    (``row_fn.merged_forward(model, batch)``: :class:`MergedForward` for a causal LM's token rows, the CLIP
+    package's merge for zero-shot image rows) and reads its values from it (``row_fn.values_from_merged``).
+    :meth:`__call__` is then called in place of the group's ``row_fn(model, batch)``: it runs the objective
+    through the merge, which makes ONE model call over the objective's and the group's rows. After the engine
+    has run, :meth:`objective_result` is the objective's loss (and outputs), or ``None`` when no group joined.
     """
 
     def __init__(self, inputs: Mapping[str, Any], objective: Callable[[Any], Any]) -> None:
@@ -105,16 +107,12 @@ class SharedObjectiveForward:
 
     def take(self, row_fn: Any) -> bool:
         """Whether ``row_fn``'s rows join the objective's forward (the first group that can, only)."""
-        return self.loss is None and callable(getattr(row_fn, "values_from_logits", None)) \
-            and getattr(row_fn, "reads_causal_lm_logits", False)
+        return self.loss is None and getattr(row_fn, "merged_forward", None) is not None
 
     def __call__(self, model: nn.Module, row_fn: Any, batch: Mapping[str, Any]) -> torch.Tensor:
-        rows = model_inputs(batch)
-        if not set(rows) <= SHAREABLE_KEYS:
-            raise ValueError(f"constraint rows with keys {sorted(rows)} cannot share the objective's forward")
-        merged = MergedForward(model, rows)
+        merged = row_fn.merged_forward(model, batch)
         self.loss, self.outputs = self.objective(merged)
-        return row_fn.values_from_logits(merged.row_logits, batch)
+        return row_fn.values_from_merged(merged, batch)
 
     def objective_result(self, return_outputs: bool) -> Any:
         if self.loss is None:
@@ -133,6 +131,18 @@ class MergedForward:
         self.model = model
         self.rows = rows
         self.row_logits: Optional[torch.Tensor] = None
+
+    @classmethod
+    def for_rows(cls, model: nn.Module, batch: Mapping[str, Any]) -> "MergedForward":
+        """The merge for a constraint batch of token rows (its model inputs: ``input_ids``, ``attention_mask``)."""
+        rows = model_inputs(batch)
+        if not set(rows) <= SHAREABLE_KEYS:
+            raise ValueError(f"constraint rows with keys {sorted(rows)} cannot share the objective's forward")
+        return cls(model, rows)
+
+    def row_losses(self, batch: Mapping[str, Any]) -> torch.Tensor:
+        """Each constraint row's causal-LM loss (the mean token loss of its labels), from its logits."""
+        return causal_lm_losses_from_logits(self.row_logits, causal_lm_labels(batch))
 
     def __call__(self, **inputs: Any) -> Any:
         labels = inputs.pop("labels")
