@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from .lazy_import import lazy_attributes
 
 if TYPE_CHECKING:  # pragma: no cover
+    from .certification.certify import Certificate, certify
     from .clip.contrastive import ContrastiveConstrainedTrainer
     from .config import ConstrainedTrainingArguments
     from .constraint import (
@@ -32,7 +33,6 @@ if TYPE_CHECKING:  # pragma: no cover
     )
     from .method.strategies import CalibratedMargin, CertificateMargin, FixedMargin
     from .non_forgetting import non_forgetting_constraints
-    from .safety.certify import Certificate, certify
     from .safety.evaluation import build_safety_report
     from .safety.finish import finish_run
     from .safety.report import SafetyReport, UnsafeModelError
@@ -47,8 +47,8 @@ _LAZY = {
     "Constraint": ".constraint",
     "Certification": ".constraint",
     "CertifyStatistic": ".constraint",
-    "Certificate": ".safety.certify",
-    "certify": ".safety.certify",
+    "Certificate": ".certification.certify",
+    "certify": ".certification.certify",
     "constraints_per_value": ".constraint",
     "non_forgetting_constraints": ".non_forgetting",
     "ContrastiveConstrainedTrainer": ".clip.contrastive",

@@ -26,6 +26,7 @@ import sys
 from typing import Any, Optional, Sequence
 
 from .atomic_files import atomic_write_json
+from .certification.selection import FeasibleSelection
 from .checkpointing import checkpoint_folders, checkpoint_problem
 from .errors import RecipeConfigError
 from .extras import MissingExtraError, extra_for_module, install_hint
@@ -33,7 +34,6 @@ from .help_cache import SHIPPED, cached_help, render_help, versions
 from .recipes import DEMO_MODULE, RECIPES, Recipe, shipped_recipe_files
 from .safety.figures import plot_log_history
 from .safety.report import SAFETY_REPORT_NAME, SAFETY_RULES, SafetyReport, format_number
-from .safety.selection import FeasibleSelection
 from .safety.verify import EXIT_STALE_OR_UNREADABLE, check_run_dir
 
 

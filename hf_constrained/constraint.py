@@ -55,7 +55,7 @@ class CertifyStatistic:
             so that "accuracy on class k falls by at most eps" is a bounded mean).
         tolerance: the statistic must be <= tolerance on the population.
         value_range: (low, high) every per-row value lies in (a value outside is an error).
-        bound: the finite-sample bound (:data:`hf_constrained.safety.bounds.BOUNDS`):
+        bound: the finite-sample bound (:data:`hf_constrained.certification.bounds.BOUNDS`):
             ``"hoeffding_bentkus"`` by default (any values in the range), ``"clopper_pearson"``
             for 0/1 rates, ``"paired_change"`` for changes in {-1, 0, 1}.
         description: how reports and cards name the statistic.

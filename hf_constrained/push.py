@@ -91,7 +91,7 @@ def push_run(run_dir: str, repo_id: str, *, private: Optional[bool] = None, comm
              api: Optional[Any] = None) -> PushResult:
     """Upload the finished run in ``run_dir`` to ``repo_id`` after the checks of ``report --check`` and of
     the gate (see the module docstring); nothing is created or uploaded when a check fails."""
-    from .safety.fingerprint import weights_files_fingerprint
+    from .certification.fingerprint import weights_files_fingerprint
     from .safety.verify import EXIT_CERTIFIED, EXIT_STALE_OR_UNREADABLE, check_run_dir
 
     if "/" not in repo_id.strip("/"):

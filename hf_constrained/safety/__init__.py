@@ -5,10 +5,10 @@ trainer imports :mod:`~hf_constrained.safety.loop`, never the other way round):
 
 - :mod:`~hf_constrained.safety.report`: :class:`SafetyReport` (exact held-out constraint
   values, old model's values, tolerances, verdict), its JSON file and text/Markdown tables;
-- :mod:`~hf_constrained.safety.selection`: feasible-checkpoint selection from a log history;
 - :mod:`~hf_constrained.safety.in_memory_selection`: the same selection without checkpoints on disk
   (:class:`InMemoryFeasibleSelection`, a callback that keeps the best weights in memory);
-- :mod:`~hf_constrained.safety.fingerprint`: fingerprints of weights in memory and of saved weight files;
+- :mod:`~hf_constrained.safety.model_fingerprint`: the fingerprint of the weights in memory;
+- :mod:`~hf_constrained.safety.split_checks`: a run's certification splits checked against its other data;
 - :mod:`~hf_constrained.safety.verify`: ``check_run_dir``, the verification behind
   ``hf-constrained report --check`` (exit 0 certified, 1 not, 2 stale or unreadable);
 - :mod:`~hf_constrained.safety.card`: the model card of a report (``huggingface_hub.ModelCard``);

@@ -37,11 +37,11 @@ from typing import Any, Optional
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from ..atomic_files import atomic_write_text
+from ..certification.selection import FeasibleSelection
 from ..publishable import redact_secrets
 from ..recipes import RECIPES
 from ..redact import redact_command
 from .report import SafetyReport, format_number, format_rows
-from .selection import FeasibleSelection
 
 logger = logging.getLogger(__name__)
 

@@ -21,9 +21,10 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Optional, Protocol
 
-from .certify import DEFAULT_DELTA, Certificate, certify, point_value
-from .fingerprint import weights_fingerprint
-from .ledger import CertificationLedger
+from ..certification.certify import DEFAULT_DELTA, Certificate, certify, point_value
+from ..certification.ledger import CertificationLedger
+from ..certification.selection import FeasibleSelection
+from .model_fingerprint import weights_fingerprint
 from .report import (
     CONSTRAINT_ITSELF,
     DEFAULT_SAFETY_RULE,
@@ -33,7 +34,6 @@ from .report import (
     check_safety_rule,
     objective_metrics_from,
 )
-from .selection import FeasibleSelection
 from .view import RunView, SafetyHost, library_option_names
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -143,9 +143,9 @@ def certify_run(view: RunView, host: SafetyHost, models: Iterable[Any] = (None,)
                 fingerprints: Optional[Sequence[Optional[str]]] = None) -> Optional[Certificate]:
     """Certify candidate models (in the order given, fixed before the certification data is
     read; ``None`` is the trainer's model; an iterable is consumed one model at a time) on
-    each constraint's ``certify.dataset`` with :func:`~hf_constrained.safety.certify.certify`;
+    each constraint's ``certify.dataset`` with :func:`~hf_constrained.certification.certify.certify`;
     ``None`` when no constraint has one. Each call is a look at the certification splits, counted in
-    the run's ledger (:mod:`hf_constrained.safety.ledger`).
+    the run's ledger (:mod:`hf_constrained.certification.ledger`).
 
     A certifiable constraint must declare the range of its per-row values
     (``Constraint.certify``'s ``value_range`` or its ``statistic``): an error names it otherwise.

@@ -17,10 +17,11 @@ import os
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Optional
 
+from ..certification.certify import DEFAULT_DELTA, Certificate, best_certified
+from ..certification.selection import evaluation_records, metric_key
 from ..checkpointing import checkpoint_folders, is_complete_checkpoint
 from ..extras import install_hint
 from ..redact import redact_command
-from .certify import DEFAULT_DELTA, Certificate, best_certified
 from .evaluation import (
     DEFAULT_CONFIDENCE,
     HoldsSafetyLoop,
@@ -29,9 +30,8 @@ from .evaluation import (
     old_model_constraint_values,
 )
 from .figures import figures_available, plot_log_history, require_figures
-from .fingerprint import weights_fingerprint
+from .model_fingerprint import weights_fingerprint
 from .report import SafetyReport, UnsafeModelError, check_safety_rule
-from .selection import evaluation_records, metric_key
 
 if TYPE_CHECKING:  # pragma: no cover
     from .loop import SafetyLoop
@@ -103,7 +103,7 @@ def finish_run(
             (default: ``trainer.safety.rule``, which is ``"certified"`` unless set):
             ``"certified"``: the certificate on each constraint's
             ``certify.dataset`` (rows nothing else touched) certifies the model at ``delta``
-            with a finite-sample bound (:mod:`hf_constrained.safety.certify`); a run with a
+            with a finite-sample bound (:mod:`hf_constrained.certification.certify`); a run with a
             constraint lacking such a split is NOT CERTIFIED. The uncertified rules:
             ``"point"`` (each held-out value within its tolerance) and ``"upper_bound"``
             (each CLT upper bound within its tolerance; asymptotic).

@@ -5,7 +5,7 @@ The Trainer's ``load_best_model_at_end`` (with :class:`~hf_constrained.safety.lo
 model evaluated often, :class:`InMemoryFeasibleSelection` does the same selection without a disk: every
 ``every`` optimizer steps (and at the last step) it evaluates the weights in the model, an objective and a
 largest violation of the requirement, and keeps a copy of the weights of the best evaluation in the
-lexicographic order of :mod:`hf_constrained.safety.selection` (:func:`~hf_constrained.safety.selection.is_better`:
+lexicographic order of :func:`~hf_constrained.certification.selection.is_better` (
 feasible, ``max_violation <= 0``, before infeasible; then the better objective; with none feasible, the
 smallest largest violation). :meth:`InMemoryFeasibleSelection.restore` loads them after training.
 
@@ -19,7 +19,7 @@ split):
   rows forgotten (right under the old model, wrong now; the certificate's statistic) against a largest share.
 
 The rows that chose the kept weights cannot certify them: the certificate reads its own split
-(:mod:`hf_constrained.safety.certify`).
+(:mod:`hf_constrained.certification.certify`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from transformers import TrainerCallback
 
-from .selection import EvaluationRecord, FeasibleSelection, is_better, summarize_records
+from ..certification.selection import EvaluationRecord, FeasibleSelection, is_better, summarize_records
 
 if TYPE_CHECKING:
     from ..trainer import ConstrainedTrainer
@@ -44,7 +44,7 @@ ModelValue = Callable[[nn.Module], float]
 class InMemoryFeasibleSelection(TrainerCallback):
     """Every ``every`` optimizer steps and at the last step: ``objective(model)`` and ``violation(model)`` (the
     largest violation of the requirement, feasible when ``<= 0``) of the weights in the model, recorded as an
-    :class:`~hf_constrained.safety.selection.EvaluationRecord`; the weights of the best record are copied (CPU
+    :class:`~hf_constrained.certification.selection.EvaluationRecord`; the weights of the best record are copied (CPU
     memory: one ``state_dict``) and put back by :meth:`restore`.
 
     Args:
@@ -102,7 +102,7 @@ class InMemoryFeasibleSelection(TrainerCallback):
 
     def summary(self) -> FeasibleSelection:
         """What the selection found, in the form of the Trainer-driven selection's
-        (:class:`~hf_constrained.safety.selection.FeasibleSelection`, with its :meth:`message`)."""
+        (:class:`~hf_constrained.certification.selection.FeasibleSelection`, with its :meth:`message`)."""
         return summarize_records(self.records, self.metric, self.greater_is_better)
 
 

@@ -14,7 +14,7 @@ hooks the trainer overrides with one-line delegations, where no callback runs:
 
 - ``is_new_best`` (the Trainer's best-checkpoint decision): ``load_best_model_at_end`` /
   ``save_strategy="best"`` pick the best ``metric_for_best_model`` among evaluations whose
-  constraints all hold on the validation data (:mod:`hf_constrained.safety.selection`); with none feasible,
+  constraints all hold on the validation data (:mod:`hf_constrained.certification.selection`); with none feasible,
   the least-violating one, with a warning at the end of training;
 - ``save_model``: every checkpoint and the final model get ``README.md`` (the model card) and, when the
   constraints were evaluated for those weights, ``safety_report.json``; ``create_model_card``: the
@@ -30,7 +30,7 @@ Without constraints every one of these is the Trainer's own behaviour: no card o
 deferred repository, the Trainer's callbacks.
 
 A report is tied to the weights it describes by their
-:func:`~hf_constrained.safety.fingerprint.weights_fingerprint`: when the weights change after it (more
+:func:`~hf_constrained.safety.model_fingerprint.weights_fingerprint`: when the weights change after it (more
 training, ``load_state_dict``, an edit), the cards say NOT CHECKED and the gate evaluates them again
 before anything is published.
 """
@@ -48,22 +48,9 @@ from typing import Any, Optional
 from transformers import TrainerCallback
 from transformers.integrations import TensorBoardCallback
 
-from ..checkpointing import TRAINER_STATE_NAME
-from ..publishable import publish_trainer_state
-from ..trainer_internals import trainer_load_checkpoint
-from .card import ModelCardInfo, describe_model, render_model_card, write_model_card
-from .certify import DEFAULT_DELTA, Certificate
-from .evaluation import (
-    DEFAULT_CONFIDENCE,
-    certify_run,
-    checkpoint_report,
-    evaluate_report,
-    metrics_report,
-    relative_checkpoint,
-)
-from .fingerprint import weight_files, weights_files_fingerprint, weights_fingerprint
-from .report import DEFAULT_SAFETY_RULE, EVAL_CONSTRAINT_PREFIX, SafetyReport, UnsafeModelError, check_safety_rule
-from .selection import (
+from ..certification.certify import DEFAULT_DELTA, Certificate
+from ..certification.fingerprint import weight_files, weights_files_fingerprint
+from ..certification.selection import (
     EvaluationRecord,
     FeasibleSelection,
     constraint_feasibility,
@@ -73,6 +60,20 @@ from .selection import (
     select_best,
     summarize_selection,
 )
+from ..checkpointing import TRAINER_STATE_NAME
+from ..publishable import publish_trainer_state
+from ..trainer_internals import trainer_load_checkpoint
+from .card import ModelCardInfo, describe_model, render_model_card, write_model_card
+from .evaluation import (
+    DEFAULT_CONFIDENCE,
+    certify_run,
+    checkpoint_report,
+    evaluate_report,
+    metrics_report,
+    relative_checkpoint,
+)
+from .model_fingerprint import weights_fingerprint
+from .report import DEFAULT_SAFETY_RULE, EVAL_CONSTRAINT_PREFIX, SafetyReport, UnsafeModelError, check_safety_rule
 from .tensorboard import ConstraintTensorBoardCallback
 from .verify import EXIT_STALE_OR_UNREADABLE, check_run_dir
 from .view import RunView, SafetyHost
@@ -200,7 +201,7 @@ class SafetyLoop:
     # ------------------------------------------------------------------ feasible-checkpoint selection
     def is_new_best(self, metrics: dict[str, float]) -> Optional[bool]:
         """Whether ``metrics`` make the current weights the best so far: the best objective among feasible
-        evaluations (lexicographic order of :mod:`hf_constrained.safety.selection`), updating the Trainer's
+        evaluations (lexicographic order of :mod:`hf_constrained.certification.selection`), updating the Trainer's
         state; ``None`` (the Trainer's stock rule decides) when no constraint was evaluated or without
         ``metric_for_best_model``."""
         state, args = self.host.state, self.view.args
@@ -256,7 +257,7 @@ class SafetyLoop:
 
     # ------------------------------------------------------------------ which weights were evaluated
     def weights_fingerprint(self) -> str:
-        """:func:`~hf_constrained.safety.fingerprint.weights_fingerprint` of the model now in the trainer."""
+        """:func:`~hf_constrained.safety.model_fingerprint.weights_fingerprint` of the model now in the trainer."""
         return weights_fingerprint(self.host.model)
 
     def record_evaluation(self, metrics: Mapping[str, Any], fingerprint: Optional[str] = None) -> None:

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 from ..atomic_files import atomic_write_json
+from ..certification.certify import CONSTRAINT_ITSELF, certified_candidates, guarantee_sentence
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ CONTENT_DIGEST_KEY = "content_digest"
 EVAL_CONSTRAINT_PREFIX = "eval_constraint/"
 
 # how a verdict is decided: "certified" (the default: a finite-sample certificate on a certification split,
-# :mod:`hf_constrained.safety.certify`), or the uncertified rules of :meth:`ConstraintResult.holds`
+# :mod:`hf_constrained.certification.certify`), or the uncertified rules of :meth:`ConstraintResult.holds`
 SAFETY_RULES = ("certified", "point", "upper_bound")
 DEFAULT_SAFETY_RULE = "certified"
 # the per-constraint verdict words (one set, from SafetyReport.verdicts)
@@ -50,7 +51,6 @@ EXACT_FAILS = "fails (exact, data-free)"
 HOLDS = "holds"
 FAILS = "fails"
 # what a certified statistic is when the constraint declares no certify.statistic
-CONSTRAINT_ITSELF = "the constraint's own value (mean of its per-row values)"
 
 
 @dataclass(frozen=True)
@@ -183,7 +183,7 @@ class SafetyReport:
             :mod:`hf_constrained.selection`), when there was one.
         method: the method and its settings (penalty, beta, gammas, sampling).
         model_name: what the report is about (run or model name).
-        weights_fingerprint: :func:`~hf_constrained.safety.fingerprint.weights_fingerprint`
+        weights_fingerprint: :func:`~hf_constrained.safety.model_fingerprint.weights_fingerprint`
             of the evaluated weights; the gate re-evaluates when the weights no longer match.
         safety_rule: what decides the verdict: ``"certified"`` (default: the
             :attr:`certificate` certifies these weights, see :attr:`certified`), or the
@@ -191,7 +191,7 @@ class SafetyReport:
             ``"upper_bound"`` (every CLT upper bound within tolerance).
         extra_columns: the names of the caller-supplied columns (``ConstraintResult.extra``),
             in display order.
-        certificate: :meth:`Certificate.to_dict() <hf_constrained.safety.certify.Certificate.to_dict>`
+        certificate: :meth:`Certificate.to_dict() <hf_constrained.certification.certify.Certificate.to_dict>`
             of the certification of these weights (``None`` without a certification split).
         certificate_candidate: which candidate of the certificate these weights are.
         not_certifiable: constraints without a certification split (``certify.dataset``): a
@@ -201,7 +201,7 @@ class SafetyReport:
             (whether it differs from the trained constraint) and ``old_value`` (the old model's
             value of the statistic, when known).
         weights_files_fingerprint: when the report is saved next to the evaluated weights,
-            :func:`~hf_constrained.safety.fingerprint.weights_files_fingerprint` of those files
+            :func:`~hf_constrained.certification.fingerprint.weights_files_fingerprint` of those files
             (``hf-constrained report --check`` compares it with the files); ``None`` otherwise.
     """
 
@@ -587,26 +587,6 @@ DIAGNOSTICS_CAPTION = ("Diagnostics (no verdict): the trained constraint h_k (th
                        "certificate.")
 
 
-def guarantee_sentence(delta: float, statistics: Mapping[str, str], bounds: Mapping[str, str],
-                       num_rows: Mapping[str, int], num_candidates: int, procedure: str) -> str:
-    """The certificate's guarantee in words, the one copy (reports, cards and
-    :meth:`~hf_constrained.safety.certify.Certificate.statement` use it): the statistic (per
-    constraint), the bound, delta, n and the population."""
-    n = len(statistics)
-    descriptions = sorted(set(statistics.values()))
-    what = descriptions[0] if len(descriptions) == 1 else "its certified statistic (see the table)"
-    subject = (f"for each of the {n} constraints, {what}" if n > 1
-               else f"for constraint {next(iter(statistics))}, {what}")
-    kinds = sorted(set(bounds.values()))
-    asymptotic = " (asymptotic: no finite-sample guarantee)" if "clt" in kinds else ""
-    rows = sorted(int(r) for r in num_rows.values())
-    size = (f"n = {rows[0]}" if rows[0] == rows[-1] else f"n = {rows[0]}-{rows[-1]}") + " rows per constraint" \
-        if rows else "n unknown"
-    return (f"with probability at least {1 - delta:g} over the certification rows, {subject} is at most its "
-            f"tolerance on the population its own certification rows were drawn from ({'/'.join(kinds)} upper "
-            f"bounds{asymptotic}, {size}, {num_candidates} candidate(s) by {procedure.replace('_', '-')} testing)")
-
-
 def format_rows(rows: list[list[str]], markdown: bool) -> str:
     """A header and rows as an aligned plain-text table or a Markdown table."""
     if markdown:
@@ -629,20 +609,6 @@ def _is_number(text: str) -> bool:
     except ValueError:
         return head == "n/a"
     return True
-
-
-def certified_candidates(certificate: Mapping[str, Any]) -> list[int]:
-    """The certified candidates that a certificate's stored bounds, tolerances and procedure imply
-    (recomputed, never read from its stored list: see
-    :meth:`~hf_constrained.safety.certify.Certificate.recomputed_certified`)."""
-    tolerance = certificate.get("tolerance", {})
-    out = []
-    for j, bounds in enumerate(certificate.get("upper_bounds", [])):
-        if all(k in bounds and bounds[k] is not None and bounds[k] <= t for k, t in tolerance.items()):
-            out.append(j)
-        elif certificate.get("procedure") == "fixed_sequence":
-            break
-    return out
 
 
 def _strict_json(value: Any) -> Any:
@@ -700,7 +666,6 @@ __all__ = [
     "EXACT_HOLDS",
     "EXACT_FAILS",
     "ConstraintVerdict",
-    "guarantee_sentence",
     "SAFETY_REPORT_NAME",
     "SAFETY_RULES",
     "check_safety_rule",

@@ -233,7 +233,7 @@ def test_check_certifies_weights_saved_before_finish_run_and_not_older_ones(tmp_
 def test_weight_files_cover_shards_adapters_and_fsdp_folders(tmp_path):
     """Every kind of saved weights counts: a change to any of their files changes the fingerprint;
     a shard that the index lists but that is missing is an error naming it."""
-    from hf_constrained.safety.fingerprint import weight_files, weights_files_fingerprint
+    from hf_constrained.certification.fingerprint import weight_files, weights_files_fingerprint
 
     assert weight_files(str(tmp_path)) == [] and weights_files_fingerprint(str(tmp_path)) is None
     (tmp_path / "README.md").write_text("not weights")

@@ -10,10 +10,10 @@ from datasets import Dataset
 from safety_tiny import ThetaConfig, ThetaModel, objective_data
 
 from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments, Constraint, finish_run
+from hf_constrained.certification.bounds import clopper_pearson_upper_bound, hoeffding_bentkus_upper_bound
 from hf_constrained.cli import main
 from hf_constrained.constraint import Certification, CertifyStatistic
-from hf_constrained.safety.bounds import clopper_pearson_upper_bound, hoeffding_bentkus_upper_bound
-from hf_constrained.safety.fingerprint import weights_fingerprint
+from hf_constrained.safety.model_fingerprint import weights_fingerprint
 from hf_constrained.safety.report import SafetyReport, UnsafeModelError
 
 

@@ -216,7 +216,7 @@ def test_card_after_evaluate_shows_the_evaluation(tmp_path):
 
 
 def test_weights_fingerprint_changes_with_any_weight():
-    from hf_constrained.safety.fingerprint import weights_fingerprint
+    from hf_constrained.safety.model_fingerprint import weights_fingerprint
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
     before = weights_fingerprint(model)
@@ -279,7 +279,7 @@ def test_checkpoint_push_decides_on_the_folders_weights_not_the_models(tmp_path,
     if folder_report != "its own":  # the folder was evaluated: its own report now says UNSAFE
         assert not SafetyReport.load(str(unsafe)).all_satisfied
     # the safe checkpoint is pushed, with a report that names the files uploaded
-    from hf_constrained.safety.fingerprint import weights_files_fingerprint
+    from hf_constrained.certification.fingerprint import weights_files_fingerprint
 
     safe = tmp_path / "run" / "checkpoint-2"
     trainer.push_checkpoint(str(safe))
@@ -307,8 +307,8 @@ def test_checkpoint_push_during_training_never_evaluates_an_unreported_folder(tm
 def test_a_pushed_folder_passes_report_check(tmp_path, hub):
     """What push_to_hub uploads (weights, card, report) verifies with ``hf-constrained report
     --check``: the report names the weight files uploaded with it."""
+    from hf_constrained.certification.fingerprint import weights_files_fingerprint
     from hf_constrained.cli import main
-    from hf_constrained.safety.fingerprint import weights_files_fingerprint
 
     trainer = trained(tmp_path, steps=2)
     finish_run(trainer, plots=False)
