@@ -134,8 +134,8 @@ from hf_constrained.clip.data import CLIPCollator, RowDataset
 from hf_constrained.clip.tiny import tiny_clip, word_tokenizer
 from hf_constrained.config import ConstrainedTrainingArguments
 from hf_constrained.constraint import Certification, Constraint
+from hf_constrained.margin import CalibratedMargin
 from hf_constrained.method.regularisers import KLToOld, ObjectiveRegulariser, Replay
-from hf_constrained.method.strategies import CalibratedMargin
 from hf_constrained.non_forgetting import (
     ReferenceCorrectDataset,
     ReferenceGap,
@@ -147,8 +147,7 @@ from hf_constrained.progress import StepProgressBar
 from hf_constrained.publishable import publishable_values
 from hf_constrained.recipe_args import parse_with_config
 from hf_constrained.redact import redact_command
-from hf_constrained.safety.evaluation import certify_models
-from hf_constrained.safety.finish import finish_run
+from hf_constrained.safety.finish import certify_models, finish_run
 from hf_constrained.safety.in_memory_selection import InMemoryFeasibleSelection, largest_constraint_violation
 from hf_constrained.statistics import constraint_statistic
 

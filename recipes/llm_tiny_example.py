@@ -105,7 +105,7 @@ from hf_constrained.progress import StepProgressBar
 from hf_constrained.publishable import publishable_command, publishable_values
 from hf_constrained.recipe_args import parse_recipe_args
 from hf_constrained.recipes.tiny_lm import char_tokenizer, tiny_causal_lm
-from hf_constrained.safety.evaluation import certify_models
+from hf_constrained.safety.finish import certify_models
 from hf_constrained.text_data import tokenize_sft
 
 logger = logging.getLogger("llm_tiny_example")

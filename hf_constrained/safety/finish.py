@@ -1,4 +1,5 @@
-"""``finish_run``: the one call that ends a run with its safety report, card and figures.
+"""``finish_run``: the one call that ends a run with its safety report, card and figures; and the other
+functions a recipe calls with its trainer (each acts through ``trainer.safety``).
 
 A recipe ends with::
 
@@ -7,36 +8,42 @@ A recipe ends with::
 
 which evaluates the final model exactly on held-out data, writes ``safety_report.json``,
 the model card (``README.md``), ``trainer_state.json`` and the training-curve figures into
-``trainer.args.output_dir``, and returns the :class:`~hf_constrained.safety.report.SafetyReport`.
+``trainer.args.output_dir``, and returns the :class:`~hf_constrained.publishing.report.SafetyReport`.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any, Optional
+from collections.abc import Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 from ..certification.certify import DEFAULT_DELTA, Certificate, best_certified
 from ..certification.selection import evaluation_records, metric_key
 from ..checkpointing import checkpoint_folders, is_complete_checkpoint
 from ..extras import install_hint
+from ..publishing.figures import figures_available, plot_log_history, require_figures
+from ..publishing.report import SafetyReport, UnsafeModelError, check_safety_rule
 from ..redact import redact_command
 from .evaluation import (
     DEFAULT_CONFIDENCE,
-    HoldsSafetyLoop,
     certified_statistics,
     checkpoint_step,
     old_model_constraint_values,
 )
-from .figures import figures_available, plot_log_history, require_figures
 from .model_fingerprint import weights_fingerprint
-from .report import SafetyReport, UnsafeModelError, check_safety_rule
 
 if TYPE_CHECKING:  # pragma: no cover
     from .loop import SafetyLoop
 
 logger = logging.getLogger(__name__)
+
+
+class HoldsSafetyLoop(Protocol):
+    """A trainer holding its safety loop (``hf_constrained.ConstrainedTrainer``): the functions of this module
+    that take a trainer act through ``trainer.safety``."""
+
+    safety: SafetyLoop
 
 
 def finish_run(
@@ -227,6 +234,28 @@ def certify_checkpoints(loop: SafetyLoop, delta: float, current: Optional[str] =
     return certificate, release, folders[release]
 
 
+def build_safety_report(trainer: HoldsSafetyLoop, **kwargs: Any) -> SafetyReport:
+    """Evaluate ``trainer.model`` on held-out data and build its :class:`SafetyReport`, without making it the
+    trainer's current report: :meth:`SafetyLoop.new_report <hf_constrained.safety.loop.SafetyLoop.new_report>`
+    (keyword arguments as :func:`evaluate_report`'s: ``old_model``, ``old_model_values``,
+    ``objective_metrics``, ``confidence``, ``safety_rule``, ``delta``, ``extra_columns``, ...)."""
+    return trainer.safety.new_report(**kwargs)
+
+
+def certify_models(trainer: HoldsSafetyLoop, models: Iterable[Any] = (None,), *, delta: float = DEFAULT_DELTA,
+                   procedure: str = "fixed_sequence") -> Optional[Certificate]:
+    """Certify candidate models on each constraint's ``certify.dataset`` (:func:`certify_run`; ``None`` is the
+    trainer's model): :meth:`SafetyLoop.certify <hf_constrained.safety.loop.SafetyLoop.certify>`."""
+    return trainer.safety.certify(models, delta=delta, procedure=procedure)
+
+
+def report_from_metrics(trainer: HoldsSafetyLoop, metrics: Mapping[str, Any], **kwargs: Any
+                        ) -> Optional[SafetyReport]:
+    """A report from the metrics of an evaluation that already ran (:func:`metrics_report`), under the
+    trainer's safety rule and with its reference values."""
+    return trainer.safety.report_from_metrics(metrics, **kwargs)
+
+
 def push_last(trainer: Any, allow_unsafe: bool = False) -> int:
     """A recipe's last step: ``trainer.push_to_hub()`` through the gate, called after the model, results,
     report and card are written, so a refusal uploads nothing and loses nothing. Returns the command's
@@ -239,4 +268,5 @@ def push_last(trainer: Any, allow_unsafe: bool = False) -> int:
     return 0
 
 
-__all__ = ["certify_checkpoints", "finish_run", "push_last"]
+__all__ = ["HoldsSafetyLoop", "build_safety_report", "certify_checkpoints", "certify_models", "finish_run", "push_last",
+           "report_from_metrics"]

@@ -26,16 +26,13 @@ from __future__ import annotations
 
 import copy
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 from torch import nn
 from transformers import TrainerCallback
 
 from ..certification.selection import EvaluationRecord, FeasibleSelection, is_better, summarize_records
-
-if TYPE_CHECKING:
-    from ..trainer import ConstrainedTrainer
 
 ModelValue = Callable[[nn.Module], float]
 """``value(model) -> float``, evaluated on the weights now in the model (no gradient needed)."""
@@ -106,7 +103,16 @@ class InMemoryFeasibleSelection(TrainerCallback):
         return summarize_records(self.records, self.metric, self.greater_is_better)
 
 
-def largest_constraint_violation(trainer: "ConstrainedTrainer", requirement: Optional[float] = None,
+class ConstraintEvaluator(Protocol):
+    """What the violation reads of a trainer (:class:`~hf_constrained.ConstrainedTrainer` has it): its
+    constraints and their exact values on a split."""
+
+    constraints: Any
+
+    def evaluate_constraints(self, model: Any = None, split: str = "eval") -> dict[str, float]: ...
+
+
+def largest_constraint_violation(trainer: ConstraintEvaluator, requirement: Optional[float] = None,
                                  split: str = "eval") -> ModelValue:
     """``model -> max_k (h_k - tol_k)``: every constraint's exact value on its ``split`` data (``"eval"``: its
     ``eval_dataset``) through ``trainer.evaluate_constraints`` (the trainer's model: the one being trained),

@@ -62,8 +62,16 @@ from ..certification.selection import (
 )
 from ..checkpointing import TRAINER_STATE_NAME
 from ..publishable import publish_trainer_state
+from ..publishing.card import ModelCardInfo, describe_model, render_model_card, write_model_card
+from ..publishing.report import (
+    DEFAULT_SAFETY_RULE,
+    EVAL_CONSTRAINT_PREFIX,
+    SafetyReport,
+    UnsafeModelError,
+    check_safety_rule,
+)
+from ..publishing.verify import EXIT_STALE_OR_UNREADABLE, check_run_dir
 from ..trainer_internals import trainer_load_checkpoint
-from .card import ModelCardInfo, describe_model, render_model_card, write_model_card
 from .evaluation import (
     DEFAULT_CONFIDENCE,
     certify_run,
@@ -73,9 +81,7 @@ from .evaluation import (
     relative_checkpoint,
 )
 from .model_fingerprint import weights_fingerprint
-from .report import DEFAULT_SAFETY_RULE, EVAL_CONSTRAINT_PREFIX, SafetyReport, UnsafeModelError, check_safety_rule
 from .tensorboard import ConstraintTensorBoardCallback
-from .verify import EXIT_STALE_OR_UNREADABLE, check_run_dir
 from .view import RunView, SafetyHost
 
 logger = logging.getLogger(__name__)
@@ -124,7 +130,7 @@ class SafetyLoop:
     Args:
         host: the trainer's operations (:class:`~hf_constrained.safety.view.SafetyHost`).
         view: the run (:class:`~hf_constrained.safety.view.RunView`).
-        model_card_info: :class:`~hf_constrained.safety.card.ModelCardInfo` (base model, data, reproduce
+        model_card_info: :class:`~hf_constrained.publishing.card.ModelCardInfo` (base model, data, reproduce
             command) for the cards; the base model defaults to the model's ``config._name_or_path``.
         reference_constraint_values: the old model's held-out constraint values (name -> value), shown next
             to the new model's in reports and cards.
@@ -483,7 +489,7 @@ class SafetyLoop:
     @contextlib.contextmanager
     def gated_push(self, allow_unsafe: bool = False, safety_rule: Optional[str] = None) -> Iterator[None]:
         """Around the Trainer's ``push_to_hub``: :meth:`check_safe_to_push` first (raising
-        :class:`~hf_constrained.safety.report.UnsafeModelError` before any repository is created or file
+        :class:`~hf_constrained.publishing.report.UnsafeModelError` before any repository is created or file
         uploaded), and the cards the push writes say UNSAFE when ``allow_unsafe`` let a failing model through."""
         self.check_safe_to_push(allow_unsafe=allow_unsafe, safety_rule=safety_rule)
         self._push_allow_unsafe = allow_unsafe
@@ -495,7 +501,7 @@ class SafetyLoop:
     def check_safe_to_push(self, allow_unsafe: bool = False, safety_rule: Optional[str] = None
                            ) -> Optional[SafetyReport]:
         """The gate of ``push_to_hub``, uploading nothing: the safety report of the
-        current weights (built if needed), or :class:`~hf_constrained.safety.report.UnsafeModelError`
+        current weights (built if needed), or :class:`~hf_constrained.publishing.report.UnsafeModelError`
         when a constraint fails on held-out data under ``safety_rule`` (``"certified"``, ``"point"`` or
         ``"upper_bound"``; default :attr:`rule`, which a given ``safety_rule`` replaces) and ``allow_unsafe``
         is false (the local card and report are then updated with the verdict)."""
@@ -589,7 +595,10 @@ class SafetyLoop:
         when it creates the repository, if the Hub cannot be reached or refuses the token."""
         import transformers.trainer as hf_trainer  # its hf_api: the one the Trainer's pushes use
 
-        from ..push import OFFLINE_TRAINER, hub_access_problem  # the recipes' check, and `hf-constrained push`'s
+        from ..publishing.push import (  # the recipes' check, and `hf-constrained push`'s
+            OFFLINE_TRAINER,
+            hub_access_problem,
+        )
 
         problem = hub_access_problem(token or self.view.args.hub_token, hf_trainer.hf_api(),
                                      offline_hint=OFFLINE_TRAINER)

@@ -26,7 +26,7 @@ from hf_constrained.fairness import (
     smallest_certified_gap,
 )
 from hf_constrained.fairness.experiment import ROCFairnessArguments
-from hf_constrained.safety.evaluation import certify_models
+from hf_constrained.safety.finish import certify_models
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 THRESHOLDS = (-1.0, 0.0, 1.0)

@@ -13,8 +13,8 @@ from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments, Con
 from hf_constrained.certification.bounds import clopper_pearson_upper_bound, hoeffding_bentkus_upper_bound
 from hf_constrained.cli import main
 from hf_constrained.constraint import Certification, CertifyStatistic
+from hf_constrained.publishing.report import SafetyReport, UnsafeModelError
 from hf_constrained.safety.model_fingerprint import weights_fingerprint
-from hf_constrained.safety.report import SafetyReport, UnsafeModelError
 
 
 def scaled_rate(model, batch):

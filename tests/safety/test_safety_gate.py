@@ -18,8 +18,8 @@ from test_safety_report import assert_card_matches_report, card_body
 
 from hf_constrained import ConstrainedTrainer
 from hf_constrained.checkpointing import COMPLETE_MARKER
+from hf_constrained.publishing.report import SafetyReport, UnsafeModelError
 from hf_constrained.safety.finish import finish_run
-from hf_constrained.safety.report import SafetyReport, UnsafeModelError
 from hf_constrained.trainer import CONSTRAINT_STATE_NAME
 
 
@@ -326,7 +326,7 @@ def test_an_unreachable_hub_fails_when_the_trainer_is_built(tmp_path, monkeypatc
         def whoami(self, token=None):
             raise ConnectionError("[Errno 101] Network is unreachable")
 
-    import hf_constrained.push as push
+    import hf_constrained.publishing.push as push
 
     hub = Offline()
     monkeypatch.setattr(hf_trainer, "hf_api", lambda: hub)

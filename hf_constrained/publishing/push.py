@@ -7,7 +7,7 @@
   not after, under a traceback.
 * :func:`push_run`: ``hf-constrained push RUN_DIR --repo_id owner/name`` uploads a finished run,
   as ``huggingface-cli upload`` would, only after the checks of ``hf-constrained report --check``
-  (:func:`~hf_constrained.safety.verify.check_run_dir`: the report is intact, names the weight
+  (:func:`~hf_constrained.publishing.verify.check_run_dir`: the report is intact, names the weight
   files in the folder, and certifies them) and of the gate that judges a folder's weights
   (the same check; and the folder must hold the weights it vouches for). A refusal is one line.
 """
@@ -91,8 +91,8 @@ def push_run(run_dir: str, repo_id: str, *, private: Optional[bool] = None, comm
              api: Optional[Any] = None) -> PushResult:
     """Upload the finished run in ``run_dir`` to ``repo_id`` after the checks of ``report --check`` and of
     the gate (see the module docstring); nothing is created or uploaded when a check fails."""
-    from .certification.fingerprint import weights_files_fingerprint
-    from .safety.verify import EXIT_CERTIFIED, EXIT_STALE_OR_UNREADABLE, check_run_dir
+    from ..certification.fingerprint import weights_files_fingerprint
+    from .verify import EXIT_CERTIFIED, EXIT_STALE_OR_UNREADABLE, check_run_dir
 
     if "/" not in repo_id.strip("/"):
         return PushResult(2, f"--repo_id {repo_id!r}: give the full id, owner/name (e.g. your-user/{repo_id})")
@@ -103,7 +103,7 @@ def push_run(run_dir: str, repo_id: str, *, private: Optional[bool] = None, comm
         verdict = check.report.summary() if check.report is not None and check.exit_code != 2 else check.message
         return PushResult(check.exit_code, f"not pushed: {verdict}")
     if weights_files_fingerprint(run_dir) is None:  # the gate judges the files it uploads
-        from .checkpointing import checkpoint_folders
+        from ..checkpointing import checkpoint_folders
 
         ready = [c for c in checkpoint_folders(run_dir) if check_run_dir(c).exit_code == EXIT_CERTIFIED
                  and weights_files_fingerprint(c) is not None]
