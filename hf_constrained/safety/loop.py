@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import logging
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -48,7 +49,7 @@ from typing import Any, Optional
 from transformers import TrainerCallback
 from transformers.integrations import TensorBoardCallback
 
-from ..certification.certify import DEFAULT_DELTA, Certificate
+from ..certification.certify import Certificate
 from ..certification.fingerprint import weight_files, weights_files_fingerprint
 from ..certification.selection import (
     EvaluationRecord,
@@ -64,16 +65,13 @@ from ..checkpointing import TRAINER_STATE_NAME
 from ..publishable import publish_trainer_state
 from ..publishing.card import ModelCardInfo, describe_model, render_model_card, write_model_card
 from ..publishing.report import (
-    DEFAULT_SAFETY_RULE,
     EVAL_CONSTRAINT_PREFIX,
     SafetyReport,
     UnsafeModelError,
-    check_safety_rule,
 )
 from ..publishing.verify import EXIT_STALE_OR_UNREADABLE, check_run_dir
 from ..trainer_internals import trainer_load_checkpoint
 from .evaluation import (
-    DEFAULT_CONFIDENCE,
     certify_run,
     checkpoint_report,
     evaluate_report,
@@ -81,6 +79,8 @@ from .evaluation import (
     relative_checkpoint,
 )
 from .model_fingerprint import weights_fingerprint
+from .run_end import RunEnd
+from .settings import CertificateSettings
 from .tensorboard import ConstraintTensorBoardCallback
 from .view import RunView, SafetyHost
 
@@ -119,13 +119,14 @@ def _files_signature(folder: str) -> tuple:
     return tuple(signature)
 
 
-class SafetyLoop:
+class SafetyLoop(RunEnd):
     """The safety side of one run: reports, certificates, cards and the gate, for the weights in the model.
 
     Built by the trainer (``trainer.safety``); users call :meth:`check_safe_to_push`,
-    :meth:`build_report`, :meth:`current_report` and set :attr:`rule`, :attr:`confidence` and :attr:`delta`
-    (``finish_run`` sets them). The trainer's ``push_to_hub``, ``save_model``, ``create_model_card`` and
-    ``push_checkpoint`` go through it.
+    :meth:`build_report`, :meth:`current_report`, :meth:`finish` (``finish_run``) and :meth:`configure`, which
+    changes the certificate's settings (:attr:`settings`, a
+    :class:`~hf_constrained.safety.settings.CertificateSettings`). The trainer's ``push_to_hub``,
+    ``save_model``, ``create_model_card`` and ``push_checkpoint`` go through it.
 
     Args:
         host: the trainer's operations (:class:`~hf_constrained.safety.view.SafetyHost`).
@@ -134,30 +135,59 @@ class SafetyLoop:
             command) for the cards; the base model defaults to the model's ``config._name_or_path``.
         reference_constraint_values: the old model's held-out constraint values (name -> value), shown next
             to the new model's in reports and cards.
+        settings: the certificate's settings (default: :class:`~hf_constrained.safety.settings.CertificateSettings`
+            with its defaults; ``model_card_info``, when given, is their card).
     """
 
     def __init__(self, host: SafetyHost, view: RunView, *, model_card_info: Optional[ModelCardInfo] = None,
-                 reference_constraint_values: Optional[Mapping[str, float]] = None) -> None:
+                 reference_constraint_values: Optional[Mapping[str, float]] = None,
+                 settings: Optional[CertificateSettings] = None) -> None:
         self.host = host
         self.view = view
-        self.model_card_info: ModelCardInfo = model_card_info or ModelCardInfo()
-        if self.model_card_info.base_model is None:
+        settings = settings or CertificateSettings()
+        card = model_card_info or settings.card
+        if card.base_model is None:
             config = getattr(host.model, "config", None)  # a transformers model's; a plain module has none
-            self.model_card_info.base_model = getattr(config, "_name_or_path", None) or None
+            card = dataclasses.replace(card, base_model=getattr(config, "_name_or_path", None) or None)
+        # what the certificate claims and what the end of the run writes: replaced (configure, finish), never edited
+        self.settings: CertificateSettings = dataclasses.replace(settings, card=card)
         self.reference_values: Optional[dict[str, float]] = (
             None if reference_constraint_values is None
             else {k: float(v) for k, v in reference_constraint_values.items()})
         self.report: Optional[SafetyReport] = None  # the last report recorded (see current_report)
-        # what decides the verdict ("certified", or the uncertified "point" / "upper_bound"), the CLT bounds'
-        # level and the certificate's delta; finish_run sets them
-        self.rule = DEFAULT_SAFETY_RULE
-        self.confidence = DEFAULT_CONFIDENCE
-        self.delta = DEFAULT_DELTA
         self._weights_eval: Optional[WeightsEvaluation] = None  # the last exact evaluation of the model
         self._declared_origin: Optional[tuple[int, Optional[str]]] = None
         self._stale_note = ""  # why the last report no longer describes the weights
         self._saved_weights: dict[str, SavedWeights] = {}  # folder (real path) -> the weights saved there
         self._push_allow_unsafe = False
+
+    # ------------------------------------------------------------------ the certificate's settings
+    def configure(self, **changes: Any) -> CertificateSettings:
+        """Change the loop's settings (:meth:`CertificateSettings.changed
+        <hf_constrained.safety.settings.CertificateSettings.changed>`: ``delta``, ``safety_rule``, ``candidates``,
+        ``confidence``, ``plots`` and the card's information), checked; returns the new settings."""
+        self.settings = self.settings.changed(self.view.output_dir, **changes)
+        return self.settings
+
+    @property
+    def rule(self) -> str:
+        """What decides the verdict: ``"certified"``, or the uncertified ``"point"`` / ``"upper_bound"``."""
+        return self.settings.safety_rule
+
+    @property
+    def confidence(self) -> float:
+        """The level of the CLT upper confidence bounds shown beside the values."""
+        return self.settings.confidence
+
+    @property
+    def delta(self) -> float:
+        """The certificate's error level."""
+        return self.settings.delta
+
+    @property
+    def model_card_info(self) -> ModelCardInfo:
+        """What the cards say of the model and its data (the settings' ``card``)."""
+        return self.settings.card
 
     @property
     def active(self) -> bool:
@@ -508,7 +538,7 @@ class SafetyLoop:
         if not self.active:
             return None
         if safety_rule is not None:
-            self.rule = check_safety_rule(safety_rule)
+            self.configure(safety_rule=safety_rule)
         report = self.current_report()
         if report is not None and self.rule == "upper_bound" and report.without_bound:
             report = None  # the bounds decide: evaluate again with the per-row statistics
