@@ -188,6 +188,9 @@ class SafetyReport(ReportText):
         certificate_candidate: which candidate of the certificate these weights are.
         not_certifiable: constraints without a certification split (``certify.dataset``): a
             run with any is not certified.
+        settings: the certificate's settings the run ended with (``delta``, ``safety_rule``, ``candidates``,
+            ``confidence``: :meth:`CertificateSettings.to_dict
+            <hf_constrained.safety.settings.CertificateSettings.to_dict>`); empty for a report made otherwise.
         statistics: per certifiable constraint, what the certificate measures: ``description``
             (the statistic and its unit, e.g. "share of the task's examples forgotten"), ``proxy``
             (whether it differs from the trained constraint) and ``old_value`` (the old model's
@@ -213,6 +216,7 @@ class SafetyReport(ReportText):
     not_certifiable: list[str] = field(default_factory=list)
     weights_files_fingerprint: Optional[str] = None
     statistics: dict[str, dict[str, Any]] = field(default_factory=dict)
+    settings: dict[str, Any] = field(default_factory=dict)
     created_at: str = field(default_factory=lambda: _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
 
     # ------------------------------------------------------------------ verdict
@@ -332,6 +336,7 @@ class SafetyReport(ReportText):
             "not_certifiable": list(self.not_certifiable),
             "created_at": self.created_at,
             "statistics": {k: dict(v) for k, v in self.statistics.items()},
+            "settings": dict(self.settings),
             "constraints": [{**c.to_dict(), "verdict": v.word, "passes": v.passes}
                             for c, v in zip(self.constraints, self.verdicts())],
             "objective_metrics": dict(self.objective_metrics),
@@ -363,6 +368,7 @@ class SafetyReport(ReportText):
             certificate_candidate=int(data.get("certificate_candidate") or 0),
             not_certifiable=list(data.get("not_certifiable") or []),
             statistics={k: dict(v) for k, v in (data.get("statistics") or {}).items()},
+            settings=dict(data.get("settings") or {}),
             created_at=data.get("created_at", ""),
         )
 

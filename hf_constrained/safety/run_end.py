@@ -72,6 +72,7 @@ class RunEnd:
                                  statistics=certified_statistics(view, host, old_model), fingerprint=fingerprint)
         if released is not None:
             report.global_step = checkpoint_step(released)
+        report.settings = settings.to_dict()  # saved with the run: what the certificate was asked to claim
         self.set_report(report)
         if host.is_world_process_zero():
             self._write_run_files(report, plots, show)

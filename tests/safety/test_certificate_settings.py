@@ -11,6 +11,7 @@ from safety_tiny import make_trainer
 
 from hf_constrained import finish_run
 from hf_constrained.publishing.card import ModelCardInfo
+from hf_constrained.publishing.report import SafetyReport
 from hf_constrained.safety.settings import CertificateSettings
 
 
@@ -53,6 +54,8 @@ def test_finish_run_replaces_the_loops_settings_and_the_pushes_after_it_use_them
     assert loop.settings is not before
     assert (loop.rule, loop.delta, loop.model_card_info.license) == ("upper_bound", 0.02, "apache-2.0")
     assert report.safety_rule == "upper_bound"
+    saved = SafetyReport.load(str(tmp_path / "run"))  # saved with the run
+    assert saved.settings == {"delta": 0.02, "safety_rule": "upper_bound", "candidates": "final", "confidence": 0.95}
     assert loop.check_safe_to_push(allow_unsafe=True).safety_rule == "upper_bound"
     with pytest.raises(TypeError, match="unknown certificate setting"):
         finish_run(trainer, dleta=0.1)
