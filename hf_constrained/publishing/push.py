@@ -65,6 +65,21 @@ def hub_access_problem(token: Optional[str] = None, api: Optional[Any] = None, *
     return None
 
 
+def check_hub_for_deferred_push(token: Optional[str] = None) -> None:
+    """A ``RuntimeError`` in one sentence when the Hub cannot be reached or refuses ``token``: with
+    ``push_to_hub=True`` and constraints the repository is created by the first push that passes the safety
+    gate (so an unsafe run never creates one), and the trainer checks the access when it is built instead,
+    where the Trainer itself would fail."""
+    import transformers.trainer as hf_trainer  # its hf_api: the one the Trainer's pushes use
+
+    problem = hub_access_problem(token, hf_trainer.hf_api(), offline_hint=OFFLINE_TRAINER)
+    if problem is not None:
+        raise RuntimeError(
+            f"push_to_hub=True, but {problem}; the run would fail at its first push. Fix that (the network, "
+            "`hf auth login`, HF_TOKEN or --hub_token), or train with push_to_hub=False and push the finished run "
+            "afterwards (hf-constrained push RUN_DIR --repo_id owner/name)")
+
+
 def check_hub_before_training(training_args: Any, error: Callable[[str], Any]) -> None:
     """With ``--push_to_hub`` or ``--hub_model_id``: ``error(message)`` (a parser's usage error) when the
     Hub cannot take the push (:func:`hub_access_problem`), before any model or data loads."""
@@ -125,4 +140,4 @@ def push_run(run_dir: str, repo_id: str, *, private: Optional[bool] = None, comm
 
 
 __all__ = ["OFFLINE_BEFORE_TRAINING", "OFFLINE_PUSH", "OFFLINE_TRAINER", "PUSH_IGNORE", "PushResult",
-           "check_hub_before_training", "hub_access_problem", "hub_api", "push_run"]
+           "check_hub_before_training", "check_hub_for_deferred_push", "hub_access_problem", "hub_api", "push_run"]

@@ -26,13 +26,12 @@ hooks the trainer overrides with one-line delegations, where no callback runs:
 - with constraints the stock TensorBoard callback is replaced, in its place, by
   :class:`~hf_constrained.safety.tensorboard.ConstraintTensorBoardCallback` (constraint scalars grouped).
 
-Without constraints every one of these is the Trainer's own behaviour: no card or report files, no
-deferred repository, the Trainer's callbacks.
+Without constraints every one of these is the Trainer's own behaviour (no card or report files, no deferred
+repository).
 
-A report is tied to the weights it describes by their
-:func:`~hf_constrained.safety.model_fingerprint.weights_fingerprint`: when the weights change after it (more
-training, ``load_state_dict``, an edit), the cards say NOT CHECKED and the gate evaluates them again
-before anything is published.
+A report is tied to the weights it describes by their fingerprint (:mod:`~hf_constrained.safety.model_fingerprint`):
+when the weights change after it (more training, ``load_state_dict``, an edit), the cards say NOT CHECKED and
+the gate evaluates them again before anything is published. The end of a run: :mod:`~hf_constrained.safety.run_end`.
 """
 
 from __future__ import annotations
@@ -50,7 +49,7 @@ from transformers import TrainerCallback
 from transformers.integrations import TensorBoardCallback
 
 from ..certification.certify import Certificate
-from ..certification.fingerprint import weight_files, weights_files_fingerprint
+from ..certification.fingerprint import weights_files_fingerprint
 from ..certification.selection import (
     EvaluationRecord,
     FeasibleSelection,
@@ -64,6 +63,7 @@ from ..certification.selection import (
 from ..checkpointing import TRAINER_STATE_NAME
 from ..publishable import publish_trainer_state
 from ..publishing.card import ModelCardInfo, describe_model, render_model_card, write_model_card
+from ..publishing.push import check_hub_for_deferred_push
 from ..publishing.report import (
     EVAL_CONSTRAINT_PREFIX,
     SafetyReport,
@@ -80,6 +80,7 @@ from .evaluation import (
 )
 from .model_fingerprint import weights_fingerprint
 from .run_end import RunEnd
+from .saved_weights import SavedWeightFiles
 from .settings import CertificateSettings
 from .tensorboard import ConstraintTensorBoardCallback
 from .view import RunView, SafetyHost
@@ -99,24 +100,6 @@ class WeightsEvaluation:
     weights_step: int  # the step the weights were trained to
     checkpoint: Optional[str]  # the checkpoint they were loaded from (load_best_model_at_end)
     fingerprint: str
-
-
-@dataclass
-class SavedWeights:
-    """Weights this trainer saved into a folder: the fingerprint of the weights in memory then,
-    of the files written, and the files' (name, size, mtime) to notice a later change."""
-
-    weights_fingerprint: str
-    files_fingerprint: str
-    signature: tuple
-
-
-def _files_signature(folder: str) -> tuple:
-    signature = []
-    for name in weight_files(folder):
-        stat = os.stat(os.path.join(folder, name))
-        signature.append((name, stat.st_size, stat.st_mtime_ns))
-    return tuple(signature)
 
 
 class SafetyLoop(RunEnd):
@@ -142,8 +125,7 @@ class SafetyLoop(RunEnd):
     def __init__(self, host: SafetyHost, view: RunView, *, model_card_info: Optional[ModelCardInfo] = None,
                  reference_constraint_values: Optional[Mapping[str, float]] = None,
                  settings: Optional[CertificateSettings] = None) -> None:
-        self.host = host
-        self.view = view
+        self.host, self.view = host, view
         settings = settings or CertificateSettings()
         card = model_card_info or settings.card
         if card.base_model is None:
@@ -158,7 +140,7 @@ class SafetyLoop(RunEnd):
         self._weights_eval: Optional[WeightsEvaluation] = None  # the last exact evaluation of the model
         self._declared_origin: Optional[tuple[int, Optional[str]]] = None
         self._stale_note = ""  # why the last report no longer describes the weights
-        self._saved_weights: dict[str, SavedWeights] = {}  # folder (real path) -> the weights saved there
+        self._saved = SavedWeightFiles()  # the weight files this trainer saved, and which weights they hold
         self._push_allow_unsafe = False
 
     # ------------------------------------------------------------------ the certificate's settings
@@ -171,23 +153,16 @@ class SafetyLoop(RunEnd):
 
     @property
     def rule(self) -> str:
-        """What decides the verdict: ``"certified"``, or the uncertified ``"point"`` / ``"upper_bound"``."""
+        """What decides the verdict (``settings.safety_rule``): ``"certified"``, ``"point"`` or ``"upper_bound"``."""
         return self.settings.safety_rule
 
     @property
-    def confidence(self) -> float:
-        """The level of the CLT upper confidence bounds shown beside the values."""
+    def confidence(self) -> float:  # of the CLT bounds shown beside the values
         return self.settings.confidence
 
     @property
-    def delta(self) -> float:
-        """The certificate's error level."""
+    def delta(self) -> float:  # the certificate's error level
         return self.settings.delta
-
-    @property
-    def model_card_info(self) -> ModelCardInfo:
-        """What the cards say of the model and its data (the settings' ``card``)."""
-        return self.settings.card
 
     @property
     def active(self) -> bool:
@@ -436,7 +411,7 @@ class SafetyLoop(RunEnd):
         ``directory/README.md`` and, with a report, ``safety_report.json`` next to it.
 
         The other arguments are those of ``Trainer.create_model_card`` and override
-        :attr:`model_card_info` for this card (``finetuned_from``: the base model;
+        the settings' card (:attr:`settings`) for this card (``finetuned_from``: the base model;
         ``dataset`` / ``dataset_tags``: the datasets; ``tasks``: the model-index task).
         """
         if not self.host.is_world_process_zero() or not self.active:
@@ -447,7 +422,7 @@ class SafetyLoop(RunEnd):
         directory = directory or args.output_dir
         report = report if report is not None else self.current_report()
         name = model_name or os.path.basename(os.path.normpath(args.output_dir))
-        info = self.model_card_info.with_trainer_card_arguments(
+        info = self.settings.card.with_trainer_card_arguments(
             language=language, license=license, tags=tags, finetuned_from=finetuned_from, tasks=tasks,
             dataset_tags=dataset_tags, dataset=dataset)
         model = self.host.accelerator.unwrap_model(self.host.model)
@@ -478,23 +453,9 @@ class SafetyLoop(RunEnd):
         trainer saved from those weights and unchanged since, or ``files_fingerprint`` when the
         caller knows them (the report keeps the value of its last save). Returns the path."""
         if files_fingerprint is None:
-            files_fingerprint = self._saved_files_fingerprint(report, directory)
+            files_fingerprint = self._saved.files_fingerprint(directory, report.weights_fingerprint)
         report.weights_files_fingerprint = files_fingerprint
         return report.save(directory)
-
-    def _saved_files_fingerprint(self, report: SafetyReport, directory: str) -> Optional[str]:
-        """The fingerprint of the weight files in ``directory`` when this trainer saved them from
-        the weights ``report`` describes and they have not changed since; else ``None``."""
-        saved = self._saved_weights.get(os.path.realpath(directory))
-        if (saved is None or report.weights_fingerprint is None
-                or saved.weights_fingerprint != report.weights_fingerprint):
-            return None
-        try:
-            if _files_signature(directory) != saved.signature:
-                return None
-        except (OSError, ValueError):
-            return None
-        return saved.files_fingerprint
 
     def model_saved(self, directory: str) -> None:
         """After the trainer's ``save_model`` wrote weights into ``directory``: which weights they are
@@ -502,17 +463,7 @@ class SafetyLoop(RunEnd):
         the model card (with the report) beside them. Without constraints, nothing."""
         if not self.view.args.should_save or not self.active:
             return
-        try:
-            files = weights_files_fingerprint(directory)
-            signature = _files_signature(directory)
-        except (OSError, ValueError) as exc:
-            logger.warning("cannot fingerprint the weight files in %s: %s", directory, exc)
-            files = None
-        key = os.path.realpath(directory)
-        if files is None:
-            self._saved_weights.pop(key, None)
-        else:
-            self._saved_weights[key] = SavedWeights(self.weights_fingerprint(), files, signature)
+        self._saved.record(directory, self.weights_fingerprint)
         self.write_model_card(directory)
 
     # ------------------------------------------------------------------ the gate
@@ -599,10 +550,10 @@ class SafetyLoop(RunEnd):
         if files is None:
             logger.warning("%s holds no weight files", folder)
             return None, None
-        saved = self._saved_weights.get(os.path.realpath(folder))
-        if saved is not None and saved.files_fingerprint == files:
+        saved_from = self._saved.weights_of(folder, files)
+        if saved_from is not None:
             current = self.current_report()  # these files were saved from the weights it describes?
-            if current is not None and current.weights_fingerprint == saved.weights_fingerprint:
+            if current is not None and current.weights_fingerprint == saved_from:
                 return current, files
         check = check_run_dir(folder)  # the folder's own report, if intact and naming these files
         if check.exit_code != EXIT_STALE_OR_UNREADABLE and check.report is not None:
@@ -620,25 +571,11 @@ class SafetyLoop(RunEnd):
         return report, files
 
     def check_hub_access(self, token: Optional[str] = None) -> None:
-        """With ``push_to_hub=True`` and constraints the repository is created by the first push that passes the
-        gate, so an unsafe run never creates one; this fails when the trainer is built, where the Trainer fails
-        when it creates the repository, if the Hub cannot be reached or refuses the token."""
-        import transformers.trainer as hf_trainer  # its hf_api: the one the Trainer's pushes use
-
-        from ..publishing.push import (  # the recipes' check, and `hf-constrained push`'s
-            OFFLINE_TRAINER,
-            hub_access_problem,
-        )
-
-        problem = hub_access_problem(token or self.view.args.hub_token, hf_trainer.hf_api(),
-                                     offline_hint=OFFLINE_TRAINER)
-        if problem is not None:
-            raise RuntimeError(
-                f"push_to_hub=True, but {problem}; the run would fail at its first push. Fix that (the network, "
-                "`hf auth login`, HF_TOKEN or --hub_token), or train with push_to_hub=False and push the finished run "
-                "afterwards (hf-constrained push RUN_DIR --repo_id owner/name)")
+        """With ``push_to_hub=True`` the first push through the gate creates the repository: fail now, when the
+        trainer is built, if the Hub cannot be reached or refuses the token
+        (:func:`~hf_constrained.publishing.push.check_hub_for_deferred_push`)."""
+        check_hub_for_deferred_push(token or self.view.args.hub_token)
         logger.info("push_to_hub: the Hub repository will be created when the safety gate first passes")
-
 
 class SafetyLoopCallback(TrainerCallback):
     """Drives a :class:`SafetyLoop` from the Trainer's events: a new training forgets the last report, every

@@ -52,7 +52,7 @@ def test_finish_run_replaces_the_loops_settings_and_the_pushes_after_it_use_them
     report = finish_run(trainer, plots=False, safety_rule="upper_bound", delta=0.02, license="apache-2.0")
     assert before.delta == 0.05 and before.safety_rule == "point"  # the value it held is not edited
     assert loop.settings is not before
-    assert (loop.rule, loop.delta, loop.model_card_info.license) == ("upper_bound", 0.02, "apache-2.0")
+    assert (loop.rule, loop.delta, loop.settings.card.license) == ("upper_bound", 0.02, "apache-2.0")
     assert report.safety_rule == "upper_bound"
     saved = SafetyReport.load(str(tmp_path / "run"))  # saved with the run
     assert saved.settings == {"delta": 0.02, "safety_rule": "upper_bound", "candidates": "final", "confidence": 0.95}

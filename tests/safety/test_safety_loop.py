@@ -55,8 +55,8 @@ def test_the_trainers_public_names_hold_no_safety_internals(tmp_path):
                                                             "push_allow_unsafe", "defer_hub_repo"}}
     assert isinstance(trainer.safety, SafetyLoop) and isinstance(trainer.safety.view, RunView)
     # what users reach through trainer.safety instead
-    assert {"build_report", "check_safe_to_push", "checkpoint_model", "confidence", "current_report", "delta",
-            "feasible_selection", "model_card_info", "reference_values", "report", "rule", "save_report",
+    assert {"build_report", "check_safe_to_push", "checkpoint_model", "confidence", "configure", "current_report",
+            "delta", "feasible_selection", "finish", "reference_values", "report", "rule", "save_report", "settings",
             "set_report", "weights_fingerprint", "weights_origin", "write_model_card"} <= public_names(trainer.safety)
 
 
