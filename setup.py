@@ -2,7 +2,7 @@
 
 The model-card templates have one source, ``model_cards/`` at the repository root. A wheel
 (non-editable install) gets a copy as ``hf_constrained/model_cards/``, where
-:func:`hf_constrained.safety.card.template_path` finds it; an editable install reads
+:func:`hf_constrained.publishing.card.template_path` finds it; an editable install reads
 ``model_cards/`` directly.
 
 Likewise the recipes (``recipes/*.py``, ``recipes/configs/``, ``recipes/accelerate_configs/``):

@@ -3,7 +3,7 @@
 Per-row values are bounded and skewed like a non-forgetting change per image (mostly 0, a few
 large): ``v = B * Beta(3, 1)`` with probability ``p`` and ``0`` otherwise, in ``[0, 1]``, so the
 population mean is ``p * 0.75`` exactly. For every setting the script certifies with
-:func:`hf_constrained.safety.certify.certify` and counts:
+:func:`hf_constrained.certification.certify.certify` and counts:
 
 - **false certification rate** (validity): constraint 0 has its true mean just ABOVE its
   tolerance (``mean = 0.075``, tolerance ``0.07``), the others are comfortably inside; a certified
@@ -31,7 +31,7 @@ import time
 import numpy as np
 
 from hf_constrained.atomic_files import atomic_write_json
-from hf_constrained.safety.certify import certify
+from hf_constrained.certification.certify import certify
 
 MEAN = 0.075  # p * 0.75 with p = 0.1: the population mean of every violated constraint
 TOL_NULL = 0.07  # just below the mean: the constraint is violated

@@ -29,8 +29,8 @@ from typing import Any, Optional
 from scipy.stats import binom
 
 from hf_constrained.atomic_files import atomic_write_json
+from hf_constrained.certification.bounds import clopper_pearson_upper_bound, most_forgotten_that_certify
 from hf_constrained.publishable import publishable_command
-from hf_constrained.safety.bounds import clopper_pearson_upper_bound, most_forgotten_that_certify
 
 
 def all_certify(most: int, n: int, rate: float, tasks: int) -> float:

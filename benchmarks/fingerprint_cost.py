@@ -1,6 +1,6 @@
 """Cost of the weights fingerprint that ties a safety report to its weights.
 
-``hf_constrained.safety.fingerprint.weights_fingerprint`` (SHA-256 over every tensor of
+``hf_constrained.safety.model_fingerprint.weights_fingerprint`` (SHA-256 over every tensor of
 the state dict) on a tiny BERT built from a config and on larger stacks of linear layers,
 CPU, float32. Prints the median of 5 repetitions per model.
 
@@ -15,7 +15,7 @@ import time
 import torch
 from transformers import BertConfig, BertModel
 
-from hf_constrained.safety.fingerprint import weights_fingerprint
+from hf_constrained.safety.model_fingerprint import weights_fingerprint
 
 
 def timed(model: torch.nn.Module, repeats: int = 5) -> float:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from .lazy_import import lazy_attributes
 
 if TYPE_CHECKING:  # pragma: no cover
+    from .certification.certify import Certificate, certify
     from .clip.contrastive import ContrastiveConstrainedTrainer
     from .config import ConstrainedTrainingArguments
     from .constraint import (
@@ -30,12 +31,10 @@ if TYPE_CHECKING:  # pragma: no cover
         ConstraintValueError,
         constraints_per_value,
     )
-    from .method.strategies import CalibratedMargin, CertificateMargin, FixedMargin
+    from .margin import CalibratedMargin, CertificateMargin, FixedMargin
     from .non_forgetting import non_forgetting_constraints
-    from .safety.certify import Certificate, certify
-    from .safety.evaluation import build_safety_report
-    from .safety.finish import finish_run
-    from .safety.report import SafetyReport, UnsafeModelError
+    from .publishing.report import SafetyReport, UnsafeModelError
+    from .safety.finish import build_safety_report, finish_run
     from .trainer import ConstrainedTrainer
 
 __version__ = "0.1.0"
@@ -47,19 +46,19 @@ _LAZY = {
     "Constraint": ".constraint",
     "Certification": ".constraint",
     "CertifyStatistic": ".constraint",
-    "Certificate": ".safety.certify",
-    "certify": ".safety.certify",
+    "Certificate": ".certification.certify",
+    "certify": ".certification.certify",
     "constraints_per_value": ".constraint",
     "non_forgetting_constraints": ".non_forgetting",
     "ContrastiveConstrainedTrainer": ".clip.contrastive",
     "finish_run": ".safety.finish",
-    "build_safety_report": ".safety.evaluation",
-    "SafetyReport": ".safety.report",
-    "UnsafeModelError": ".safety.report",
+    "build_safety_report": ".safety.finish",
+    "SafetyReport": ".publishing.report",
+    "UnsafeModelError": ".publishing.report",
     "ConstraintValueError": ".constraint",
-    "FixedMargin": ".method.strategies",
-    "CalibratedMargin": ".method.strategies",
-    "CertificateMargin": ".method.strategies",
+    "FixedMargin": ".margin",
+    "CalibratedMargin": ".margin",
+    "CertificateMargin": ".margin",
 }
 
 

@@ -18,13 +18,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import numpy as np
 import torch
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .constraint import Constraint
 
 Collate = Callable[[Sequence[Any]], Any]
 
@@ -202,6 +199,14 @@ def shallow_copy(batch: Any) -> Any:
     return type(batch)(batch) if isinstance(batch, MutableMapping) else batch
 
 
+class ConstraintRows(Protocol):
+    """What a batch maker reads of a constraint (:class:`~hf_constrained.Constraint`): its training rows and
+    its own collate function, if any."""
+
+    dataset: Any
+    collate_fn: Optional[Collate]
+
+
 class BatchMaker:
     """Rows to a device batch, with the one collate rule.
 
@@ -217,7 +222,7 @@ class BatchMaker:
         self.data_collator = None if data_collator is default_data_collator else data_collator
         self.to_device = to_device
 
-    def collate_of(self, c: "Constraint") -> Collate:
+    def collate_of(self, c: ConstraintRows) -> Collate:
         """The collate function of constraint ``c``'s batches."""
         if c.collate_fn is not None:
             return c.collate_fn
@@ -232,7 +237,7 @@ class BatchMaker:
         """The device batch of ``rows`` of ``dataset``."""
         return self.units([RowUnit(dataset, rows)], collate)[0]
 
-    def constraint_rows(self, c: "Constraint", rows: list[int]) -> Any:
+    def constraint_rows(self, c: ConstraintRows, rows: list[int]) -> Any:
         """The device batch of ``rows`` of constraint ``c``'s training data."""
         return self.rows(c.dataset, rows, self.collate_of(c))
 
@@ -246,5 +251,5 @@ class BatchMaker:
             yield rows, self.rows(data, rows, collate)
 
 
-__all__ = ["BatchMaker", "Collate", "RowUnit", "collate_examples", "collate_units", "fetch_rows", "pinned_to",
-           "row_source", "shallow_copy"]
+__all__ = ["BatchMaker", "Collate", "ConstraintRows", "RowUnit", "collate_examples", "collate_units", "fetch_rows",
+           "pinned_to", "row_source", "shallow_copy"]

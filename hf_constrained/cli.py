@@ -26,15 +26,17 @@ import sys
 from typing import Any, Optional, Sequence
 
 from .atomic_files import atomic_write_json
+from .certification.selection import FeasibleSelection
 from .checkpointing import checkpoint_folders, checkpoint_problem
 from .errors import RecipeConfigError
 from .extras import MissingExtraError, extra_for_module, install_hint
 from .help_cache import SHIPPED, cached_help, render_help, versions
-from .recipes import DEMO_MODULE, RECIPES, Recipe, shipped_recipe_files
-from .safety.figures import plot_log_history
-from .safety.report import SAFETY_REPORT_NAME, SAFETY_RULES, SafetyReport, format_number
-from .safety.selection import FeasibleSelection
-from .safety.verify import EXIT_STALE_OR_UNREADABLE, check_run_dir
+from .publishing.figures import plot_log_history
+from .publishing.report import SAFETY_REPORT_NAME, SAFETY_RULES, SafetyReport
+from .publishing.tables import format_number
+from .publishing.verify import EXIT_STALE_OR_UNREADABLE, check_run_dir
+from .recipe_registry import DEMO_MODULE, RECIPES, Recipe
+from .recipes import shipped_recipe_files
 
 
 def find_trainer_state(run_dir: str) -> str:
@@ -90,7 +92,7 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _push(args: argparse.Namespace) -> int:
-    from .push import push_run
+    from .publishing.push import push_run
 
     try:
         result = push_run(args.run_dir, args.repo_id, private=args.private or None,

@@ -13,9 +13,10 @@ from typing import Any, Optional
 from transformers import TrainingArguments
 
 from .launch import accelerator_available
+from .margin import Margin, run_margin
 from .method.estimators import parse_gamma_prime
 from .method.penalties import PENALTIES
-from .method.strategies import EstimateSource, Margin, check_indicator_fraction, estimate_source, run_margin
+from .method.strategies import EstimateSource, check_indicator_fraction, estimate_source
 from .publishable import is_secret_flag, publishable_path
 
 
@@ -201,7 +202,7 @@ class ConstrainedTrainingArguments(TrainingArguments):
 
     def margin_rule(self) -> Optional[Margin]:
         """The run's margin rule from ``constraint_margin``, ``constraint_confidence`` and
-        ``constraint_certificate_delta`` (at most one): :func:`hf_constrained.method.strategies.run_margin`."""
+        ``constraint_certificate_delta`` (at most one): :func:`hf_constrained.margin.run_margin`."""
         return run_margin(self.constraint_margin, self.constraint_confidence, self.constraint_certificate_delta)
 
     def estimate_source(self) -> EstimateSource:

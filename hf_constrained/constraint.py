@@ -28,8 +28,8 @@ import numpy as np
 import torch
 
 from .batches import ROW_SOURCE_ATTR, collate_examples, fetch_rows  # noqa: F401  (re-exported)
-from .method.rows import reduce_rows
-from .method.strategies import CalibratedMargin, Margin, as_margin
+from .margin import CalibratedMargin, Margin, as_margin
+from .row_sums import reduce_rows
 
 ConstraintFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 """``fn(model, batch) -> scalar tensor``; ``batch`` is ``None`` for a data-free constraint."""
@@ -55,7 +55,7 @@ class CertifyStatistic:
             so that "accuracy on class k falls by at most eps" is a bounded mean).
         tolerance: the statistic must be <= tolerance on the population.
         value_range: (low, high) every per-row value lies in (a value outside is an error).
-        bound: the finite-sample bound (:data:`hf_constrained.safety.bounds.BOUNDS`):
+        bound: the finite-sample bound (:data:`hf_constrained.certification.bounds.BOUNDS`):
             ``"hoeffding_bentkus"`` by default (any values in the range), ``"clopper_pearson"``
             for 0/1 rates, ``"paired_change"`` for changes in {-1, 0, 1}.
         description: how reports and cards name the statistic.
@@ -151,7 +151,7 @@ class Constraint:
         margin: this constraint's margin rule, overriding the run's (``constraint_margin``,
             ``constraint_confidence``, ``constraint_certificate_delta``): the hinge acts when the
             estimate exceeds ``tolerance - margin`` (on the inner value when ``outer`` is set). A
-            :class:`~hf_constrained.method.strategies.Margin`: ``FixedMargin(value)``,
+            :class:`~hf_constrained.margin.Margin`: ``FixedMargin(value)``,
             ``CalibratedMargin(confidence)`` (row-wise only: ``z_c * s / sqrt(|dataset|)`` from the
             running spread ``s`` of the per-row values, so that h holds on unseen data of the same
             population with about that one-sided confidence) or ``CertificateMargin(delta)``; a plain

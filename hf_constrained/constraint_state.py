@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Union
 
 import torch
 from transformers.trainer_callback import TrainerState
@@ -38,7 +38,6 @@ from .trainer_internals import trainer_load_checkpoint, trainer_restore_batch_si
 
 if TYPE_CHECKING:
     from .method.engine import ConstraintEngine
-    from .trainer import ConstrainedTrainer
 
 logger = logging.getLogger(__name__)
 
@@ -154,7 +153,28 @@ def load_engine_state_dict(engine: Optional[ConstraintEngine], state: dict[str, 
         raise ValueError(f"checkpoint constraints {state['names']} do not match this trainer's []")
 
 
-def library_state(trainer: "ConstrainedTrainer") -> Optional[dict[str, Any]]:
+class ResumableTrainer(Protocol):
+    """What saving and resuming the constraint state read of a trainer (:class:`~hf_constrained.ConstrainedTrainer`
+    has it all; this module does not import the trainer, which imports it)."""
+
+    args: Any  # ConstrainedTrainingArguments
+    model: Any
+    state: Any  # transformers.TrainerState
+    constraints: Any  # the trainer's constraints, in order
+    penalty: Any  # its Penalty (``active``: a penalty that trains)
+
+    def constraint_state_dict(self) -> dict[str, Any]: ...
+
+    def load_constraint_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    # saving a checkpoint (:func:`save_complete_checkpoint`)
+    accelerator: Any
+    safety: Any  # its safety loop (``publish_checkpoint_state``)
+
+    def push_checkpoint(self, checkpoint_folder: str) -> None: ...
+
+
+def library_state(trainer: ResumableTrainer) -> Optional[dict[str, Any]]:
     """What ``trainer`` saves as its constraint state, or ``None`` when it has nothing of its
     own: no constraints and no state a subclass added to ``constraint_state_dict`` (e.g. the
     per-sample objective estimators of Setting II). Then checkpoints hold the Trainer's files only.
@@ -168,7 +188,7 @@ def library_state(trainer: "ConstrainedTrainer") -> Optional[dict[str, Any]]:
     return None
 
 
-def finished_at(trainer: "ConstrainedTrainer", checkpoint: str) -> bool:
+def finished_at(trainer: ResumableTrainer, checkpoint: str) -> bool:
     """Whether ``checkpoint`` was written at (or past) ``max_steps``; then its weights and state
     are loaded and nothing is trained (the Trainer would check its bound only after one more step)."""
     path = os.path.join(checkpoint, TRAINER_STATE_NAME)
@@ -185,7 +205,7 @@ def finished_at(trainer: "ConstrainedTrainer", checkpoint: str) -> bool:
     return True
 
 
-def prepare_resume(trainer: "ConstrainedTrainer", resume_from_checkpoint: Optional[Union[str, bool]],
+def prepare_resume(trainer: ResumableTrainer, resume_from_checkpoint: Optional[Union[str, bool]],
                    state_name: str) -> Optional[Union[str, bool]]:
     """The checkpoint ``trainer.train`` resumes from, checked, with the constraint state loaded.
 
@@ -215,7 +235,7 @@ def prepare_resume(trainer: "ConstrainedTrainer", resume_from_checkpoint: Option
     return resume_from_checkpoint
 
 
-def save_complete_checkpoint(trainer: "ConstrainedTrainer", save: Callable[[], None], trial: Any,
+def save_complete_checkpoint(trainer: ResumableTrainer, save: Callable[[], None], trial: Any,
                              state_name: str) -> None:
     """The Trainer's checkpoint save (``save``) made complete-or-ignored (:mod:`hf_constrained.checkpointing`).
 
@@ -248,6 +268,7 @@ def save_complete_checkpoint(trainer: "ConstrainedTrainer", save: Callable[[], N
                            best_model_checkpoint=trainer.state.best_model_checkpoint, use_mtime=True)
 
 
-__all__ = ["BASE_STATE_KEYS", "CONSTRAINT_STATE_KEYS", "ConstraintStateMissingError", "atomic_torch_save",
-           "checkpoint_state_is_finite", "engine_state_dict", "finished_at", "library_state", "load_constraint_state",
-           "load_engine_state_dict", "non_finite_state", "prepare_resume", "save_complete_checkpoint"]
+__all__ = ["BASE_STATE_KEYS", "CONSTRAINT_STATE_KEYS", "ConstraintStateMissingError", "ResumableTrainer",
+           "atomic_torch_save", "checkpoint_state_is_finite", "engine_state_dict", "finished_at", "library_state",
+           "load_constraint_state", "load_engine_state_dict", "non_finite_state", "prepare_resume",
+           "save_complete_checkpoint"]

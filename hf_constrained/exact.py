@@ -19,9 +19,9 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .batches import BatchMaker
+from .certification.certify import GroupRows
 from .constraint import Constraint
 from .method.rows import plan_row_groups
-from .safety.certify import GroupRows
 from .statistics import ConstraintStatistic, constraint_statistic
 
 SPLITS = ("eval", "train")
@@ -191,9 +191,9 @@ def certification_values(model: nn.Module, constraints: Sequence[Constraint], ba
                          progress: Optional[Progress] = None) -> dict[str, Any]:
     """Per-row values of each certifiable constraint's certification statistic on its
     ``certify.dataset``: name -> a 1-D float64 array (its ``certify.statistic.row_fn``, else the
-    constraint's own per-row values), or :class:`~hf_constrained.safety.certify.GroupRows` for a
+    constraint's own per-row values), or :class:`~hf_constrained.certification.certify.GroupRows` for a
     difference of group means (``outer=abs``: its absolute value). See
-    :mod:`hf_constrained.safety.certify`."""
+    :mod:`hf_constrained.certification.certify`."""
     out: dict[str, Any] = {}
     for c in constraints:
         if not c.certifiable:

@@ -31,7 +31,7 @@ accept before training, at ``delta``, in one of two units:
 
 A tolerance the statistic cannot express (a negative share, a drop above 100 points) is an
 error naming the task; a certification split too small to certify it even with nothing
-forgotten is a warning before training (:func:`hf_constrained.safety.splits.check_certifiable`,
+forgotten is a warning before training (:func:`hf_constrained.safety.split_checks.check_certifiable`,
 run when the trainer starts). With ``old_correct_on_rows`` (the proxy indicator, whose estimate
 tracks the statistic on training rows) the training margin is sized from the statement: the
 hinge aims at the largest value of the statistic that the certificate's bound, on the
@@ -59,6 +59,8 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .batches import collate_examples, fetch_rows
+from .certification.bounds import clopper_pearson_upper_bounds, paired_change_upper_bounds
+from .certification.certify import DEFAULT_DELTA, certifiability, first_look_delta
 from .constraint import Certification, CertifyStatistic, Constraint
 from .method.shared_forward import MergedForward
 from .per_sample_loss import (
@@ -68,8 +70,6 @@ from .per_sample_loss import (
     causal_lm_per_example_loss,
     sequence_classification_per_example_loss,
 )
-from .safety.bounds import clopper_pearson_upper_bounds, paired_change_upper_bounds
-from .safety.certify import DEFAULT_DELTA, certifiability, first_look_delta
 
 logger = logging.getLogger(__name__)
 
@@ -191,14 +191,14 @@ class ReferenceLossDataset(torch.utils.data.Dataset):
     """The rows of ``dataset`` with the old model's per-sample loss added as ``reference_loss``.
 
     Rows that name themselves (a ``row_identities()`` method, read by the certification-split
-    check of :mod:`hf_constrained.safety.splits`) keep their names."""
+    check of :mod:`hf_constrained.safety.split_checks`) keep their names."""
 
     def __init__(self, dataset: Any, losses: torch.Tensor) -> None:
         if len(losses) != len(dataset):
             raise ValueError(f"{len(losses)} reference losses for {len(dataset)} rows")
         self.dataset, self.losses = dataset, torch.as_tensor(losses, dtype=torch.float32)
         identities = getattr(dataset, "row_identities", None)
-        if callable(identities):  # rows that name themselves (hf_constrained.safety.splits) keep their names
+        if callable(identities):  # rows that name themselves (hf_constrained.safety.split_checks) keep their names
             self.row_identities = identities
 
     def __len__(self) -> int:
@@ -469,7 +469,7 @@ class NonForgettingConstraint(Constraint):
                 constraint's ``margin`` is then sized from the statement (module docstring), in
                 the statistic's units: use it with ``constraint_proxy_indicator``.
             delta: the certificate's error level the statement is made at (the margin is sized
-                for the first look at the split, :func:`~hf_constrained.safety.certify.first_look_delta`).
+                for the first look at the split, :func:`~hf_constrained.certification.certify.first_look_delta`).
         """
         if relative_tolerance < 0:
             raise ValueError(f"protected task {task!r}: relative_tolerance must be >= 0, got {relative_tolerance}")

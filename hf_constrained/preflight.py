@@ -21,7 +21,8 @@ from torch import nn
 from .batches import RowUnit
 from .constraint import ConstraintValueError
 from .method.draw_values import DrawValues
-from .method.rows import RowGroup, inner_values, row_values_and_owners, segment_sums
+from .method.rows import RowGroup, row_values_and_owners
+from .row_sums import inner_values, segment_sums
 
 PREFLIGHT_CHUNK = 64  # row-wise constraints checked per no-grad row_fn call
 

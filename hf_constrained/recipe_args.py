@@ -30,7 +30,7 @@ from transformers import HfArgumentParser, TrainingArguments
 
 from .errors import RecipeConfigError
 from .launch import check_multi_process_launch
-from .push import check_hub_before_training
+from .publishing.push import check_hub_before_training
 from .recipe_help import add_help_all, shorten_help, wants_short_help
 
 logger = logging.getLogger(__name__)

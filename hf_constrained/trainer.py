@@ -44,7 +44,7 @@ from .method.regularisers import ObjectiveRegulariser, RegularisedObjective
 from .method.shared_forward import SharedObjectiveForward, causal_lm_head, trains_as_it_evaluates
 from .preflight import preflight_constraints
 from .safety.loop import SafetyLoop
-from .safety.splits import check_certification_splits
+from .safety.split_checks import check_certification_splits
 from .safety.trainer_state import best_checkpoint_restored
 from .safety.view import RunView
 from .statistics import ConstraintStatistic

@@ -46,6 +46,8 @@ from transformers import CLIPModel, CLIPProcessor, set_seed
 from hf_constrained import ConstrainedTrainingArguments, finish_run
 from hf_constrained.atomic_files import atomic_write_json
 from hf_constrained.callbacks import PeriodicMetricsCallback
+from hf_constrained.certification.bounds import clopper_pearson_upper_bound
+from hf_constrained.certification.splits import carve_certification, check_certify_fraction
 from hf_constrained.clip import (
     CLIPWithClassTextHeads,
     ContrastiveConstrainedTrainer,
@@ -65,9 +67,7 @@ from hf_constrained.errors import check_model_path
 from hf_constrained.extras import require_extra
 from hf_constrained.publishable import publishable_command, publishable_path, publishable_values
 from hf_constrained.recipe_args import RecipeConfigError, given_flags, parse_recipe_args
-from hf_constrained.safety.bounds import clopper_pearson_upper_bound
 from hf_constrained.safety.finish import push_last
-from hf_constrained.safety.splits import carve_certification, check_certify_fraction
 
 logger = logging.getLogger("clip_non_forgetting")
 RESULTS_FILE = "non_forgetting_results.json"

@@ -36,7 +36,7 @@ Making the promise hold on images training never saw takes four things besides t
   constraint gradient touches. Every ``select_every`` steps the library's in-memory selection
   (:class:`~hf_constrained.safety.in_memory_selection.InMemoryFeasibleSelection`) checks the
   weights on them, and the kept checkpoint is the one with the best target loss among those
-  feasible there (lexicographic rule of :mod:`hf_constrained.safety.selection`; the least
+  feasible there (lexicographic rule of :mod:`hf_constrained.certification.selection`; the least
   violating one when none is feasible). With ``select_on="forgotten"`` (the default) a checkpoint
   is feasible there when every protected class's share of selection images forgotten (old model
   right, new wrong: the certificate's statistic,
@@ -120,6 +120,8 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer, CLIPModel, TrainerCallback
 
 from hf_constrained.atomic_files import atomic_write_json
+from hf_constrained.certification.bounds import check_delta, most_forgotten_that_certify
+from hf_constrained.certification.certify import rows_needed
 from hf_constrained.clip import (
     ContrastiveConstrainedTrainer,
     ReferenceLossDataset,
@@ -132,8 +134,8 @@ from hf_constrained.clip.data import CLIPCollator, RowDataset
 from hf_constrained.clip.tiny import tiny_clip, word_tokenizer
 from hf_constrained.config import ConstrainedTrainingArguments
 from hf_constrained.constraint import Certification, Constraint
+from hf_constrained.margin import CalibratedMargin
 from hf_constrained.method.regularisers import KLToOld, ObjectiveRegulariser, Replay
-from hf_constrained.method.strategies import CalibratedMargin
 from hf_constrained.non_forgetting import (
     ReferenceCorrectDataset,
     ReferenceGap,
@@ -145,10 +147,7 @@ from hf_constrained.progress import StepProgressBar
 from hf_constrained.publishable import publishable_values
 from hf_constrained.recipe_args import parse_with_config
 from hf_constrained.redact import redact_command
-from hf_constrained.safety.bounds import check_delta, most_forgotten_that_certify
-from hf_constrained.safety.certify import rows_needed
-from hf_constrained.safety.evaluation import certify_models
-from hf_constrained.safety.finish import finish_run
+from hf_constrained.safety.finish import certify_models, finish_run
 from hf_constrained.safety.in_memory_selection import InMemoryFeasibleSelection, largest_constraint_violation
 from hf_constrained.statistics import constraint_statistic
 

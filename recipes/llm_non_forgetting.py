@@ -77,6 +77,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, 
 
 from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments, finish_run
 from hf_constrained.atomic_files import atomic_write_json
+from hf_constrained.certification.bounds import check_delta
+from hf_constrained.certification.splits import carve_certification, check_certify_fraction
 from hf_constrained.errors import check_model_path
 from hf_constrained.extras import MissingExtraError, has_module, install_hint
 from hf_constrained.method.regularisers import ConstraintRowReplay
@@ -88,9 +90,7 @@ from hf_constrained.non_forgetting import (
 from hf_constrained.per_sample_loss import causal_lm_per_example_correct
 from hf_constrained.publishable import publishable_command, publishable_path, publishable_values
 from hf_constrained.recipe_args import RecipeConfigError, parse_recipe_args
-from hf_constrained.safety.bounds import check_delta
 from hf_constrained.safety.finish import push_last
-from hf_constrained.safety.splits import carve_certification, check_certify_fraction
 from hf_constrained.text_data import SFTPaddingCollator, load_text_dataset, tokenize_sft
 
 logger = logging.getLogger("llm_non_forgetting")

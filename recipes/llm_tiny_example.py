@@ -90,6 +90,8 @@ from transformers.trainer_callback import PrinterCallback
 
 from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments
 from hf_constrained.atomic_files import atomic_write_json
+from hf_constrained.certification.bounds import check_delta
+from hf_constrained.certification.ledger import user_ledger_at
 from hf_constrained.method.projection import AGEM, GradientProjection, ReplayAGEM
 from hf_constrained.method.regularisers import ConstraintRowReplay, KLToOld, L2ToOld, ObjectiveRegulariser, Replay
 from hf_constrained.non_forgetting import (
@@ -104,9 +106,7 @@ from hf_constrained.progress import StepProgressBar
 from hf_constrained.publishable import publishable_command, publishable_values
 from hf_constrained.recipe_args import parse_recipe_args
 from hf_constrained.recipes.tiny_lm import char_tokenizer, tiny_causal_lm
-from hf_constrained.safety.bounds import check_delta
-from hf_constrained.safety.evaluation import certify_models
-from hf_constrained.safety.ledger import user_ledger_at
+from hf_constrained.safety.finish import certify_models
 from hf_constrained.text_data import tokenize_sft
 
 logger = logging.getLogger("llm_tiny_example")
@@ -400,7 +400,7 @@ def study_ledger(folder: str) -> Iterator[None]:
 
     Every run of this example (and of ``benchmarks/forgetting_frontier.py``) is one simulated release: one
     method, one seed, certified once on the task's certification rows, as the one user who ran it would
-    certify it (the first look of :mod:`hf_constrained.safety.ledger`, at ``delta_1`` = 0.9 delta under the
+    certify it (the first look of :mod:`hf_constrained.certification.ledger`, at ``delta_1`` = 0.9 delta under the
     default spending). The runs of a study share those rows, and counting them as looks of one user would
     test the tenth run at delta * 1e-9 and refuse the seventh; a user who certifies several models of
     their own on one split keeps the user-level ledger (the library's default)."""

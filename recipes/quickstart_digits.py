@@ -65,11 +65,11 @@ from hf_constrained import (
     constraints_per_value,
 )
 from hf_constrained.atomic_files import atomic_write_json
+from hf_constrained.certification.bounds import check_delta
+from hf_constrained.certification.splits import carve_certification, check_certify_fraction
 from hf_constrained.publishable import publishable_command, publishable_values
 from hf_constrained.recipe_args import RecipeConfigError, given_flags, parse_recipe_args
-from hf_constrained.safety.bounds import check_delta
-from hf_constrained.safety.evaluation import certify_models
-from hf_constrained.safety.splits import carve_certification, check_certify_fraction
+from hf_constrained.safety.finish import certify_models
 
 # the recipe's defaults for the training arguments (each can be overridden by a flag or --config)
 TRAINING_DEFAULTS = dict(

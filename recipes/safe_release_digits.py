@@ -63,12 +63,12 @@ from hf_constrained import (
     finish_run,
 )
 from hf_constrained.atomic_files import atomic_write_json
+from hf_constrained.certification.bounds import check_delta
+from hf_constrained.certification.splits import check_certify_fraction
 from hf_constrained.extras import require_extra
 from hf_constrained.non_forgetting import CORRECT_KEY, ForgottenRows
 from hf_constrained.publishable import publishable_command
 from hf_constrained.recipe_args import parse_recipe_args
-from hf_constrained.safety.bounds import check_delta
-from hf_constrained.safety.splits import check_certify_fraction
 
 OLD_DIGITS = list(range(8))
 NEW_DIGITS = [8, 9]

@@ -54,7 +54,7 @@ def one_torch_thread():
 @pytest.fixture(autouse=True)
 def own_certification_ledger(tmp_path_factory, monkeypatch):
     """Each test counts certificate looks in a ledger of its own (never the user's, never another test's):
-    the user-level ledger of hf_constrained.safety.ledger is read from $HF_CONSTRAINED_LEDGER."""
+    the user-level ledger of hf_constrained.certification.ledger is read from $HF_CONSTRAINED_LEDGER."""
     monkeypatch.setenv("HF_CONSTRAINED_LEDGER", str(tmp_path_factory.mktemp("ledger") / "certification_ledger.json"))
 
 

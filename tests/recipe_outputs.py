@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any, Optional
 from unittest import mock
 
-from hf_constrained.safety.report import SafetyReport
-from hf_constrained.safety.verify import EXIT_CERTIFIED, EXIT_NOT_CERTIFIED, check_run_dir
+from hf_constrained.publishing.report import SafetyReport
+from hf_constrained.publishing.verify import EXIT_CERTIFIED, EXIT_NOT_CERTIFIED, check_run_dir
 
 
 def assert_report_checks(folder: os.PathLike, certified: Optional[bool] = None) -> SafetyReport:

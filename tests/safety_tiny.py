@@ -97,5 +97,5 @@ def make_trainer(output_dir: str, *, tolerance: float = 2.0, max_steps: int = 6,
                           train_dataset=objective_data(), eval_dataset=objective_data(8), callbacks=callbacks)
     # these runs have no certification split: the gate's mechanics are exercised under the explicit, uncertified
     # point rule (the certificate, the default rule, is tested in test_certificate_gate.py)
-    trainer.safety.rule = safety_rule
+    trainer.safety.configure(safety_rule=safety_rule)
     return trainer

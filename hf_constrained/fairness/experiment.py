@@ -31,13 +31,12 @@ import torch
 from transformers import TrainerCallback
 
 from ..atomic_files import atomic_write_json
+from ..certification.bounds import check_delta
+from ..certification.splits import check_certify_fraction
 from ..config import ConstrainedTrainingArguments
 from ..extras import require_extra
 from ..publishable import publishable_command
-from ..safety.bounds import check_delta
-from ..safety.evaluation import certify_models
-from ..safety.finish import finish_run, push_last
-from ..safety.splits import check_certify_fraction
+from ..safety.finish import certify_models, finish_run, push_last
 from .data import TABULAR_LOADERS, TabularSplit, load_tabular_csv
 from .icppac import ICPPACConfig, ICPPACTrainer
 from .model import MLPConfig, MLPForScoring

@@ -140,7 +140,7 @@ class PairedRows(torch.utils.data.Dataset):
         return np.stack([a, b], axis=1).reshape(-1), np.tile(np.array([0, 1], dtype=np.int64), len(a))
 
     def row_identities(self) -> list[str]:
-        """The identity of every row of both sides (see :func:`hf_constrained.safety.splits.row_hashes`)."""
+        """The identity of every row of both sides (see :func:`hf_constrained.safety.split_checks.row_hashes`)."""
         return _identities(self.source, np.concatenate([self.rows_a, self.rows_b]))
 
 
@@ -182,7 +182,7 @@ class GroupRows(torch.utils.data.Dataset):
         return self._all[i], self._groups[i]
 
     def row_identities(self) -> list[str]:
-        """The identity of every row (see :func:`hf_constrained.safety.splits.row_hashes`)."""
+        """The identity of every row (see :func:`hf_constrained.safety.split_checks.row_hashes`)."""
         return _identities(self.source, self._all)
 
 

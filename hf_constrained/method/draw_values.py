@@ -23,26 +23,28 @@ from __future__ import annotations
 import contextlib
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
 import torch
 from torch import nn
 
 from ..batches import BatchMaker, RowUnit, shallow_copy
 from ..constraint import Constraint, ConstraintValueError
-from .rows import (
-    RowGroup,
-    inner_values,
-    local_contribution,
-    plan_row_groups,
-    row_values_and_owners,
-    segment_sums,
-    stats_dtype,
-)
+from ..row_sums import inner_values, local_contribution, segment_sums, stats_dtype
+from .rows import RowGroup, plan_row_groups, row_values_and_owners
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .engine import ConstraintDraw
     from .shared_forward import SharedObjectiveForward
+
+
+class DrawRows(Protocol):
+    """The rows of one step's draw that :meth:`DrawValues.evaluate` reads (a
+    :class:`~hf_constrained.method.engine.ConstraintDraw`): B_c^t, each B_k^t's sample indices, and the
+    collated batches a look-ahead keeps for the step."""
+
+    constraint_ids: torch.Tensor
+    sample_indices: list[Optional[list[int]]]
+    kept_batches: dict[Any, Any]
 
 
 @contextlib.contextmanager
@@ -177,7 +179,7 @@ class DrawValues:
         return batch, self.check_row_outputs(units, slices, outputs, need_grad=need_grad), outputs
 
     # ------------------------------------------------------------------ evaluation
-    def evaluate(self, model: nn.Module, draw: "ConstraintDraw", *, need_grad: bool,
+    def evaluate(self, model: nn.Module, draw: DrawRows, *, need_grad: bool,
                  shared: Optional["SharedObjectiveForward"] = None
                  ) -> tuple[Optional[torch.Tensor], torch.Tensor, Optional[torch.Tensor]]:
         """h_k(w; B_k) of every constraint of ``draw`` at the current parameters.

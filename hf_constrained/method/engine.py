@@ -26,7 +26,7 @@ tracks that statistic on the indicator rows (e.g. the share of a class's example
 the statistic's tolerance, while the gradient still follows the differentiable surrogate: a proxy
 constraint in Cooper's sense. The engine holds the two sides as :class:`RowPart` values (one and the
 same object under one split) and never asks which flag was set; margins likewise are each
-constraint's :class:`~.strategies.Margin` rule, decided once by :func:`~.strategies.margin_rules`.
+constraint's :class:`~hf_constrained.margin.Margin` rule, decided once by :func:`~.strategies.margin_rules`.
 
 The engine's state (:meth:`ConstraintEngine.state_dict`) is assembled from its parts' states:
 the estimators, the data streams, the running row spread behind margins, the drawn next step.
@@ -47,14 +47,15 @@ from torch import nn
 
 from ..batches import BatchMaker
 from ..constraint import Constraint, ConstraintValueError
+from ..margin import Margin, as_margin, margin_settings
+from ..row_sums import stats_dtype
 from .draw_values import DrawValues
 from .estimators import MSVREstimator, resolve_gamma_prime
 from .margins import RowSpread
 from .penalties import Penalty
-from .rows import stats_dtype
 from .sampling import ConstraintBatchStream, ConstraintSampler
 from .shared_forward import SharedObjectiveForward
-from .strategies import EstimateSource, Margin, OneSplit, as_margin, margin_rules, margin_settings
+from .strategies import EstimateSource, OneSplit, margin_rules
 
 logger = logging.getLogger(__name__)
 
@@ -175,8 +176,8 @@ class ConstraintEngine:
             longer independent).
         check_finite: stop with an error naming the constraint when a value is NaN/inf (one
             host sync per step).
-        margin: the run's margin rule (:class:`~hf_constrained.method.strategies.Margin`; a number is a
-            :class:`~hf_constrained.method.strategies.FixedMargin`), for every constraint without its own
+        margin: the run's margin rule (:class:`~hf_constrained.margin.Margin`; a number is a
+            :class:`~hf_constrained.margin.FixedMargin`), for every constraint without its own
             ``Constraint.margin`` that it applies to (:func:`~hf_constrained.method.strategies.margin_rules`).
         source: which rows drive the estimates and which the gradient
             (:class:`~hf_constrained.method.strategies.EstimateSource`; default the paper's one split).

@@ -13,7 +13,7 @@ constraint) and the rows per batch, and from them
   times ``1 - n/N`` for a batch inside one pass, more for one that runs into the next, 0 when n
   is a multiple of N (every batch IS D_k);
 * the margin in force per constraint: each constraint's rule
-  (:class:`~hf_constrained.method.strategies.Margin`: a fixed margin, a calibrated one
+  (:class:`~hf_constrained.margin.Margin`: a fixed margin, a calibrated one
   ``z_c * s_k / sqrt(n_k)``, or the empirical-Bernstein width the certificate's bound will need),
   decided once by :func:`~hf_constrained.method.strategies.margin_rules`; each rule class computes the
   margins of all its constraints at once from the running spread. The hinge then acts on
@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from .rows import batch_variances
-from .strategies import Margin, SpreadAt
+from ..margin import Margin, SpreadAt
+from ..row_sums import batch_variances
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..constraint import Constraint
@@ -79,7 +79,7 @@ class RowSpread:
         constraints: all m constraints.
         rules: each constraint's margin rule (``None``: no margin), as decided by
             :func:`~hf_constrained.method.strategies.margin_rules`; each rule class computes the margins of
-            all its constraints at once (:meth:`~hf_constrained.method.strategies.Margin.margins`).
+            all its constraints at once (:meth:`~hf_constrained.margin.Margin.margins`).
         device, dtype: where and in which precision the running sums live.
         sampled: the constraints over the rows the estimates' batches are drawn from (the indicator parts
             under two-split estimation; default: the constraints). Only the noise (``constraint_std``)
@@ -157,7 +157,7 @@ class RowSpread:
 
     def margin_values(self, ids: torch.Tensor) -> torch.Tensor:
         """The margin in force per constraint, each computed by its rule's class
-        (:meth:`~hf_constrained.method.strategies.Margin.margins`); 0 for constraints without one."""
+        (:meth:`~hf_constrained.margin.Margin.margins`); 0 for constraints without one."""
         var, rows = self._at(ids)
         share = rows / rows.sum(dim=1, keepdim=True).clamp(min=1e-12)
         at = SpreadAt(var=var, rows=rows, share=share, data_rows=self.data_rows[ids],

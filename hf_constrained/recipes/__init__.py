@@ -11,46 +11,16 @@ modules under the same names. Either way:
     python -m hf_constrained.recipes.quickstart_digits --help      # the module
     accelerate launch -m hf_constrained.recipes.clip_non_forgetting ...   # one or several GPUs
 
-This module imports nothing heavy: ``hf-constrained --help`` lists the recipes without
-loading torch.
+The table of recipes (names, modules, summaries) is :mod:`hf_constrained.recipe_registry`, plain data that
+the command line and the model card read without importing a recipe. This module imports nothing heavy:
+``hf-constrained --help`` lists the recipes without loading torch.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
-
-@dataclass(frozen=True)
-class Recipe:
-    """A recipe's command-line name, its module (in this package) and a one-line summary."""
-
-    command: str
-    module: str
-    summary: str
-
-    @property
-    def module_name(self) -> str:
-        """The importable name, e.g. ``hf_constrained.recipes.clip_non_forgetting``."""
-        return f"{__name__}.{self.module}"
-
-
-RECIPES: tuple[Recipe, ...] = (
-    Recipe("quickstart", "quickstart_digits", "per-class loss bounds on scikit-learn digits (the quick start)"),
-    Recipe("llm", "llm_non_forgetting", "SFT of a causal LM (full or LoRA) under non-forgetting constraints"),
-    Recipe("llm-example", "llm_tiny_example", "a tiny GPT-2 learns a new string task and keeps its old ones (offline)"),
-    Recipe("shapes-example", "shapes_clip_example",
-           "the demo's CLIP pipeline on generated shapes, certified at 3 points lost per class (offline)"),
-    Recipe("clip", "clip_non_forgetting", "CLIP on a target class without forgetting the protected classes"),
-    Recipe("fairness", "roc_fairness", "AUC maximisation under ROC-fairness (TPR/FPR-gap) constraints"),
-    Recipe("safe-release", "safe_release_digits", "the safety loop: feasible checkpoint, report, card, gated push"),
-)
-
-DEMO_MODULE = "demo_clip_digits"
-"""The digits demo's module (``hf-constrained demo``, ``make demo``), shipped with the recipes."""
-
-HELPER_MODULES = ("tiny_lm",)
-"""Modules shipped with the recipes that are no recipe of their own (the tiny LM of the offline examples)."""
+from ..recipe_registry import RECIPES
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _CHECKOUT_RECIPES = os.path.join(os.path.dirname(os.path.dirname(_HERE)), "recipes")

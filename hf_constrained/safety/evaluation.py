@@ -1,12 +1,10 @@
-"""Building a :class:`~hf_constrained.safety.report.SafetyReport` of a run.
+"""Building a :class:`~hf_constrained.publishing.report.SafetyReport` of a run.
 
 Everything here reads the run through its typed view (:class:`~hf_constrained.safety.view.RunView`: the
 constraints, the arguments, the engine's settings) and evaluates through the trainer's typed operations
-(:class:`~hf_constrained.safety.view.SafetyHost`), so this module does not import the trainer: the trainer
-imports the safety package, never the other way round. The safety loop
-(:class:`~hf_constrained.safety.loop.SafetyLoop`, ``trainer.safety``) calls these functions; the
-functions that take a trainer (:func:`build_safety_report`, :func:`certify_models`,
-:func:`report_from_metrics`) act through its loop.
+(:class:`~hf_constrained.safety.view.SafetyHost`), so this module imports neither the trainer nor the loop:
+the safety loop (:class:`~hf_constrained.safety.loop.SafetyLoop`, ``trainer.safety``) calls these functions;
+the functions that take a trainer (:mod:`hf_constrained.safety.finish`) act through its loop.
 
 The values are exact: a full pass over each constraint's held-out data (its
 ``eval_dataset``, falling back to its training data), not the MSVR estimate u_k of
@@ -19,13 +17,12 @@ import json
 import logging
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Optional, Protocol
+from typing import Any, Optional
 
-from .certify import DEFAULT_DELTA, Certificate, certify, point_value
-from .fingerprint import weights_fingerprint
-from .ledger import CertificationLedger
-from .report import (
-    CONSTRAINT_ITSELF,
+from ..certification.certify import CONSTRAINT_ITSELF, DEFAULT_DELTA, Certificate, certify, point_value
+from ..certification.ledger import CertificationLedger
+from ..certification.selection import FeasibleSelection
+from ..publishing.report import (
     DEFAULT_SAFETY_RULE,
     EVAL_CONSTRAINT_PREFIX,
     ConstraintResult,
@@ -33,11 +30,8 @@ from .report import (
     check_safety_rule,
     objective_metrics_from,
 )
-from .selection import FeasibleSelection
-from .view import RunView, SafetyHost, library_option_names
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .loop import SafetyLoop
+from .model_fingerprint import weights_fingerprint
+from .view import RunView, SafetyHost
 
 BOUND_METHOD = "CLT"  # hf_constrained.statistics: value + z_c * s / sqrt(n), one-sided
 DEFAULT_CONFIDENCE = 0.95
@@ -45,13 +39,6 @@ DEFAULT_CONFIDENCE = 0.95
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_PREFIX = "checkpoint"  # transformers.trainer_utils.PREFIX_CHECKPOINT_DIR
-
-
-class HoldsSafetyLoop(Protocol):
-    """A trainer holding its safety loop (``hf_constrained.ConstrainedTrainer``): the functions of this module
-    that take a trainer act through ``trainer.safety``."""
-
-    safety: SafetyLoop
 
 
 def _check_names(view: RunView, values: Mapping[str, float], what: str) -> None:
@@ -143,9 +130,9 @@ def certify_run(view: RunView, host: SafetyHost, models: Iterable[Any] = (None,)
                 fingerprints: Optional[Sequence[Optional[str]]] = None) -> Optional[Certificate]:
     """Certify candidate models (in the order given, fixed before the certification data is
     read; ``None`` is the trainer's model; an iterable is consumed one model at a time) on
-    each constraint's ``certify.dataset`` with :func:`~hf_constrained.safety.certify.certify`;
+    each constraint's ``certify.dataset`` with :func:`~hf_constrained.certification.certify.certify`;
     ``None`` when no constraint has one. Each call is a look at the certification splits, counted in
-    the run's ledger (:mod:`hf_constrained.safety.ledger`).
+    the run's ledger (:mod:`hf_constrained.certification.ledger`).
 
     A certifiable constraint must declare the range of its per-row values
     (``Constraint.certify``'s ``value_range`` or its ``statistic``): an error names it otherwise.
@@ -406,46 +393,18 @@ def checkpoint_report(view: RunView, host: SafetyHost, checkpoint: str, model: A
     )
 
 
-# ---------------------------------------------------------------------- through a trainer's safety loop
-def build_safety_report(trainer: HoldsSafetyLoop, **kwargs: Any) -> SafetyReport:
-    """Evaluate ``trainer.model`` on held-out data and build its :class:`SafetyReport`, without making it the
-    trainer's current report: :meth:`SafetyLoop.new_report <hf_constrained.safety.loop.SafetyLoop.new_report>`
-    (keyword arguments as :func:`evaluate_report`'s: ``old_model``, ``old_model_values``,
-    ``objective_metrics``, ``confidence``, ``safety_rule``, ``delta``, ``extra_columns``, ...)."""
-    return trainer.safety.new_report(**kwargs)
-
-
-def certify_models(trainer: HoldsSafetyLoop, models: Iterable[Any] = (None,), *, delta: float = DEFAULT_DELTA,
-                   procedure: str = "fixed_sequence") -> Optional[Certificate]:
-    """Certify candidate models on each constraint's ``certify.dataset`` (:func:`certify_run`; ``None`` is the
-    trainer's model): :meth:`SafetyLoop.certify <hf_constrained.safety.loop.SafetyLoop.certify>`."""
-    return trainer.safety.certify(models, delta=delta, procedure=procedure)
-
-
-def report_from_metrics(trainer: HoldsSafetyLoop, metrics: Mapping[str, Any], **kwargs: Any
-                        ) -> Optional[SafetyReport]:
-    """A report from the metrics of an evaluation that already ran (:func:`metrics_report`), under the
-    trainer's safety rule and with its reference values."""
-    return trainer.safety.report_from_metrics(metrics, **kwargs)
-
-
 __all__ = [
     "BOUND_METHOD",
     "DEFAULT_CONFIDENCE",
-    "HoldsSafetyLoop",
-    "build_safety_report",
     "certified_statistics",
-    "certify_models",
     "certify_run",
     "check_extra_columns",
     "checkpoint_report",
     "checkpoint_step",
     "constraint_results",
     "evaluate_report",
-    "library_option_names",
     "metrics_report",
     "not_certifiable",
     "old_model_constraint_values",
     "relative_checkpoint",
-    "report_from_metrics",
 ]

@@ -5,7 +5,7 @@ The Trainer's ``load_best_model_at_end`` (with :class:`~hf_constrained.safety.lo
 model evaluated often, :class:`InMemoryFeasibleSelection` does the same selection without a disk: every
 ``every`` optimizer steps (and at the last step) it evaluates the weights in the model, an objective and a
 largest violation of the requirement, and keeps a copy of the weights of the best evaluation in the
-lexicographic order of :mod:`hf_constrained.safety.selection` (:func:`~hf_constrained.safety.selection.is_better`:
+lexicographic order of :func:`~hf_constrained.certification.selection.is_better` (
 feasible, ``max_violation <= 0``, before infeasible; then the better objective; with none feasible, the
 smallest largest violation). :meth:`InMemoryFeasibleSelection.restore` loads them after training.
 
@@ -19,23 +19,20 @@ split):
   rows forgotten (right under the old model, wrong now; the certificate's statistic) against a largest share.
 
 The rows that chose the kept weights cannot certify them: the certificate reads its own split
-(:mod:`hf_constrained.safety.certify`).
+(:mod:`hf_constrained.certification.certify`).
 """
 
 from __future__ import annotations
 
 import copy
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 from torch import nn
 from transformers import TrainerCallback
 
-from .selection import EvaluationRecord, FeasibleSelection, is_better, summarize_records
-
-if TYPE_CHECKING:
-    from ..trainer import ConstrainedTrainer
+from ..certification.selection import EvaluationRecord, FeasibleSelection, is_better, summarize_records
 
 ModelValue = Callable[[nn.Module], float]
 """``value(model) -> float``, evaluated on the weights now in the model (no gradient needed)."""
@@ -44,7 +41,7 @@ ModelValue = Callable[[nn.Module], float]
 class InMemoryFeasibleSelection(TrainerCallback):
     """Every ``every`` optimizer steps and at the last step: ``objective(model)`` and ``violation(model)`` (the
     largest violation of the requirement, feasible when ``<= 0``) of the weights in the model, recorded as an
-    :class:`~hf_constrained.safety.selection.EvaluationRecord`; the weights of the best record are copied (CPU
+    :class:`~hf_constrained.certification.selection.EvaluationRecord`; the weights of the best record are copied (CPU
     memory: one ``state_dict``) and put back by :meth:`restore`.
 
     Args:
@@ -102,11 +99,20 @@ class InMemoryFeasibleSelection(TrainerCallback):
 
     def summary(self) -> FeasibleSelection:
         """What the selection found, in the form of the Trainer-driven selection's
-        (:class:`~hf_constrained.safety.selection.FeasibleSelection`, with its :meth:`message`)."""
+        (:class:`~hf_constrained.certification.selection.FeasibleSelection`, with its :meth:`message`)."""
         return summarize_records(self.records, self.metric, self.greater_is_better)
 
 
-def largest_constraint_violation(trainer: "ConstrainedTrainer", requirement: Optional[float] = None,
+class ConstraintEvaluator(Protocol):
+    """What the violation reads of a trainer (:class:`~hf_constrained.ConstrainedTrainer` has it): its
+    constraints and their exact values on a split."""
+
+    constraints: Any
+
+    def evaluate_constraints(self, model: Any = None, split: str = "eval") -> dict[str, float]: ...
+
+
+def largest_constraint_violation(trainer: ConstraintEvaluator, requirement: Optional[float] = None,
                                  split: str = "eval") -> ModelValue:
     """``model -> max_k (h_k - tol_k)``: every constraint's exact value on its ``split`` data (``"eval"``: its
     ``eval_dataset``) through ``trainer.evaluate_constraints`` (the trainer's model: the one being trained),

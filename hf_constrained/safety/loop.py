@@ -14,7 +14,7 @@ hooks the trainer overrides with one-line delegations, where no callback runs:
 
 - ``is_new_best`` (the Trainer's best-checkpoint decision): ``load_best_model_at_end`` /
   ``save_strategy="best"`` pick the best ``metric_for_best_model`` among evaluations whose
-  constraints all hold on the validation data (:mod:`hf_constrained.safety.selection`); with none feasible,
+  constraints all hold on the validation data (:mod:`hf_constrained.certification.selection`); with none feasible,
   the least-violating one, with a warning at the end of training;
 - ``save_model``: every checkpoint and the final model get ``README.md`` (the model card) and, when the
   constraints were evaluated for those weights, ``safety_report.json``; ``create_model_card``: the
@@ -26,19 +26,19 @@ hooks the trainer overrides with one-line delegations, where no callback runs:
 - with constraints the stock TensorBoard callback is replaced, in its place, by
   :class:`~hf_constrained.safety.tensorboard.ConstraintTensorBoardCallback` (constraint scalars grouped).
 
-Without constraints every one of these is the Trainer's own behaviour: no card or report files, no
-deferred repository, the Trainer's callbacks.
+Without constraints every one of these is the Trainer's own behaviour (no card or report files, no deferred
+repository).
 
-A report is tied to the weights it describes by their
-:func:`~hf_constrained.safety.fingerprint.weights_fingerprint`: when the weights change after it (more
-training, ``load_state_dict``, an edit), the cards say NOT CHECKED and the gate evaluates them again
-before anything is published.
+A report is tied to the weights it describes by their fingerprint (:mod:`~hf_constrained.safety.model_fingerprint`):
+when the weights change after it (more training, ``load_state_dict``, an edit), the cards say NOT CHECKED and
+the gate evaluates them again before anything is published. The end of a run: :mod:`~hf_constrained.safety.run_end`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import logging
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -48,22 +48,9 @@ from typing import Any, Optional
 from transformers import TrainerCallback
 from transformers.integrations import TensorBoardCallback
 
-from ..checkpointing import TRAINER_STATE_NAME
-from ..publishable import publish_trainer_state
-from ..trainer_internals import trainer_load_checkpoint
-from .card import ModelCardInfo, describe_model, render_model_card, write_model_card
-from .certify import DEFAULT_DELTA, Certificate
-from .evaluation import (
-    DEFAULT_CONFIDENCE,
-    certify_run,
-    checkpoint_report,
-    evaluate_report,
-    metrics_report,
-    relative_checkpoint,
-)
-from .fingerprint import weight_files, weights_files_fingerprint, weights_fingerprint
-from .report import DEFAULT_SAFETY_RULE, EVAL_CONSTRAINT_PREFIX, SafetyReport, UnsafeModelError, check_safety_rule
-from .selection import (
+from ..certification.certify import Certificate
+from ..certification.fingerprint import weights_files_fingerprint
+from ..certification.selection import (
     EvaluationRecord,
     FeasibleSelection,
     constraint_feasibility,
@@ -73,8 +60,29 @@ from .selection import (
     select_best,
     summarize_selection,
 )
+from ..checkpointing import TRAINER_STATE_NAME
+from ..publishable import publish_trainer_state
+from ..publishing.card import ModelCardInfo, describe_model, render_model_card, write_model_card
+from ..publishing.push import check_hub_for_deferred_push
+from ..publishing.report import (
+    EVAL_CONSTRAINT_PREFIX,
+    SafetyReport,
+    UnsafeModelError,
+)
+from ..publishing.verify import EXIT_STALE_OR_UNREADABLE, check_run_dir
+from ..trainer_internals import trainer_load_checkpoint
+from .evaluation import (
+    certify_run,
+    checkpoint_report,
+    evaluate_report,
+    metrics_report,
+    relative_checkpoint,
+)
+from .model_fingerprint import weights_fingerprint
+from .run_end import RunEnd
+from .saved_weights import SavedWeightFiles
+from .settings import CertificateSettings
 from .tensorboard import ConstraintTensorBoardCallback
-from .verify import EXIT_STALE_OR_UNREADABLE, check_run_dir
 from .view import RunView, SafetyHost
 
 logger = logging.getLogger(__name__)
@@ -94,63 +102,67 @@ class WeightsEvaluation:
     fingerprint: str
 
 
-@dataclass
-class SavedWeights:
-    """Weights this trainer saved into a folder: the fingerprint of the weights in memory then,
-    of the files written, and the files' (name, size, mtime) to notice a later change."""
-
-    weights_fingerprint: str
-    files_fingerprint: str
-    signature: tuple
-
-
-def _files_signature(folder: str) -> tuple:
-    signature = []
-    for name in weight_files(folder):
-        stat = os.stat(os.path.join(folder, name))
-        signature.append((name, stat.st_size, stat.st_mtime_ns))
-    return tuple(signature)
-
-
-class SafetyLoop:
+class SafetyLoop(RunEnd):
     """The safety side of one run: reports, certificates, cards and the gate, for the weights in the model.
 
     Built by the trainer (``trainer.safety``); users call :meth:`check_safe_to_push`,
-    :meth:`build_report`, :meth:`current_report` and set :attr:`rule`, :attr:`confidence` and :attr:`delta`
-    (``finish_run`` sets them). The trainer's ``push_to_hub``, ``save_model``, ``create_model_card`` and
-    ``push_checkpoint`` go through it.
+    :meth:`build_report`, :meth:`current_report`, :meth:`finish` (``finish_run``) and :meth:`configure`, which
+    changes the certificate's settings (:attr:`settings`, a
+    :class:`~hf_constrained.safety.settings.CertificateSettings`). The trainer's ``push_to_hub``,
+    ``save_model``, ``create_model_card`` and ``push_checkpoint`` go through it.
 
     Args:
         host: the trainer's operations (:class:`~hf_constrained.safety.view.SafetyHost`).
         view: the run (:class:`~hf_constrained.safety.view.RunView`).
-        model_card_info: :class:`~hf_constrained.safety.card.ModelCardInfo` (base model, data, reproduce
+        model_card_info: :class:`~hf_constrained.publishing.card.ModelCardInfo` (base model, data, reproduce
             command) for the cards; the base model defaults to the model's ``config._name_or_path``.
         reference_constraint_values: the old model's held-out constraint values (name -> value), shown next
             to the new model's in reports and cards.
+        settings: the certificate's settings (default: :class:`~hf_constrained.safety.settings.CertificateSettings`
+            with its defaults; ``model_card_info``, when given, is their card).
     """
 
     def __init__(self, host: SafetyHost, view: RunView, *, model_card_info: Optional[ModelCardInfo] = None,
-                 reference_constraint_values: Optional[Mapping[str, float]] = None) -> None:
-        self.host = host
-        self.view = view
-        self.model_card_info: ModelCardInfo = model_card_info or ModelCardInfo()
-        if self.model_card_info.base_model is None:
+                 reference_constraint_values: Optional[Mapping[str, float]] = None,
+                 settings: Optional[CertificateSettings] = None) -> None:
+        self.host, self.view = host, view
+        settings = settings or CertificateSettings()
+        card = model_card_info or settings.card
+        if card.base_model is None:
             config = getattr(host.model, "config", None)  # a transformers model's; a plain module has none
-            self.model_card_info.base_model = getattr(config, "_name_or_path", None) or None
+            card = dataclasses.replace(card, base_model=getattr(config, "_name_or_path", None) or None)
+        # what the certificate claims and what the end of the run writes: replaced (configure, finish), never edited
+        self.settings: CertificateSettings = dataclasses.replace(settings, card=card)
         self.reference_values: Optional[dict[str, float]] = (
             None if reference_constraint_values is None
             else {k: float(v) for k, v in reference_constraint_values.items()})
         self.report: Optional[SafetyReport] = None  # the last report recorded (see current_report)
-        # what decides the verdict ("certified", or the uncertified "point" / "upper_bound"), the CLT bounds'
-        # level and the certificate's delta; finish_run sets them
-        self.rule = DEFAULT_SAFETY_RULE
-        self.confidence = DEFAULT_CONFIDENCE
-        self.delta = DEFAULT_DELTA
         self._weights_eval: Optional[WeightsEvaluation] = None  # the last exact evaluation of the model
         self._declared_origin: Optional[tuple[int, Optional[str]]] = None
         self._stale_note = ""  # why the last report no longer describes the weights
-        self._saved_weights: dict[str, SavedWeights] = {}  # folder (real path) -> the weights saved there
+        self._saved = SavedWeightFiles()  # the weight files this trainer saved, and which weights they hold
         self._push_allow_unsafe = False
+
+    # ------------------------------------------------------------------ the certificate's settings
+    def configure(self, **changes: Any) -> CertificateSettings:
+        """Change the loop's settings (:meth:`CertificateSettings.changed
+        <hf_constrained.safety.settings.CertificateSettings.changed>`: ``delta``, ``safety_rule``, ``candidates``,
+        ``confidence``, ``plots`` and the card's information), checked; returns the new settings."""
+        self.settings = self.settings.changed(self.view.output_dir, **changes)
+        return self.settings
+
+    @property
+    def rule(self) -> str:
+        """What decides the verdict (``settings.safety_rule``): ``"certified"``, ``"point"`` or ``"upper_bound"``."""
+        return self.settings.safety_rule
+
+    @property
+    def confidence(self) -> float:  # of the CLT bounds shown beside the values
+        return self.settings.confidence
+
+    @property
+    def delta(self) -> float:  # the certificate's error level
+        return self.settings.delta
 
     @property
     def active(self) -> bool:
@@ -200,7 +212,7 @@ class SafetyLoop:
     # ------------------------------------------------------------------ feasible-checkpoint selection
     def is_new_best(self, metrics: dict[str, float]) -> Optional[bool]:
         """Whether ``metrics`` make the current weights the best so far: the best objective among feasible
-        evaluations (lexicographic order of :mod:`hf_constrained.safety.selection`), updating the Trainer's
+        evaluations (lexicographic order of :mod:`hf_constrained.certification.selection`), updating the Trainer's
         state; ``None`` (the Trainer's stock rule decides) when no constraint was evaluated or without
         ``metric_for_best_model``."""
         state, args = self.host.state, self.view.args
@@ -256,7 +268,7 @@ class SafetyLoop:
 
     # ------------------------------------------------------------------ which weights were evaluated
     def weights_fingerprint(self) -> str:
-        """:func:`~hf_constrained.safety.fingerprint.weights_fingerprint` of the model now in the trainer."""
+        """:func:`~hf_constrained.safety.model_fingerprint.weights_fingerprint` of the model now in the trainer."""
         return weights_fingerprint(self.host.model)
 
     def record_evaluation(self, metrics: Mapping[str, Any], fingerprint: Optional[str] = None) -> None:
@@ -399,7 +411,7 @@ class SafetyLoop:
         ``directory/README.md`` and, with a report, ``safety_report.json`` next to it.
 
         The other arguments are those of ``Trainer.create_model_card`` and override
-        :attr:`model_card_info` for this card (``finetuned_from``: the base model;
+        the settings' card (:attr:`settings`) for this card (``finetuned_from``: the base model;
         ``dataset`` / ``dataset_tags``: the datasets; ``tasks``: the model-index task).
         """
         if not self.host.is_world_process_zero() or not self.active:
@@ -410,7 +422,7 @@ class SafetyLoop:
         directory = directory or args.output_dir
         report = report if report is not None else self.current_report()
         name = model_name or os.path.basename(os.path.normpath(args.output_dir))
-        info = self.model_card_info.with_trainer_card_arguments(
+        info = self.settings.card.with_trainer_card_arguments(
             language=language, license=license, tags=tags, finetuned_from=finetuned_from, tasks=tasks,
             dataset_tags=dataset_tags, dataset=dataset)
         model = self.host.accelerator.unwrap_model(self.host.model)
@@ -441,23 +453,9 @@ class SafetyLoop:
         trainer saved from those weights and unchanged since, or ``files_fingerprint`` when the
         caller knows them (the report keeps the value of its last save). Returns the path."""
         if files_fingerprint is None:
-            files_fingerprint = self._saved_files_fingerprint(report, directory)
+            files_fingerprint = self._saved.files_fingerprint(directory, report.weights_fingerprint)
         report.weights_files_fingerprint = files_fingerprint
         return report.save(directory)
-
-    def _saved_files_fingerprint(self, report: SafetyReport, directory: str) -> Optional[str]:
-        """The fingerprint of the weight files in ``directory`` when this trainer saved them from
-        the weights ``report`` describes and they have not changed since; else ``None``."""
-        saved = self._saved_weights.get(os.path.realpath(directory))
-        if (saved is None or report.weights_fingerprint is None
-                or saved.weights_fingerprint != report.weights_fingerprint):
-            return None
-        try:
-            if _files_signature(directory) != saved.signature:
-                return None
-        except (OSError, ValueError):
-            return None
-        return saved.files_fingerprint
 
     def model_saved(self, directory: str) -> None:
         """After the trainer's ``save_model`` wrote weights into ``directory``: which weights they are
@@ -465,24 +463,14 @@ class SafetyLoop:
         the model card (with the report) beside them. Without constraints, nothing."""
         if not self.view.args.should_save or not self.active:
             return
-        try:
-            files = weights_files_fingerprint(directory)
-            signature = _files_signature(directory)
-        except (OSError, ValueError) as exc:
-            logger.warning("cannot fingerprint the weight files in %s: %s", directory, exc)
-            files = None
-        key = os.path.realpath(directory)
-        if files is None:
-            self._saved_weights.pop(key, None)
-        else:
-            self._saved_weights[key] = SavedWeights(self.weights_fingerprint(), files, signature)
+        self._saved.record(directory, self.weights_fingerprint)
         self.write_model_card(directory)
 
     # ------------------------------------------------------------------ the gate
     @contextlib.contextmanager
     def gated_push(self, allow_unsafe: bool = False, safety_rule: Optional[str] = None) -> Iterator[None]:
         """Around the Trainer's ``push_to_hub``: :meth:`check_safe_to_push` first (raising
-        :class:`~hf_constrained.safety.report.UnsafeModelError` before any repository is created or file
+        :class:`~hf_constrained.publishing.report.UnsafeModelError` before any repository is created or file
         uploaded), and the cards the push writes say UNSAFE when ``allow_unsafe`` let a failing model through."""
         self.check_safe_to_push(allow_unsafe=allow_unsafe, safety_rule=safety_rule)
         self._push_allow_unsafe = allow_unsafe
@@ -494,14 +482,14 @@ class SafetyLoop:
     def check_safe_to_push(self, allow_unsafe: bool = False, safety_rule: Optional[str] = None
                            ) -> Optional[SafetyReport]:
         """The gate of ``push_to_hub``, uploading nothing: the safety report of the
-        current weights (built if needed), or :class:`~hf_constrained.safety.report.UnsafeModelError`
+        current weights (built if needed), or :class:`~hf_constrained.publishing.report.UnsafeModelError`
         when a constraint fails on held-out data under ``safety_rule`` (``"certified"``, ``"point"`` or
         ``"upper_bound"``; default :attr:`rule`, which a given ``safety_rule`` replaces) and ``allow_unsafe``
         is false (the local card and report are then updated with the verdict)."""
         if not self.active:
             return None
         if safety_rule is not None:
-            self.rule = check_safety_rule(safety_rule)
+            self.configure(safety_rule=safety_rule)
         report = self.current_report()
         if report is not None and self.rule == "upper_bound" and report.without_bound:
             report = None  # the bounds decide: evaluate again with the per-row statistics
@@ -562,10 +550,10 @@ class SafetyLoop:
         if files is None:
             logger.warning("%s holds no weight files", folder)
             return None, None
-        saved = self._saved_weights.get(os.path.realpath(folder))
-        if saved is not None and saved.files_fingerprint == files:
+        saved_from = self._saved.weights_of(folder, files)
+        if saved_from is not None:
             current = self.current_report()  # these files were saved from the weights it describes?
-            if current is not None and current.weights_fingerprint == saved.weights_fingerprint:
+            if current is not None and current.weights_fingerprint == saved_from:
                 return current, files
         check = check_run_dir(folder)  # the folder's own report, if intact and naming these files
         if check.exit_code != EXIT_STALE_OR_UNREADABLE and check.report is not None:
@@ -583,22 +571,11 @@ class SafetyLoop:
         return report, files
 
     def check_hub_access(self, token: Optional[str] = None) -> None:
-        """With ``push_to_hub=True`` and constraints the repository is created by the first push that passes the
-        gate, so an unsafe run never creates one; this fails when the trainer is built, where the Trainer fails
-        when it creates the repository, if the Hub cannot be reached or refuses the token."""
-        import transformers.trainer as hf_trainer  # its hf_api: the one the Trainer's pushes use
-
-        from ..push import OFFLINE_TRAINER, hub_access_problem  # the recipes' check, and `hf-constrained push`'s
-
-        problem = hub_access_problem(token or self.view.args.hub_token, hf_trainer.hf_api(),
-                                     offline_hint=OFFLINE_TRAINER)
-        if problem is not None:
-            raise RuntimeError(
-                f"push_to_hub=True, but {problem}; the run would fail at its first push. Fix that (the network, "
-                "`hf auth login`, HF_TOKEN or --hub_token), or train with push_to_hub=False and push the finished run "
-                "afterwards (hf-constrained push RUN_DIR --repo_id owner/name)")
+        """With ``push_to_hub=True`` the first push through the gate creates the repository: fail now, when the
+        trainer is built, if the Hub cannot be reached or refuses the token
+        (:func:`~hf_constrained.publishing.push.check_hub_for_deferred_push`)."""
+        check_hub_for_deferred_push(token or self.view.args.hub_token)
         logger.info("push_to_hub: the Hub repository will be created when the safety gate first passes")
-
 
 class SafetyLoopCallback(TrainerCallback):
     """Drives a :class:`SafetyLoop` from the Trainer's events: a new training forgets the last report, every

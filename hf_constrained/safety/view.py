@@ -95,7 +95,7 @@ class RunView:
         engine: the method engine (``None`` without constraints); its ``settings()`` are read when a report
             is built, because a resumed run continues its checkpoint's sampling seed.
         certification_fingerprints: name -> fingerprint of each constraint's certification split (the key of
-            its ledger of looks, :mod:`hf_constrained.safety.ledger`).
+            its ledger of looks, :mod:`hf_constrained.certification.ledger`).
     """
 
     constraints: tuple[Constraint, ...]

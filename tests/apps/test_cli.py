@@ -11,8 +11,8 @@ import pytest
 from safety_tiny import make_trainer, theta_at
 
 from hf_constrained.cli import main
+from hf_constrained.publishing.report import SafetyReport
 from hf_constrained.safety.finish import finish_run
-from hf_constrained.safety.report import SafetyReport
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -67,7 +67,7 @@ def test_plot_writes_constraint_and_objective_figures(run_dir, tmp_path, capsys)
 
 def test_plot_uses_training_estimates_and_heldout_values(run_dir):
     """The plotted series are the log history's: estimates (constraint/<name>) and exact values."""
-    from hf_constrained.safety.figures import _series, split_at_train_end
+    from hf_constrained.publishing.figures import _series, split_at_train_end
 
     with open(run_dir / "trainer_state.json") as f:
         history = json.load(f)["log_history"]
@@ -90,7 +90,7 @@ def test_console_script(run_dir):
 
 
 def test_check_refuses_a_report_without_constraints(tmp_path, capsys):
-    from hf_constrained.safety.report import SafetyReport as Report
+    from hf_constrained.publishing.report import SafetyReport as Report
 
     Report(constraints=[]).save(str(tmp_path))
     assert main(["report", str(tmp_path)]) == 0
@@ -125,7 +125,7 @@ def _copy_checkpoint(run_dir, step: int, dest):
 def test_check_is_certified_only_for_the_weights_the_report_describes(run_dir, tmp_path, capsys):
     """Exit 0 for an intact safe checkpoint; 2 once its weight file is replaced (here by the
     unsafe checkpoint-4's), or deleted; 1 for an intact unsafe checkpoint."""
-    from hf_constrained.safety.verify import check_run_dir
+    from hf_constrained.publishing.verify import check_run_dir
 
     safe = _copy_checkpoint(run_dir, 2, tmp_path / "safe")
     assert SafetyReport.load(str(safe)).all_satisfied
@@ -233,7 +233,7 @@ def test_check_certifies_weights_saved_before_finish_run_and_not_older_ones(tmp_
 def test_weight_files_cover_shards_adapters_and_fsdp_folders(tmp_path):
     """Every kind of saved weights counts: a change to any of their files changes the fingerprint;
     a shard that the index lists but that is missing is an error naming it."""
-    from hf_constrained.safety.fingerprint import weight_files, weights_files_fingerprint
+    from hf_constrained.certification.fingerprint import weight_files, weights_files_fingerprint
 
     assert weight_files(str(tmp_path)) == [] and weights_files_fingerprint(str(tmp_path)) is None
     (tmp_path / "README.md").write_text("not weights")

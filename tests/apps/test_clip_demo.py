@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import TrainerCallback
 
+from hf_constrained.certification.selection import EvaluationRecord
 from hf_constrained.non_forgetting import ReferenceGap
 from hf_constrained.recipes import demo_clip_digits as demo
-from hf_constrained.safety.selection import EvaluationRecord
 
 
 def test_digits_demo_data_design():
@@ -184,10 +184,10 @@ def test_demo_keeps_the_checkpoint_the_librarys_selection_picks_on_the_selection
     record in the lexicographic order, and its weights are the kept model's."""
     from transformers import AutoTokenizer, CLIPModel
 
+    from hf_constrained.certification.selection import select_best
     from hf_constrained.clip import ZeroShotLoss, reference_losses
     from hf_constrained.clip.data import CLIPCollator
     from hf_constrained.clip.non_forgetting import zero_shot_predictions
-    from hf_constrained.safety.selection import select_best
 
     cfg = demo.DemoConfig(stage1_epochs=2, steps=3, lr=3e-2, constraint_copies=1, eval_copies=1, select_every=1,
                           batch_size=16, select_on=select_on, select_forget_rate=0.02, margin=0.01,
@@ -252,10 +252,10 @@ def test_demo_certifies_each_kept_model_on_images_nothing_else_reads(tmp_path, m
     exact Clopper-Pearson bounds of those counts at delta."""
     from transformers import AutoTokenizer, CLIPModel
 
+    from hf_constrained.certification.bounds import clopper_pearson_upper_bound
     from hf_constrained.clip import ZeroShotLoss
     from hf_constrained.clip.data import CLIPCollator, RowDataset
     from hf_constrained.clip.non_forgetting import zero_shot_predictions
-    from hf_constrained.safety.bounds import clopper_pearson_upper_bound
 
     cfg = demo.DemoConfig(stage1_epochs=2, steps=4, lr=3e-2, constraint_copies=1, eval_copies=1, select_every=0,
                           forget_tolerance=0.3, delta=0.1)
@@ -498,8 +498,8 @@ def test_several_penalties_certified_on_one_split_are_counted_looks_each_printed
     The same command again computes the same certificates (the same weights): the same looks, nothing spent."""
     import re
 
-    from hf_constrained.safety.bounds import clopper_pearson_upper_bound
-    from hf_constrained.safety.fingerprint import weights_fingerprint
+    from hf_constrained.certification.bounds import clopper_pearson_upper_bound
+    from hf_constrained.safety.model_fingerprint import weights_fingerprint
 
     # the three runs share the one old model loaded for the seed: each trains its own copy, the old one stays as it was
     olds, finetune = [], demo.finetune

@@ -160,10 +160,10 @@ def test_recipe_certifies_on_held_out_images_nothing_else_reads(assets, tmp_path
     new models' zero-shot predictions."""
     from transformers import CLIPProcessor
 
+    from hf_constrained.certification.bounds import clopper_pearson_upper_bound
     from hf_constrained.clip import ZeroShotLoss
     from hf_constrained.clip.data import CLIPCollator, RowDataset
     from hf_constrained.clip.non_forgetting import zero_shot_predictions
-    from hf_constrained.safety.bounds import clopper_pearson_upper_bound
 
     base, bdd, clip = assets
     out = str(tmp_path / "out")

@@ -408,7 +408,7 @@ def test_the_certificate_bounds_the_hard_gaps_on_its_own_split(splits, tmp_path)
     of both groups), checked here against scipy's beta quantiles."""
     from scipy.stats import beta as beta_dist
 
-    from hf_constrained.safety.evaluation import certify_models
+    from hf_constrained.safety.finish import certify_models
 
     model = mlp()
     with torch.no_grad():

@@ -12,6 +12,7 @@ from conftest import import_script
 from fairness_tiny import biased_split
 
 from hf_constrained import ConstrainedTrainingArguments
+from hf_constrained.certification.certify import certify
 from hf_constrained.fairness import (
     AUCConstrainedTrainer,
     MLPConfig,
@@ -25,8 +26,7 @@ from hf_constrained.fairness import (
     smallest_certified_gap,
 )
 from hf_constrained.fairness.experiment import ROCFairnessArguments
-from hf_constrained.safety.certify import certify
-from hf_constrained.safety.evaluation import certify_models
+from hf_constrained.safety.finish import certify_models
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 THRESHOLDS = (-1.0, 0.0, 1.0)

@@ -75,7 +75,7 @@ def test_certification_rows_are_independent_draws_named_by_their_draw():
     named by their draw (not their text) and the trainer accepts them, while a copied training row is refused."""
     from hf_constrained import Certification, Constraint
     from hf_constrained.non_forgetting import ReferenceLossDataset
-    from hf_constrained.safety.splits import check_certification_splits
+    from hf_constrained.safety.split_checks import check_certification_splits
 
     tokenizer = ex.char_tokenizer()
     cfg = ex.ExampleArguments(constraint_rows=64, held_out_rows=64, certify_rows=64)

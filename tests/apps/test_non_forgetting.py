@@ -361,8 +361,8 @@ def test_a_statement_the_statistic_cannot_express_is_an_error_naming_the_task(ca
 
 
 def test_the_certifiable_target_is_the_largest_value_the_split_certifies():
+    from hf_constrained.certification.bounds import clopper_pearson_upper_bound, paired_change_upper_bounds
     from hf_constrained.non_forgetting import certifiable_target, forgetting_statistic, points_lost_statistic
-    from hf_constrained.safety.bounds import clopper_pearson_upper_bound, paired_change_upper_bounds
 
     correct = lambda model, batch: None  # noqa: E731 - never called
     n, tol = 1000, 0.02
@@ -405,7 +405,7 @@ def test_the_proxy_margin_is_sized_from_the_statement_and_a_small_split_warns_be
                                           correct=causal_lm_per_example_correct, accuracy_drop_tolerance=0.05)
     args = ConstrainedTrainingArguments(output_dir=str(tmp_path / "run"), max_steps=1, report_to=[], use_cpu=True,
                                         save_strategy="no", disable_tqdm=True, remove_unused_columns=False)
-    with caplog.at_level("WARNING", logger="hf_constrained.safety.splits"):
+    with caplog.at_level("WARNING", logger="hf_constrained.safety.split_checks"):
         ConstrainedTrainer(model=copy.deepcopy(causal_lm), args=args, train_dataset=lm_rows.select(range(6)),
                            data_collator=collate, constraints=[small])
     text = caplog.text

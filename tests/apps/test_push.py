@@ -11,7 +11,8 @@ from types import SimpleNamespace
 import pytest
 from safety_tiny import make_trainer
 
-from hf_constrained import cli, push
+from hf_constrained import cli
+from hf_constrained.publishing import push
 from hf_constrained.recipe_args import parse_recipe_args
 from hf_constrained.safety.finish import finish_run
 
@@ -123,9 +124,8 @@ def test_push_refuses_in_one_line_and_uploads_nothing(tmp_path, monkeypatch, cap
         json.dump(data, open(path, "w"))
     if damage == "no_weights":
         os.remove(os.path.join(run, "model.safetensors"))
-        from hf_constrained.safety.report import (
-            SafetyReport,  # a report for weights evaluated in memory
-        )
+        # a report for weights evaluated in memory
+        from hf_constrained.publishing.report import SafetyReport
 
         report = SafetyReport.load(run)
         report.weights_files_fingerprint = None

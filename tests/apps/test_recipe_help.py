@@ -8,7 +8,7 @@ import argparse
 import pytest
 
 from hf_constrained import cli
-from hf_constrained.recipes import RECIPES
+from hf_constrained.recipe_registry import RECIPES
 
 # a flag of each recipe's own dataclass, shown first
 OWN_FLAG = {"quickstart": "--bound", "llm": "--protected_datasets", "llm-example": "--old_steps",

@@ -9,7 +9,7 @@ import re
 import pytest
 
 from hf_constrained.cli import main
-from hf_constrained.recipes import RECIPES
+from hf_constrained.recipe_registry import RECIPES
 
 # the recipes that follow the convention (the others keep theirs until their owners move them)
 FOLLOWING = ("roc_fairness", "clip_non_forgetting", "safe_release_digits", "llm_non_forgetting")

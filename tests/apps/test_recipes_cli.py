@@ -22,7 +22,8 @@ from recipe_outputs import assert_report_checks, run_card_snippet
 from safetensors.torch import load_file
 
 from hf_constrained.cli import main
-from hf_constrained.recipes import DEMO_MODULE, HELPER_MODULES, RECIPES, recipe_file, shipped_recipe_files
+from hf_constrained.recipe_registry import DEMO_MODULE, HELPER_MODULES, RECIPES
+from hf_constrained.recipes import recipe_file, shipped_recipe_files
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT),
@@ -64,7 +65,8 @@ def test_wheel_build_ships_the_recipes_and_their_configs(tmp_path):
     expected = sorted(str(p.relative_to(ROOT / "recipes")) for p in (ROOT / "recipes").glob("*/*.yaml"))
     assert sorted(str(p.relative_to(shipped)) for p in shipped.glob("*/*.yaml")) == expected
     code = ("import importlib.util, json, hf_constrained.recipes as r\n"
-            "print(json.dumps({'modules': [importlib.util.find_spec(x.module_name).origin for x in r.RECIPES],"
+            "from hf_constrained.recipe_registry import RECIPES\n"
+            "print(json.dumps({'modules': [importlib.util.find_spec(x.module_name).origin for x in RECIPES],"
             " 'files': r.shipped_recipe_files(), 'path': list(r.__path__)}))")
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": str(lib)})

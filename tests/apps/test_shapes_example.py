@@ -114,7 +114,7 @@ def test_a_short_run_writes_a_certificate_in_points(tmp_path, monkeypatch, capsy
     assert set(cert["rows"].values()) == {120}
     assert cert["look"] == 1 and cert["level"] == pytest.approx(0.045)
     # the bound is the exact Clopper-Pearson bound of each class's count forgotten, at the first look's level
-    from hf_constrained.safety.bounds import clopper_pearson_upper_bound
+    from hf_constrained.certification.bounds import clopper_pearson_upper_bound
     for key, share in cert["forgotten"].items():
         assert cert["bounds"][key] == pytest.approx(clopper_pearson_upper_bound(round(share * 120), 120, 0.045))
     assert cert["certified"] == all(b <= 0.03 for b in cert["bounds"].values())
@@ -125,7 +125,7 @@ def test_a_short_run_writes_a_certificate_in_points(tmp_path, monkeypatch, capsy
 
 def test_a_certification_split_too_small_for_the_claim_is_warned_before_training(tmp_path, monkeypatch, caplog):
     """50 images per class can never certify 3 points (even with none forgotten the bound is 5.9 points):
-    the library's check (hf_constrained.safety.splits.check_certifiable) names the constraint, the split size
+    the library's check (hf_constrained.safety.split_checks.check_certifiable) names the constraint, the split size
     and the rows it needs, before training."""
     monkeypatch.setenv("HF_CONSTRAINED_LEDGER", str(tmp_path / "ledger.json"))
     with caplog.at_level(logging.WARNING, logger="hf_constrained"):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from hf_constrained.method.rows import inner_values, local_contribution, reduce_rows, segment_sums
+from hf_constrained.row_sums import inner_values, local_contribution, reduce_rows, segment_sums
 from hf_constrained.statistics import inner_statistics
 
 

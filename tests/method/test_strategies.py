@@ -30,17 +30,9 @@ from hf_constrained import (
     FixedMargin,
 )
 from hf_constrained.constraint import CertifyStatistic
+from hf_constrained.margin import Margin, margin_settings, run_margin
 from hf_constrained.method.margins import RowSpread
-from hf_constrained.method.strategies import (
-    Margin,
-    OneSplit,
-    TwoSplit,
-    estimate_source,
-    margin_rules,
-    margin_settings,
-    run_margin,
-    split_for_indicator,
-)
+from hf_constrained.method.strategies import OneSplit, TwoSplit, estimate_source, margin_rules, split_for_indicator
 
 
 def rows(n: int) -> list[dict]:

@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from hf_constrained.safety import bounds
-from hf_constrained.safety.bounds import (
+from hf_constrained.certification import bounds
+from hf_constrained.certification.bounds import (
     DEFAULT_BOUND,
     PAIRED_LOW_SHARE,
     clopper_pearson_upper_bounds,
@@ -17,7 +17,7 @@ from hf_constrained.safety.bounds import (
     smallest_certifiable,
     upper_bound,
 )
-from hf_constrained.safety.certify import certify
+from hf_constrained.certification.certify import certify
 
 DELTA = 0.05
 REPS = 4000

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from datasets import Dataset
 
-from hf_constrained.safety.splits import carve_certification, check_certify_fraction
+from hf_constrained.certification.splits import carve_certification, check_certify_fraction
 
 
 def test_a_seeded_share_disjoint_from_the_rows_left_in_stored_order():

@@ -6,15 +6,15 @@ import numpy as np
 import pytest
 from fairness_tiny import biased_split
 
+from hf_constrained.certification.bounds import clopper_pearson_upper_bound
+from hf_constrained.certification.certify import certifiability, first_look_delta, rows_needed
 from hf_constrained.fairness import roc_fairness_constraints
-from hf_constrained.safety.bounds import clopper_pearson_upper_bound
-from hf_constrained.safety.certify import certifiability, first_look_delta, rows_needed
-from hf_constrained.safety.splits import check_certifiable
+from hf_constrained.safety.split_checks import check_certifiable
 
 
 def test_roc_gaps_that_the_split_can_never_certify_are_named_with_the_group_sizes(caplog):
     certify = biased_split(400, 7)
-    with caplog.at_level("WARNING", logger="hf_constrained.safety.splits"):
+    with caplog.at_level("WARNING", logger="hf_constrained.safety.split_checks"):
         checks = check_certifiable(roc_fairness_constraints(biased_split(200, 0), thresholds=(0.0,), kappa=0.005,
                                                             certify_data=certify))
     assert [c.name for c in checks] == ["tpr_gap@+0", "fpr_gap@+0"] and not any(c.possible for c in checks)
@@ -29,7 +29,7 @@ def test_roc_gaps_that_the_split_can_never_certify_are_named_with_the_group_size
     assert "can never certify tolerance 0.005" in caplog.text and "per group" in caplog.text
     # a kappa the split can support: no warning
     caplog.clear()
-    with caplog.at_level("WARNING", logger="hf_constrained.safety.splits"):
+    with caplog.at_level("WARNING", logger="hf_constrained.safety.split_checks"):
         ok = check_certifiable(roc_fairness_constraints(biased_split(200, 0), thresholds=(0.0,), kappa=0.2,
                                                         certify_data=certify))
     assert all(c.possible for c in ok) and caplog.text == ""

@@ -10,11 +10,11 @@ from datasets import Dataset
 from safety_tiny import ThetaConfig, ThetaModel, objective_data
 
 from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments, Constraint, finish_run
+from hf_constrained.certification.bounds import clopper_pearson_upper_bound, hoeffding_bentkus_upper_bound
 from hf_constrained.cli import main
 from hf_constrained.constraint import Certification, CertifyStatistic
-from hf_constrained.safety.bounds import clopper_pearson_upper_bound, hoeffding_bentkus_upper_bound
-from hf_constrained.safety.fingerprint import weights_fingerprint
-from hf_constrained.safety.report import SafetyReport, UnsafeModelError
+from hf_constrained.publishing.report import SafetyReport, UnsafeModelError
+from hf_constrained.safety.model_fingerprint import weights_fingerprint
 
 
 def scaled_rate(model, batch):
@@ -192,7 +192,7 @@ def test_certified_checkpoints_are_known_by_their_own_weights_each_hashed_once(t
     candidates' own weights fingerprints (certifying the same checkpoints again, each hashed afresh, is the same
     look), the report's fingerprint is the weights in the trainer, and each candidate's weights are hashed once
     (5 checkpoints; the final weights, which are the last of them, once more, to know that they are)."""
-    from hf_constrained.safety import evaluation, finish
+    from hf_constrained.safety import evaluation, run_end
 
     trainer = make_saving(tmp_path, tolerance=0.5)
     trainer.train()
@@ -202,7 +202,7 @@ def test_certified_checkpoints_are_known_by_their_own_weights_each_hashed_once(t
         hashed.append(model)
         return weights_fingerprint(model)
 
-    for module in (finish, evaluation):
+    for module in (run_end, evaluation):
         monkeypatch.setattr(module, "weights_fingerprint", counted)
     report = finish_run(trainer, plots=False, candidates="checkpoints")
     assert report.certificate["certified"] == [0, 1, 2, 3, 4] and report.certificate_candidate == 4

@@ -11,9 +11,9 @@ from datasets import Dataset
 from safety_tiny import ThetaConfig, ThetaModel, objective_data
 
 from hf_constrained import Certification, ConstrainedTrainer, ConstrainedTrainingArguments, Constraint, finish_run
-from hf_constrained.safety.bounds import clopper_pearson_upper_bound, clopper_pearson_upper_bounds
-from hf_constrained.safety.certify import certify
-from hf_constrained.safety.ledger import (
+from hf_constrained.certification.bounds import clopper_pearson_upper_bound, clopper_pearson_upper_bounds
+from hf_constrained.certification.certify import certify
+from hf_constrained.certification.ledger import (
     LEDGER_FILE,
     CertificationLedger,
     GeometricSpending,

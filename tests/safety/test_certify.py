@@ -1,5 +1,5 @@
 """Finite-sample bounds (against scipy / MAPIE reference values and by Monte Carlo) and the
-Learn-Then-Test certification logic of :mod:`hf_constrained.safety.certify`."""
+Learn-Then-Test certification logic of :mod:`hf_constrained.certification.certify`."""
 
 import math
 
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from scipy.stats import binomtest
 
-from hf_constrained.safety.bounds import (
+from hf_constrained.certification.bounds import (
     betting_upper_bound,
     clopper_pearson_upper_bound,
     clt_upper_bound,
@@ -17,7 +17,7 @@ from hf_constrained.safety.bounds import (
     lower_bound,
     upper_bound,
 )
-from hf_constrained.safety.certify import Certificate, GroupRows, best_certified, certify
+from hf_constrained.certification.certify import Certificate, GroupRows, best_certified, certify
 
 
 # ---------------------------------------------------------------------- reference values

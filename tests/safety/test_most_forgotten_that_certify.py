@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from scipy.stats import beta
 
-from hf_constrained.safety.bounds import most_forgotten_that_certify
+from hf_constrained.certification.bounds import most_forgotten_that_certify
 
 
 def _cp_upper(x: int, n: int, delta: float) -> float:

@@ -19,7 +19,8 @@ from test_certificate_gate import make, scaled_rate
 from hf_constrained import finish_run
 from hf_constrained.cli import main
 from hf_constrained.constraint import CertifyStatistic
-from hf_constrained.safety.report import (
+from hf_constrained.publishing.report import ConstraintResult, SafetyReport
+from hf_constrained.publishing.tables import (
     CERTIFIED,
     EXACT_FAILS,
     EXACT_HOLDS,
@@ -28,10 +29,8 @@ from hf_constrained.safety.report import (
     NO_CERTIFICATION_SPLIT,
     NOT_CERTIFIED,
     NOT_TESTED,
-    ConstraintResult,
-    SafetyReport,
 )
-from hf_constrained.safety.verify import check_run_dir
+from hf_constrained.publishing.verify import check_run_dir
 
 VERDICT_WORDS = {CERTIFIED, NOT_CERTIFIED, NOT_TESTED, NO_CERTIFICATION_SPLIT, EXACT_HOLDS, EXACT_FAILS, HOLDS,
                  FAILS, "FAILS", "holds with confidence", "holds on the point estimate only"}
@@ -165,7 +164,7 @@ def test_no_report_contradicts_itself(bound, held_out, tested, rule):
 def test_an_evaluation_during_training_is_not_called_uncertifiable(tmp_path):
     """A checkpoint's report from an evaluation during training has no certificate yet: its line says
     that, not that the constraints lack certification rows (they have them)."""
-    from hf_constrained.safety.evaluation import report_from_metrics
+    from hf_constrained.safety.finish import report_from_metrics
 
     trainer = make(tmp_path)
     report = report_from_metrics(trainer, trainer.evaluate())

@@ -143,9 +143,9 @@ def test_a_recipe_run_writes_no_token_and_no_absolute_path(tmp_path, capsys, cap
 def test_cards_and_reports_never_hold_a_token(tmp_path, caplog):
     """Whatever a caller passes (a reproduce command or a model name with a token in it), the
     card and the report written to disk hold ``<redacted>`` instead, and the report verifies."""
-    from hf_constrained.safety.card import ModelCardInfo, render_model_card, write_model_card
-    from hf_constrained.safety.report import ConstraintResult, SafetyReport
-    from hf_constrained.safety.verify import check_run_dir
+    from hf_constrained.publishing.card import ModelCardInfo, render_model_card, write_model_card
+    from hf_constrained.publishing.report import ConstraintResult, SafetyReport
+    from hf_constrained.publishing.verify import check_run_dir
 
     report = SafetyReport([ConstraintResult("c", 0.1, 0.2)], model_name=f"run-{FAKE_TOKEN}", safety_rule="point")
     report.save(str(tmp_path))
@@ -162,7 +162,7 @@ def test_cards_and_reports_never_hold_a_token(tmp_path, caplog):
 
 def test_the_report_module_redacts_the_same_tokens():
     from hf_constrained.publishable import HF_TOKEN_PATTERN
-    from hf_constrained.safety import report
+    from hf_constrained.publishing import report
 
     assert report._HF_TOKEN.pattern == HF_TOKEN_PATTERN.pattern
 

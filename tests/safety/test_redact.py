@@ -8,10 +8,10 @@ import os
 from safety_tiny import make_trainer
 
 from hf_constrained.publishable import is_secret_flag
+from hf_constrained.publishing.card import ModelCardInfo, render_model_card
+from hf_constrained.publishing.report import ConstraintResult, SafetyReport
 from hf_constrained.redact import redact_command
-from hf_constrained.safety.card import ModelCardInfo, render_model_card
 from hf_constrained.safety.finish import finish_run
-from hf_constrained.safety.report import ConstraintResult, SafetyReport
 
 # none of these looks like an "hf_..." token: only the flag's name says it is a secret
 SECRETS = ["plainHubToken42", "wandbKEY0099", "s3cr3t-value", "hunter2", "envtoken77", "apikeyvalue"]

@@ -23,8 +23,9 @@ from safety_tiny import ThetaConfig, ThetaModel, objective_data
 from hf_constrained import Certification, ConstrainedTrainer, ConstrainedTrainingArguments, Constraint
 from hf_constrained.constraint import CertifyStatistic
 from hf_constrained.method.estimators import theory_gamma_prime
-from hf_constrained.safety.evaluation import build_safety_report, library_option_names
-from hf_constrained.safety.report import SafetyReport
+from hf_constrained.publishing.report import SafetyReport
+from hf_constrained.safety.finish import build_safety_report
+from hf_constrained.safety.view import library_option_names
 
 M = 4  # constraints: constraints_per_step < M is a real choice
 

@@ -15,9 +15,9 @@ from huggingface_hub.repocard_data import model_index_to_eval_results
 from safety_tiny import make_trainer
 from test_safety_gate import hub  # noqa: F401 (fixture)
 
-from hf_constrained.safety.card import PAPER_URL, ModelCardInfo, describe_model, render_model_card, usage_snippet
+from hf_constrained.publishing.card import PAPER_URL, ModelCardInfo, describe_model, render_model_card, usage_snippet
+from hf_constrained.publishing.report import ConstraintResult, SafetyReport, objective_metrics_from
 from hf_constrained.safety.finish import finish_run
-from hf_constrained.safety.report import ConstraintResult, SafetyReport, objective_metrics_from
 
 
 @pytest.fixture(scope="module")
@@ -281,7 +281,7 @@ SNAKE = r"^[a-z][a-z0-9]*(_[a-z0-9]+)*$"
                                           ("AutoProcessor", "processor"), ("CLIPProcessor", "processor")])
 def test_the_usage_snippet_names_a_tokenizer_tokenizer(loader, name):
     """The demo's card said ``processor = AutoTokenizer.from_pretrained(...)``: a tokenizer is ``tokenizer``."""
-    from hf_constrained.safety.card import ModelSource
+    from hf_constrained.publishing.card import ModelSource
 
     snippet = usage_snippet(ModelSource("transformers", "CLIPModel", processor_class=loader), "owner/name")
     assert f"\n{name} = {loader}.from_pretrained(repo_id)" in snippet

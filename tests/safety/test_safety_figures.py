@@ -6,14 +6,14 @@ from __future__ import annotations
 import matplotlib.colors as mcolors
 import pytest
 
-from hf_constrained.safety.figures import (
+from hf_constrained.publishing.figures import (
     constraint_styles,
     constraints_figure,
     default_objective_metric,
     objective_figure,
     plot_log_history,
 )
-from hf_constrained.safety.report import ConstraintResult, SafetyReport
+from hf_constrained.publishing.report import ConstraintResult, SafetyReport
 
 
 def history(names, steps=5, extra=None):

@@ -18,8 +18,8 @@ from test_safety_report import assert_card_matches_report, card_body
 
 from hf_constrained import ConstrainedTrainer
 from hf_constrained.checkpointing import COMPLETE_MARKER
+from hf_constrained.publishing.report import SafetyReport, UnsafeModelError
 from hf_constrained.safety.finish import finish_run
-from hf_constrained.safety.report import SafetyReport, UnsafeModelError
 from hf_constrained.trainer import CONSTRAINT_STATE_NAME
 
 
@@ -216,7 +216,7 @@ def test_card_after_evaluate_shows_the_evaluation(tmp_path):
 
 
 def test_weights_fingerprint_changes_with_any_weight():
-    from hf_constrained.safety.fingerprint import weights_fingerprint
+    from hf_constrained.safety.model_fingerprint import weights_fingerprint
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
     before = weights_fingerprint(model)
@@ -279,7 +279,7 @@ def test_checkpoint_push_decides_on_the_folders_weights_not_the_models(tmp_path,
     if folder_report != "its own":  # the folder was evaluated: its own report now says UNSAFE
         assert not SafetyReport.load(str(unsafe)).all_satisfied
     # the safe checkpoint is pushed, with a report that names the files uploaded
-    from hf_constrained.safety.fingerprint import weights_files_fingerprint
+    from hf_constrained.certification.fingerprint import weights_files_fingerprint
 
     safe = tmp_path / "run" / "checkpoint-2"
     trainer.push_checkpoint(str(safe))
@@ -307,8 +307,8 @@ def test_checkpoint_push_during_training_never_evaluates_an_unreported_folder(tm
 def test_a_pushed_folder_passes_report_check(tmp_path, hub):
     """What push_to_hub uploads (weights, card, report) verifies with ``hf-constrained report
     --check``: the report names the weight files uploaded with it."""
+    from hf_constrained.certification.fingerprint import weights_files_fingerprint
     from hf_constrained.cli import main
-    from hf_constrained.safety.fingerprint import weights_files_fingerprint
 
     trainer = trained(tmp_path, steps=2)
     finish_run(trainer, plots=False)
@@ -326,7 +326,7 @@ def test_an_unreachable_hub_fails_when_the_trainer_is_built(tmp_path, monkeypatc
         def whoami(self, token=None):
             raise ConnectionError("[Errno 101] Network is unreachable")
 
-    import hf_constrained.push as push
+    import hf_constrained.publishing.push as push
 
     hub = Offline()
     monkeypatch.setattr(hf_trainer, "hf_api", lambda: hub)

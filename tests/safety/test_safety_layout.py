@@ -1,10 +1,11 @@
 """Package layout: every module imports alone, no import cycles, a light command line.
 
 The import graph is read from the source (``ast``): every ``import`` anywhere in a module,
-function bodies included (a function-local import that dodges a cycle is still a cycle),
-except under ``if TYPE_CHECKING:`` (never run) and ``if __name__ == "__main__":`` (runs
-only when the file is executed as a script, as ``__main__``, not as the package module).
-The lazy name tables (``_LAZY``) of package ``__init__`` files count as imports too.
+function bodies and ``if TYPE_CHECKING:`` blocks included (a function-local import that dodges a
+cycle is still a cycle, and a type-only import is a dependency of the reader), except under
+``if __name__ == "__main__":`` (runs only when the file is executed as a script, as ``__main__``,
+not as the package module). The lazy name tables (``_LAZY``) of package ``__init__`` files count as
+imports too.
 """
 
 from __future__ import annotations
@@ -40,10 +41,6 @@ def package_modules() -> dict[str, str]:
 
 def _skipped_block(node: ast.If) -> bool:
     test = node.test
-    if isinstance(test, ast.Name) and test.id == "TYPE_CHECKING":
-        return True
-    if isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING":
-        return True
     return (isinstance(test, ast.Compare) and isinstance(test.left, ast.Name) and test.left.id == "__name__"
             and any(isinstance(c, ast.Constant) and c.value == "__main__" for c in test.comparators))
 
@@ -129,16 +126,18 @@ def import_graph() -> dict[str, set[str]]:
 
 
 def test_cycle_check_finds_cycles():
-    """The checker itself: a cycle through a function-local import is found, a DAG passes."""
+    """The checker itself: a cycle through a function-local or a type-only import is found, a DAG passes."""
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
-    modules = {"hf_constrained": "", "hf_constrained.x": "", "hf_constrained.y": ""}
-    src = "def f():\n    from . import y\nif TYPE_CHECKING:\n    from .z import q\n"
+    modules = {"hf_constrained": "", "hf_constrained.x": "", "hf_constrained.y": "", "hf_constrained.z": "",
+               "hf_constrained.w": ""}
+    src = ("def f():\n    from . import y\nif TYPE_CHECKING:\n    from .z import q\n"
+           "if __name__ == '__main__':\n    from . import w\n")
     path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"hfc_layout_{os.getpid()}.py")
     with open(path, "w") as f:
         f.write(src)
     try:
-        assert imports_of("hf_constrained.x", path, modules) == {"hf_constrained.y"}
+        assert imports_of("hf_constrained.x", path, modules) == {"hf_constrained.y", "hf_constrained.z"}
     finally:
         os.remove(path)
 
@@ -146,21 +145,47 @@ def test_cycle_check_finds_cycles():
 def test_no_import_cycle_in_the_package():
     graph = import_graph()
     assert "hf_constrained.safety.loop" in graph["hf_constrained.trainer"]  # the graph sees real edges
+    # a type-only import (under TYPE_CHECKING) is an edge too
+    assert "hf_constrained.method.shared_forward" in graph["hf_constrained.method.draw_values"]
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
-def test_safety_package_is_layered_one_way():
-    """The report is at the bottom; nothing in the safety package imports the trainer or the CLI."""
+def _package(graph: dict[str, set[str]], name: str) -> list[str]:
+    modules = [m for m in graph if m == name or m.startswith(name + ".")]
+    assert modules, name
+    return modules
+
+
+def _imports_of_package(graph: dict[str, set[str]], name: str) -> set[str]:
+    return {d for m in _package(graph, name) for d in graph[m]}
+
+
+def _within(deps: set[str], packages: tuple[str, ...]) -> set[str]:
+    return {d for d in deps if any(d == p or d.startswith(p + ".") for p in packages)}
+
+
+def test_packages_are_layered_one_way():
+    """certification (statistics, no model) <- publishing (report, card, figures, push) <- safety (the loop the
+    trainer holds) <- trainer <- command line and recipes; the user's problem (``constraint``) below the method."""
     graph = import_graph()
-    # the report imports nothing of the package but the stdlib-only atomic file writes
-    assert graph["hf_constrained.safety.report"] <= {"hf_constrained.atomic_files"}
+    assert "hf_constrained.certification.certify" in graph["hf_constrained.publishing.report"]  # real edges seen
+    # publishing reads reports and files: never the run's glue, the trainer, the method or the recipes
+    publishing = _imports_of_package(graph, "hf_constrained.publishing")
+    assert not _within(publishing, ("hf_constrained.safety", "hf_constrained.trainer", "hf_constrained.method",
+                                    "hf_constrained.constraint", "hf_constrained.cli", "hf_constrained.recipes"))
+    # the safety loop: never the trainer, the command line or the recipes
+    safety = _imports_of_package(graph, "hf_constrained.safety")
+    assert not _within(safety, ("hf_constrained.trainer", "hf_constrained.cli", "hf_constrained.recipes"))
+    # the report is plain data: the stdlib-only atomic writes, the certificate and its own text
+    assert graph["hf_constrained.publishing.report"] <= {"hf_constrained.atomic_files",
+                                                         "hf_constrained.certification.certify",
+                                                         "hf_constrained.publishing.tables"}
     assert graph["hf_constrained.atomic_files"] == set()
-    assert graph["hf_constrained.safety.selection"] == set()
-    for module, deps in graph.items():
-        if module.startswith("hf_constrained.safety"):
-            assert not deps & {"hf_constrained.trainer", "hf_constrained.cli",
-                               "hf_constrained.recipes.demo_clip_digits"}, module
+    assert graph["hf_constrained.certification.selection"] == set()
+    # the user's problem imports nothing of the method; non-forgetting nothing of the run's glue
+    assert not _within(graph["hf_constrained.constraint"], ("hf_constrained.method",))
+    assert not _within(graph["hf_constrained.non_forgetting"], ("hf_constrained.safety", "hf_constrained.trainer"))
     # the library never imports the command line
     assert not [m for m, deps in graph.items() if "hf_constrained.cli" in deps and m != "hf_constrained.cli"]
 
@@ -235,7 +260,7 @@ def test_every_module_imports_alone_in_a_fresh_interpreter():
 def test_command_line_and_report_do_not_load_the_trainer():
     """``hf-constrained --help`` / ``report`` import no torch and no transformers."""
     result = _fresh("import sys, hf_constrained, hf_constrained.cli, hf_constrained.recipes, "
-                    "hf_constrained.safety.report\n"
+                    "hf_constrained.publishing.report\n"
                     "import contextlib, io\n"
                     "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
                     "    hf_constrained.cli.main(['--help'])\n"

@@ -55,8 +55,8 @@ def test_the_trainers_public_names_hold_no_safety_internals(tmp_path):
                                                             "push_allow_unsafe", "defer_hub_repo"}}
     assert isinstance(trainer.safety, SafetyLoop) and isinstance(trainer.safety.view, RunView)
     # what users reach through trainer.safety instead
-    assert {"build_report", "check_safe_to_push", "checkpoint_model", "confidence", "current_report", "delta",
-            "feasible_selection", "model_card_info", "reference_values", "report", "rule", "save_report",
+    assert {"build_report", "check_safe_to_push", "checkpoint_model", "confidence", "configure", "current_report",
+            "delta", "feasible_selection", "finish", "reference_values", "report", "rule", "save_report", "settings",
             "set_report", "weights_fingerprint", "weights_origin", "write_model_card"} <= public_names(trainer.safety)
 
 
@@ -97,14 +97,18 @@ def test_the_callback_drives_the_loop(tmp_path):
 
 
 def test_no_safety_module_reads_a_trainer_by_attribute_name():
-    """No ``getattr``/``hasattr``/``setattr`` on a trainer (or the loop's host) anywhere in the safety package:
-    the loop reads the run through :class:`RunView` and calls the typed :class:`SafetyHost` operations."""
-    folder = os.path.dirname(hf_constrained.safety.__file__)
+    """No ``getattr``/``hasattr``/``setattr`` on a trainer (or the loop's host) anywhere in the safety, publishing
+    or certification packages: the loop reads the run through :class:`RunView` and calls the typed
+    :class:`SafetyHost` operations."""
+    package = os.path.dirname(os.path.dirname(hf_constrained.safety.__file__))
     found = []
-    for name in sorted(os.listdir(folder)):
+    names = [os.path.join(sub, n) for sub in ("safety", "publishing", "certification")
+             for n in sorted(os.listdir(os.path.join(package, sub)))]
+    assert len([n for n in names if n.endswith(".py")]) > 20
+    for name in names:
         if not name.endswith(".py"):
             continue
-        with open(os.path.join(folder, name), encoding="utf-8") as f:
+        with open(os.path.join(package, name), encoding="utf-8") as f:
             tree = ast.parse(f.read())
         for node in ast.walk(tree):
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)

@@ -13,9 +13,9 @@ import pytest
 import torch
 from safety_tiny import ThetaConfig, ThetaModel, make_trainer, theta_at
 
-from hf_constrained.safety.card import TEMPLATE_NAME, template_path
+from hf_constrained.publishing.card import TEMPLATE_NAME, template_path
+from hf_constrained.publishing.report import SAFETY_REPORT_NAME, SafetyReport
 from hf_constrained.safety.finish import finish_run
-from hf_constrained.safety.report import SAFETY_REPORT_NAME, SafetyReport
 
 
 def card_body(text: str) -> list[str]:
@@ -191,8 +191,8 @@ def test_template_ships_from_model_cards_in_editable_and_wheel_installs(tmp_path
 
 
 def test_constraints_without_heldout_data_are_flagged():
-    from hf_constrained.safety.card import render_model_card
-    from hf_constrained.safety.report import ConstraintResult
+    from hf_constrained.publishing.card import render_model_card
+    from hf_constrained.publishing.report import ConstraintResult
 
     report = SafetyReport([ConstraintResult("a", 0.1, 0.2, 0.0, "held-out"),
                            ConstraintResult("b", 0.3, 0.2, None, "training")], {"eval_loss": 1.0},

@@ -9,8 +9,7 @@ import os
 import pytest
 from safety_tiny import make_trainer, theta_at
 
-from hf_constrained.safety.finish import finish_run
-from hf_constrained.safety.selection import (
+from hf_constrained.certification.selection import (
     EvaluationRecord,
     constraint_feasibility,
     evaluation_records,
@@ -18,6 +17,7 @@ from hf_constrained.safety.selection import (
     select_best,
     summarize_selection,
 )
+from hf_constrained.safety.finish import finish_run
 
 
 def eval_entry(step, loss, satisfied, violation):

@@ -22,8 +22,8 @@ from test_safety_report import assert_card_matches_report, card_constraint_rows
 from hf_constrained import ConstrainedTrainer
 from hf_constrained.batches import collate_examples
 from hf_constrained.cli import main
+from hf_constrained.publishing.report import SafetyReport, UnsafeModelError
 from hf_constrained.safety.finish import finish_run
-from hf_constrained.safety.report import SafetyReport, UnsafeModelError
 from hf_constrained.statistics import ConstraintStatistic, constraint_statistic
 
 HELD_OUT_X = np.array([0.25, 1.75, 1.0] * 3)  # safety_tiny.constraints(): scaled_theta's held-out rows

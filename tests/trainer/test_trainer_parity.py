@@ -109,7 +109,7 @@ def build(variant: str, out: str, callbacks: Optional[list] = None, **overrides:
                                  **common)
     # a scalar constraint has no certification split: the gate runs under the explicit, uncertified point rule
     # (the certificate itself is tested in test_certificate_gate.py)
-    trainer.safety.rule = "point"
+    trainer.safety.configure(safety_rule="point")
     return trainer
 
 

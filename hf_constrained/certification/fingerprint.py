@@ -1,20 +1,11 @@
-"""A fingerprint of a model's weights: ties a safety report to the weights it describes.
+"""Fingerprints of saved weight files: tie a certificate and its report to the files they describe.
 
-A report says "these constraints hold for these weights". If the weights change
-afterwards (more training, an edit, ``load_state_dict`` of another model), the report no
-longer describes them; the gate compares the fingerprint stored in the report with the
-fingerprint of the weights it is about to publish and evaluates again when they differ.
-
-The fingerprint is SHA-256 over every tensor of ``model.state_dict()`` (parameters and
-persistent buffers): its name, dtype, shape and raw bytes, so any change of any weight
-changes it. Its cost is one read of the weights: about as long as copying them to CPU
-memory once (see ``docs/safety.md`` for measured times).
-
-:func:`weights_files_fingerprint` is the fingerprint of the saved FILES of a folder (weights,
-shards and their index, adapters, and the configs that say how the weights are used):
-SHA-256 over each file's name, size and content. A report saved next to weights records it,
-so ``hf-constrained report --check`` and the checkpoint push can tell that the files on disk
-are the ones that were evaluated. It reads files only (no torch).
+A report says "these constraints hold for these weights". :func:`weights_files_fingerprint` is the
+fingerprint of the saved FILES of a folder (weights, shards and their index, adapters, and the configs
+that say how the weights are used): SHA-256 over each file's name, size and content. A report saved next
+to weights records it, so ``hf-constrained report --check`` and the checkpoint push can tell that the
+files on disk are the ones that were evaluated. It reads files only (no torch); the fingerprint of
+weights in memory is the run's (:func:`hf_constrained.safety.model_fingerprint.weights_fingerprint`).
 """
 
 from __future__ import annotations
@@ -23,7 +14,7 @@ import hashlib
 import json
 import os
 import re
-from typing import Any, Optional
+from typing import Optional
 
 # the files that make up a saved model: single-file weights (full model, adapters, an FSDP
 # full state dict) and the configs that decide how they are used; shards come from the indexes
@@ -33,28 +24,6 @@ WEIGHT_INDEX_NAMES = ("model.safetensors.index.json", "pytorch_model.bin.index.j
 MODEL_CONFIG_NAMES = ("config.json", "adapter_config.json")
 _FSDP_SHARDS = re.compile(r"pytorch_model_fsdp_\d+")
 _CHUNK = 1 << 24
-
-
-def weights_fingerprint(model: Any) -> str:
-    """``sha256:<hex>`` of the model's state (parameters and persistent buffers).
-
-    Sharded tensors (FSDP2 ``DTensor``) are hashed by their local shard, so the
-    fingerprint is per process; each process compares its own.
-    """
-    import torch  # here, not at the top: reading a report's files needs no torch
-
-    digest = hashlib.sha256()
-    with torch.no_grad():
-        for name, tensor in model.state_dict().items():
-            if not isinstance(tensor, torch.Tensor):
-                continue
-            if hasattr(tensor, "to_local"):  # a DTensor shard
-                tensor = tensor.to_local()
-            tensor = tensor.detach()
-            digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
-            flat = tensor.reshape(-1).contiguous().cpu()
-            digest.update(flat.view(torch.uint8).numpy() if flat.numel() else b"")
-    return "sha256:" + digest.hexdigest()
 
 
 def weight_files(folder: str) -> list[str]:
@@ -107,4 +76,4 @@ def weights_files_fingerprint(folder: str) -> Optional[str]:
 
 
 __all__ = ["MODEL_CONFIG_NAMES", "WEIGHT_FILE_NAMES", "WEIGHT_INDEX_NAMES", "weight_files",
-           "weights_files_fingerprint", "weights_fingerprint"]
+           "weights_files_fingerprint"]

@@ -15,9 +15,9 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Optional
 
+from ..certification.selection import after_training_flags
 from ..extras import has_module, require_extra
 from .report import SafetyReport
-from .selection import after_training_flags
 
 SUMMARY_KEYS = ("max_estimate", "active_fraction", "penalty", "penalty_loss", "sampled_active_fraction")
 

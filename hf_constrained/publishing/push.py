@@ -7,7 +7,7 @@
   not after, under a traceback.
 * :func:`push_run`: ``hf-constrained push RUN_DIR --repo_id owner/name`` uploads a finished run,
   as ``huggingface-cli upload`` would, only after the checks of ``hf-constrained report --check``
-  (:func:`~hf_constrained.safety.verify.check_run_dir`: the report is intact, names the weight
+  (:func:`~hf_constrained.publishing.verify.check_run_dir`: the report is intact, names the weight
   files in the folder, and certifies them) and of the gate that judges a folder's weights
   (the same check; and the folder must hold the weights it vouches for). A refusal is one line.
 """
@@ -65,6 +65,21 @@ def hub_access_problem(token: Optional[str] = None, api: Optional[Any] = None, *
     return None
 
 
+def check_hub_for_deferred_push(token: Optional[str] = None) -> None:
+    """A ``RuntimeError`` in one sentence when the Hub cannot be reached or refuses ``token``: with
+    ``push_to_hub=True`` and constraints the repository is created by the first push that passes the safety
+    gate (so an unsafe run never creates one), and the trainer checks the access when it is built instead,
+    where the Trainer itself would fail."""
+    import transformers.trainer as hf_trainer  # its hf_api: the one the Trainer's pushes use
+
+    problem = hub_access_problem(token, hf_trainer.hf_api(), offline_hint=OFFLINE_TRAINER)
+    if problem is not None:
+        raise RuntimeError(
+            f"push_to_hub=True, but {problem}; the run would fail at its first push. Fix that (the network, "
+            "`hf auth login`, HF_TOKEN or --hub_token), or train with push_to_hub=False and push the finished run "
+            "afterwards (hf-constrained push RUN_DIR --repo_id owner/name)")
+
+
 def check_hub_before_training(training_args: Any, error: Callable[[str], Any]) -> None:
     """With ``--push_to_hub`` or ``--hub_model_id``: ``error(message)`` (a parser's usage error) when the
     Hub cannot take the push (:func:`hub_access_problem`), before any model or data loads."""
@@ -91,8 +106,8 @@ def push_run(run_dir: str, repo_id: str, *, private: Optional[bool] = None, comm
              api: Optional[Any] = None) -> PushResult:
     """Upload the finished run in ``run_dir`` to ``repo_id`` after the checks of ``report --check`` and of
     the gate (see the module docstring); nothing is created or uploaded when a check fails."""
-    from .safety.fingerprint import weights_files_fingerprint
-    from .safety.verify import EXIT_CERTIFIED, EXIT_STALE_OR_UNREADABLE, check_run_dir
+    from ..certification.fingerprint import weights_files_fingerprint
+    from .verify import EXIT_CERTIFIED, EXIT_STALE_OR_UNREADABLE, check_run_dir
 
     if "/" not in repo_id.strip("/"):
         return PushResult(2, f"--repo_id {repo_id!r}: give the full id, owner/name (e.g. your-user/{repo_id})")
@@ -103,7 +118,7 @@ def push_run(run_dir: str, repo_id: str, *, private: Optional[bool] = None, comm
         verdict = check.report.summary() if check.report is not None and check.exit_code != 2 else check.message
         return PushResult(check.exit_code, f"not pushed: {verdict}")
     if weights_files_fingerprint(run_dir) is None:  # the gate judges the files it uploads
-        from .checkpointing import checkpoint_folders
+        from ..checkpointing import checkpoint_folders
 
         ready = [c for c in checkpoint_folders(run_dir) if check_run_dir(c).exit_code == EXIT_CERTIFIED
                  and weights_files_fingerprint(c) is not None]
@@ -125,4 +140,4 @@ def push_run(run_dir: str, repo_id: str, *, private: Optional[bool] = None, comm
 
 
 __all__ = ["OFFLINE_BEFORE_TRAINING", "OFFLINE_PUSH", "OFFLINE_TRAINER", "PUSH_IGNORE", "PushResult",
-           "check_hub_before_training", "hub_access_problem", "hub_api", "push_run"]
+           "check_hub_before_training", "check_hub_for_deferred_push", "hub_access_problem", "hub_api", "push_run"]

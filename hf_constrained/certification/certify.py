@@ -4,7 +4,7 @@ Learn-Then-Test (Angelopoulos, Bates, Candes, Jordan & Lei 2021) read for traine
 each candidate ``j`` (a checkpoint, a beta, the final model) is a null hypothesis
 ``H_j: some constraint k has population value h_jk > tolerance_k``. From the per-row values of
 each constraint's certification statistic on a split that nothing else touched (no gradient,
-no look-ahead, no checkpoint selection, no default), :mod:`~hf_constrained.safety.bounds`
+no look-ahead, no checkpoint selection, no default), :mod:`~hf_constrained.certification.bounds`
 gives an upper confidence bound ``U_jk``; ``H_j`` is rejected, i.e. candidate ``j`` is
 *certified*, when ``U_jk <= tolerance_k`` for every ``k``.
 
@@ -12,7 +12,7 @@ gives an upper confidence bound ``U_jk``; ``H_j`` is rejected, i.e. candidate ``
   per-constraint nulls, so each bound is taken at the candidate's full level: no correction
   across constraints (MAPIE's multi-risk LTT takes the largest p-value likewise).
 - **Several looks at one split (a ledger).** With a
-  :class:`~hf_constrained.safety.ledger.CertificationLedger`, each call is one look at each
+  :class:`~hf_constrained.certification.ledger.CertificationLedger`, each call is one look at each
   certification split it reads (known by its fingerprint), and each constraint is tested at
   the ``delta_j`` its split's spending schedule gives that look (``delta * 0.9 * 0.1^(j-1)`` by default;
   a schedule may refuse a look instead): summed over every look ever taken at a split, the
@@ -63,6 +63,8 @@ logger = logging.getLogger(__name__)
 
 PROCEDURES = ("fixed_sequence", "bonferroni")
 DEFAULT_DELTA = 0.05
+CONSTRAINT_ITSELF = "the constraint's own value (mean of its per-row values)"
+"""What a certificate measures when its constraint declares no other statistic."""
 
 
 @dataclass(frozen=True)
@@ -104,13 +106,47 @@ def statistic_upper_bound(value: RowValues, value_range: tuple[float, float], de
                           order_seed: Optional[int] = None) -> float:
     """Upper confidence bound at ``1 - delta`` of one constraint's certification statistic
     (``order_seed``: the random row order of an order-dependent bound, see
-    :func:`~hf_constrained.safety.bounds.upper_bound`)."""
+    :func:`~hf_constrained.certification.bounds.upper_bound`)."""
     v, grouped = _rows(value)
     what = f"constraint {name!r}"
     if grouped is None:
         return upper_bound(v, value_range, delta, bound, what=what, order_seed=order_seed)
     return difference_upper_bound(v, grouped.groups, value_range, delta, bound, absolute=grouped.absolute, what=what,
                                   order_seed=order_seed)
+
+
+def guarantee_sentence(delta: float, statistics: Mapping[str, str], bounds: Mapping[str, str],
+                       num_rows: Mapping[str, int], num_candidates: int, procedure: str) -> str:
+    """The certificate's guarantee in words, the one copy (reports, cards and
+    :meth:`Certificate.statement` use it): the statistic (per
+    constraint), the bound, delta, n and the population."""
+    n = len(statistics)
+    descriptions = sorted(set(statistics.values()))
+    what = descriptions[0] if len(descriptions) == 1 else "its certified statistic (see the table)"
+    subject = (f"for each of the {n} constraints, {what}" if n > 1
+               else f"for constraint {next(iter(statistics))}, {what}")
+    kinds = sorted(set(bounds.values()))
+    asymptotic = " (asymptotic: no finite-sample guarantee)" if "clt" in kinds else ""
+    rows = sorted(int(r) for r in num_rows.values())
+    size = (f"n = {rows[0]}" if rows[0] == rows[-1] else f"n = {rows[0]}-{rows[-1]}") + " rows per constraint" \
+        if rows else "n unknown"
+    return (f"with probability at least {1 - delta:g} over the certification rows, {subject} is at most its "
+            f"tolerance on the population its own certification rows were drawn from ({'/'.join(kinds)} upper "
+            f"bounds{asymptotic}, {size}, {num_candidates} candidate(s) by {procedure.replace('_', '-')} testing)")
+
+
+def certified_candidates(certificate: Mapping[str, Any]) -> list[int]:
+    """The certified candidates that a certificate's stored bounds, tolerances and procedure imply
+    (recomputed, never read from its stored list: see
+    :meth:`Certificate.recomputed_certified`)."""
+    tolerance = certificate.get("tolerance", {})
+    out = []
+    for j, bounds in enumerate(certificate.get("upper_bounds", [])):
+        if all(k in bounds and bounds[k] is not None and bounds[k] <= t for k, t in tolerance.items()):
+            out.append(j)
+        elif certificate.get("procedure") == "fixed_sequence":
+            break
+    return out
 
 
 @dataclass
@@ -182,10 +218,8 @@ class Certificate:
         return [k for k in self.tolerance if not ub[k] <= self.tolerance[k]]
 
     def statement(self, statistics: Optional[Mapping[str, str]] = None) -> str:
-        """The guarantee in words (:func:`~hf_constrained.safety.report.guarantee_sentence`, the one
-        copy), with ``statistics`` (constraint name -> what its rows measure) when known."""
-        from .report import CONSTRAINT_ITSELF, guarantee_sentence
-
+        """The guarantee in words (:func:`guarantee_sentence`, the one copy), with ``statistics``
+        (constraint name -> what its rows measure) when known."""
         described = {k: (statistics or {}).get(k, CONSTRAINT_ITSELF) for k in self.tolerance}
         looks = ""
         if self.looks:  # the ledger's count of certificates on each split, and the level each look was tested at
@@ -279,7 +313,7 @@ def certify(candidates: Sequence[Mapping[str, RowValues]], tolerance: Mapping[st
             name; a value outside it is an error naming the constraint (never clipped).
         delta: the family-wise error level: with probability >= 1 - delta every certified
             candidate satisfies every constraint.
-        bound: one of :data:`~hf_constrained.safety.bounds.BOUNDS` (``"hoeffding_bentkus"`` by
+        bound: one of :data:`~hf_constrained.certification.bounds.BOUNDS` (``"hoeffding_bentkus"`` by
             default; ``"clopper_pearson"`` for 0/1 rates, ``"paired_change"`` for changes in
             {-1, 0, 1}; ``"clt"`` is asymptotic), or one per name.
         procedure: ``"fixed_sequence"`` (each candidate at ``delta``, stopping at the first
@@ -288,7 +322,7 @@ def certify(candidates: Sequence[Mapping[str, RowValues]], tolerance: Mapping[st
             certification rows); the ledger counts looks by them.
         ledger: counts this call as one look at each certification split and tests each
             constraint at the delta its split's schedule gives the look (module docstring); may
-            raise :class:`~hf_constrained.safety.ledger.LookRefused`. ``None``: this is the
+            raise :class:`~hf_constrained.certification.ledger.LookRefused`. ``None``: this is the
             splits' only look (the caller's responsibility).
         row_order_seed: the seed of the random row order of order-dependent bounds; ``None``
             draws one from the operating system (a repeated look of a ledger reuses its seed).
@@ -443,7 +477,7 @@ class Certifiability:
 
 
 def rows_needed(bound: str, value_range: tuple[float, float], tolerance: float, delta: float) -> Optional[int]:
-    """The fewest rows whose best-case bound (:func:`~hf_constrained.safety.bounds.smallest_certifiable`: nothing
+    """The fewest rows whose best-case bound (:func:`~hf_constrained.certification.bounds.smallest_certifiable`: nothing
     forgotten) at ``delta`` is within ``tolerance``, by doubling, then bisection; ``None`` when no number of rows
     reaches it (or for ``betting``, whose every evaluation is a full betting pass). For a 0/1 rate under
     Clopper-Pearson it is ``ceil(log(delta) / log(1 - tolerance))``."""
@@ -517,6 +551,7 @@ def best_certified(certificate: Certificate, objective: Sequence[Optional[float]
 
 
 __all__ = [
+    "CONSTRAINT_ITSELF",
     "DEFAULT_BOUND",
     "DEFAULT_DELTA",
     "PROCEDURES",
@@ -526,8 +561,10 @@ __all__ = [
     "RowValues",
     "best_certified",
     "certifiability",
+    "certified_candidates",
     "certify",
     "first_look_delta",
+    "guarantee_sentence",
     "point_value",
     "rows_needed",
     "statistic_upper_bound",

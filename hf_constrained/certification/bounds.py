@@ -3,7 +3,7 @@
 Each function returns a number ``U`` such that, over an i.i.d. sample of ``n`` rows from a
 population whose values lie in ``[low, high]``, ``P(population mean <= U) >= 1 - delta``
 at every ``n`` (no normal approximation), except :func:`clt_upper_bound`, which is
-asymptotic and kept for comparison. Certification (:mod:`hf_constrained.safety.certify`)
+asymptotic and kept for comparison. Certification (:mod:`hf_constrained.certification.certify`)
 turns these bounds into a test of "the constraint is violated" for every candidate model.
 
 - :func:`hoeffding_bentkus_upper_bound` (the default for values of no declared type): the
@@ -26,7 +26,7 @@ turns these bounds into a test of "the constraint is violated" for every candida
   at half the largest allowed bet: about ``2 log(1/delta) / n`` with nothing observed, against
   ``log(1/delta) / n``). It bets in row order, and its guarantee is for rows in exchangeable
   order: the rows are first permuted at random with a seed drawn independently of the data
-  (``order_seed``; :func:`~hf_constrained.safety.certify.certify` records it), so a split stored
+  (``order_seed``; :func:`~hf_constrained.certification.certify.certify` records it), so a split stored
   sorted by value cannot break it.
 - :func:`difference_upper_bound`: a bound for ``mean_0 - mean_1`` (or its absolute value)
   of two independent groups, from one-sided bounds of each group at a share of ``delta``

@@ -22,8 +22,9 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-from .fingerprint import weights_files_fingerprint
-from .report import CONTENT_DIGEST_KEY, SAFETY_REPORT_NAME, SafetyReport, certified_candidates, report_content_digest
+from ..certification.certify import certified_candidates
+from ..certification.fingerprint import weights_files_fingerprint
+from .report import CONTENT_DIGEST_KEY, SAFETY_REPORT_NAME, SafetyReport, report_content_digest
 
 EXIT_CERTIFIED = 0
 EXIT_NOT_CERTIFIED = 1

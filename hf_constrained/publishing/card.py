@@ -12,7 +12,7 @@ source; a wheel carries a build-time copy as ``hf_constrained/model_cards/``, se
   upper bound (``certified_upper_bound`` on the ``certification`` split, with delta, n and
   tolerance as metric arguments), then the held-out objective metrics;
 - the verdict (UNSAFE on the first line when a constraint fails), the constraint table of
-  the :class:`~hf_constrained.safety.report.SafetyReport`, the objective metrics, the
+  the :class:`~hf_constrained.publishing.report.SafetyReport`, the objective metrics, the
   checkpoint selection, a usage snippet that loads the model (naming the module to import
   for an architecture that is not in ``transformers``), the method and its settings, how
   to reproduce, framework versions, and the paper (Yang et al., TMLR 2026) with its link.
@@ -37,11 +37,12 @@ from typing import Any, Optional
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from ..atomic_files import atomic_write_text
+from ..certification.selection import FeasibleSelection
 from ..publishable import redact_secrets
-from ..recipes import RECIPES
+from ..recipe_registry import RECIPES
 from ..redact import redact_command
-from .report import SafetyReport, format_number, format_rows
-from .selection import FeasibleSelection
+from .report import SafetyReport
+from .tables import format_number, format_rows
 
 logger = logging.getLogger(__name__)
 
@@ -400,7 +401,7 @@ def render_model_card(
         repo_id: the Hub repository for the usage snippet (default: ``model_name``).
         versions: framework versions (default: :func:`framework_versions`).
 
-    Numbers are printed with :func:`~hf_constrained.safety.report.format_number`, the same
+    Numbers are printed with :func:`~hf_constrained.publishing.report.format_number`, the same
     formatting as ``hf-constrained report``.
     """
     info = info or ModelCardInfo()

@@ -25,6 +25,18 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 from ..atomic_files import atomic_write_json
+from ..certification.certify import certified_candidates
+from .tables import (
+    CERTIFIED,
+    EXACT_FAILS,
+    EXACT_HOLDS,
+    FAILS,
+    HOLDS,
+    NO_CERTIFICATION_SPLIT,
+    NOT_CERTIFIED,
+    NOT_TESTED,
+    ReportText,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -37,20 +49,9 @@ CONTENT_DIGEST_KEY = "content_digest"
 EVAL_CONSTRAINT_PREFIX = "eval_constraint/"
 
 # how a verdict is decided: "certified" (the default: a finite-sample certificate on a certification split,
-# :mod:`hf_constrained.safety.certify`), or the uncertified rules of :meth:`ConstraintResult.holds`
+# :mod:`hf_constrained.certification.certify`), or the uncertified rules of :meth:`ConstraintResult.holds`
 SAFETY_RULES = ("certified", "point", "upper_bound")
 DEFAULT_SAFETY_RULE = "certified"
-# the per-constraint verdict words (one set, from SafetyReport.verdicts)
-CERTIFIED = "certified"
-NOT_CERTIFIED = "not certified"
-NOT_TESTED = "not tested"
-NO_CERTIFICATION_SPLIT = "no certification split"
-EXACT_HOLDS = "holds (exact, data-free)"
-EXACT_FAILS = "fails (exact, data-free)"
-HOLDS = "holds"
-FAILS = "fails"
-# what a certified statistic is when the constraint declares no certify.statistic
-CONSTRAINT_ITSELF = "the constraint's own value (mean of its per-row values)"
 
 
 @dataclass(frozen=True)
@@ -77,15 +78,6 @@ _TRAINING_LOG_KEYS = frozenset({"loss", "learning_rate", "grad_norm", "epoch", "
 
 class UnsafeModelError(RuntimeError):
     """Raised instead of publishing a model whose constraints fail on held-out data."""
-
-
-def format_number(value: Optional[float]) -> str:
-    """How reports, tables and cards print a number (6 significant digits)."""
-    if value is None:
-        return "n/a"
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    return f"{value:.6g}"
 
 
 @dataclass
@@ -169,7 +161,7 @@ class ConstraintResult:
 
 
 @dataclass
-class SafetyReport:
+class SafetyReport(ReportText):
     """Exact held-out constraint values of one model, next to the old model's.
 
     Args:
@@ -183,7 +175,7 @@ class SafetyReport:
             :mod:`hf_constrained.selection`), when there was one.
         method: the method and its settings (penalty, beta, gammas, sampling).
         model_name: what the report is about (run or model name).
-        weights_fingerprint: :func:`~hf_constrained.safety.fingerprint.weights_fingerprint`
+        weights_fingerprint: :func:`~hf_constrained.safety.model_fingerprint.weights_fingerprint`
             of the evaluated weights; the gate re-evaluates when the weights no longer match.
         safety_rule: what decides the verdict: ``"certified"`` (default: the
             :attr:`certificate` certifies these weights, see :attr:`certified`), or the
@@ -191,17 +183,20 @@ class SafetyReport:
             ``"upper_bound"`` (every CLT upper bound within tolerance).
         extra_columns: the names of the caller-supplied columns (``ConstraintResult.extra``),
             in display order.
-        certificate: :meth:`Certificate.to_dict() <hf_constrained.safety.certify.Certificate.to_dict>`
+        certificate: :meth:`Certificate.to_dict() <hf_constrained.certification.certify.Certificate.to_dict>`
             of the certification of these weights (``None`` without a certification split).
         certificate_candidate: which candidate of the certificate these weights are.
         not_certifiable: constraints without a certification split (``certify.dataset``): a
             run with any is not certified.
+        settings: the certificate's settings the run ended with (``delta``, ``safety_rule``, ``candidates``,
+            ``confidence``: :meth:`CertificateSettings.to_dict
+            <hf_constrained.safety.settings.CertificateSettings.to_dict>`); empty for a report made otherwise.
         statistics: per certifiable constraint, what the certificate measures: ``description``
             (the statistic and its unit, e.g. "share of the task's examples forgotten"), ``proxy``
             (whether it differs from the trained constraint) and ``old_value`` (the old model's
             value of the statistic, when known).
         weights_files_fingerprint: when the report is saved next to the evaluated weights,
-            :func:`~hf_constrained.safety.fingerprint.weights_files_fingerprint` of those files
+            :func:`~hf_constrained.certification.fingerprint.weights_files_fingerprint` of those files
             (``hf-constrained report --check`` compares it with the files); ``None`` otherwise.
     """
 
@@ -221,6 +216,7 @@ class SafetyReport:
     not_certifiable: list[str] = field(default_factory=list)
     weights_files_fingerprint: Optional[str] = None
     statistics: dict[str, dict[str, Any]] = field(default_factory=dict)
+    settings: dict[str, Any] = field(default_factory=dict)
     created_at: str = field(default_factory=lambda: _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
 
     # ------------------------------------------------------------------ verdict
@@ -340,6 +336,7 @@ class SafetyReport:
             "not_certifiable": list(self.not_certifiable),
             "created_at": self.created_at,
             "statistics": {k: dict(v) for k, v in self.statistics.items()},
+            "settings": dict(self.settings),
             "constraints": [{**c.to_dict(), "verdict": v.word, "passes": v.passes}
                             for c, v in zip(self.constraints, self.verdicts())],
             "objective_metrics": dict(self.objective_metrics),
@@ -371,6 +368,7 @@ class SafetyReport:
             certificate_candidate=int(data.get("certificate_candidate") or 0),
             not_certifiable=list(data.get("not_certifiable") or []),
             statistics={k: dict(v) for k, v in (data.get("statistics") or {}).items()},
+            settings=dict(data.get("settings") or {}),
             created_at=data.get("created_at", ""),
         )
 
@@ -409,242 +407,6 @@ class SafetyReport:
         with open(path, encoding="utf-8") as f:
             return cls.from_dict(json.load(f))
 
-    # ------------------------------------------------------------------ display
-    def statistic_description(self, name: str) -> str:
-        """What the certificate measures for constraint ``name`` (its unit)."""
-        return (self.statistics.get(name) or {}).get("description") or CONSTRAINT_ITSELF
-
-    @property
-    def proxies(self) -> list[str]:
-        """Certifiable constraints whose certified statistic is not the trained constraint itself."""
-        return [k for k, v in self.statistics.items() if v.get("proxy")]
-
-    def bound_header(self) -> str:
-        """``upper bound (95% CLT)`` when every bound shares its level and method."""
-        levels = {(c.confidence, c.bound_method) for c in self.constraints
-                  if c.upper_bound is not None and c.bound_method != "exact"}
-        if len(levels) == 1:
-            confidence, method = next(iter(levels))
-            if confidence is not None:
-                return f"upper bound ({100 * confidence:.4g}%{' ' + method if method else ''})"
-        return "upper bound"
-
-    def table_rows(self) -> list[list[str]]:
-        """Header + one row per constraint of the table that carries the verdict.
-
-        Under ``"certified"``: the certified statistic (its unit), the old model's and the new
-        model's value of it, the certified bound and the tolerance (all in that unit), the
-        certification rows and the verdict. Under the uncertified rules: the held-out value of
-        the constraint (old and new model), its CLT bound when any, the tolerance, the margin and
-        the verdict, then the caller's extra columns.
-        """
-        verdicts = {v.name: v for v in self.verdicts()}
-        if self.safety_rule == "certified":
-            cert = self.certificate or {}
-            delta = cert.get("delta")
-            header = ["constraint", "certified statistic (unit of the next four columns)", "old model", "new model",
-                      "certified bound" + (f" (delta {delta:g})" if delta is not None else ""), "tolerance",
-                      "certification rows", "verdict"]
-            rows = [header]
-            bounds, values = self.certified_bounds(), self.certified_values()
-            for c in self.constraints:
-                word = verdicts[c.name].word
-                if c.data == "data-free":
-                    rows.append([c.name, "exact value (data-free: no sampling error)", format_number(c.old_value),
-                                 format_number(c.value), format_number(c.value) + " (exact)",
-                                 format_number(c.tolerance), "n/a", word])
-                elif word == NO_CERTIFICATION_SPLIT:
-                    rows.append([c.name, "none", "n/a", "n/a", "n/a", "n/a", "n/a", word])
-                else:
-                    stat = self.statistics.get(c.name) or {}
-                    bound = bounds.get(c.name)
-                    rows.append([c.name, self.statistic_description(c.name), format_number(stat.get("old_value")),
-                                 format_number(values.get(c.name)),
-                                 format_number(bound) + (f" ({cert['bound'][c.name]})" if bound is not None else ""),
-                                 format_number(cert.get("tolerance", {}).get(c.name)),
-                                 format_number(cert.get("num_rows", {}).get(c.name)), word])
-            return rows
-        show_bound = any(c.upper_bound is not None for c in self.constraints)
-        show_margin = any(c.margin is not None for c in self.constraints)
-        header = ["constraint", "old model", "new model (held-out value)"]
-        header += ([self.bound_header()] if show_bound else []) + ["tolerance"]
-        header += (["margin"] if show_margin else []) + ["verdict"] + list(self.extra_columns)
-        rows = [header]
-        for c in self.constraints:
-            row = [c.name + (" (training data)" if c.data == "training" else ""), format_number(c.old_value),
-                   format_number(c.value)]
-            row += ([format_number(c.upper_bound)] if show_bound else []) + [format_number(c.tolerance)]
-            row += ([format_number(c.margin)] if show_margin else []) + [verdicts[c.name].word]
-            row += [_cell(c.extra.get(col)) for col in self.extra_columns]
-            rows.append(row)
-        return rows
-
-    def diagnostic_rows(self) -> list[list[str]]:
-        """Under ``"certified"``: header + one row per constraint of the diagnostics, which carry
-        no verdict: the trained constraint h_k (the training surrogate) on its held-out rows, old
-        and new model, its asymptotic CLT bound, the tolerance it was trained to, the margin and
-        the caller's extra columns. Empty under the uncertified rules (their table shows these)."""
-        if self.safety_rule != "certified" or not self.constraints:
-            return []
-        show_bound = any(c.upper_bound is not None and c.bound_method != "exact" for c in self.constraints)
-        show_margin = any(c.margin is not None for c in self.constraints)
-        header = ["constraint", "data", "old model", "new model"]
-        header += ([self.bound_header()] if show_bound else []) + ["trained tolerance"]
-        header += (["margin"] if show_margin else []) + list(self.extra_columns)
-        rows = [header]
-        for c in self.constraints:
-            row = [c.name, c.data, format_number(c.old_value), format_number(c.value)]
-            row += ([format_number(c.upper_bound if c.bound_method != "exact" else None)] if show_bound else [])
-            row += [format_number(c.tolerance)] + ([format_number(c.margin)] if show_margin else [])
-            row += [_cell(c.extra.get(col)) for col in self.extra_columns]
-            rows.append(row)
-        return rows
-
-    def format_table(self, markdown: bool = False) -> str:
-        """The verdict table (:meth:`table_rows`) as aligned plain text, or as a Markdown table."""
-        return format_rows(self.table_rows(), markdown)
-
-    def format_diagnostics(self, markdown: bool = False) -> str:
-        """The diagnostics table (:meth:`diagnostic_rows`), with its caption; empty when there is none."""
-        rows = self.diagnostic_rows()
-        if not rows:
-            return ""
-        return f"{DIAGNOSTICS_CAPTION}\n\n{format_rows(rows, markdown)}" if markdown else \
-            f"{DIAGNOSTICS_CAPTION}\n{format_rows(rows, markdown)}"
-
-    def render(self, markdown: bool = False) -> str:
-        """The whole verdict as shown once: the one-line summary, the verdict table and the diagnostics."""
-        parts = [self.summary(), self.format_table(markdown)]
-        diagnostics = self.format_diagnostics(markdown)
-        if diagnostics:
-            parts.append(diagnostics)
-        return "\n\n".join(parts)
-
-    def certificate_summary(self) -> str:
-        """One line on the certificate: CERTIFIED at delta (the guarantee: which statistic, which
-        bound, delta, n, the population) or NOT CERTIFIED (why)."""
-        cert = self.certificate
-        if cert is None and self.statistics:
-            return ("NOT CERTIFIED: these weights were evaluated, not certified (an evaluation during training); "
-                    "finish_run or trainer.safety.build_report() certifies them on the certification rows")
-        if cert is None:
-            return ("NOT CERTIFIED: no constraint has a certification split (Constraint.certify), so nothing was "
-                    "tested on data that training and selection never touched")
-        names = list(cert.get("tolerance", {}))
-        sentence = guarantee_sentence(cert["delta"], {k: self.statistic_description(k) for k in names},
-                                      cert.get("bound", {}), cert.get("num_rows", {}), cert["num_candidates"],
-                                      cert["procedure"])
-        if self.certified:
-            proxy = ("; the trained constraints themselves (the training surrogate) are not what is certified: "
-                     "they are diagnostics" if self.proxies else "")
-            return f"CERTIFIED at delta = {cert['delta']:g}: {sentence}{proxy}"
-        reasons = []
-        verdicts = self.with_rule("certified").verdicts()
-        no_split = [v.name for v in verdicts if v.word == NO_CERTIFICATION_SPLIT]
-        if no_split:
-            reasons.append(f"no certification split for {', '.join(no_split)}")
-        bounds, tolerance = self.certified_bounds(), cert.get("tolerance", {})
-        above = [f"{v.name} ({format_number(bounds.get(v.name))} > {format_number(tolerance.get(v.name))})"
-                 for v in verdicts if v.word == NOT_CERTIFIED]
-        if above:
-            reasons.append(f"certified bound above tolerance for {', '.join(above)}")
-        exact = [v.name for v in verdicts if v.word == EXACT_FAILS]
-        if exact:
-            reasons.append(f"data-free constraint(s) above tolerance: {', '.join(exact)}")
-        if not reasons:
-            reasons.append("these weights were not tested (an earlier candidate failed in the fixed sequence)")
-        return f"NOT CERTIFIED at delta = {cert['delta']:g}: {'; '.join(reasons)}"
-
-    def summary(self) -> str:
-        """One line: the verdict under :attr:`safety_rule` (CERTIFIED / NOT CERTIFIED, or, by an
-        uncertified rule, PASSES (NOT CERTIFIED) / UNSAFE), with the reasons."""
-        n = len(self.constraints)
-        if not n:
-            return "NOT CHECKED: the report has no constraints, so it shows nothing about the model's safety"
-        if self.safety_rule == "certified":
-            return self.certificate_summary()
-        caveat = ""
-        if self.not_held_out:
-            caveat = (f"; {len(self.not_held_out)} constraint(s) have no held-out data and were checked on their "
-                      f"training data: {', '.join(self.not_held_out)}")
-        if self.safety_rule == "upper_bound":
-            judged = "their CLT upper confidence bounds (asymptotic)"
-            if self.without_bound:
-                caveat += (f"; {len(self.without_bound)} constraint(s) have no confidence bound and were judged on "
-                           f"their value: {', '.join(self.without_bound)}")
-        else:
-            judged = "the point estimate"
-        if self.all_satisfied:
-            return (f"PASSES, NOT CERTIFIED (uncertified '{self.safety_rule}' rule): all {n} constraints hold on "
-                    f"held-out data, judged by {judged} (max violation {format_number(self.max_violation)}){caveat}")
-        return (f"UNSAFE: {len(self.failed)} of {n} constraints fail on held-out data by the uncertified "
-                f"'{self.safety_rule}' rule, judged by {judged} (max violation {format_number(self.max_violation)}): "
-                f"{', '.join(self.failed)}{caveat}")
-
-
-DIAGNOSTICS_CAPTION = ("Diagnostics (no verdict): the trained constraint h_k (the training surrogate), in its own "
-                       "unit, on the rows named under 'data'; the upper bound is an asymptotic CLT bound, not a "
-                       "certificate.")
-
-
-def guarantee_sentence(delta: float, statistics: Mapping[str, str], bounds: Mapping[str, str],
-                       num_rows: Mapping[str, int], num_candidates: int, procedure: str) -> str:
-    """The certificate's guarantee in words, the one copy (reports, cards and
-    :meth:`~hf_constrained.safety.certify.Certificate.statement` use it): the statistic (per
-    constraint), the bound, delta, n and the population."""
-    n = len(statistics)
-    descriptions = sorted(set(statistics.values()))
-    what = descriptions[0] if len(descriptions) == 1 else "its certified statistic (see the table)"
-    subject = (f"for each of the {n} constraints, {what}" if n > 1
-               else f"for constraint {next(iter(statistics))}, {what}")
-    kinds = sorted(set(bounds.values()))
-    asymptotic = " (asymptotic: no finite-sample guarantee)" if "clt" in kinds else ""
-    rows = sorted(int(r) for r in num_rows.values())
-    size = (f"n = {rows[0]}" if rows[0] == rows[-1] else f"n = {rows[0]}-{rows[-1]}") + " rows per constraint" \
-        if rows else "n unknown"
-    return (f"with probability at least {1 - delta:g} over the certification rows, {subject} is at most its "
-            f"tolerance on the population its own certification rows were drawn from ({'/'.join(kinds)} upper "
-            f"bounds{asymptotic}, {size}, {num_candidates} candidate(s) by {procedure.replace('_', '-')} testing)")
-
-
-def format_rows(rows: list[list[str]], markdown: bool) -> str:
-    """A header and rows as an aligned plain-text table or a Markdown table."""
-    if markdown:
-        align = ["---"] + ["---:" if h != "verdict" else ":---" for h in rows[0][1:]]
-        lines = ["| " + " | ".join(rows[0]) + " |", "|" + "|".join(align) + "|"]
-        lines += ["| " + " | ".join(_escape_md(x) for x in r) + " |" for r in rows[1:]]
-        return "\n".join(lines)
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    numeric = [all(_is_number(r[i]) for r in rows[1:]) for i in range(len(rows[0]))]  # numbers align right
-    fmt = "  ".join(("{:>%d}" if numeric[i] and i else "{:<%d}") % w for i, w in enumerate(widths))
-    lines = [fmt.format(*rows[0]), "  ".join("-" * w for w in widths)]
-    lines += [fmt.format(*r) for r in rows[1:]]
-    return "\n".join(lines)
-
-
-def _is_number(text: str) -> bool:
-    head = text.split(" ", 1)[0]
-    try:
-        float(head)
-    except ValueError:
-        return head == "n/a"
-    return True
-
-
-def certified_candidates(certificate: Mapping[str, Any]) -> list[int]:
-    """The certified candidates that a certificate's stored bounds, tolerances and procedure imply
-    (recomputed, never read from its stored list: see
-    :meth:`~hf_constrained.safety.certify.Certificate.recomputed_certified`)."""
-    tolerance = certificate.get("tolerance", {})
-    out = []
-    for j, bounds in enumerate(certificate.get("upper_bounds", [])):
-        if all(k in bounds and bounds[k] is not None and bounds[k] <= t for k, t in tolerance.items()):
-            out.append(j)
-        elif certificate.get("procedure") == "fixed_sequence":
-            break
-    return out
-
-
 def _strict_json(value: Any) -> Any:
     """``value`` with every non-finite float as ``None``: reports are strict JSON (a NaN would
     make ``safety_report.json`` unreadable to strict parsers)."""
@@ -666,14 +428,6 @@ def report_content_digest(data: Mapping[str, Any]) -> str:
     return "sha256:" + hashlib.sha256(text.encode("ascii")).hexdigest()
 
 
-def _cell(value: Any) -> str:
-    return format_number(value) if value is None or isinstance(value, (int, float)) else str(value)
-
-
-def _escape_md(text: str) -> str:
-    return text.replace("|", "\\|")
-
-
 def objective_metrics_from(metrics: Mapping[str, Any]) -> dict[str, float]:
     """The held-out objective part of ``Trainer.evaluate`` metrics (``<prefix>_<metric>``, e.g.
     ``eval_loss``): no constraint, speed or epoch keys, and nothing from training (``train_*``,
@@ -688,27 +442,16 @@ def objective_metrics_from(metrics: Mapping[str, Any]) -> dict[str, float]:
 
 
 __all__ = [
-    "CERTIFIED",
-    "DEFAULT_SAFETY_RULE",
-    "NOT_CERTIFIED",
     "CONTENT_DIGEST_KEY",
+    "DEFAULT_SAFETY_RULE",
     "EVAL_CONSTRAINT_PREFIX",
-    "FAILS",
-    "HOLDS",
-    "NOT_TESTED",
-    "NO_CERTIFICATION_SPLIT",
-    "EXACT_HOLDS",
-    "EXACT_FAILS",
-    "ConstraintVerdict",
-    "guarantee_sentence",
     "SAFETY_REPORT_NAME",
     "SAFETY_RULES",
-    "check_safety_rule",
     "ConstraintResult",
+    "ConstraintVerdict",
     "SafetyReport",
     "UnsafeModelError",
-    "format_number",
-    "format_rows",
+    "check_safety_rule",
     "objective_metrics_from",
     "report_content_digest",
 ]

@@ -4,7 +4,7 @@ A certificate holds with probability at least ``1 - delta`` over its certificati
 second certificate on the same rows (a retrained model, another beta, the gate re-certifying
 changed weights, a demo certifying three models) is a second test on the same sample: "retrain
 until CERTIFIED" on one split fails with probability well above ``delta``. So each split (known
-by its fingerprint, :func:`~hf_constrained.safety.splits.split_fingerprint`) keeps a ledger of
+by its fingerprint, :func:`~hf_constrained.certification.splits.split_fingerprint`) keeps a ledger of
 the certificates computed on it, and look ``j`` is tested at ``delta_j`` of a spending schedule
 with ``sum_j delta_j <= delta`` (alpha spending; Bonferroni over looks): with probability at
 least ``1 - delta``, every claim ever certified on the split is true, however the later models
