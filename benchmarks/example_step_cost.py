@@ -75,8 +75,9 @@ def _argv_of(cfg: Any, overrides: dict[str, str]) -> list[str]:
 
 
 def time_steps(old_path: str, name: str, value: float, cfg: Any, combo_tolerance: float, steps: int,
-               warmup: int, seed: int) -> tuple[list[float], dict[str, int]]:
-    """One method's step times (after ``warmup`` steps) and rows per step."""
+               warmup: int, seed: int, clock: str = "cpu") -> tuple[list[float], dict[str, int]]:
+    """One method's step times (after ``warmup`` steps; ``clock`` "cpu": this process's CPU time, "wall") and rows
+    per step."""
     penalty, run_cfg, baseline = ff.run_spec(name, value, dataclasses.replace(cfg, max_steps=steps), combo_tolerance)
     with tempfile.TemporaryDirectory() as tmp:
         trainer, _ = ff.ex.build_trainer(old_path, penalty, seed, run_cfg, tmp, baseline)
@@ -86,7 +87,7 @@ def time_steps(old_path: str, name: str, value: float, cfg: Any, combo_tolerance
         rows = ff.ex.rows_per_step(trainer)
     del trainer
     gc.collect()
-    return timer.times, rows
+    return (timer.cpu_times if clock == "cpu" else timer.times), rows
 
 
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
@@ -98,6 +99,9 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p.add_argument("--warmup", type=int, default=5, help="untimed steps per method and round")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seed", type=int, default=0, help="the runs' fine-tuning seed (the cost does not depend on it)")
+    p.add_argument("--clock", choices=["cpu", "wall"], default="cpu",
+                   help="cpu: the process's CPU time per step (with one torch thread, --threads 1, the step's compute, "
+                        "which other processes on the machine barely move); wall: wall-clock time")
     p.add_argument("--json", default=None)
     args, rest = p.parse_known_args(argv)
     if args.reference not in args.methods:
@@ -116,7 +120,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     for r in range(args.rounds):
         for text, (name, value, run_cfg) in methods.items():
             t, rows[text] = time_steps(old_path, name, value, run_cfg, cfg.forget_tolerance, args.steps,
-                                       args.warmup, args.seed)
+                                       args.warmup, args.seed, args.clock)
             times[text] += t
             logger.info("round %d %s: %.4f s/step (median of this round)", r, text, statistics.median(t))
     median = {m: statistics.median(t) for m, t in times.items()}
@@ -125,7 +129,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         "benchmark": "example_step_cost",
         "command": publishable_command("python benchmarks/example_step_cost.py", argv),
         "example": publishable_values(dataclasses.asdict(cfg)),
-        "reference": args.reference, "steps_timed_per_round": args.steps - args.warmup, "rounds": args.rounds,
+        "reference": args.reference, "clock": args.clock, "steps_timed_per_round": args.steps - args.warmup,
+        "rounds": args.rounds,
         "seconds_per_step": median,
         "ratio_to_reference": {m: median[m] / ref for m in methods},
         "rows_per_step": rows,
