@@ -23,8 +23,8 @@ from hf_constrained.safety.view import RunView
 CONSTRAINED_TRAINING = {
     "add_metrics_to_next_log", "compute_objective_loss", "constraint_estimates", "constraint_margins",
     "constraint_metrics", "constraint_noise", "constraint_row_values", "constraint_state_dict",
-    "constraint_statistics", "evaluate_constraints", "load_constraint_state_dict", "objective_forward_shareable",
-    "preflight_constraints",
+    "constraint_part_runs", "constraint_statistics", "evaluate_constraints", "load_constraint_state_dict",
+    "objective_forward_shareable", "preflight_constraints", "shared_objective_forward",
     # TrainerInternals' hooks (tests/trainer/test_layout_private_members.py)
     "collator_without_unused_columns", "drop_unused_columns", "is_new_best", "push_checkpoint", "save_checkpoint",
     "train_sampler",
