@@ -148,8 +148,8 @@ class ReportText:
         no verdict: the trained constraint h_k (the training surrogate) on its held-out rows, old
         and new model, its asymptotic CLT bound, the tolerance it was trained to, the margin and
         the caller's extra columns. Empty under the uncertified rules (their table shows these)."""
-        if self.safety_rule != "certified" or not self.constraints:
-            return []
+        if self.safety_rule != "certified" or all(c.data == "certification" for c in self.constraints):
+            return []  # (a certification of a model trained elsewhere has no trained constraint to show)
         show_bound = any(c.upper_bound is not None and c.bound_method != "exact" for c in self.constraints)
         show_margin = any(c.margin is not None for c in self.constraints)
         header = ["constraint", "data", "old model", "new model"]
@@ -244,7 +244,7 @@ class ReportText:
         if self.certified:
             return f"Certified: {claim}, delta {cert['delta']:g}{size}"
         failing = [v.name for v in self.with_rule("certified").verdicts() if not v.passes]
-        return (f"Not certified: {claim} is not shown for {', '.join(failing)} at delta {cert['delta']:g}{size}")
+        return f"Not certified: not shown that {claim} ({', '.join(failing)} failed), delta {cert['delta']:g}{size}"
 
     def summary(self) -> str:
         """One line: the verdict under :attr:`safety_rule` (CERTIFIED / NOT CERTIFIED, or, by an

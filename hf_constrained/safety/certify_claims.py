@@ -122,7 +122,7 @@ def claim_headline(claims: Mapping[str, Claim]) -> str:
     distinct = {(c.statistic, c.amount) for c in claims.values()}
     if len(distinct) == 1:
         claim = next(iter(claims.values()))
-        return ("each protected set " if len(claims) > 1 else "the protected set ") + claim.words()
+        return ("each protected set " if len(claims) > 1 else f"{next(iter(claims))} ") + claim.words()
     return "; ".join(f"{name} {claim.words()}" for name, claim in claims.items())
 
 

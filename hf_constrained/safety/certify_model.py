@@ -39,6 +39,7 @@ from ..publishing.report import ConstraintResult, SafetyReport
 from ..redact import redact_command
 from .certify_claims import CertifySettings, Claim, claim_headline, named_sources
 from .certify_rows import read_set, rows_in_training, set_fingerprint
+from .loop import HUB_OWNER_PLACEHOLDER
 
 logger = logging.getLogger(__name__)
 
@@ -65,8 +66,11 @@ class PlannedSet:
         """What the run will read and whether the rows can ever support the claim, in words."""
         out = [f"{self.name}: {len(self.rows):,} rows will be read ({self.fmt.replace('_', '/')})"
                + (f", {self.dropped} repeated row(s) dropped" if self.dropped else "")
-               + f"; claim: {self.claim.statistic} <= {self.claim.amount:g}; look {self.look} at these rows"
-               + ("" if self.level is None else f", tested at delta {self.level:.3g}")]
+               + f"; claim: {self.claim.statistic} <= {self.claim.amount:g}; "
+               + ("first look at these rows" if self.look == 1 else
+                  f"look {self.look} at these rows unless this model was certified on them before (then the same "
+                  "look again, spending nothing)")
+               + ("" if self.level is None else f"; a new look is tested at delta {self.level:.3g}")]
         if self.level is None:
             out.append(f"{self.name}: the error budget of these rows is spent (a new model is refused; the same "
                        "model certified again reuses its look)")
@@ -360,8 +364,9 @@ def write_card(plan: CertifyPlan, report: SafetyReport, accuracy: dict[str, tupl
                              base_class_name="AutoModelForCausalLM", processor_class="AutoTokenizer")
     else:
         source = ModelSource("transformers", "AutoModelForCausalLM", processor_class="AutoTokenizer")
-    card = render_model_card(report, model_name=report.model_name or "model", info=info, source=source,
-                             results=results)
+    name = report.model_name or "model"
+    card = render_model_card(report, model_name=name, info=info, source=source, results=results,
+                             repo_id=f"{HUB_OWNER_PLACEHOLDER}/{name}")
     return write_model_card(settings.output_dir, card)
 
 

@@ -41,6 +41,20 @@ CACHE_DIR = "certify_cache"
 ANSWER_FORMATS = ("prompt_completion", "messages")
 
 
+def _load(source: str, split: str) -> Any:
+    """The rows of ``source`` (no repeat dropped), without ``datasets``' progress bars (a file read in a second
+    would print its lines between the plan's)."""
+    import datasets
+
+    shown = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        return load_text_dataset(source, split, drop_repeats=False)
+    finally:
+        if shown:
+            datasets.enable_progress_bars()
+
+
 def read_set(name: str, source: str, split: str = "train") -> tuple[Any, int, str]:
     """(rows, repeated rows dropped, format) of the set ``name``; one-line ``ValueError`` /
     ``FileNotFoundError`` naming the set for an empty or missing file, columns of no answer format, or no row."""
@@ -48,7 +62,7 @@ def read_set(name: str, source: str, split: str = "train") -> tuple[Any, int, st
     if os.path.isfile(source) and os.path.getsize(source) == 0:
         raise ValueError(f"{where}: the file is empty")
     try:
-        raw = load_text_dataset(source, split, drop_repeats=False)
+        raw = _load(source, split)
     except FileNotFoundError as exc:
         raise FileNotFoundError(f"{where}: {exc}") from None
     if len(raw) == 0:
@@ -83,7 +97,7 @@ def rows_in_training(rows: Any, train_files: Sequence[str], split: str = "train"
     out: dict[str, int] = {}
     columns = set(rows.column_names)
     for path in train_files:
-        train = load_text_dataset(path, split, drop_repeats=False)
+        train = _load(path, split)
         keys = frozenset(columns & set(train.column_names))
         if not keys:
             continue
