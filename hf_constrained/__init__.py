@@ -6,7 +6,8 @@ or "do not forget" constraints with :func:`non_forgetting_constraints`), train w
 :class:`ConstrainedTrainer` and :class:`ConstrainedTrainingArguments` (for a contrastive CLIP
 objective, :class:`ContrastiveConstrainedTrainer`), end with :func:`finish_run` (the
 :class:`SafetyReport` on held-out data, the model card and figures); ``push_to_hub``
-refuses a model whose constraints fail (:class:`UnsafeModelError`).
+refuses a model whose constraints fail (:class:`UnsafeModelError`). A model fine-tuned with any
+other tool is certified against its base by :func:`certify_model` (``hf-constrained certify``).
 
 The algorithm itself, usable without the Trainer, is in :mod:`hf_constrained.method`.
 
@@ -34,6 +35,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from .margin import CalibratedMargin, CertificateMargin, FixedMargin
     from .non_forgetting import non_forgetting_constraints
     from .publishing.report import SafetyReport, UnsafeModelError
+    from .safety.certify_claims import CertifySettings
+    from .safety.certify_model import certify_model
     from .safety.finish import build_safety_report, finish_run
     from .trainer import ConstrainedTrainer
 
@@ -53,6 +56,8 @@ _LAZY = {
     "ContrastiveConstrainedTrainer": ".clip.contrastive",
     "finish_run": ".safety.finish",
     "build_safety_report": ".safety.finish",
+    "certify_model": ".safety.certify_model",
+    "CertifySettings": ".safety.certify_claims",
     "SafetyReport": ".publishing.report",
     "UnsafeModelError": ".publishing.report",
     "ConstraintValueError": ".constraint",
@@ -76,6 +81,7 @@ __all__ = [
     "Certificate",
     "CertificateMargin",
     "Certification",
+    "CertifySettings",
     "CertifyStatistic",
     "ConstrainedTrainer",
     "ConstrainedTrainingArguments",
@@ -87,6 +93,7 @@ __all__ = [
     "UnsafeModelError",
     "build_safety_report",
     "certify",
+    "certify_model",
     "constraints_per_value",
     "finish_run",
     "non_forgetting_constraints",

@@ -2,6 +2,8 @@
 
     hf-constrained report RUN_DIR [--json] [--check]   print the safety table of a run or checkpoint
                                                        (--check: exit 0 certified, 1 not, 2 stale/unreadable)
+    hf-constrained certify --model DIR --base_model B   certify a fine-tune made with any tool against its base
+        --protected_datasets NAME=FILE --claim C          (exit 0 certified, 1 not); report and card in --output_dir
     hf-constrained plot RUN_DIR [--out DIR]            write constraints.png and objective.png
     hf-constrained demo [...]                          the CLIP non-forgetting demo on digits
     hf-constrained recipes                             list the recipes, their modules and shipped configs
@@ -22,6 +24,7 @@ import importlib
 import json
 import logging
 import os
+import shlex
 import sys
 from typing import Any, Optional, Sequence
 
@@ -104,6 +107,27 @@ def _push(args: argparse.Namespace) -> int:
               f"{' '.join(str(exc).split())[:300]}); --debug shows the traceback", file=sys.stderr)
         return 2
     print(result.message, file=sys.stdout if result.exit_code == 0 else sys.stderr)
+    return result.exit_code
+
+
+def _certify(args: argparse.Namespace) -> int:
+    # imported here, not at the top: certifying loads torch and transformers, which would make every other
+    # command (and --help) take seconds to start
+    from .safety.certify_claims import CertifySettings
+
+    settings = CertifySettings(
+        model=args.model, base_model=args.base_model, protected_datasets=tuple(args.protected_datasets),
+        claims=tuple(args.claim), output_dir=args.output_dir, delta=args.delta, train_files=tuple(args.train_files),
+        batch_size=args.batch_size, max_length=args.max_length, device=args.device, dtype=args.dtype,
+        split=args.split, hub_datasets=tuple(args.hub_datasets),
+        command=" ".join(["hf-constrained", *map(shlex.quote, sys.argv[1:] if args.argv is None else args.argv)]))
+    settings.claims_per_set()  # every claim parsed and matched to a set before anything is read
+    from .safety.certify_model import certify_model
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    result = certify_model(settings, echo=lambda line: print(line, flush=True))
+    print(f"wrote {result.report_path} and {result.card_path}; check: hf-constrained report {args.output_dir} "
+          "--check; publish: hf-constrained push " + args.output_dir + " --repo_id owner/name")
     return result.exit_code
 
 
@@ -236,6 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--commit_message", default=None, help="default: the run's verdict")
     p.add_argument("--debug", action="store_true", help="show the traceback of a failed upload")
     p.set_defaults(func=_push)
+    _add_certify_parser(sub)
     p = sub.add_parser("plot", help="write PNG figures of the constraints and the objective over training")
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run's output folder or one of its checkpoint-N folders")
     p.add_argument("--out", default=None, help="output directory (default: RUN_DIR/figures)")
@@ -255,6 +280,46 @@ def build_parser() -> argparse.ArgumentParser:
                            add_help=False)
         p.set_defaults(recipe=recipe)
     return parser
+
+
+CERTIFY_DESCRIPTION = (
+    "Certify a fine-tuned causal LM (a full model folder, or a PEFT adapter folder) against its base on your "
+    "certification rows, however it was trained: per protected set, teacher-forced exact match of the answer under "
+    "both models, paired row by row, with an exact finite-sample bound at --delta. Writes safety_report.json and the "
+    "card (README.md) into --output_dir, for `hf-constrained report DIR --check` and `hf-constrained push DIR "
+    "--repo_id owner/name`. Exit status: 0 certified, 1 not certified, 2 an error (docs/certify.md).")
+
+
+def _add_certify_parser(sub: Any) -> None:
+    p = sub.add_parser("certify", help="certify a fine-tune made with any tool against its base (report, card, "
+                       "then `push`)", description=CERTIFY_DESCRIPTION)
+    p.add_argument("--model", required=True, help="the fine-tuned model's folder (save_pretrained): a full model, "
+                   "or a PEFT adapter (adapter_config.json) on top of --base_model")
+    p.add_argument("--base_model", required=True, help="the model it was fine-tuned from: a folder or a Hub id")
+    p.add_argument("--protected_datasets", nargs="+", required=True, metavar="NAME=FILE",
+                   help="each protected set's certification rows (prompt/completion or messages rows; JSON/JSONL/"
+                        "CSV/parquet or a Hub dataset id), read by nothing else")
+    p.add_argument("--claim", action="append", required=True, metavar="CLAIM",
+                   help="stated before any row is read: 'points_lost <= 3' (each set loses at most 3 points of "
+                        "exact match) or 'percent_forgotten <= 2' (at most 2%% of its rows forgotten); "
+                        "'NAME: points_lost <= 1' for one set. Repeatable")
+    p.add_argument("--delta", type=float, default=0.05,
+                   help="error level: the claim holds with probability at least 1 - delta (over every look at "
+                        "these rows: a ledger of looks spends it)")
+    p.add_argument("--output_dir", required=True, help="where safety_report.json, README.md, the ledger and the "
+                   "cache of per-row values go (may be --model itself)")
+    p.add_argument("--train_files", nargs="*", default=[], metavar="FILE",
+                   help="the files the model was trained on: a certification row found in them is refused")
+    p.add_argument("--batch_size", type=int, default=16, help="rows per forward pass")
+    p.add_argument("--max_length", type=int, default=2048,
+                   help="the longest row allowed, in tokens (a longer row is an error: rows are never cut)")
+    p.add_argument("--device", default="auto", help="auto (a GPU when there is one), cpu, cuda, cuda:1, ...")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="auto: the dtype the weights were saved in (bf16 where the model is)")
+    p.add_argument("--split", default="train", help="the split of a Hub dataset given as a set")
+    p.add_argument("--hub_datasets", nargs="*", default=[], metavar="NAME=HUB_ID",
+                   help="the Hub dataset a local set was drawn from (the card's model-index names it)")
+    p.set_defaults(func=_certify, argv=None)
 
 
 def _missing_extra(command: str, err: ModuleNotFoundError) -> int:
@@ -299,6 +364,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return _missing_extra(args.recipe.command, err)
     if args.command == "demo":
         args.demo_args = rest
+    elif args.command == "certify":
+        args.argv = list(sys.argv[1:] if argv is None else argv)
     elif rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:

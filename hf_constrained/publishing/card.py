@@ -393,6 +393,7 @@ def render_model_card(
     source: Optional[ModelSource] = None,
     repo_id: Optional[str] = None,
     versions: Optional[Mapping[str, str]] = None,
+    results: Sequence[EvalResult] = (),
 ) -> ModelCard:
     """Render the card for ``report`` (``None``: weights not checked on held-out data).
 
@@ -400,6 +401,8 @@ def render_model_card(
         source: how the model loads (:func:`describe_model`); default: a ``transformers`` model.
         repo_id: the Hub repository for the usage snippet (default: ``model_name``).
         versions: framework versions (default: :func:`framework_versions`).
+        results: further model-index results, with real types (e.g. ``hf-constrained certify``'s exact match
+            per protected set drawn from a Hub dataset), after those of :func:`eval_results`.
 
     Numbers are printed with :func:`~hf_constrained.publishing.report.format_number`, the same
     formatting as ``hf-constrained report``.
@@ -425,7 +428,7 @@ def render_model_card(
         pipeline_tag=info.task,
         tags=list(dict.fromkeys(tags)),
         model_name=model_name,
-        eval_results=(eval_results(report, model_name=model_name, info=info) or None)
+        eval_results=(eval_results(report, model_name=model_name, info=info) + list(results) or None)
         if report is not None and report.checked else None,
     )
     selection = report.selection if report is not None else None
@@ -441,6 +444,7 @@ def render_model_card(
         status=status,
         report=report,
         summary=report.summary() if report is not None else "",
+        headline=report.headline() if report is not None else "Not checked: no safety report for these weights",
         failed=report.failed if report is not None else [],
         allow_unsafe=allow_unsafe,
         model_name=model_name,

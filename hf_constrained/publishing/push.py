@@ -20,9 +20,15 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 PUSH_IGNORE = ["checkpoint-*", "checkpoint-*/**", "*.tmp*", "runs/**", "optimizer.pt", "scheduler.pt", "rng_state*.pth",
-               "*.lock"]
+               "*.lock", "certify_cache/**"]
 """What ``hf-constrained push`` leaves out of the upload: checkpoints (judged on their own), training state, logs,
-lock files (the empty ``certification_ledger.json.lock`` beside the ledger)."""
+lock files (the empty ``certification_ledger.json.lock`` beside the ledger), the per-row values of
+``hf-constrained certify`` (``certify_cache/``)."""
+
+MODEL_FOLDER_FILES = ["config.json", "generation_config.json", "adapter_config.json", "tokenizer*", "vocab*",
+                      "merges.txt", "special_tokens_map.json", "added_tokens.json", "chat_template*", "*.model"]
+"""Besides the weight files, what ``push`` uploads from the model folder a report names (``weights_folder``): the
+configs and the tokenizer, never that folder's own report, card or training state."""
 
 OFFLINE_BEFORE_TRAINING = ("unset it, or drop --push_to_hub / --hub_model_id and push the finished run later "
                            "(hf-constrained push RUN_DIR --repo_id owner/name)")
@@ -106,8 +112,8 @@ def push_run(run_dir: str, repo_id: str, *, private: Optional[bool] = None, comm
              api: Optional[Any] = None) -> PushResult:
     """Upload the finished run in ``run_dir`` to ``repo_id`` after the checks of ``report --check`` and of
     the gate (see the module docstring); nothing is created or uploaded when a check fails."""
-    from ..certification.fingerprint import weights_files_fingerprint
-    from .verify import EXIT_CERTIFIED, EXIT_STALE_OR_UNREADABLE, check_run_dir
+    from ..certification.fingerprint import weight_files, weights_files_fingerprint
+    from .verify import EXIT_CERTIFIED, EXIT_STALE_OR_UNREADABLE, check_run_dir, weights_folder
 
     if "/" not in repo_id.strip("/"):
         return PushResult(2, f"--repo_id {repo_id!r}: give the full id, owner/name (e.g. your-user/{repo_id})")
@@ -117,7 +123,8 @@ def push_run(run_dir: str, repo_id: str, *, private: Optional[bool] = None, comm
     if check.exit_code != EXIT_CERTIFIED:
         verdict = check.report.summary() if check.report is not None and check.exit_code != 2 else check.message
         return PushResult(check.exit_code, f"not pushed: {verdict}")
-    if weights_files_fingerprint(run_dir) is None:  # the gate judges the files it uploads
+    elsewhere = check.report.weights_folder is not None  # `hf-constrained certify` of a model folder elsewhere
+    if not elsewhere and weights_files_fingerprint(run_dir) is None:  # the gate judges the files it uploads
         from ..checkpointing import checkpoint_folders
 
         ready = [c for c in checkpoint_folders(run_dir) if check_run_dir(c).exit_code == EXIT_CERTIFIED
@@ -134,10 +141,15 @@ def push_run(run_dir: str, repo_id: str, *, private: Optional[bool] = None, comm
     if problem is not None:
         return PushResult(EXIT_STALE_OR_UNREADABLE, f"not pushed: {problem}")
     api.create_repo(repo_id, exist_ok=True, private=private)
-    api.upload_folder(folder_path=run_dir, repo_id=repo_id, ignore_patterns=PUSH_IGNORE,
-                      commit_message=commit_message or f"hf-constrained push: {check.report.summary()}")
+    message = commit_message or f"hf-constrained push: {check.report.summary()}"
+    if elsewhere:  # the weights the report fingerprints (checked above), then the report and card over them
+        folder = weights_folder(check.report, run_dir)
+        api.upload_folder(folder_path=folder, repo_id=repo_id, commit_message=f"{message} (weights)",
+                          allow_patterns=weight_files(folder) + MODEL_FOLDER_FILES, ignore_patterns=PUSH_IGNORE)
+    api.upload_folder(folder_path=run_dir, repo_id=repo_id, ignore_patterns=PUSH_IGNORE, commit_message=message)
     return PushResult(0, f"pushed {run_dir} to https://huggingface.co/{repo_id} ({check.report.summary()})")
 
 
-__all__ = ["OFFLINE_BEFORE_TRAINING", "OFFLINE_PUSH", "OFFLINE_TRAINER", "PUSH_IGNORE", "PushResult",
-           "check_hub_before_training", "check_hub_for_deferred_push", "hub_access_problem", "hub_api", "push_run"]
+__all__ = ["MODEL_FOLDER_FILES", "OFFLINE_BEFORE_TRAINING", "OFFLINE_PUSH", "OFFLINE_TRAINER", "PUSH_IGNORE",
+           "PushResult", "check_hub_before_training", "check_hub_for_deferred_push", "hub_access_problem", "hub_api",
+           "push_run"]

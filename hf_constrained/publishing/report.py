@@ -195,9 +195,13 @@ class SafetyReport(ReportText):
             (the statistic and its unit, e.g. "share of the task's examples forgotten"), ``proxy``
             (whether it differs from the trained constraint) and ``old_value`` (the old model's
             value of the statistic, when known).
-        weights_files_fingerprint: when the report is saved next to the evaluated weights,
+        weights_files_fingerprint: when the report is saved next to the evaluated weights (or names their
+            folder, ``weights_folder``),
             :func:`~hf_constrained.certification.fingerprint.weights_files_fingerprint` of those files
             (``hf-constrained report --check`` compares it with the files); ``None`` otherwise.
+        weights_folder: where the evaluated weights are when they are not beside the report (``hf-constrained
+            certify`` of a model folder into another output folder): relative to the report's folder, or
+            absolute; ``--check`` fingerprints that folder and ``push`` uploads its weights. ``None``: beside it.
     """
 
     constraints: list[ConstraintResult]
@@ -217,6 +221,7 @@ class SafetyReport(ReportText):
     weights_files_fingerprint: Optional[str] = None
     statistics: dict[str, dict[str, Any]] = field(default_factory=dict)
     settings: dict[str, Any] = field(default_factory=dict)
+    weights_folder: Optional[str] = None
     created_at: str = field(default_factory=lambda: _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
 
     # ------------------------------------------------------------------ verdict
@@ -329,6 +334,7 @@ class SafetyReport(ReportText):
             "model_name": self.model_name,
             "weights_fingerprint": self.weights_fingerprint,
             "weights_files_fingerprint": self.weights_files_fingerprint,
+            **({"weights_folder": self.weights_folder} if self.weights_folder is not None else {}),
             "extra_columns": list(self.extra_columns),
             "certified": self.certified,
             "certificate": self.certificate,
@@ -369,6 +375,7 @@ class SafetyReport(ReportText):
             not_certifiable=list(data.get("not_certifiable") or []),
             statistics={k: dict(v) for k, v in (data.get("statistics") or {}).items()},
             settings=dict(data.get("settings") or {}),
+            weights_folder=data.get("weights_folder"),
             created_at=data.get("created_at", ""),
         )
 

@@ -148,8 +148,8 @@ class ReportText:
         no verdict: the trained constraint h_k (the training surrogate) on its held-out rows, old
         and new model, its asymptotic CLT bound, the tolerance it was trained to, the margin and
         the caller's extra columns. Empty under the uncertified rules (their table shows these)."""
-        if self.safety_rule != "certified" or not self.constraints:
-            return []
+        if self.safety_rule != "certified" or all(c.data == "certification" for c in self.constraints):
+            return []  # (a certification of a model trained elsewhere has no trained constraint to show)
         show_bound = any(c.upper_bound is not None and c.bound_method != "exact" for c in self.constraints)
         show_margin = any(c.margin is not None for c in self.constraints)
         header = ["constraint", "data", "old model", "new model"]
@@ -218,6 +218,33 @@ class ReportText:
         if not reasons:
             reasons.append("these weights were not tested (an earlier candidate failed in the fixed sequence)")
         return f"NOT CERTIFIED at delta = {cert['delta']:g}: {'; '.join(reasons)}"
+
+    def headline(self) -> str:
+        """The verdict in one short line, the first line of the card: e.g. "Certified: each protected set loses
+        at most 3 points of exact match, delta 0.05, 2,000 rows each". The claim in words is the report's
+        ``settings["claim"]`` where the run stated one (``hf-constrained certify`` does), else "every constraint
+        within its tolerance"; :meth:`summary` is the long sentence (the guarantee, the bound, the population)."""
+        n = len(self.constraints)
+        if not n:
+            return "Not checked: the report has no constraints"
+        if self.safety_rule != "certified":
+            if self.all_satisfied:
+                return (f"Passes, not certified: all {n} constraint(s) hold on held-out data by the uncertified "
+                        f"'{self.safety_rule}' rule")
+            return f"Unsafe: {len(self.failed)} of {n} constraint(s) fail on held-out data"
+        cert = self.certificate
+        if cert is None:
+            return "Not certified: no certification split, so nothing was tested on rows nothing else read"
+        claim = (self.settings or {}).get("claim") or (
+            f"each of the {n} constraints within its tolerance" if n > 1 else
+            f"{self.constraints[0].name} within its tolerance")
+        rows = sorted({int(r) for r in (cert.get("num_rows") or {}).values()})
+        size = ("" if not rows else f", {rows[0]:,} rows" + (" each" if n > 1 else "") if len(rows) == 1
+                else f", {rows[0]:,}-{rows[-1]:,} rows per constraint")
+        if self.certified:
+            return f"Certified: {claim}, delta {cert['delta']:g}{size}"
+        failing = [v.name for v in self.with_rule("certified").verdicts() if not v.passes]
+        return f"Not certified: not shown that {claim} ({', '.join(failing)} failed), delta {cert['delta']:g}{size}"
 
     def summary(self) -> str:
         """One line: the verdict under :attr:`safety_rule` (CERTIFIED / NOT CERTIFIED, or, by an

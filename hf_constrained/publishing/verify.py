@@ -90,6 +90,13 @@ def check_run_dir(run_dir: str, rule: Optional[str] = None) -> CheckResult:
     if isinstance(cert, dict) and sorted(cert.get("certified", [])) != certified_candidates(cert):
         return _stale(f"{path} lists certified candidates {cert.get('certified')}, but its bounds and tolerances "
                       f"certify {certified_candidates(cert)}: the file was edited; evaluate again", report)
+    if report.weights_folder is not None:  # the weights are in another folder the report names
+        if weights_files_fingerprint(folder) is not None:
+            return _stale(f"{folder} holds weight files, but {path} describes the weights in "
+                          f"{report.weights_folder}: certify the folder that holds them", report)
+        folder = weights_folder(report, os.path.dirname(path) or ".")
+        if not os.path.isdir(folder):
+            return _stale(f"{path} describes the weights in {folder}, which is not there (moved or deleted)", report)
     try:
         files_now = weights_files_fingerprint(folder)
     except (OSError, ValueError) as exc:
@@ -105,12 +112,22 @@ def check_run_dir(run_dir: str, rule: Optional[str] = None) -> CheckResult:
         return _stale(f"the weight files in {folder} changed after {path} was written (recorded {recorded}, "
                       f"now {files_now}): the report no longer describes them; evaluate them again "
                       "(trainer.safety.build_report(checkpoint=DIR))", report)
-    where = ("the report is intact and describes the weight files next to it" if files_now is not None
-             else "the report is intact; no weight files here: it describes weights evaluated in memory")
+    where = ("the report is intact; no weight files here: it describes weights evaluated in memory"
+             if files_now is None else "the report is intact and describes the weight files next to it"
+             if report.weights_folder is None else f"the report is intact and describes the weight files in {folder}")
     # the message is the report's own verdict line, nothing prefixed that could contradict it
     if report.all_satisfied:
         return CheckResult(EXIT_CERTIFIED, f"{report.summary()} ({where})", report)
     return CheckResult(EXIT_NOT_CERTIFIED, report.summary(), report)
 
 
-__all__ = ["EXIT_CERTIFIED", "EXIT_NOT_CERTIFIED", "EXIT_STALE_OR_UNREADABLE", "CheckResult", "check_run_dir"]
+def weights_folder(report: SafetyReport, report_dir: str) -> str:
+    """The folder of the weights a report describes: its ``weights_folder`` (relative to ``report_dir``, the
+    report's folder, unless absolute), else ``report_dir`` itself."""
+    if report.weights_folder is None:
+        return report_dir
+    return os.path.normpath(os.path.join(report_dir, report.weights_folder))
+
+
+__all__ = ["EXIT_CERTIFIED", "EXIT_NOT_CERTIFIED", "EXIT_STALE_OR_UNREADABLE", "CheckResult", "check_run_dir",
+           "weights_folder"]

@@ -19,10 +19,16 @@ from hf_constrained.safety.finish import finish_run
 
 
 def card_body(text: str) -> list[str]:
-    """The card's non-empty lines after the YAML front matter."""
+    """The card's non-empty lines after the YAML front matter and its first line, the verdict in one short bold
+    line (checked here: every card opens with it)."""
     assert text.startswith("---\n")
     end = text.index("\n---\n", 4)
-    return [line for line in text[end + 5:].splitlines() if line.strip()]
+    lines = [line for line in text[end + 5:].splitlines() if line.strip()]
+    verdict = lines[0]
+    assert verdict.startswith("**") and verdict.endswith("**") and len(verdict) <= 200, verdict
+    assert verdict.split(":")[0].strip("*") in ("Certified", "Not certified", "Passes, not certified", "Unsafe",
+                                                "Not checked"), verdict
+    return lines[1:]
 
 
 def card_constraint_rows(text: str) -> dict[str, dict[str, str]]:
