@@ -61,6 +61,21 @@ def test_finish_run_replaces_the_loops_settings_and_the_pushes_after_it_use_them
         finish_run(trainer, dleta=0.1)
 
 
+def test_the_settings_are_shown_in_the_printed_report_and_by_hf_constrained_report(tmp_path, capsys):
+    from hf_constrained.cli import main
+
+    trainer = make_trainer(str(tmp_path / "run"), max_steps=2)
+    report = finish_run(trainer, plots=False, safety_rule="upper_bound", delta=0.02, show=False)
+    line = ("Certificate settings: delta 0.02, safety rule upper_bound, candidates: the final model, "
+            "CLT bounds at 95%")
+    assert report.render().endswith(line)
+    assert main(["report", str(tmp_path / "run")]) == 0
+    assert line in capsys.readouterr().out
+    assert main(["report", str(tmp_path / "run"), "--rule", "point"]) == 0
+    assert "safety rule upper_bound (shown here by point)" in capsys.readouterr().out
+    assert SafetyReport(constraints=[]).settings_line() == ""  # a report not made by the end of a run
+
+
 def test_ending_a_run_is_one_method_of_the_loop_and_no_public_function_takes_more_than_ten_parameters():
     import hf_constrained.safety.finish as finish
 
