@@ -37,7 +37,7 @@ from ..extras import require_extra
 from ..publishable import publishable_command
 from ..safety.finish import certify_models, finish_run, push_last
 from ..safety.settings import CertificateArguments
-from .data import TABULAR_LOADERS, TabularSplit, load_tabular_csv
+from .data import TABULAR_LOADERS, TabularColumns, TabularSplit, load_tabular_csv
 from .icppac import ICPPACConfig, ICPPACTrainer
 from .model import MLPConfig, MLPForScoring
 from .roc import (
@@ -160,12 +160,11 @@ def _floats(text: str, what: str) -> list[float]:
 def load_splits(args: ROCFairnessArguments) -> dict[str, TabularSplit]:
     """train / validation / test arrays of the chosen data set."""
     if args.dataset == "csv":
-        ds = load_tabular_csv(
-            args.csv_path, label_column=args.label_column, group_column=args.group_column,
-            positive_label=args.positive_label, group_value=args.group_value, test_path=args.csv_test_path,
-            drop_columns=[c for c in args.drop_columns.split(",") if c], drop_group_feature=args.drop_group_feature,
-            split_seed=args.split_seed,
-        )
+        columns = TabularColumns(
+            label_column=args.label_column, group_column=args.group_column, positive_label=args.positive_label,
+            group_value=args.group_value, drop_columns=[c for c in args.drop_columns.split(",") if c],
+            drop_group_feature=args.drop_group_feature)
+        ds = load_tabular_csv(args.csv_path, columns, test_path=args.csv_test_path, split_seed=args.split_seed)
     else:
         ds = TABULAR_LOADERS[args.dataset](split_seed=args.split_seed, drop_group_feature=args.drop_group_feature)
     return {split: TabularSplit.from_dataset(ds[split]) for split in ("train", "validation", "test")}
