@@ -191,7 +191,7 @@ def publishable_command(program: str, argv: Sequence[str], output_dir: Optional[
     argv = [str(a) for a in argv]
     index, config = _config_value(argv)
     if config is not None and index is not None:
-        from .recipe_args import resolve_config_path
+        from .config_files import resolve_config_path
 
         if not os.path.isfile(resolve_config_path(config)):  # nothing to copy: the command names the file
             return " ".join([reproduce_program(program), shlex.join(publishable_argv(argv, output_dir))]).strip()
@@ -206,7 +206,7 @@ def publishable_command(program: str, argv: Sequence[str], output_dir: Optional[
 
 def config_output_dir(path: str) -> Optional[str]:
     """The ``output_dir`` a ``--config`` file sets, or ``None``."""
-    from .recipe_args import load_config_file
+    from .config_files import load_config_file
 
     value = load_config_file(path).get("output_dir")
     return None if value is None else str(value)
@@ -225,7 +225,7 @@ def save_config_copy(path: str, output_dir: str) -> str:
     """
     import yaml
 
-    from .recipe_args import SAVED_CONFIG_NAME, load_config_file
+    from .config_files import SAVED_CONFIG_NAME, load_config_file
 
     values = load_config_file(path)
     clean = {k: publishable_values(v, output_dir) for k, v in values.items()

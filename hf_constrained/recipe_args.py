@@ -7,6 +7,9 @@ dataclass has is an error naming the file and the key, and a flag that no datacl
 usage error (exit status 2): neither is silently ignored. A usage error prints the short usage
 line and the error, not the list of every flag (``--help`` lists them).
 
+The certificate's flags are declared once, in :class:`CertificateArguments` (``--delta``, its help and its
+check), which every recipe's own argument dataclass inherits; ``--help`` lists them after the recipe's own flags.
+
 Without an accelerator, ``--dataloader_pin_memory`` defaults to false (torch warns at every
 dataloader that pinning needs one; :class:`~hf_constrained.ConstrainedTrainingArguments`); a multi-process
 launch that cannot form one run is refused (:mod:`hf_constrained.launch`).
@@ -19,27 +22,25 @@ without bf16 support, it is a usage error naming the flag before any model loads
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
-import os
 import sys
 from collections.abc import Sequence
 from typing import Any, Optional
 
-import yaml
 from transformers import HfArgumentParser, TrainingArguments
 
+from .config_files import SAVED_CONFIG_NAME, load_config_file, resolve_config_path  # noqa: F401 (re-exported)
 from .errors import RecipeConfigError
 from .launch import check_multi_process_launch
 from .publishing.push import check_hub_before_training
 from .recipe_help import add_help_all, shorten_help, wants_short_help
+from .safety.settings import CertificateArguments  # the certificate's flags, which every recipe's arguments inherit
 
 logger = logging.getLogger(__name__)
 
 SHORT_USAGE = "%(prog)s [--config FILE.yaml] [--FLAG VALUE ...]  (--help: the main flags; --help-all: every flag)"
 """The usage line of every recipe: a usage error prints it and the error, not a page of flags."""
-
-SAVED_CONFIG_NAME = "recipe_config.yaml"
-"""The copy of a run's ``--config`` file in its output folder, cited by the reproduce command."""
 
 
 def _user_settings_first(parser: argparse.ArgumentParser, dataclass_types: Sequence[type]) -> None:
@@ -59,39 +60,12 @@ def _user_settings_first(parser: argparse.ArgumentParser, dataclass_types: Seque
     parser._action_groups.insert(1, group)  # after the positionals
 
 
-
-
-def resolve_config_path(path: str) -> str:
-    """``path`` if it is a file; else, for a bare file name, the recipes' shipped config of that name
-    (``--config llm_non_forgetting_lora.yaml`` works from any folder, after ``pip install`` too)."""
-    if os.path.isfile(path) or os.path.dirname(path):
-        return path
-    from .recipes import recipe_file
-
-    try:
-        return recipe_file(os.path.join("configs", path))
-    except FileNotFoundError:
-        return path
-
-
-def load_config_file(path: str) -> dict[str, Any]:
-    """The mapping in the YAML file ``path`` (or the shipped config of that name, see
-    :func:`resolve_config_path`); a clear error when it is missing or not a mapping."""
-    path = resolve_config_path(path)
-    if not os.path.isfile(path):
-        raise RecipeConfigError(f"--config {path}: no such file (the configs shipped with the recipes can be named "
-                                "by their file name alone: `hf-constrained recipes` lists them)")
-    with open(path, encoding="utf-8") as f:
-        try:
-            data = yaml.safe_load(f)
-        except yaml.YAMLError as err:
-            raise RecipeConfigError(f"--config {path}: not valid YAML ({err})") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise RecipeConfigError(f"--config {path}: expected a mapping of flag names to values, "
-                                f"got {type(data).__name__}")
-    return data
+def _certificate_flags_last(parser: argparse.ArgumentParser) -> None:
+    """The certificate's flags (:class:`CertificateArguments`, inherited by a recipe's dataclass, so declared first)
+    listed after the recipe's own flags in ``--help``: the recipe's data and claim first, then its error level."""
+    names = {f.name for f in dataclasses.fields(CertificateArguments)}
+    for group in parser._action_groups:
+        group._group_actions.sort(key=lambda a: a.dest in names)  # a stable sort: the order kept within each
 
 
 def parse_with_config(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
@@ -201,6 +175,7 @@ def parse_recipe_args(dataclass_types: Sequence[type], argv: Optional[Sequence[s
     parser.add_argument("--config", default=None, help="YAML file of flag values; command-line flags override it.")
     add_help_all(parser)
     _user_settings_first(parser, dataclass_types)
+    _certificate_flags_last(parser)
     if wants_short_help(argv):  # the recipe's own flags and a few of the Trainer's; --help-all: every flag
         shorten_help(parser, dataclass_types, shown=defaults or ())
     if defaults:

@@ -15,7 +15,7 @@ checkpoint.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Optional, Union
 
 import torch
@@ -43,6 +43,7 @@ from .method.projection import GradientProjection, ProjectedGradient
 from .method.regularisers import ObjectiveRegulariser, RegularisedObjective
 from .method.shared_forward import SharedObjectiveForward, causal_lm_head, trains_as_it_evaluates
 from .preflight import preflight_constraints
+from .publishing.card import ModelCardInfo
 from .safety.loop import SafetyLoop
 from .safety.split_checks import check_certification_splits
 from .safety.trainer_state import best_checkpoint_restored
@@ -70,8 +71,10 @@ class ConstrainedTrainer(TrainerInternals):
         regulariser: an optional change of the objective on every training micro-batch (replay, KL or L2
             to the old model: :mod:`hf_constrained.method.regularisers`), with any ``constraint_penalty``.
         gradient_projection: an optional change of every step's gradient (A-GEM: :mod:`.method.projection`).
-        **kwargs: passed to ``Trainer``, except ``model_card_info`` and ``reference_constraint_values``: to the
-            safety loop (:class:`~hf_constrained.safety.loop.SafetyLoop`, held as ``trainer.safety``).
+        model_card_info, reference_constraint_values: for the safety loop (held as ``trainer.safety``,
+            :class:`~hf_constrained.safety.loop.SafetyLoop`): what the card says of the model and its data, and
+            the old model's constraint values (the reports' "old model" column).
+        **kwargs: passed to ``Trainer``.
 
     The objective is whatever ``Trainer.compute_loss`` computes (subclasses may override
     :meth:`compute_objective_loss`). Constraint batches are collated by the constraint's ``collate_fn``, else by a
@@ -82,13 +85,14 @@ class ConstrainedTrainer(TrainerInternals):
 
     def __init__(self, model: Union[nn.Module, None] = None, args: Optional[ConstrainedTrainingArguments] = None,
                  *, constraints: Sequence[Constraint] = (), regulariser: Optional[ObjectiveRegulariser] = None,
-                 gradient_projection: Optional[GradientProjection] = None, **kwargs: Any) -> None:
+                 gradient_projection: Optional[GradientProjection] = None,
+                 model_card_info: Optional[ModelCardInfo] = None,
+                 reference_constraint_values: Optional[Mapping[str, float]] = None, **kwargs: Any) -> None:
         if args is not None and not isinstance(args, ConstrainedTrainingArguments):
             raise TypeError(f"ConstrainedTrainer needs ConstrainedTrainingArguments, got {type(args).__name__}")
         if args is None:
             args = ConstrainedTrainingArguments(output_dir="trainer_output")
         self.constraints: list[Constraint] = checked_constraints(constraints)
-        safety_options = {k: kwargs.pop(k) for k in ("model_card_info", "reference_constraint_values") if k in kwargs}
         self.regularised = None if regulariser is None else RegularisedObjective(regulariser)
         m = len(self.constraints)
         self.penalty = make_penalty(args.constraint_penalty, args.penalty_beta)
@@ -136,7 +140,8 @@ class ConstrainedTrainer(TrainerInternals):
         self.last_constraint_values: dict[str, float] = {}  # the latest evaluation's exact values, all m (logs: few)
         self.last_constraint_values_step: Optional[int] = None
         view = RunView(tuple(self.constraints), self.args, self.engine, self.certification_fingerprints)
-        self.safety = SafetyLoop(self, view, **safety_options)  # reports, certificates, cards, the push gate
+        self.safety = SafetyLoop(self, view, model_card_info=model_card_info,  # reports, certificates, the push gate
+                                 reference_constraint_values=reference_constraint_values)
         self.safety.attach(self.callback_handler, push_to_hub=self.args.push_to_hub)  # a deferred push: Hub checked now
 
     def create_accelerator_and_postprocess(self) -> None:

@@ -66,7 +66,7 @@ from hf_constrained.clip.data import (
 from hf_constrained.errors import check_model_path
 from hf_constrained.extras import require_extra
 from hf_constrained.publishable import publishable_command, publishable_path, publishable_values
-from hf_constrained.recipe_args import RecipeConfigError, given_flags, parse_recipe_args
+from hf_constrained.recipe_args import CertificateArguments, RecipeConfigError, given_flags, parse_recipe_args
 from hf_constrained.safety.finish import push_last
 
 logger = logging.getLogger("clip_non_forgetting")
@@ -74,7 +74,7 @@ RESULTS_FILE = "non_forgetting_results.json"
 
 
 @dataclass
-class ScriptArguments:
+class ScriptArguments(CertificateArguments):
     model_name_or_path: str = field(metadata={"help": "Any CLIPModel checkpoint: a hub name "
                                               "(e.g. openai/clip-vit-base-patch16) or a local folder with its "
                                               "processor."})
@@ -120,7 +120,6 @@ class ScriptArguments:
     forget_tolerance: float = field(default=0.05, metadata={
         "help": "Certified: at most this share of each protected class's certification images forgotten "
                 "(right under the old model, wrong now)."})
-    delta: float = field(default=0.05, metadata={"help": "The certificate's error level."})
     allow_unsafe_push: bool = field(default=False, metadata={
         "help": "With --push_to_hub: publish even when the run is not certified (the card then says so)."})
     accuracy_every_steps: int = field(default=0, metadata={

@@ -120,7 +120,7 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer, CLIPModel, TrainerCallback
 
 from hf_constrained.atomic_files import atomic_write_json
-from hf_constrained.certification.bounds import check_delta, most_forgotten_that_certify
+from hf_constrained.certification.bounds import most_forgotten_that_certify
 from hf_constrained.certification.certify import rows_needed
 from hf_constrained.clip import (
     ContrastiveConstrainedTrainer,
@@ -145,7 +145,7 @@ from hf_constrained.non_forgetting import (
 )
 from hf_constrained.progress import StepProgressBar
 from hf_constrained.publishable import publishable_values
-from hf_constrained.recipe_args import parse_with_config
+from hf_constrained.recipe_args import CertificateArguments, parse_with_config
 from hf_constrained.redact import redact_command
 from hf_constrained.safety.finish import certify_models, finish_run
 from hf_constrained.safety.in_memory_selection import InMemoryFeasibleSelection, largest_constraint_violation
@@ -176,7 +176,7 @@ DEFAULT_SEED = 2027
 
 
 @dataclass
-class DemoConfig:
+class DemoConfig(CertificateArguments):  # --delta: the certificate's error level
     target: int = 9
     pulled: int = 5  # the protected digit whose images pollute the target data
     seed: int = DEFAULT_SEED
@@ -210,7 +210,6 @@ class DemoConfig:
     noise: float = 0.1  # std of the Gaussian noise of a copy (images are in [-1, 1])
     select_every: int = 10  # steps between selection evaluations; 0 keeps the last iterate
     forget_tolerance: float = FORGET_TOLERANCE  # certified: each protected digit loses at most 100x this many points
-    delta: float = 0.05  # the certificate's error level
     indicator_fraction: float = 0.3  # > 0: two-split estimation (constraint_indicator_fraction); 0: off
     # with two-split: rows per indicator batch, no grad (constraint_indicator_batch_size); 0: |B_k|
     indicator_batch_size: int = 0
@@ -548,9 +547,8 @@ def mean_loss(model: torch.nn.Module, dataset: Any, zs: ZeroShotLoss, collate: C
 
 
 def check_certificate_settings(cfg: DemoConfig) -> None:
-    """The certificate's claim and level, checked before any model is trained (they are read only at the
-    end, after minutes of training), naming the flag."""
-    check_delta(cfg.delta, "--delta")  # NaN fails too
+    """The certificate's claim, checked before any model is trained (it is read only at the end, after minutes
+    of training), naming the flag (its level, ``--delta``, is checked when :class:`DemoConfig` is built)."""
     if not 0 < cfg.forget_tolerance <= 1:
         raise ValueError(f"--forget_tolerance is a share of each protected class's images forgotten, in (0, 1] "
                          f"(0.15: at most 15 points lost), got {cfg.forget_tolerance}")
@@ -1150,7 +1148,6 @@ OPTION_HELP = {
     "noise": "std of the Gaussian noise of a copy (images are in [-1, 1])",
     "select_every": "steps between checkpoint-selection evaluations; 0 keeps the last iterate",
     "forget_tolerance": "the claim, certified: each protected class loses at most 100x this many points",
-    "delta": "the certificate's error level",
     "indicator_fraction": "> 0: two-split estimation, this share of D_k decides the hinge's indicator; 0: off",
     "indicator_batch_size": "with two-split estimation: rows per indicator batch (0: --constraint_batch_size)",
     "proxy_indicator": "with two-split estimation: the hinge's indicator follows the share of D_k forgotten",
@@ -1163,15 +1160,23 @@ OPTION_HELP = {
     "selection_images": "--data shapes: images per class for the checkpoint selection",
     "held_out_images": "--data shapes: held-out images per class (--certify_fraction of them certify)",
     "shape_noise": "--data shapes: std of the generated images' pixel noise",
+    **{f.name: f.metadata["help"] for f in fields(CertificateArguments)},  # --delta: the help every recipe shows
 }
 """One line of ``--help`` per :class:`DemoConfig` field (the fields' comments, for the user)."""
+
+
+def option_fields() -> list[Any]:
+    """:class:`DemoConfig`'s fields in the order of ``--help`` and of a results file's ``config``: the demo's own,
+    then the certificate's (``--delta``, inherited from :class:`~hf_constrained.recipe_args.CertificateArguments`)."""
+    certificate = {f.name for f in fields(CertificateArguments)}
+    return sorted(fields(DemoConfig), key=lambda f: f.name in certificate)
 
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     """The demo's options (every :class:`DemoConfig` field, seeds, penalties, cache and output),
     spelt as the recipes spell them (``--penalty_beta``, ``--learning_rate``, ``--msvr_gamma``);
     the earlier hyphenated spellings (``--beta``, ``--msvr-gamma``) are accepted too."""
-    for f in fields(DemoConfig):
+    for f in option_fields():
         value = getattr(DemoConfig(), f.name)
         choices = {"forgetting": list(FORGETTING), "select_on": list(SELECT_ON), "data": list(DATA_NAMES)}.get(f.name)
         flags = [f"--{FLAG_NAMES.get(f.name, f.name)}"]
@@ -1218,7 +1223,7 @@ def parsed_config(ns: argparse.Namespace) -> dict[str, Any]:
     where the old models are kept, not what they are). On the digits the generated images' settings
     (:data:`SHAPE_FIELDS`), which change nothing there, are left out: the digits' results read as before."""
     skip = SHAPE_FIELDS if ns.data == "digits" else ()
-    return {**{f.name: getattr(ns, f.name) for f in fields(DemoConfig) if f.name not in skip}, "seeds": _seeds(ns),
+    return {**{f.name: getattr(ns, f.name) for f in option_fields() if f.name not in skip}, "seeds": _seeds(ns),
             "penalties": [p.strip() for p in ns.penalties.split(",") if p.strip()], "output": ns.output,
             "workers": ns.workers}
 

@@ -77,7 +77,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, 
 
 from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments, finish_run
 from hf_constrained.atomic_files import atomic_write_json
-from hf_constrained.certification.bounds import check_delta
 from hf_constrained.certification.splits import carve_certification, check_certify_fraction
 from hf_constrained.errors import check_model_path
 from hf_constrained.extras import MissingExtraError, has_module, install_hint
@@ -89,7 +88,7 @@ from hf_constrained.non_forgetting import (
 )
 from hf_constrained.per_sample_loss import causal_lm_per_example_correct
 from hf_constrained.publishable import publishable_command, publishable_path, publishable_values
-from hf_constrained.recipe_args import RecipeConfigError, parse_recipe_args
+from hf_constrained.recipe_args import CertificateArguments, RecipeConfigError, parse_recipe_args
 from hf_constrained.safety.finish import push_last
 from hf_constrained.text_data import SFTPaddingCollator, load_text_dataset, tokenize_sft
 
@@ -110,7 +109,7 @@ BENCHMARK_REPLAY = 0.5
 
 
 @dataclass
-class ConstraintDataArguments:
+class ConstraintDataArguments(CertificateArguments):
     """The recipe's own flags: the protected and safety data, the tolerances and the certificate."""
 
     protected_datasets: list[str] = field(default_factory=list, metadata={
@@ -145,8 +144,6 @@ class ConstraintDataArguments:
         "help": "Certified: at most this share of each protected task's examples forgotten (answered exactly, "
                 "teacher-forced, by the old model and not by the new one). A rate over n rows with none forgotten "
                 "has a bound of 1 - delta^(1/n): the certification split needs enough rows."})
-    delta: float = field(default=0.05, metadata={
-        "help": "The certificate's error level: it holds with probability at least 1 - delta."})
     reference_batch_size: int = field(default=16, metadata={"help": "Batch size of the old model's reference pass."})
     allow_unsafe_push: bool = field(default=False, metadata={
         "help": "With --push_to_hub: publish even when a constraint fails (the card then says UNSAFE)."})
@@ -466,7 +463,6 @@ def check_arguments(config: RecipeArguments) -> None:
                                 "certificate)")
     if not 0.0 <= data.forget_tolerance <= 1.0:
         raise RecipeConfigError(f"--forget_tolerance is a share of examples, in [0, 1]; got {data.forget_tolerance}")
-    check_delta(data.delta, "--delta", RecipeConfigError)
     # a logger whose package is missing would fail when the Trainer is built, after the model loaded
     loggers = {"tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",), "mlflow": ("mlflow",)}
     for name in args.report_to or []:

@@ -90,7 +90,6 @@ from transformers.trainer_callback import PrinterCallback
 
 from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments
 from hf_constrained.atomic_files import atomic_write_json
-from hf_constrained.certification.bounds import check_delta
 from hf_constrained.certification.ledger import user_ledger_at
 from hf_constrained.method.projection import AGEM, GradientProjection, ReplayAGEM
 from hf_constrained.method.regularisers import ConstraintRowReplay, KLToOld, L2ToOld, ObjectiveRegulariser, Replay
@@ -104,7 +103,7 @@ from hf_constrained.non_forgetting import (
 from hf_constrained.per_sample_loss import IGNORE_INDEX, causal_lm_per_example_correct
 from hf_constrained.progress import StepProgressBar
 from hf_constrained.publishable import publishable_command, publishable_values
-from hf_constrained.recipe_args import parse_recipe_args
+from hf_constrained.recipe_args import CertificateArguments, parse_recipe_args
 from hf_constrained.recipes.tiny_lm import char_tokenizer, tiny_causal_lm
 from hf_constrained.safety.finish import certify_models
 from hf_constrained.text_data import tokenize_sft
@@ -566,7 +565,7 @@ def format_table(summary: dict[str, Any], cfg: ExampleArguments) -> str:
 
 
 @dataclass
-class ExampleArguments:
+class ExampleArguments(CertificateArguments):
     """The example's flags; the fine-tuning ones carry the names of
     :class:`~hf_constrained.ConstrainedTrainingArguments` (``--penalty_beta``, ``--max_steps``, ...)."""
 
@@ -624,7 +623,6 @@ class ExampleArguments:
     forget_tolerance: float = field(default=0.03, metadata={
         "help": "the claim, stated before the data: certified at most this share of each old task's examples "
                 "forgotten (exact before, not now), so at most this many points of its accuracy lost"})
-    delta: float = field(default=0.05, metadata={"help": "the certificate's error level"})
     constraint_batch_size: int = field(default=8, metadata={"help": "constraint rows per task and step"})
     constraints_per_step: Optional[int] = field(default=None, metadata={
         "help": "old-task constraints sampled per step (Algorithm 1's |I_t|; default: all three; the estimates of "
@@ -647,6 +645,7 @@ class ExampleArguments:
         "help": "torch threads of the old model's training and of each fine-tuning run (results depend on it)"})
 
     def __post_init__(self) -> None:
+        super().__post_init__()  # --delta
         if not self.seeds:
             raise ValueError("--seeds: give at least one seed")
         if not (math.isfinite(self.penalty_beta) and self.penalty_beta > 0):
@@ -655,7 +654,6 @@ class ExampleArguments:
             raise ValueError(f"--certify_rows must be >= 0, got {self.certify_rows}")
         if not 0.0 <= self.forget_tolerance <= 1.0:
             raise ValueError(f"--forget_tolerance is a share of examples, in [0, 1]; got {self.forget_tolerance}")
-        check_delta(self.delta, "--delta")
         if self.constraint_indicator_fraction is not None and not 0.0 <= self.constraint_indicator_fraction < 1.0:
             raise ValueError("--constraint_indicator_fraction must be in (0, 1), or 0 for one split; got "
                              f"{self.constraint_indicator_fraction}")

@@ -65,10 +65,9 @@ from hf_constrained import (
     constraints_per_value,
 )
 from hf_constrained.atomic_files import atomic_write_json
-from hf_constrained.certification.bounds import check_delta
 from hf_constrained.certification.splits import carve_certification, check_certify_fraction
 from hf_constrained.publishable import publishable_command, publishable_values
-from hf_constrained.recipe_args import RecipeConfigError, given_flags, parse_recipe_args
+from hf_constrained.recipe_args import CertificateArguments, RecipeConfigError, given_flags, parse_recipe_args
 from hf_constrained.safety.finish import certify_models
 
 # the recipe's defaults for the training arguments (each can be overridden by a flag or --config)
@@ -87,7 +86,7 @@ OTHER_MARGINS = ("constraint_confidence", "constraint_certificate_delta")
 
 
 @dataclass
-class QuickstartArguments:
+class QuickstartArguments(CertificateArguments):
     bound: float = field(default=0.4, metadata={"help": "per-digit cross-entropy bound (each constraint's tolerance)"})
     compare: bool = field(default=True, metadata={"help": "train with hinge, squared_hinge and none; false: only "
                                                           "--constraint_penalty"})
@@ -98,7 +97,6 @@ class QuickstartArguments:
                 "the certificate (0: none, the runs are NOT CERTIFIED)"})
     error_tolerance: float = field(default=0.5, metadata={
         "help": "certified: every digit's error rate (share of its images misclassified) is at most this"})
-    delta: float = field(default=0.05, metadata={"help": "the certificate's error level"})
     json: str = field(default="", metadata={"help": "also write the results JSON here (it always goes to "
                                                     "<output_dir>/results.json)"})
 
@@ -234,7 +232,6 @@ def check_recipe_flags(opts: QuickstartArguments, args: ConstrainedTrainingArgum
         raise RecipeConfigError(str(err)) from None
     if not 0.0 <= opts.error_tolerance <= 1.0:
         raise RecipeConfigError(f"--error_tolerance is an error rate, in [0, 1]; got {opts.error_tolerance}")
-    check_delta(opts.delta, "--delta", RecipeConfigError)
 
 
 def parse_args(argv: Optional[list[str]] = None) -> tuple[QuickstartArguments, ConstrainedTrainingArguments]:

@@ -63,12 +63,11 @@ from hf_constrained import (
     finish_run,
 )
 from hf_constrained.atomic_files import atomic_write_json
-from hf_constrained.certification.bounds import check_delta
 from hf_constrained.certification.splits import check_certify_fraction
 from hf_constrained.extras import require_extra
 from hf_constrained.non_forgetting import CORRECT_KEY, ForgottenRows
 from hf_constrained.publishable import publishable_command
-from hf_constrained.recipe_args import parse_recipe_args
+from hf_constrained.recipe_args import CertificateArguments, parse_recipe_args
 
 OLD_DIGITS = list(range(8))
 NEW_DIGITS = [8, 9]
@@ -141,7 +140,7 @@ TRAINING_DEFAULTS = dict(
 
 
 @dataclass
-class ReleaseArguments:
+class ReleaseArguments(CertificateArguments):
     tolerance: float = field(default=0.1, metadata={"help": "h_k <= tolerance for every old digit k (nats): training "
                                                              "and checkpoint selection"})
     # 0.2: the tightest claim on the grid 0.05, 0.10, ... that this split supports: with 52-70 certification images
@@ -151,7 +150,6 @@ class ReleaseArguments:
     forget_tolerance: float = field(default=0.2, metadata={
         "help": "certified: at most this share of each old digit's images forgotten (right before, wrong now); 0.2 is "
                 "the tightest claim the 52-70 certification images per digit support (docs/safety.md)"})
-    delta: float = field(default=0.05, metadata={"help": "the certificate's error level"})
     audit_fraction: float = field(default=0.0, metadata={
         "help": "share of the certification images set aside, read by neither training nor the certificate, and "
                 "reported in results.json"})
@@ -159,11 +157,11 @@ class ReleaseArguments:
     allow_unsafe: bool = field(default=False, metadata={"help": "with --hub_model_id: push even if a constraint fails"})
 
     def __post_init__(self) -> None:
+        super().__post_init__()  # --delta
         # the certificate reads these only after training: a value it cannot use stops the run here, naming the flag
         if not 0 < self.forget_tolerance <= 1:  # NaN fails too
             raise ValueError(f"--forget_tolerance is a share of each old digit's images forgotten, in (0, 1] "
                              f"(0.2: at most 20%), got {self.forget_tolerance}")
-        check_delta(self.delta, "--delta")
         check_certify_fraction(self.audit_fraction, "--audit_fraction")
 
 

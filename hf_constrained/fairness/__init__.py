@@ -40,6 +40,7 @@ _LAZY = {
     "load_chexpert": ".data",
     "load_compas": ".data",
     "load_tabular_csv": ".data",
+    "TabularColumns": ".data",
     "min_singular_value": ".frvp",
     "model_scores": ".model",
     "objective_pairs": ".roc",

@@ -149,34 +149,42 @@ def _binary(series: pd.Series, value: Any, what: str, column: str) -> np.ndarray
     return out
 
 
-def build_tabular_splits(
-    train_df: pd.DataFrame,
-    test_df: Optional[pd.DataFrame],
-    *,
-    label_column: str,
-    positive_label: Any,
-    group_column: str,
-    group_value: Any,
-    categorical_columns: Optional[Sequence[str]] = None,
-    drop_columns: Sequence[str] = (),
-    drop_group_feature: bool = False,
-    validation_fraction: float = 0.2,
-    test_fraction: float = 0.2,
-    split_seed: int = 0,
-) -> datasets.DatasetDict:
-    """Preprocess raw frames into the ``train`` / ``validation`` / ``test`` DatasetDict.
+@dataclass(frozen=True)
+class TabularColumns:
+    """What a table's columns mean for ROC fairness: which is the label, which the group, which are features.
 
     Args:
-        train_df, test_df: raw frames; with ``test_df=None`` a seeded, stratified
-            ``test_fraction`` of ``train_df`` becomes the test split.
         label_column, positive_label: ``label = 1`` where the column equals ``positive_label``.
         group_column, group_value: ``group = 1`` (group p) where the column equals ``group_value``.
         categorical_columns: one-hot columns (default: every non-numeric column).
         drop_columns: columns that are not features (ids, dates, leaks).
         drop_group_feature: leave the group column out of the features.
+    """
+
+    label_column: str
+    group_column: str
+    positive_label: Any = 1
+    group_value: Any = 1
+    categorical_columns: Optional[Sequence[str]] = None
+    drop_columns: Sequence[str] = ()
+    drop_group_feature: bool = False
+
+
+def build_tabular_splits(train_df: pd.DataFrame, test_df: Optional[pd.DataFrame], columns: TabularColumns, *,
+                         validation_fraction: float = 0.2, test_fraction: float = 0.2,
+                         split_seed: int = 0) -> datasets.DatasetDict:
+    """Preprocess raw frames into the ``train`` / ``validation`` / ``test`` DatasetDict.
+
+    Args:
+        train_df, test_df: raw frames; with ``test_df=None`` a seeded, stratified
+            ``test_fraction`` of ``train_df`` becomes the test split.
+        columns: what the columns mean (:class:`TabularColumns`).
         validation_fraction: fraction of the training rows held out for validation.
         split_seed: seed of the validation (and test) split, fixed across training seeds.
     """
+    label_column, group_column = columns.label_column, columns.group_column
+    positive_label, group_value = columns.positive_label, columns.group_value
+    drop_columns, categorical_columns = columns.drop_columns, columns.categorical_columns
     for col in (label_column, group_column):
         if col not in train_df.columns:
             raise ValueError(f"column {col!r} not in the data; columns are {list(train_df.columns)}")
@@ -205,7 +213,7 @@ def build_tabular_splits(
     labels.update(train=labels["train"][keep], validation=labels["train"][held])
     groups.update(train=groups["train"][keep], validation=groups["train"][held])
 
-    excluded = set(drop_columns) | {label_column, ROW_ID} | ({group_column} if drop_group_feature else set())
+    excluded = set(drop_columns) | {label_column, ROW_ID} | ({group_column} if columns.drop_group_feature else set())
     feature_cols = [c for c in train_df.columns if c not in excluded]
     if categorical_columns is None:
         categorical = [c for c in feature_cols if not pd.api.types.is_numeric_dtype(frames["train"][c])]
@@ -252,12 +260,10 @@ def load_adult(*, validation_fraction: float = 0.2, split_seed: int = 0,
         df["income"] = df["income"].str.rstrip(".")  # the test file's labels end in a dot
         return df
 
-    return build_tabular_splits(
-        read("adult.data.gz", 0), read("adult.test.gz", 1),
-        label_column="income", positive_label=">50K", group_column="sex", group_value="Male",
-        drop_columns=("fnlwgt",), drop_group_feature=drop_group_feature,
-        validation_fraction=validation_fraction, split_seed=split_seed,
-    )
+    columns = TabularColumns(label_column="income", positive_label=">50K", group_column="sex", group_value="Male",
+                             drop_columns=("fnlwgt",), drop_group_feature=drop_group_feature)
+    return build_tabular_splits(read("adult.data.gz", 0), read("adult.test.gz", 1), columns,
+                                validation_fraction=validation_fraction, split_seed=split_seed)
 
 
 def load_compas(*, validation_fraction: float = 0.2, test_fraction: float = 0.2, split_seed: int = 0,
@@ -272,22 +278,19 @@ def load_compas(*, validation_fraction: float = 0.2, test_fraction: float = 0.2,
     df = df[(df["days_b_screening_arrest"] <= 30) & (df["days_b_screening_arrest"] >= -30)
             & (df["is_recid"] != -1) & (df["c_charge_degree"] != "O") & (df["score_text"] != "N/A")]
     df = df[COMPAS_FEATURES + ["two_year_recid"]].reset_index(drop=True)
-    return build_tabular_splits(
-        df, None, label_column="two_year_recid", positive_label=1, group_column="race", group_value="Caucasian",
-        drop_group_feature=drop_group_feature, validation_fraction=validation_fraction,
-        test_fraction=test_fraction, split_seed=split_seed,
-    )
+    columns = TabularColumns(label_column="two_year_recid", positive_label=1, group_column="race",
+                             group_value="Caucasian", drop_group_feature=drop_group_feature)
+    return build_tabular_splits(df, None, columns, validation_fraction=validation_fraction,
+                                test_fraction=test_fraction, split_seed=split_seed)
 
 
-def load_tabular_csv(path: str, *, label_column: str, group_column: str, positive_label: Any = 1,
-                     group_value: Any = 1, test_path: Optional[str] = None,
-                     categorical_columns: Optional[Sequence[str]] = None, drop_columns: Sequence[str] = (),
-                     drop_group_feature: bool = False, validation_fraction: float = 0.2,
-                     test_fraction: float = 0.2, split_seed: int = 0) -> datasets.DatasetDict:
+def load_tabular_csv(path: str, columns: TabularColumns, *, test_path: Optional[str] = None,
+                     validation_fraction: float = 0.2, test_fraction: float = 0.2,
+                     split_seed: int = 0) -> datasets.DatasetDict:
     """Any CSV with a label column and a group column (pandas reads ``.csv`` / ``.csv.gz``).
 
-    ``label = 1`` where ``label_column == positive_label``; ``group = 1`` (group p) where
-    ``group_column == group_value`` (both compared as strings). Without ``test_path`` a
+    ``columns`` (:class:`TabularColumns`): ``label = 1`` where ``label_column == positive_label``; ``group = 1``
+    (group p) where ``group_column == group_value`` (both compared as strings). Without ``test_path`` a
     seeded, stratified ``test_fraction`` becomes test.
 
     The file is checked before anything is encoded (:func:`_read_checked_csv`): a stray
@@ -297,21 +300,18 @@ def load_tabular_csv(path: str, *, label_column: str, group_column: str, positiv
     with a warning naming the columns and counts; a label or group column with more than
     two values is binarised with a warning giving both sides' row counts.
     """
-    checks = dict(label_column=label_column, group_column=group_column, categorical_columns=categorical_columns,
-                  drop_columns=drop_columns)
+    label_column, group_column = columns.label_column, columns.group_column
+    checks = dict(label_column=label_column, group_column=group_column, categorical_columns=columns.categorical_columns,
+                  drop_columns=columns.drop_columns)
     train_df = _read_checked_csv(path, flag="--csv_path", **checks)
     test_df = _read_checked_csv(test_path, flag="--csv_test_path", **checks) if test_path else None
     for name, df in (("", train_df), (" (test)", test_df)):
         if df is None or label_column not in df or group_column not in df:
             continue  # build_tabular_splits names the missing column
-        _log_binarised(df[label_column], positive_label, label_column, f"label{name}")
-        _log_binarised(df[group_column], group_value, group_column, f"group{name}")
-    return build_tabular_splits(
-        train_df, test_df, label_column=label_column, positive_label=positive_label, group_column=group_column,
-        group_value=group_value, categorical_columns=categorical_columns, drop_columns=drop_columns,
-        drop_group_feature=drop_group_feature, validation_fraction=validation_fraction,
-        test_fraction=test_fraction, split_seed=split_seed,
-    )
+        _log_binarised(df[label_column], columns.positive_label, label_column, f"label{name}")
+        _log_binarised(df[group_column], columns.group_value, group_column, f"group{name}")
+    return build_tabular_splits(train_df, test_df, columns, validation_fraction=validation_fraction,
+                                test_fraction=test_fraction, split_seed=split_seed)
 
 
 def _lines(rows: Sequence[int], limit: int = 5) -> str:

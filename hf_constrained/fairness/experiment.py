@@ -31,13 +31,13 @@ import torch
 from transformers import TrainerCallback
 
 from ..atomic_files import atomic_write_json
-from ..certification.bounds import check_delta
 from ..certification.splits import check_certify_fraction
 from ..config import ConstrainedTrainingArguments
 from ..extras import require_extra
 from ..publishable import publishable_command
 from ..safety.finish import certify_models, finish_run, push_last
-from .data import TABULAR_LOADERS, TabularSplit, load_tabular_csv
+from ..safety.settings import CertificateArguments
+from .data import TABULAR_LOADERS, TabularColumns, TabularSplit, load_tabular_csv
 from .icppac import ICPPACConfig, ICPPACTrainer
 from .model import MLPConfig, MLPForScoring
 from .roc import (
@@ -61,7 +61,7 @@ SHIFT_WARNING_FRACTION = 0.5
 
 
 @dataclass
-class ROCFairnessArguments:
+class ROCFairnessArguments(CertificateArguments):
     """What to train on and with which method (the Trainer settings are in
     :class:`~hf_constrained.ConstrainedTrainingArguments`)."""
 
@@ -106,11 +106,11 @@ class ROCFairnessArguments:
         "help": "Share of the test split (stratified by label and group, seeded by --split_seed) set aside as the "
                 "certification split, read only by the certificate; the rest stays the test split. 0: no "
                 "certificate (the run is then NOT CERTIFIED)."})
-    delta: float = field(default=0.05, metadata={"help": "The certificate's error level."})
     allow_unsafe_push: bool = field(default=False, metadata={
         "help": "With --push_to_hub: publish even when the run is not certified (the card then says so)."})
 
     def __post_init__(self) -> None:
+        super().__post_init__()  # --delta: read only by the certificate, after training; checked here, before it
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
         if self.dataset not in (*TABULAR_LOADERS, "csv"):
@@ -126,7 +126,6 @@ class ROCFairnessArguments:
         if any(not 0 < f < 1 for f in self.decay_list):
             raise ValueError(f"lr_decay_at fractions must be in (0, 1), got {self.decay_list}")
         check_certify_fraction(self.certify_fraction)
-        check_delta(self.delta, "--delta")  # read only by the certificate, after training: checked here, before it
 
 
 def _score_bound(text: Any, thresholds: Sequence[float]) -> Optional[float]:
@@ -161,12 +160,11 @@ def _floats(text: str, what: str) -> list[float]:
 def load_splits(args: ROCFairnessArguments) -> dict[str, TabularSplit]:
     """train / validation / test arrays of the chosen data set."""
     if args.dataset == "csv":
-        ds = load_tabular_csv(
-            args.csv_path, label_column=args.label_column, group_column=args.group_column,
-            positive_label=args.positive_label, group_value=args.group_value, test_path=args.csv_test_path,
-            drop_columns=[c for c in args.drop_columns.split(",") if c], drop_group_feature=args.drop_group_feature,
-            split_seed=args.split_seed,
-        )
+        columns = TabularColumns(
+            label_column=args.label_column, group_column=args.group_column, positive_label=args.positive_label,
+            group_value=args.group_value, drop_columns=[c for c in args.drop_columns.split(",") if c],
+            drop_group_feature=args.drop_group_feature)
+        ds = load_tabular_csv(args.csv_path, columns, test_path=args.csv_test_path, split_seed=args.split_seed)
     else:
         ds = TABULAR_LOADERS[args.dataset](split_seed=args.split_seed, drop_group_feature=args.drop_group_feature)
     return {split: TabularSplit.from_dataset(ds[split]) for split in ("train", "validation", "test")}

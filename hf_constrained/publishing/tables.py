@@ -176,12 +176,36 @@ class ReportText:
         return f"{DIAGNOSTICS_CAPTION}\n\n{format_rows(rows, markdown)}" if markdown else \
             f"{DIAGNOSTICS_CAPTION}\n{format_rows(rows, markdown)}"
 
+    def settings_line(self) -> str:
+        """One line on the certificate's settings the run ended with (:attr:`settings`: the error level ``delta``,
+        the safety rule, the candidates tested and the confidence of the CLT bounds shown); empty for a report that
+        records none (one not made by the end of a run)."""
+        settings = self.settings or {}
+        parts = []
+        if settings.get("delta") is not None:
+            parts.append(f"delta {settings['delta']:g}")
+        rule = settings.get("safety_rule")
+        if rule:  # a report read under another rule (`hf-constrained report --rule`) says so
+            parts.append(f"safety rule {rule}" + (f" (shown here by {self.safety_rule})" if self.safety_rule != rule
+                                                  else ""))
+        if settings.get("candidates"):
+            parts.append("candidates: " + {"final": "the final model",
+                                           "checkpoints": "every checkpoint, then the final model"}.get(
+                settings["candidates"], str(settings["candidates"])))
+        if settings.get("confidence") is not None:
+            parts.append(f"CLT bounds at {100 * settings['confidence']:.4g}%")
+        return ("Certificate settings: " + ", ".join(parts)) if parts else ""
+
     def render(self, markdown: bool = False) -> str:
-        """The whole verdict as shown once: the one-line summary, the verdict table and the diagnostics."""
+        """The whole verdict as shown once: the one-line summary, the verdict table, the diagnostics and the
+        certificate's settings."""
         parts = [self.summary(), self.format_table(markdown)]
         diagnostics = self.format_diagnostics(markdown)
         if diagnostics:
             parts.append(diagnostics)
+        settings = self.settings_line()
+        if settings:
+            parts.append(settings)
         return "\n\n".join(parts)
 
     def certificate_summary(self) -> str:

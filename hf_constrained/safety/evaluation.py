@@ -17,6 +17,7 @@ import json
 import logging
 import os
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..certification.certify import CONSTRAINT_ITSELF, DEFAULT_DELTA, Certificate, certify, point_value
@@ -202,106 +203,130 @@ def certified_statistics(view: RunView, host: SafetyHost, old_model: Optional[An
 
 
 # ---------------------------------------------------------------------- reports
-def evaluate_report(
-    view: RunView,
-    host: SafetyHost,
-    *,
-    reference_values: Optional[Mapping[str, float]] = None,
-    selection: Optional[FeasibleSelection] = None,
-    weights_origin: Optional[tuple[int, Optional[str]]] = None,
-    old_model: Optional[Any] = None,
-    old_model_values: Optional[Mapping[str, float]] = None,
-    objective_metrics: Optional[Mapping[str, float]] = None,
-    checkpoint: Optional[str] = None,
-    model_name: Optional[str] = None,
-    confidence: float = DEFAULT_CONFIDENCE,
-    safety_rule: str = DEFAULT_SAFETY_RULE,
-    extra_columns: Optional[Mapping[str, Mapping[str, Any]]] = None,
-    delta: float = DEFAULT_DELTA,
-    certificate: Optional[Certificate] = None,
-    certificate_candidate: int = 0,
-    statistics: Optional[Mapping[str, Mapping[str, Any]]] = None,
-    fingerprint: Optional[str] = None,
-) -> SafetyReport:
-    """Evaluate the model in the run on held-out data and build its :class:`SafetyReport`.
+@dataclass(frozen=True)
+class ReportRequest:
+    """What a caller asks of the report of the weights in the model: the keyword arguments of
+    :meth:`SafetyLoop.build_report <hf_constrained.safety.loop.SafetyLoop.build_report>` and ``new_report``.
+
+    Args:
+        old_model: the model before fine-tuning; its constraint values are computed the same way (the "old
+            model" column). Alternatively ``old_model_values`` (name -> value).
+        objective_metrics: held-out objective metrics to record. By default ``host.evaluate()`` runs once and
+            gives both the objective metrics and the exact constraint values (``eval_constraint/<name>``, a full
+            pass over each constraint's held-out data).
+        extra_columns: caller-supplied per-constraint columns, ``{column: {name: value}}`` (e.g. zero-one
+            accuracy of the old and new model per protected class), shown in the table, the JSON and the card.
+        checkpoint: recorded as the origin of the weights.
+        model_name: recorded name (default: the output directory's name).
+        confidence: the level of the upper confidence bounds (from ``host.constraint_statistics``; data-free
+            constraints are exact).
+        safety_rule: ``"certified"`` (the finite-sample certificate on each constraint's ``certify.dataset``
+            decides), or the uncertified ``"point"`` (a constraint holds when its held-out value is within
+            tolerance) and ``"upper_bound"`` (when its CLT upper confidence bound is).
+        delta: the certificate's error level (with probability at least ``1 - delta`` over the certification
+            sample, a certified model satisfies every constraint).
+        certificate, certificate_candidate: a certificate already computed over several candidates, and which
+            of them the model in the trainer is (default: certify the model in the trainer alone).
+        statistics: what each certificate measures (:func:`certified_statistics`; computed, with ``old_model``,
+            when not given).
+        fingerprint: the :func:`weights_fingerprint` of the weights now in the model, where the caller has hashed
+            them already (default: hashed here).
+    """
+
+    # ------------------------------------------------------------------ what the report compares and shows
+    old_model: Optional[Any] = None
+    old_model_values: Optional[Mapping[str, float]] = None
+    objective_metrics: Optional[Mapping[str, float]] = None
+    extra_columns: Optional[Mapping[str, Mapping[str, Any]]] = None
+    checkpoint: Optional[str] = None
+    model_name: Optional[str] = None
+    # ------------------------------------------------------------------ how it judges
+    confidence: float = DEFAULT_CONFIDENCE
+    safety_rule: str = DEFAULT_SAFETY_RULE
+    delta: float = DEFAULT_DELTA
+    # ------------------------------------------------------------------ what the caller computed already
+    certificate: Optional[Certificate] = None
+    certificate_candidate: int = 0
+    statistics: Optional[Mapping[str, Mapping[str, Any]]] = None
+    fingerprint: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """What the safety loop knows of the run beyond its view: the old model's values when the request gives none
+    (``reference_values``), the run's feasible-checkpoint selection (recorded in the report) and the (step,
+    checkpoint) the weights in the model were loaded from, if not the last step's (``weights_origin``)."""
+
+    reference_values: Optional[Mapping[str, float]] = None
+    selection: Optional[FeasibleSelection] = None
+    weights_origin: Optional[tuple[int, Optional[str]]] = None
+
+
+def held_out_values(view: RunView, host: SafetyHost, objective_metrics: Optional[Mapping[str, float]]
+                    ) -> tuple[dict[str, float], dict[str, float]]:
+    """(each constraint's exact held-out value, the held-out objective metrics): one ``host.evaluate()`` when
+    the caller gives no ``objective_metrics``, else the constraints alone; metrics measured on training data
+    are not recorded as held-out ones (a warning names them)."""
+    if objective_metrics is None:
+        metrics = host.evaluate()
+        return ({c.name: float(metrics[EVAL_CONSTRAINT_PREFIX + c.name]) for c in view.constraints},
+                objective_metrics_from(metrics))
+    values = host.evaluate_constraints(split="eval")
+    objective = {k: float(v) for k, v in objective_metrics.items()}
+    training = [k for k in objective if k.startswith("train_")]
+    if training:  # the report's objective metrics are held-out ones
+        logger.warning("objective_metrics: %s measured on training data, not recorded as held-out metrics",
+                       ", ".join(training))
+    return values, {k: v for k, v in objective.items() if k not in training}
+
+
+def evaluate_report(view: RunView, host: SafetyHost, request: ReportRequest = ReportRequest(),
+                    context: RunContext = RunContext()) -> SafetyReport:
+    """Evaluate the model in the run on held-out data and build its :class:`SafetyReport`: the exact
+    constraint values and objective metrics (:func:`held_out_values`), the old model's values, and the
+    certificate of these weights (one look at the certification splits, unless ``request`` brings one).
 
     Args:
         view, host: the run (:class:`~hf_constrained.safety.view.RunView`) and its evaluations.
-        reference_values: the old model's values when neither ``old_model`` nor ``old_model_values`` is given.
-        selection: the run's feasible-checkpoint selection, recorded in the report.
-        weights_origin: (step, checkpoint) the weights in the model were loaded from, if not the last step's.
-        old_model: the model before fine-tuning; its constraint values are computed
-            the same way. Alternatively pass ``old_model_values`` (name -> value).
-        objective_metrics: held-out objective metrics to record. By default
-            ``host.evaluate()`` runs once and gives both the objective metrics and the
-            exact constraint values (``eval_constraint/<name>``, a full pass over each
-            constraint's held-out data).
-        checkpoint: recorded as the origin of the weights.
-        model_name: recorded name (default: the output directory's name).
-        confidence: the level of the upper confidence bounds (from ``host.constraint_statistics``;
-            data-free constraints are exact).
-        safety_rule: ``"certified"`` (default: the finite-sample certificate on each
-            constraint's ``certify.dataset`` decides), or the uncertified ``"point"`` (a
-            constraint holds when its held-out value is within tolerance) and
-            ``"upper_bound"`` (when its CLT upper confidence bound is).
-        delta: the certificate's error level (with probability at least ``1 - delta`` over the
-            certification sample, a certified model satisfies every constraint).
-        certificate, certificate_candidate: a certificate already computed over several
-            candidates, and which of them the model in the trainer is (default: certify the
-            model in the trainer alone).
-        extra_columns: caller-supplied per-constraint columns, ``{column: {name: value}}``
-            (e.g. zero-one accuracy of the old and new model per protected class), shown in
-            the table, the JSON and the card.
-        statistics: what each certificate measures (:func:`certified_statistics`; computed,
-            with ``old_model``, when not given).
-        fingerprint: the :func:`weights_fingerprint` of the weights now in the model, where the caller has
-            hashed them already (default: hashed here).
+        request: what the caller asks of the report (:class:`ReportRequest`).
+        context: what the safety loop knows of the run (:class:`RunContext`).
     """
     if not view.constraints:
         raise ValueError("a safety report needs constraints: this trainer has none")
-    check_safety_rule(safety_rule)
-    extras = check_extra_columns(view, extra_columns)
-    if objective_metrics is None:
-        metrics = host.evaluate()
-        values = {c.name: float(metrics[EVAL_CONSTRAINT_PREFIX + c.name]) for c in view.constraints}
-        objective = objective_metrics_from(metrics)
-    else:
-        values = host.evaluate_constraints(split="eval")
-        objective = {k: float(v) for k, v in objective_metrics.items()}
-        training = [k for k in objective if k.startswith("train_")]
-        if training:  # the report's objective metrics are held-out ones
-            logger.warning("objective_metrics: %s measured on training data, not recorded as held-out metrics",
-                           ", ".join(training))
-            objective = {k: v for k, v in objective.items() if k not in training}
-    old = old_model_constraint_values(view, host, old_model, old_model_values)
-    old = old if old is not None else reference_values
-    step = host.state.global_step
-    if checkpoint is None and weights_origin is not None:
+    r = request
+    check_safety_rule(r.safety_rule)
+    extras = check_extra_columns(view, r.extra_columns)
+    values, objective = held_out_values(view, host, r.objective_metrics)
+    old = old_model_constraint_values(view, host, r.old_model, r.old_model_values)
+    old = old if old is not None else context.reference_values
+    step, checkpoint = host.state.global_step, r.checkpoint
+    if checkpoint is None and context.weights_origin is not None:
         # after training, load_best_model_at_end put the best checkpoint's weights in the model
-        step, checkpoint = weights_origin
-    if fingerprint is None:  # hashed once: the ledger's candidate identity and the report's
-        fingerprint = weights_fingerprint(host.model)
+        step, checkpoint = context.weights_origin
+    # hashed once: the ledger's candidate identity and the report's
+    fingerprint = r.fingerprint if r.fingerprint is not None else weights_fingerprint(host.model)
+    certificate, candidate = r.certificate, r.certificate_candidate
     if certificate is None:
-        certificate, certificate_candidate = certify_run(view, host, delta=delta, fingerprints=[fingerprint]), 0
+        certificate, candidate = certify_run(view, host, delta=r.delta, fingerprints=[fingerprint]), 0
+    statistics = r.statistics if r.statistics is not None else certified_statistics(view, host, r.old_model)
     return SafetyReport(
         certificate=None if certificate is None else certificate.to_dict(),
-        certificate_candidate=certificate_candidate,
+        certificate_candidate=candidate,
         not_certifiable=not_certifiable(view),
-        statistics={k: dict(v) for k, v in (statistics if statistics is not None
-                                            else certified_statistics(view, host, old_model)).items()},
+        statistics={k: dict(v) for k, v in statistics.items()},
         constraints=constraint_results(view, values, old,
-                                       statistics=host.constraint_statistics(split="eval", confidence=confidence),
+                                       statistics=host.constraint_statistics(split="eval", confidence=r.confidence),
                                        margins=host.constraint_margins(), extra_columns=extras,
-                                       confidence=confidence),
+                                       confidence=r.confidence),
         objective_metrics=objective,
         split="eval",
         global_step=step,
         checkpoint=relative_checkpoint(view.output_dir, checkpoint),
-        selection=None if selection is None else selection.to_dict(),
+        selection=None if context.selection is None else context.selection.to_dict(),
         method=view.method_settings(),
-        model_name=model_name or os.path.basename(os.path.normpath(view.output_dir)),
+        model_name=r.model_name or os.path.basename(os.path.normpath(view.output_dir)),
         weights_fingerprint=fingerprint,
-        safety_rule=safety_rule,
+        safety_rule=r.safety_rule,
         extra_columns=list(extras),
     )  # finish_run shows it, once
 
@@ -396,6 +421,8 @@ def checkpoint_report(view: RunView, host: SafetyHost, checkpoint: str, model: A
 __all__ = [
     "BOUND_METHOD",
     "DEFAULT_CONFIDENCE",
+    "ReportRequest",
+    "RunContext",
     "certified_statistics",
     "certify_run",
     "check_extra_columns",
@@ -403,6 +430,7 @@ __all__ = [
     "checkpoint_step",
     "constraint_results",
     "evaluate_report",
+    "held_out_values",
     "metrics_report",
     "not_certifiable",
     "old_model_constraint_values",

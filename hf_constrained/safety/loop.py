@@ -72,6 +72,8 @@ from ..publishing.report import (
 from ..publishing.verify import EXIT_STALE_OR_UNREADABLE, check_run_dir
 from ..trainer_internals import trainer_load_checkpoint
 from .evaluation import (
+    ReportRequest,
+    RunContext,
     certify_run,
     checkpoint_report,
     evaluate_report,
@@ -335,15 +337,15 @@ class SafetyLoop(RunEnd):
         logger.warning("%s: it no longer describes the model", self._stale_note)
         return None
 
-    def new_report(self, **kwargs: Any) -> SafetyReport:
+    def new_report(self, **request: Any) -> SafetyReport:
         """Evaluate the weights now in the model on held-out data and build their report, under the loop's
-        rule, confidence and delta unless given (:func:`~hf_constrained.safety.evaluation.evaluate_report`:
-        ``old_model``, ``old_model_values``, ``objective_metrics``, ``extra_columns``, ...). Not recorded."""
-        kwargs.setdefault("confidence", self.confidence)
-        kwargs.setdefault("safety_rule", self.rule)
-        kwargs.setdefault("delta", self.delta)
-        return evaluate_report(self.view, self.host, reference_values=self.reference_values,
-                               selection=self.feasible_selection(), weights_origin=self.weights_origin(), **kwargs)
+        rule, confidence and delta unless given (the fields of
+        :class:`~hf_constrained.safety.evaluation.ReportRequest`: ``old_model``, ``old_model_values``,
+        ``objective_metrics``, ``extra_columns``, ...). Not recorded."""
+        request = {"confidence": self.confidence, "safety_rule": self.rule, "delta": self.delta, **request}
+        context = RunContext(reference_values=self.reference_values, selection=self.feasible_selection(),
+                             weights_origin=self.weights_origin())
+        return evaluate_report(self.view, self.host, ReportRequest(**request), context)
 
     def build_report(self, checkpoint: Optional[str] = None, **kwargs: Any) -> SafetyReport:
         """Evaluate the current weights (or a saved ``checkpoint``, written into it) on held-out data.
@@ -403,49 +405,42 @@ class SafetyLoop(RunEnd):
 
     # ------------------------------------------------------------------ cards and report files
     def write_model_card(self, directory: Optional[str] = None, report: Optional[SafetyReport] = None, *,
-                         model_name: Optional[str] = None, language: Optional[str] = None,
-                         license: Optional[str] = None, tags: Any = None, finetuned_from: Optional[str] = None,
-                         tasks: Any = None, dataset_tags: Any = None, dataset: Any = None,
-                         dataset_args: Any = None) -> Optional[str]:
-        """Render the card for ``report`` (default: :meth:`current_report`) into
-        ``directory/README.md`` and, with a report, ``safety_report.json`` next to it.
-
-        The other arguments are those of ``Trainer.create_model_card`` and override
-        the settings' card (:attr:`settings`) for this card (``finetuned_from``: the base model;
-        ``dataset`` / ``dataset_tags``: the datasets; ``tasks``: the model-index task).
-        """
+                         model_name: Optional[str] = None, card: Optional[ModelCardInfo] = None) -> Optional[str]:
+        """Render the card for ``report`` (default: :meth:`current_report`) into ``directory/README.md`` and, with a
+        report, ``safety_report.json`` next to it. ``card``: what the card says of the model and its data, for this
+        card (default: the settings' card, :attr:`settings`); ``model_name``: default, the output folder's name."""
         if not self.host.is_world_process_zero() or not self.active:
             return None
-        if dataset_args is not None:
-            logger.warning("create_model_card: dataset_args=%r is not used by the constrained card", dataset_args)
         args = self.view.args
         directory = directory or args.output_dir
         report = report if report is not None else self.current_report()
         name = model_name or os.path.basename(os.path.normpath(args.output_dir))
-        info = self.settings.card.with_trainer_card_arguments(
-            language=language, license=license, tags=tags, finetuned_from=finetuned_from, tasks=tasks,
-            dataset_tags=dataset_tags, dataset=dataset)
         model = self.host.accelerator.unwrap_model(self.host.model)
         repo_id = self.host.hub_model_id or args.hub_model_id or name
         if "/" not in repo_id:  # the Hub adds the owner; the card's snippet needs it written out
             repo_id = f"{HUB_OWNER_PLACEHOLDER}/{repo_id}"
         source = describe_model(model, self.host.processing_class, directory)
-        card = render_model_card(report, model_name=name, method=self.view.method_settings(), info=info,
-                                 allow_unsafe=self._push_allow_unsafe, source=source, repo_id=repo_id)
+        text = render_model_card(report, model_name=name, method=self.view.method_settings(),
+                                 info=card or self.settings.card, allow_unsafe=self._push_allow_unsafe, source=source,
+                                 repo_id=repo_id)
         if report is not None:
             self.save_report(report, directory)
-        return write_model_card(directory, card)
+        return write_model_card(directory, text)
 
     def create_model_card(self, language: Optional[str] = None, license: Optional[str] = None, tags: Any = None,
                           model_name: Optional[str] = None, finetuned_from: Optional[str] = None,
                           tasks: Any = None, dataset_tags: Any = None, dataset: Any = None,
                           dataset_args: Any = None) -> None:
         """``Trainer.create_model_card`` with the constrained card (verdict, constraint table, model-index,
-        usage, method, citation) in ``output_dir/README.md``, every argument honoured
-        (:meth:`write_model_card`)."""
-        self.write_model_card(self.view.output_dir, language=language, license=license, tags=tags,
-                              model_name=model_name, finetuned_from=finetuned_from, tasks=tasks,
-                              dataset_tags=dataset_tags, dataset=dataset, dataset_args=dataset_args)
+        usage, method, citation) in ``output_dir/README.md`` (:meth:`write_model_card`): its arguments override
+        the settings' card for this card (``finetuned_from``: the base model; ``dataset`` / ``dataset_tags``: the
+        datasets; ``tasks``: the model-index task)."""
+        if dataset_args is not None:
+            logger.warning("create_model_card: dataset_args=%r is not used by the constrained card", dataset_args)
+        card = self.settings.card.with_trainer_card_arguments(
+            language=language, license=license, tags=tags, finetuned_from=finetuned_from, tasks=tasks,
+            dataset_tags=dataset_tags, dataset=dataset)
+        self.write_model_card(self.view.output_dir, model_name=model_name, card=card)
 
     def save_report(self, report: SafetyReport, directory: str, files_fingerprint: Optional[str] = None) -> str:
         """Write ``report`` into ``directory/safety_report.json``, naming the weight files there

@@ -13,6 +13,10 @@ Everything that decides what a run's certificate claims and what its end writes 
 
 :meth:`CertificateSettings.changed` is the one parser of a change (``finish_run``'s keywords use it): every
 value is checked when the settings are built, so a wrong ``delta`` or rule fails before anything is evaluated.
+
+:class:`CertificateArguments` is the certificate's part of a recipe's command line (``--delta``, its help and its
+check), declared once: every recipe's argument dataclass inherits it, and
+:meth:`CertificateArguments.certificate_settings` turns the parsed values into :class:`CertificateSettings`.
 """
 
 from __future__ import annotations
@@ -114,4 +118,30 @@ class CertificateSettings:
         return cls(**{k: v for k, v in data.items() if k in known})
 
 
-__all__ = ["CANDIDATES", "CARD_KEYWORDS", "CertificateSettings"]
+DELTA_HELP = "The certificate's error level: it holds with probability at least 1 - delta."
+"""The help of ``--delta``, the same in every recipe."""
+
+
+@dataclass(kw_only=True)
+class CertificateArguments:
+    """The certificate's command-line settings, shared by every recipe: a recipe's argument dataclass inherits
+    them (keyword-only, so a recipe's own required fields may come first), ``--delta`` is declared and checked
+    here once (before anything trains: it is read only at the end of the run), and
+    :meth:`certificate_settings` gives the :class:`CertificateSettings` the run's safety loop holds.
+
+    Args:
+        delta: the certificate's error level (:attr:`CertificateSettings.delta`), in (0, 1).
+    """
+
+    delta: float = field(default=DEFAULT_DELTA, metadata={"help": DELTA_HELP})
+
+    def __post_init__(self) -> None:
+        self.delta = check_delta(self.delta, "--delta")  # NaN fails too; the recipe's parser shows it in one line
+
+    def certificate_settings(self, **changes: Any) -> CertificateSettings:
+        """The :class:`CertificateSettings` of these arguments, with ``changes`` (:meth:`CertificateSettings.changed`'s
+        keywords: the rule, the candidates, the card's information, ...) applied."""
+        return CertificateSettings(delta=self.delta).changed(**changes)
+
+
+__all__ = ["CANDIDATES", "CARD_KEYWORDS", "DELTA_HELP", "CertificateArguments", "CertificateSettings"]

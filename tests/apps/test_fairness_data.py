@@ -8,6 +8,7 @@ import torch
 from hf_constrained import ConstrainedTrainingArguments
 from hf_constrained.fairness import (
     AUCConstrainedTrainer,
+    TabularColumns,
     TabularSplit,
     collate_pairs,
     feature_names,
@@ -75,8 +76,9 @@ def test_csv_loader_fits_on_train_only_and_checks_columns(tmp_path):
                          "g": rng.choice(["M", "F"], 50), "y": rng.choice([0, 1], 50)})
     train.to_csv(tmp_path / "train.csv", index=False)
     test.to_csv(tmp_path / "test.csv", index=False)
-    ds = load_tabular_csv(str(tmp_path / "train.csv"), test_path=str(tmp_path / "test.csv"), label_column="y",
-                          group_column="g", group_value="M")
+    ds = load_tabular_csv(str(tmp_path / "train.csv"), TabularColumns(label_column="y", group_column="g",
+                                                                      group_value="M"),
+                          test_path=str(tmp_path / "test.csv"))
     names = feature_names(ds)
     assert names == ["x", "city=a", "city=b", "g=F", "g=M"]
     te = TabularSplit.from_dataset(ds["test"])
@@ -86,11 +88,12 @@ def test_csv_loader_fits_on_train_only_and_checks_columns(tmp_path):
     assert te.features[:, 0].mean() > 3.0 and abs(tr.features[:, 0].mean()) < 1e-5
     assert np.array_equal(te.group, (test["g"] == "M").to_numpy().astype(int))
     with pytest.raises(ValueError, match="column 'label' not in the data"):
-        load_tabular_csv(str(tmp_path / "train.csv"), label_column="label", group_column="g")
+        load_tabular_csv(str(tmp_path / "train.csv"), TabularColumns(label_column="label", group_column="g"))
     with pytest.raises(ValueError, match="group value 'X' never occurs"):
-        load_tabular_csv(str(tmp_path / "train.csv"), label_column="y", group_column="g", group_value="X")
+        load_tabular_csv(str(tmp_path / "train.csv"),
+                         TabularColumns(label_column="y", group_column="g", group_value="X"))
     with pytest.raises(FileNotFoundError):
-        load_tabular_csv(str(tmp_path / "nope.csv"), label_column="y", group_column="g")
+        load_tabular_csv(str(tmp_path / "nope.csv"), TabularColumns(label_column="y", group_column="g"))
 
 
 def _direct_features(train: pd.DataFrame, frame: pd.DataFrame, numeric, categorical) -> np.ndarray:

@@ -11,7 +11,7 @@ import pytest
 from conftest import TinyNet, class_loss, tiny_args, tiny_rows
 
 from hf_constrained import ConstrainedTrainer, Constraint, ConstraintValueError
-from hf_constrained.fairness.data import load_tabular_csv
+from hf_constrained.fairness.data import TabularColumns, load_tabular_csv
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -24,7 +24,7 @@ def test_an_empty_csv_names_the_file_and_the_flag(tmp_path, content, match):
     path = tmp_path / "empty.csv"
     path.write_text(content)
     with pytest.raises(ValueError, match=match):
-        load_tabular_csv(str(path), label_column="y", group_column="g")
+        load_tabular_csv(str(path), TabularColumns(label_column="y", group_column="g"))
 
 
 def test_an_empty_test_csv_names_its_own_flag(tmp_path):
@@ -32,7 +32,8 @@ def test_an_empty_test_csv_names_its_own_flag(tmp_path):
     good.write_text("x,y,g\n" + "".join(f"{i},{i % 2},{i % 3 == 0:d}\n" for i in range(40)))
     (tmp_path / "test.csv").write_text("")
     with pytest.raises(ValueError, match=r"test\.csv' \(--csv_test_path\) is empty"):
-        load_tabular_csv(str(good), label_column="y", group_column="g", test_path=str(tmp_path / "test.csv"))
+        load_tabular_csv(str(good), TabularColumns(label_column="y", group_column="g"),
+                         test_path=str(tmp_path / "test.csv"))
 
 
 def test_the_roc_recipe_reports_an_empty_csv_in_one_line(tmp_path):

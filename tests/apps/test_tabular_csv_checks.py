@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from hf_constrained.fairness.data import TabularSplit, feature_names, load_tabular_csv
+from hf_constrained.fairness.data import TabularColumns, TabularSplit, feature_names, load_tabular_csv
 
 
 def _frame(n: int = 60, seed: int = 0) -> pd.DataFrame:
@@ -19,7 +19,7 @@ def _frame(n: int = 60, seed: int = 0) -> pd.DataFrame:
 
 
 def _load(path, **kw):
-    return load_tabular_csv(str(path), label_column="y", group_column="g", group_value="M", **kw)
+    return load_tabular_csv(str(path), TabularColumns(label_column="y", group_column="g", group_value="M", **kw))
 
 
 def test_string_in_numeric_column_is_an_error_not_one_hot(tmp_path):
