@@ -31,6 +31,8 @@ RECIPES: tuple[Recipe, ...] = (
     Recipe("quickstart", "quickstart_digits", "per-class loss bounds on scikit-learn digits (the quick start)"),
     Recipe("llm", "llm_non_forgetting", "SFT of a causal LM (full or LoRA) under non-forgetting constraints"),
     Recipe("llm-example", "llm_tiny_example", "a tiny GPT-2 learns a new string task and keeps its old ones (offline)"),
+    Recipe("llm-many-tasks", "llm_many_tasks_example",
+           "the offline LLM example with 24 old tasks, 4 constraints sampled per step, every task certified"),
     Recipe("shapes-example", "shapes_clip_example",
            "the demo's CLIP pipeline on generated shapes, certified at 3 points lost per class (offline)"),
     Recipe("clip", "clip_non_forgetting", "CLIP on a target class without forgetting the protected classes"),

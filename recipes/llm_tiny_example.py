@@ -76,7 +76,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
@@ -158,9 +158,30 @@ def make_rows(task: str, n: int, rng: random.Random) -> list[dict[str, str]]:
     return rows
 
 
-def task_data(task: str, n: int, seed: int, tokenizer: Any) -> Dataset:
+@dataclass(frozen=True)
+class StringTasks:
+    """The string tasks of an offline example: the old tasks the old model learns (one non-forgetting
+    constraint each), the new task it is fine-tuned on, the generator of a task's prompt/completion rows
+    (``make_rows(task, n, rng)``) and the GPT-2's context length that holds the longest row.
+
+    Every function of this module reads its tasks from the settings (:meth:`ExampleArguments.string_tasks`),
+    so an example with other tasks (``recipes/llm_many_tasks_example.py``) is a subclass of the settings."""
+
+    old: tuple[str, ...]
+    new: str
+    make_rows: Callable[[str, int, random.Random], list[dict[str, str]]]
+    max_positions: int = 32
+
+
+TASKS = StringTasks(OLD_TASKS, NEW_TASK, make_rows)
+"""This example's tasks: ``reverse``, ``copy`` and ``add`` old, ``first`` new."""
+
+
+def task_data(task: str, n: int, seed: int, tokenizer: Any,
+              make: Callable[[str, int, random.Random], list[dict[str, str]]] = make_rows) -> Dataset:
+    """``n`` tokenised rows of ``task`` from generator seed ``seed`` (``make``: the tasks' row generator)."""
     rng = random.Random(f"{task}-{seed}")
-    return tokenize_sft(Dataset.from_list(make_rows(task, n, rng)), tokenizer, name=task)
+    return tokenize_sft(Dataset.from_list(make(task, n, rng)), tokenizer, name=task)
 
 
 @torch.no_grad()
@@ -214,10 +235,12 @@ def train_old_model(path: str, cfg: ExampleArguments) -> None:
     shuffled with seed 0, the Trainer runs with seed 0 on the CPU, with ``--threads`` torch threads
     (the caller sets them). The same code, thread count and platform give the same weights
     (the results' ``old_model_sha256``); the fine-tuning seeds do not touch it."""
+    tasks = cfg.string_tasks()
     tokenizer = char_tokenizer()
     model = tiny_causal_lm(len(tokenizer), "gpt2", hidden_size=cfg.hidden, layers=cfg.layers, heads=4,
-                           max_positions=32, seed=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    train = concatenate_datasets([task_data(t, cfg.old_rows, 0, tokenizer) for t in OLD_TASKS]).shuffle(seed=0)
+                           max_positions=tasks.max_positions, seed=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    train = concatenate_datasets([task_data(t, cfg.old_rows, 0, tokenizer, tasks.make_rows)
+                                  for t in tasks.old]).shuffle(seed=0)
     with tempfile.TemporaryDirectory() as tmp:
         trainer = ConstrainedTrainer(model=model, args=_args(tmp, 0, constraint_penalty="none", max_steps=cfg.old_steps,
                                                              learning_rate=cfg.old_lr, per_device_train_batch_size=64,
@@ -233,16 +256,20 @@ def train_old_model(path: str, cfg: ExampleArguments) -> None:
 
 def data_splits(tokenizer: Any, cfg: ExampleArguments) -> tuple[dict[str, Dataset], dict[str, Dataset]]:
     """(held-out rows of every task, constraint rows of every old task): fixed across seeds."""
-    held_out = {t: task_data(t, cfg.held_out_rows, HELD_OUT_DRAW, tokenizer) for t in (*OLD_TASKS, NEW_TASK)}
-    constraint_rows = {t: task_data(t, cfg.constraint_rows, CONSTRAINT_DRAW, tokenizer) for t in OLD_TASKS}
+    tasks = cfg.string_tasks()
+    held_out = {t: task_data(t, cfg.held_out_rows, HELD_OUT_DRAW, tokenizer, tasks.make_rows)
+                for t in (*tasks.old, tasks.new)}
+    constraint_rows = {t: task_data(t, cfg.constraint_rows, CONSTRAINT_DRAW, tokenizer, tasks.make_rows)
+                       for t in tasks.old}
     return held_out, constraint_rows
 
 
 def certification_rows(tokenizer: Any, cfg: ExampleArguments) -> dict[str, IndependentDraws]:
     """The certification split of every old task: ``certify_rows`` independent draws (generator seed
     ``CERTIFY_DRAW``, fixed across seeds), read only by the certificate."""
-    return {t: IndependentDraws(task_data(t, cfg.certify_rows, CERTIFY_DRAW, tokenizer), f"{t}/certify")
-            for t in OLD_TASKS}
+    tasks = cfg.string_tasks()
+    return {t: IndependentDraws(task_data(t, cfg.certify_rows, CERTIFY_DRAW, tokenizer, tasks.make_rows),
+                                f"{t}/certify") for t in tasks.old}
 
 
 def baseline_regulariser(spec: Optional[tuple[str, float]], model: torch.nn.Module, constraint_rows: dict[str, Dataset],
@@ -258,7 +285,7 @@ def baseline_regulariser(spec: Optional[tuple[str, float]], model: torch.nn.Modu
     name, value = spec
     if name == "replay_rows":
         return ConstraintRowReplay(value)
-    old_rows = concatenate_datasets([constraint_rows[t] for t in OLD_TASKS])
+    old_rows = concatenate_datasets(list(constraint_rows.values()))  # every old task's, in the tasks' order
     if name == "replay":
         return Replay(old_rows, value, collate, seed=seed)
     if name == "kl":
@@ -284,11 +311,11 @@ def baseline_projection(spec: Optional[tuple[str, float]], regulariser: Optional
     name, value = spec
     if name == "replay_agem":
         return ReplayAGEM(regulariser)
-    tasks = len(OLD_TASKS)
+    tasks = len(constraint_rows)  # the old tasks
     if not (float(value).is_integer() and value >= tasks and int(value) % tasks == 0):
         raise ValueError(f"agem: the reference rows per step must be a multiple of the {tasks} old tasks (equal rows "
                          f"of every task), got {value:g}")
-    return AGEM({t: constraint_rows[t] for t in OLD_TASKS}, int(value) // tasks, collate, seed=seed)
+    return AGEM(dict(constraint_rows), int(value) // tasks, collate, seed=seed)
 
 
 def build_trainer(old_path: str, penalty: str, seed: int, cfg: ExampleArguments, output_dir: str,
@@ -303,7 +330,7 @@ def build_trainer(old_path: str, penalty: str, seed: int, cfg: ExampleArguments,
     held_out, constraint_rows = data_splits(tokenizer, cfg)
     certify = certification_rows(tokenizer, cfg) if cfg.certify_rows else None
     constraints = non_forgetting_constraints(model, causal_lm_per_example_loss, constraint_rows, collate,
-                                             eval_datasets={t: held_out[t] for t in OLD_TASKS},
+                                             eval_datasets={t: held_out[t] for t in constraint_rows},
                                              tolerance=cfg.tolerance, batch_size=256, certify_datasets=certify,
                                              correct=causal_lm_per_example_correct,
                                              forget_tolerance=cfg.forget_tolerance)
@@ -326,7 +353,8 @@ def build_trainer(old_path: str, penalty: str, seed: int, cfg: ExampleArguments,
                                 constraints_per_step=cfg.constraints_per_step,
                                 msvr_gamma=cfg.msvr_gamma, msvr_gamma_prime=cfg.msvr_gamma_prime,
                                 **_estimation_args(cfg, penalty)),
-        train_dataset=task_data(NEW_TASK, cfg.new_rows, 100 + seed, tokenizer), data_collator=collate,
+        train_dataset=task_data(cfg.string_tasks().new, cfg.new_rows, 100 + seed, tokenizer,
+                                cfg.string_tasks().make_rows), data_collator=collate,
         constraints=constraints, regulariser=baseline, gradient_projection=projection)
     trainer.remove_callback(PrinterCallback)
     return trainer, held_out
@@ -438,6 +466,15 @@ def _quiet() -> None:
 
 def _summary(values: list[float], worst: str) -> dict[str, float]:
     return {"median": statistics.median(values), "worst": (max if worst == "max" else min)(values)}
+
+
+def forgetting_summary(changes: dict[str, float], tolerance: float) -> dict[str, Any]:
+    """What many protected tasks need of one run: the worst and the mean change of the old tasks' held-out exact
+    match (``changes``: task -> change, negative a loss) and the share (and names) of the tasks that lost more than
+    ``tolerance`` (a share of examples: 0.03 is 3 points)."""
+    over = [t for t, c in changes.items() if c < -tolerance - 1e-12]
+    return {"worst_old_change": min(changes.values()), "mean_old_change": statistics.fmean(changes.values()),
+            "share_over_tolerance": len(over) / len(changes), "tasks_over_tolerance": over}
 
 
 GOAL_SHARE = 0.8
@@ -644,6 +681,11 @@ class ExampleArguments(CertificateArguments):
     threads: int = field(default=1, metadata={
         "help": "torch threads of the old model's training and of each fine-tuning run (results depend on it)"})
 
+    def string_tasks(self) -> StringTasks:
+        """The example's tasks (:data:`TASKS`); an example with other tasks subclasses these settings and
+        overrides this."""
+        return TASKS
+
     def __post_init__(self) -> None:
         super().__post_init__()  # --delta
         if not self.seeds:
@@ -674,9 +716,10 @@ class ExampleArguments(CertificateArguments):
                              "run takes one anchor; set the other to 0")
         if not 0 <= self.warmup_steps < self.max_steps:
             raise ValueError(f"--warmup_steps must be in [0, --max_steps), got {self.warmup_steps}")
-        if self.constraints_per_step is not None and not 1 <= self.constraints_per_step <= len(OLD_TASKS):
-            raise ValueError(f"--constraints_per_step must be in [1, {len(OLD_TASKS)}], "
-                             f"got {self.constraints_per_step}")
+        tasks = len(self.string_tasks().old)
+        if self.constraints_per_step is not None and not 1 <= self.constraints_per_step <= tasks:
+            raise ValueError(f"--constraints_per_step must be in [1, {tasks}], got {self.constraints_per_step} "
+                             "(one constraint per old task)")
         if self.constraint_surrogate not in ("loss_change", "loss_increase"):
             raise ValueError(f"--constraint_surrogate must be loss_change or loss_increase, got "
                              f"{self.constraint_surrogate!r}")
@@ -712,14 +755,11 @@ def environment(cfg: ExampleArguments) -> dict[str, Any]:
             "torch_threads": cfg.threads, "dtype": str(torch.get_default_dtype())}
 
 
-def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
-    cfg = parse(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    _quiet()
-    torch.set_num_threads(cfg.threads)
+def old_model_ready(cfg: ExampleArguments, folder: str) -> tuple[str, str, dict[str, dict]]:
+    """The old model's folder (``--old_model``, else ``folder``; trained there by :func:`train_old_model` unless
+    it holds one), its SHA-256 (:func:`model_fingerprint`) and its held-out loss and exact match per task."""
     t0 = time.time()
-    tmp = tempfile.TemporaryDirectory()
-    old_path = cfg.old_model or tmp.name
+    old_path = cfg.old_model or folder
     if not os.path.exists(os.path.join(old_path, "config.json")):
         train_old_model(old_path, cfg)
     logger.info("old model ready (%.0fs)", time.time() - t0)
@@ -729,18 +769,22 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     old_sha256 = model_fingerprint(old_model)
     old = evaluate(old_model, held_out, PaddingCollator(tokenizer))
     logger.info("old model sha256 %s: %s", old_sha256[:12], {t: round(m["accuracy"], 3) for t, m in old.items()})
-    jobs = [(old_path, penalty, seed, cfg) for seed in cfg.seeds for penalty in ("none", cfg.constraint_penalty)]
-    bar = tqdm(total=len(jobs), desc=f"fine-tuning runs ({len(cfg.seeds)} seed(s) x unconstrained and "
-                                     f"{cfg.constraint_penalty})", unit="run", dynamic_ncols=True)
-    if cfg.workers > 1:
+    return old_path, old_sha256, old
+
+
+def finetune_runs(jobs: list[tuple[str, str, int, ExampleArguments]], workers: int, desc: str) -> list[dict[str, Any]]:
+    """:func:`finetune` on every job ``(old_path, penalty, seed, settings)``, in ``workers`` spawned processes when
+    more than one, with a progress bar over the runs (``desc``); the run records in the jobs' order."""
+    bar = tqdm(total=len(jobs), desc=desc, unit="run", dynamic_ncols=True)
+    if workers > 1:
         context = multiprocessing.get_context("spawn")
-        with concurrent.futures.ProcessPoolExecutor(cfg.workers, mp_context=context) as pool:
+        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
             futures = [pool.submit(_job, j) for j in jobs]
             for done in concurrent.futures.as_completed(futures):  # progress as runs end; results in job order
                 r = done.result()
                 bar.update()
                 logger.info("finished seed %d %s: new task %.3f", r["seed"], r["penalty"],
-                            r["held_out"][NEW_TASK]["accuracy"])
+                            r["held_out"][jobs[0][3].string_tasks().new]["accuracy"])
             runs = [f.result() for f in futures]
     else:
         runs = []
@@ -748,6 +792,20 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
             runs.append(_job(j))
             bar.update()
     bar.close()
+    return runs
+
+
+def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
+    cfg = parse(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    _quiet()
+    torch.set_num_threads(cfg.threads)
+    t0 = time.time()
+    tmp = tempfile.TemporaryDirectory()
+    old_path, old_sha256, old = old_model_ready(cfg, tmp.name)
+    jobs = [(old_path, penalty, seed, cfg) for seed in cfg.seeds for penalty in ("none", cfg.constraint_penalty)]
+    runs = finetune_runs(jobs, cfg.workers, f"fine-tuning runs ({len(cfg.seeds)} seed(s) x unconstrained and "
+                                            f"{cfg.constraint_penalty})")
     for r in runs:
         logger.info("seed %d %-5s: %s (%.0fs)", r["seed"], r["penalty"],
                     {t: round(m["accuracy"], 3) for t, m in r["held_out"].items()}, r["seconds"])
