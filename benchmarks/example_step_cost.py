@@ -11,6 +11,12 @@ depend on the machine).
         --methods hinge+replay=0.5 replay_rows=0.5 replay=0.5 hinge+replay_own=0.5 none \\
         --reference replay_rows=0.5 --json benchmarks/results/example_step_cost.json
 
+``--example many_tasks`` times the methods on the many-task example (``recipes/llm_many_tasks_example.py``: 24 old
+tasks, 4 constraints sampled per step):
+
+    python benchmarks/example_step_cost.py --example many_tasks --old_model outputs/old_llm_many_tasks \
+        --methods hinge+replay=0.5 replay=0.5 none --reference replay=0.5
+
 A method is ``name=value`` (the frontier's knob value) or a bare name for one without a knob; flags this script
 does not know go to the example (``--msvr_gamma_prime 0``, ``--constraint_indicator_fraction 0``, ...): every
 method runs with them. ``variant@flag=value,...`` gives one method its own example flags (e.g.
@@ -93,6 +99,8 @@ def time_steps(old_path: str, name: str, value: float, cfg: Any, combo_tolerance
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     argv = sys.argv[1:] if argv is None else list(argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--example", default="tiny", choices=list(ff.EXAMPLES),
+                   help="the offline LLM example: tiny (three old tasks) or many_tasks (24, constraints sampled)")
     p.add_argument("--methods", nargs="+", required=True, help="name[=value][@flag=value,...] per method")
     p.add_argument("--reference", required=True, help="the method the ratios divide by (one of --methods)")
     p.add_argument("--steps", type=int, default=40, help="steps per method and round")
@@ -106,6 +114,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     args, rest = p.parse_known_args(argv)
     if args.reference not in args.methods:
         raise SystemExit(f"--reference {args.reference!r} is not one of --methods")
+    ff.use_example(args.example)
     cfg = ff.ex.parse(rest)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     ff.ex._quiet()

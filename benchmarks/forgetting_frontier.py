@@ -42,6 +42,13 @@ drop.
         --values hinge=0.03 replay=0.5 kl=3 --example_result benchmarks/results/llm_example.json \\
         --json benchmarks/results/forgetting_frontier_llm_100-104.json
 
+``--example many_tasks`` runs the same comparison on the many-task example
+(``recipes/llm_many_tasks_example.py``: 24 old tasks, 4 constraints sampled per step); its rows also give the mean
+change of the old tasks and the share of them that lost more than ``--claim``:
+
+    python benchmarks/forgetting_frontier.py --example many_tasks --seeds 0 --old_model outputs/old_llm_many_tasks \
+        --json outputs/forgetting_frontier/many_tasks.json
+
 Flags this script does not know go to the example (``--max_steps 3``, ``--old_model DIR``, ...), so every
 method runs with the same example settings; ``--seeds``, ``--json`` and ``--workers`` are this script's.
 """
@@ -51,6 +58,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
+import importlib
 import json
 import logging
 import math
@@ -63,11 +71,28 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, TypeVar
 
+from tqdm.auto import tqdm
+
 from hf_constrained.atomic_files import atomic_write_json
 from hf_constrained.publishable import publishable_command, publishable_values
 from hf_constrained.recipes import llm_tiny_example as ex
 
 logger = logging.getLogger("forgetting_frontier")
+
+EXAMPLES = {"tiny": "llm_tiny_example", "many_tasks": "llm_many_tasks_example"}
+"""``--example``: the offline LLM example the methods run on (three old tasks, or 24 with sampled constraints)."""
+EXAMPLE_VALUES: dict[str, dict[str, tuple[float, ...]]] = {"many_tasks": {"agem": (24.0, 48.0)}}
+"""Knob values an example needs instead of :data:`METHODS`'s (A-GEM's reference rows: a multiple of its old
+tasks); ``--values`` still overrides them."""
+
+
+def use_example(name: str) -> Any:
+    """Make ``name`` (a key of :data:`EXAMPLES`) the example this module's functions read (``ex``)."""
+    global ex
+    if name not in EXAMPLES:
+        raise SystemExit(f"--example {name!r}: one of {sorted(EXAMPLES)}")
+    ex = importlib.import_module(f"hf_constrained.recipes.{EXAMPLES[name]}")
+    return ex
 T = TypeVar("T")  # what a worker returns (run_jobs)
 
 
@@ -142,13 +167,15 @@ def run_row(run: dict[str, Any], old: dict[str, dict], claim: float) -> dict[str
     return {"method": run["method"], "knob": run["knob"], "value": run["value"], "seed": run["seed"],
             "steps": run["steps"], "new_task_accuracy": run["held_out"][ex.NEW_TASK]["accuracy"],
             "old_task_change": changes, "worst_old_change": min(changes.values()),
+            **ex.forgetting_summary(changes, claim),  # the mean change, the share of tasks that lost more than claim
             "largest_bound": None if cert is None else cert["largest_bound"],
             "upper_bounds": None if cert is None else cert["upper_bounds"],
             "forgotten": None if cert is None else cert["forgotten"],
             "certification_rows": None if cert is None else cert["num_rows"],
             "certified_claim": None if cert is None else cert["largest_bound"] <= claim,
             "certificate_level": None if cert is None else cert.get("level"),
-            "seconds_per_step": run["seconds_per_step"], "regulariser": run["regulariser"],
+            "seconds_per_step": run["seconds_per_step"], "rows_per_step": run.get("rows_per_step"),
+            "regulariser": run["regulariser"],
             "gradient_projection": run.get("gradient_projection"),
             "constraint_settings": run.get("constraint_settings")}
 
@@ -168,6 +195,9 @@ def summarize(rows: list[dict[str, Any]], target: str = "new_task_accuracy") -> 
         out.append({"method": method, "knob": rs[0]["knob"], "value": value, "seeds": [r["seed"] for r in rs],
                     target: _med_worst([r[target] for r in rs], min),
                     "worst_old_change": _med_worst([r["worst_old_change"] for r in rs], min),
+                    **({"mean_old_change": _med_worst([r["mean_old_change"] for r in rs], min),
+                        "share_over_tolerance": _med_worst([r["share_over_tolerance"] for r in rs], max)}
+                       if all("mean_old_change" in r for r in rs) else {}),
                     "old_task_change": {t: _med_worst([r["old_task_change"][t] for r in rs], min)
                                         for t in rs[0]["old_task_change"]},
                     "largest_bound": _med_worst(bounds, max) if bounds else None,
@@ -243,10 +273,14 @@ def plot(settings: list[dict[str, Any]], path: str, claim: float, target: str = 
     plt.close(fig)
 
 
-def format_table(settings: list[dict[str, Any]], claim: float) -> str:
+def format_table(settings: list[dict[str, Any]], claim: float, many_tasks: bool = False) -> str:
+    """The settings' table (markdown); ``many_tasks``: with the mean change and the share of old tasks over the
+    claim, median (worst)."""
     header = ("| method | knob | new-task exact match, median (worst) | worst old-task change, median (worst) | "
               f"largest bound, median (worst) | certified at most {claim:g} | s/step |")
     lines = [header, "|---|---|---|---|---|---|---|"]
+    if many_tasks:
+        lines = [header + " mean old-task change | old tasks over the claim |", "|---|---|---|---|---|---|---|---|---|"]
     for s in settings:
         knob = "-" if s["value"] is None else f"{s['knob']} {s['value']:g}"
         bound = "-" if s["largest_bound"] is None else \
@@ -255,6 +289,10 @@ def format_table(settings: list[dict[str, Any]], claim: float) -> str:
                      f"({100 * s['new_task_accuracy']['worst']:.1f}%) | {100 * s['worst_old_change']['median']:+.1f} "
                      f"({100 * s['worst_old_change']['worst']:+.1f}) pts | {bound} | "
                      f"{s['seeds_certified_claim']}/{len(s['seeds'])} | {s['seconds_per_step']:.3f} |")
+        if many_tasks:
+            lines[-1] += (f" {100 * s['mean_old_change']['median']:+.1f} ({100 * s['mean_old_change']['worst']:+.1f})"
+                          f" pts | {100 * s['share_over_tolerance']['median']:.0f}% "
+                          f"({100 * s['share_over_tolerance']['worst']:.0f}%) |")
     return "\n".join(lines)
 
 
@@ -273,6 +311,8 @@ def parse_values(specs: list[str], methods: Optional[dict[str, Method]] = None) 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--example", default="tiny", choices=list(EXAMPLES),
+                   help="the offline LLM example: tiny (three old tasks) or many_tasks (24, constraints sampled)")
     p.add_argument("--methods", nargs="*", default=list(METHODS), choices=list(METHODS),
                    help="the methods to run (none: only --include and --example_result)")
     p.add_argument("--include", nargs="*", default=[],
@@ -394,7 +434,8 @@ def run_jobs(worker: Callable[[Any], T], jobs: list[Any], workers: int, finished
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     argv = sys.argv[1:] if argv is None else list(argv)
     args, rest = parser().parse_known_args(argv)
-    overrides = parse_values(args.values)
+    use_example(args.example)
+    overrides = {**EXAMPLE_VALUES.get(args.example, {}), **parse_values(args.values)}
     cfg = ex.parse(rest + ["--seeds", *map(str, args.seeds)])  # unknown flags are the example's error
     if args.combo_tolerance is None:
         args.combo_tolerance = cfg.forget_tolerance
@@ -416,7 +457,10 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     logger.info("%d runs: %s", len(jobs), sorted({j[1] for j in jobs}))
     if args.json and os.path.exists(args.json + ".partial.jsonl"):
         os.remove(args.json + ".partial.jsonl")  # an interrupted earlier run's rows
-    runs = run_jobs(one_run, jobs, args.workers, lambda run, i: finished(run, i, len(jobs), old, args))
+    bar = tqdm(total=len(jobs), desc=f"runs ({args.example} example)", unit="run", dynamic_ncols=True)
+    runs = run_jobs(one_run, jobs, args.workers, lambda run, i: (finished(run, i, len(jobs), old, args),
+                                                                 bar.update()))
+    bar.close()
     old_sha256 = ex.model_fingerprint(old_model)
     if args.example_result:
         runs = example_runs(args.example_result, cfg, args.seeds, old_sha256, args.combo_tolerance) + runs
@@ -436,7 +480,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
               "bound": "Clopper-Pearson on the share of each old task's certification rows forgotten",
               "settings": settings, "frontier": frontier(settings), "runs": rows,
               "seconds": round(time.time() - t0, 1)}
-    print(format_table(settings, args.claim))
+    print(format_table(settings, args.claim, many_tasks=args.example == "many_tasks"))
     if args.json:
         atomic_write_json(args.json, result)
         if os.path.exists(args.json + ".partial.jsonl"):
