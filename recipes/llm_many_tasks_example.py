@@ -185,6 +185,8 @@ class ManyTaskArguments(ExampleArguments):
     """The three-task example's flags (:class:`~hf_constrained.recipes.llm_tiny_example.ExampleArguments`),
     with defaults for 24 old tasks and sampled constraints."""
 
+    seeds: list[int] = field(default_factory=lambda: [0], metadata={
+        "help": "fine-tuning seeds (default: seed 0; seeds 0-4 are for choosing settings, 100-104 for reporting them)"})
     old_steps: int = field(default=3000, metadata={"help": "training steps of the old model (24 tasks)"})
     old_rows: int = field(default=2000, metadata={"help": "training rows per old task"})
     max_steps: int = field(default=400, metadata={
