@@ -7,7 +7,7 @@ and keeps the MSVR estimates of the others.
 
 1. The old model: a tiny GPT-2 (built from a config, character-level tokenizer built locally) trained on
    24 string tasks from generated families (:data:`TASK_FAMILIES`), each a prefix and a rule on words of
-   3-5 letters from a-j: reverse, copy, rotate every letter by 1, 2 or 3, map to the letters k-t, sort,
+   3-4 letters from a-j: reverse, copy, rotate every letter by 1, 2 or 3, map to the letters k-t, sort,
    first 2 or 3 letters, last 1 or 2, second letter, the first letter's successor, length, count a letter,
    add and subtract two digits, largest and smallest letter, double every letter, swap the ends,
    interleave two words, drop the first letter, rotate the word by one (``rot2:abc=cde``,
@@ -35,7 +35,7 @@ and keeps the MSVR estimates of the others.
     python benchmarks/forgetting_frontier.py --example many_tasks --seeds 0 --old_model outputs/old_llm_many_tasks
 
 The flags are the three-task example's (``hf-constrained llm-example --help``), with defaults for 24 tasks:
-a GPT-2 of 2 layers and width 128, trained 5000 steps on 2000 rows per old task; 300 fine-tuning steps on 2000
+a GPT-2 of 2 layers and width 128, trained 4000 steps on 2000 rows per old task; 300 fine-tuning steps on 2000
 rows of the new task; 512 constraint rows per old task (every baseline of the forgetting benchmark reads the
 same), 256 held-out rows per task, 2000 certification rows per old task; 4 of the 24 constraints per step, 8
 rows each. The method's own settings (beta, margin, proxy indicator, MSVR, replay of the constraint rows at
@@ -90,7 +90,7 @@ from hf_constrained.recipes.llm_tiny_example import (  # noqa: F401 (the names b
 logger = logging.getLogger("llm_many_tasks_example")
 
 
-def _word(rng: random.Random, shortest: int = 3, longest: int = 5) -> str:
+def _word(rng: random.Random, shortest: int = 3, longest: int = 4) -> str:
     return "".join(rng.choice(LETTERS) for _ in range(rng.randint(shortest, longest)))
 
 
@@ -120,7 +120,7 @@ def _interleave(rng: random.Random) -> tuple[str, str]:
     return f"{a},{b}", "".join(x + y for x, y in zip(a, b))
 
 
-def _on_word(rule: Callable[[str], str], shortest: int = 3, longest: int = 5) -> Callable[[random.Random],
+def _on_word(rule: Callable[[str], str], shortest: int = 3, longest: int = 4) -> Callable[[random.Random],
                                                                                            tuple[str, str]]:
     def draw(rng: random.Random) -> tuple[str, str]:
         word = _word(rng, shortest, longest)
@@ -192,7 +192,7 @@ class ManyTaskArguments(ExampleArguments):
 
     seeds: list[int] = field(default_factory=lambda: [0], metadata={
         "help": "fine-tuning seeds (default: seed 0; seeds 0-4 are for choosing settings, 100-104 for reporting them)"})
-    old_steps: int = field(default=5000, metadata={"help": "training steps of the old model (24 tasks)"})
+    old_steps: int = field(default=4000, metadata={"help": "training steps of the old model (24 tasks)"})
     old_rows: int = field(default=2000, metadata={"help": "training rows per old task"})
     max_steps: int = field(default=300, metadata={
         "help": "fine-tuning steps on the new task (every method of the comparison shares them)"})
