@@ -179,9 +179,20 @@ TASKS = StringTasks(OLD_TASKS, NEW_TASK, make_rows)
 
 def task_data(task: str, n: int, seed: int, tokenizer: Any,
               make: Callable[[str, int, random.Random], list[dict[str, str]]] = make_rows) -> Dataset:
-    """``n`` tokenised rows of ``task`` from generator seed ``seed`` (``make``: the tasks' row generator)."""
-    rng = random.Random(f"{task}-{seed}")
-    return tokenize_sft(Dataset.from_list(make(task, n, rng)), tokenizer, name=task)
+    """``n`` tokenised rows of ``task`` from generator seed ``seed`` (``make``: the tasks' row generator).
+
+    Kept for the process's later runs (a worker of :func:`finetune_runs` runs several): the rows are a function
+    of the arguments and the tokenizer's vocabulary, and tokenising them is a good part of a run's setup."""
+    key = (task, n, seed, make, type(tokenizer).__name__, tuple(sorted(tokenizer.get_vocab().items())))
+    if key not in _TOKENIZED:
+        if len(_TOKENIZED) >= 512:
+            _TOKENIZED.clear()
+        rng = random.Random(f"{task}-{seed}")
+        _TOKENIZED[key] = tokenize_sft(Dataset.from_list(make(task, n, rng)), tokenizer, name=task)
+    return _TOKENIZED[key]
+
+
+_TOKENIZED: dict[tuple, Dataset] = {}
 
 
 @torch.no_grad()
