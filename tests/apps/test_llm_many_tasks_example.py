@@ -117,6 +117,9 @@ def test_end_to_end_every_task_certified_and_the_results_record_the_fields(old_m
     assert "every old task loses at most 50 points" in saved["claim"] and len(saved["old_model_sha256"]) == 64
     assert set(saved["tasks"]) == {*many.OLD_TASKS, many.NEW_TASK}
     assert set(saved["summary"]["old_model"]) == {*many.OLD_TASKS, many.NEW_TASK}
+    old = saved["summary"]["old_model"]  # the tasks the old model knows least are named
+    assert saved["summary"]["weak_old_tasks"] == {t: old[t]["accuracy"] for t in many.OLD_TASKS
+                                                  if old[t]["accuracy"] < many.WEAK}
     per_seed = saved["summary"]["per_seed"]
     assert set(per_seed) == {"none", "hinge"}
     for method, (row,) in per_seed.items():
