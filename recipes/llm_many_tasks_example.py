@@ -205,6 +205,7 @@ class ManyTaskArguments(ExampleArguments):
                 "at most 3%% of each of the 24 old tasks forgotten at delta 0.05, certifies all 24 with "
                 "probability 0.97 with 2000 when a model truly forgets 1.5%% of each "
                 "(benchmarks/certification_size.py --tasks 24 --power 0.95)"})
+    constraint_batch_size: int = field(default=8, metadata={"help": "constraint rows per task and step"})
     constraints_per_step: Optional[int] = field(default=4, metadata={
         "help": "old-task constraints sampled per step (Algorithm 1's |B_c|, at most the number of old tasks, 24; "
                 "the estimates of the others are kept)"})

@@ -29,10 +29,11 @@
    0.25``), the rest the gradient; a proxy indicator (``--constraint_proxy_indicator``: it follows the
    certificate's statistic, the share of the indicator rows forgotten, against the claim minus
    ``--constraint_margin`` 0.02, while the gradient follows the loss change h_k, ``--constraint_surrogate``),
-   an MSVR estimate that averages about five steps (``--msvr_gamma 0.2``), beta 0.25, 8 constraint rows per
-   task and step, and the old tasks' constraint rows replayed as half of each batch's rows (``--replay_old 0.5``);
-   500 fine-tuning steps, shared by every method of the comparison. The results on seeds 100-104, 200-204,
-   300-304 and 400-404, against KL, replay and plain fine-tuning, are in docs/benchmarks.md.
+   an MSVR estimate that averages about five steps (``--msvr_gamma 0.2``), beta 0.25, 11 constraint rows per
+   task and step (``--constraint_batch_size``), and replay of those same rows as half of the loss
+   (``--replay_old 0.5``: one draw of old rows per step, each row carrying replay's weight plus the hinge's);
+   500 fine-tuning steps, shared by every method of the comparison. The results against replay, KL and plain
+   fine-tuning, at each method's cost per step, are in docs/benchmarks.md.
 
 Goals, over the seeds (median and worst reported): the unconstrained run forgets some old task
 (its held-out h_k exceeds ``--tolerance``); the constrained run is certified, and learns the new
@@ -671,7 +672,9 @@ class ExampleArguments(CertificateArguments):
     forget_tolerance: float = field(default=0.03, metadata={
         "help": "the claim, stated before the data: certified at most this share of each old task's examples "
                 "forgotten (exact before, not now), so at most this many points of its accuracy lost"})
-    constraint_batch_size: int = field(default=8, metadata={"help": "constraint rows per task and step"})
+    constraint_batch_size: int = field(default=11, metadata={
+        "help": "constraint rows per task and step, which the constrained run's replay reads too (11: the "
+                "seventeenth tuning round's choice, 33 old rows per step in one draw)"})
     constraints_per_step: Optional[int] = field(default=None, metadata={
         "help": "old-task constraints sampled per step (Algorithm 1's |I_t|; default: all three; the estimates of "
                 "the others are kept)"})
