@@ -71,6 +71,24 @@ def test_dominance_and_frontier():
     assert front["dominated_by"]["x=2"] == ["x=1"] and front["dominated_by"]["y=1"] == []
 
 
+def test_a_setting_is_beaten_only_at_about_its_own_cost():
+    """Equal cost: a better setting that forwards more than 10% more rows per step does not dominate; at any cost
+    it does (both are recorded)."""
+    def setting(method, acc, drop, rows):
+        return {"method": method, "value": 0.5, "new_task_accuracy": {"median": acc},
+                "worst_old_change": {"median": drop}, "rows_forwarded_per_step": rows}
+
+    cheap, dear, near = setting("replay", 1.0, -0.02, 64), setting("hinge", 1.0, -0.01, 131), \
+        setting("kl", 1.0, -0.01, 70)
+    assert not ff.dominates(dear, cheap) and ff.dominates(dear, cheap, equal_cost=False)
+    assert ff.dominates(near, cheap)  # 70 rows: within 10% of 64
+    front = ff.frontier([cheap, dear, near])
+    assert front["dominated_by"]["replay=0.5"] == ["kl=0.5"]
+    assert front["dominated_by_at_any_cost"]["replay=0.5"] == ["hinge=0.5", "kl=0.5"]
+    # stored runs without rows per step compare as before
+    assert ff.dominates({**dear, "rows_forwarded_per_step": None}, cheap)
+
+
 def test_bad_knob_values_are_errors_naming_the_flag():
     with pytest.raises(SystemExit, match="--values 'none=1'"):
         ff.parse_values(["none=1"])
