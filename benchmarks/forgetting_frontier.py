@@ -254,7 +254,8 @@ def plot(settings: list[dict[str, Any]], path: str, claim: float, target: str = 
          title: str = "Forgetting frontier, offline LLM example",
          xlabel: str = "worst old-task exact-match change (points, median over seeds)",
          ylabel: str = "new-task exact match (%, median)") -> None:
-    """Median new-task exact match (``target``) against the median worst old-task change, one line per method.
+    """Median new-task exact match (``target``) against the median worst old-task change, one line per method, each
+    point labelled with its cost (rows forwarded per step, where the runs record it).
 
     The horizontal axis spans the methods whose median worst drop is within five times the goal (15 points for a
     3-point goal); a method that forgets more (plain fine-tuning) is drawn at the left edge with its value written
@@ -275,6 +276,8 @@ def plot(settings: list[dict[str, Any]], path: str, claim: float, target: str = 
         line, = ax.plot(shown, ys, marker="o", label=method)
         for s, x, x_shown, y in zip(mine, xs, shown, ys):
             label = method if s["value"] is None else f"{method} {s['value']:g}"
+            if s.get("rows_forwarded_per_step"):  # the cost: rows forwarded per step
+                label += f", {s['rows_forwarded_per_step']} rows/step"
             if x < left:  # off the axis: at the edge, with its value
                 ax.plot([x_shown], [y], marker="<", markersize=10, color=line.get_color())
                 label = f"{label} ({x:+.1f} pts, off scale)"
