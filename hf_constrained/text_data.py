@@ -31,6 +31,7 @@ import hashlib
 import json
 import logging
 import os
+from collections.abc import Sequence
 from typing import Any, Optional
 
 import datasets
@@ -38,6 +39,7 @@ from tqdm.auto import tqdm
 from transformers import DataCollatorForSeq2Seq
 
 from .batches import collate_examples
+from .errors import RecipeConfigError
 from .per_sample_loss import IGNORE_INDEX
 
 logger = logging.getLogger(__name__)
@@ -227,3 +229,21 @@ class SFTPaddingCollator:
 
 def _as_list(value: Any) -> list[int]:
     return value.tolist() if hasattr(value, "tolist") else list(value)
+
+
+def named_sources(items: Sequence[str], flag: str) -> dict[str, str]:
+    """``NAME=SOURCE`` items as a dict (a bare ``SOURCE`` is named by its file's stem); an empty name or source, or
+    a name given twice, is an error naming ``flag`` (:class:`~hf_constrained.errors.RecipeConfigError`)."""
+    out: dict[str, str] = {}
+    for item in items:
+        name, sep, source = item.partition("=")
+        if not sep:
+            source, name = item, os.path.splitext(os.path.basename(item.rstrip("/")))[0] or item
+        name, source = name.strip(), source.strip()
+        if not name or not source:
+            raise RecipeConfigError(f"{flag} entry {item!r}: expected NAME=SOURCE or SOURCE")
+        if name in out:
+            raise RecipeConfigError(f"{flag}: two datasets named {name!r}; name them with NAME=SOURCE")
+        out[name] = source
+    return out
+

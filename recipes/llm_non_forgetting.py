@@ -90,7 +90,7 @@ from hf_constrained.per_sample_loss import causal_lm_per_example_correct
 from hf_constrained.publishable import publishable_command, publishable_path, publishable_values
 from hf_constrained.recipe_args import CertificateArguments, RecipeConfigError, parse_recipe_args
 from hf_constrained.safety.finish import push_last
-from hf_constrained.text_data import SFTPaddingCollator, load_text_dataset, tokenize_sft
+from hf_constrained.text_data import SFTPaddingCollator, load_text_dataset, named_sources, tokenize_sft
 
 logger = logging.getLogger("llm_non_forgetting")
 RESULTS_FILE = "llm_results.json"
@@ -407,21 +407,6 @@ def load_tokenized(source: str, split: str, tokenizer: Any, config: RecipeArgume
     return split_rows(rows, config.data, name, source, seed, certify=certify)
 
 
-def _named_sources(entries: list[str]) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for entry in entries:
-        name, sep, source = entry.partition("=")
-        if not sep:
-            source = entry
-            name = os.path.splitext(os.path.basename(entry.rstrip("/")))[0] or entry
-        if not name or not source:
-            raise RecipeConfigError(f"--protected_datasets entry {entry!r}: expected NAME=SOURCE or SOURCE")
-        if name in out:
-            raise RecipeConfigError(f"--protected_datasets: two datasets named {name!r}; name them with NAME=SOURCE")
-        out[name] = source
-    return out
-
-
 def check_arguments(config: RecipeArguments) -> None:
     """Every check that needs no model: a clear error naming the flag before anything heavy loads."""
     data, args, model = config.data, config.training, config.model
@@ -547,7 +532,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                                                       config, "target", data.max_target_rows, args.seed)
         protected = {name: load_tokenized(src, data.protected_split, tokenizer, config, name,
                                           data.max_constraint_rows, args.seed, certify=True)
-                     for name, src in _named_sources(data.protected_datasets).items()}
+                     for name, src in named_sources(data.protected_datasets, "--protected_datasets").items()}
         safety = None
         if data.safety_dataset:
             safety = load_tokenized(data.safety_dataset, data.protected_split, tokenizer, config, "safety",
@@ -608,8 +593,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     finally:
         args.push_to_hub = push
 
-    hub_ids = [s for s in [target_source, *_named_sources(data.protected_datasets).values(),
-                           data.safety_dataset] if s and not os.path.exists(s)]
+    protected_sources = named_sources(data.protected_datasets, "--protected_datasets").values()
+    hub_ids = [s for s in [target_source, *protected_sources, data.safety_dataset] if s and not os.path.exists(s)]
     # the installed entry point after pip install; with --config, a copy of the file saved in --output_dir
     command = publishable_command("accelerate launch recipes/llm_non_forgetting.py",
                                   sys.argv[1:] if argv is None else argv, output_dir=args.output_dir)

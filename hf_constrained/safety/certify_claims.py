@@ -20,7 +20,6 @@ else happens.
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ from typing import Optional
 
 from ..certification.bounds import check_delta
 from ..certification.certify import DEFAULT_DELTA
+from ..text_data import named_sources
 
 STATISTICS: dict[str, dict[str, object]] = {
     "points_lost": {"bound": "paired_change", "value_range": (-1.0, 1.0),
@@ -188,22 +188,5 @@ class CertifySettings:
         return claims_per_set(self.parsed, list(self.sets()))
 
 
-def named_sources(items: Sequence[str], flag: str) -> dict[str, str]:
-    """``NAME=SOURCE`` items (a bare ``SOURCE`` is named by its file's stem) as a dict; a repeated name is an
-    error naming ``flag``."""
-    out: dict[str, str] = {}
-    for item in items:
-        name, sep, source = item.partition("=")
-        if not sep:
-            source, name = item, os.path.splitext(os.path.basename(item.rstrip("/")))[0]
-        name, source = name.strip(), source.strip()
-        if not name or not source:
-            raise ValueError(f"{flag} {item!r}: write NAME=SOURCE")
-        if name in out:
-            raise ValueError(f"{flag}: the name {name!r} is given twice")
-        out[name] = source
-    return out
-
-
-__all__ = ["STATISTICS", "CertifySettings", "Claim", "claim_headline", "claims_per_set", "named_sources",
+__all__ = ["STATISTICS", "CertifySettings", "Claim", "claim_headline", "claims_per_set",
            "parse_claim"]

@@ -37,7 +37,8 @@ from ..certification.ledger import CertificationLedger
 from ..publishing.card import ModelCardInfo, ModelSource, render_model_card, write_model_card
 from ..publishing.report import ConstraintResult, SafetyReport
 from ..redact import redact_command
-from .certify_claims import CertifySettings, Claim, claim_headline, named_sources
+from ..text_data import named_sources
+from .certify_claims import CertifySettings, Claim, claim_headline
 from .certify_rows import read_set, rows_in_training, set_fingerprint
 from .loop import HUB_OWNER_PLACEHOLDER
 
