@@ -296,3 +296,25 @@ def disjoint_trainer(output_dir: str, row_fn: Any, statistic: Any = None, **over
     kw.update(overrides)
     return ConstrainedTrainer(model=TinyClassifier(), args=tiny_args(output_dir, **kw),
                               train_dataset=ListDataset(train_rows), constraints=constraints)
+
+
+def count_forwards(model: nn.Module) -> list[int]:
+    """A counter of ``model``'s calls (a forward pre-hook)."""
+    calls = [0]
+    model.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    return calls
+
+
+class _ResetAtTrainBegin(TrainerCallback):
+    def __init__(self, calls: list[int]) -> None:
+        self.calls = calls
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.calls[0] = 0  # the preflight's calls before training are no step's
+
+
+def count_training_forwards(trainer: ConstrainedTrainer) -> list[int]:
+    """A counter of the model calls of ``trainer``'s training steps (from the start of training)."""
+    calls = count_forwards(trainer.model)
+    trainer.add_callback(_ResetAtTrainBegin(calls))
+    return calls

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 from clip_synthetic import TINY_CAPTIONS, tiny_contrastive_setup
-from transformers import TrainerCallback
+from scale_tiny import count_training_forwards
 
 from hf_constrained import ConstrainedTrainingArguments
 from hf_constrained.clip import ContrastiveConstrainedTrainer, ZeroShotLoss, non_forgetting_constraints
@@ -14,14 +14,6 @@ from hf_constrained.clip.non_forgetting import MergedCLIPForward
 from hf_constrained.method.regularisers import ConstraintRowReplay
 
 STEPS = 4
-
-
-class _ResetAtTrainBegin(TrainerCallback):
-    def __init__(self, calls: list[int]) -> None:
-        self.calls = calls
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        self.calls[0] = 0
 
 
 def make_trainer(tmp_path, name: str, *, regulariser=None, model=None):
@@ -41,10 +33,7 @@ def make_trainer(tmp_path, name: str, *, regulariser=None, model=None):
     trainer = ContrastiveConstrainedTrainer(model=model, args=args, train_dataset=rows,
                                             data_collator=CLIPCollator(tokenizer=tok), constraints=constraints,
                                             contrastive_temperature=0.05, regulariser=regulariser)
-    calls = [0]
-    trainer.model.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
-    trainer.add_callback(_ResetAtTrainBegin(calls))
-    return trainer, calls
+    return trainer, count_training_forwards(trainer)
 
 
 def test_constraint_images_join_the_contrastive_forward(tmp_path):

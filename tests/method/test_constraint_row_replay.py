@@ -10,9 +10,8 @@ import copy
 
 import pytest
 import torch
-from scale_tiny import StopAt
+from scale_tiny import StopAt, count_training_forwards
 from torch import nn
-from transformers import TrainerCallback
 
 from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments
 from hf_constrained.method.regularisers import ConstraintRowReplay, Replay
@@ -48,14 +47,6 @@ class Rows(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict:
         return {"x": self.x[i], "labels": self.y[i]}
-
-
-class CountFromTrainBegin(TrainerCallback):
-    def __init__(self, counter: list[int]) -> None:
-        self.counter = counter
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        self.counter[0] = 0
 
 
 def row_ce(model, batch):
@@ -116,9 +107,7 @@ def by_hand(old: list[Rows], penalty: str) -> tuple[nn.Module, torch.Tensor]:
 @pytest.mark.parametrize("penalty,accumulation", [("hinge", 1), ("hinge", 2), ("none", 1)])
 def test_one_draw_step_matches_the_step_computed_by_hand(tmp_path, penalty, accumulation):
     trainer, old = setup(tmp_path, "run", penalty=penalty, accumulation=accumulation)
-    forwards = [0]
-    trainer.model.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
-    trainer.add_callback(CountFromTrainBegin(forwards))  # the preflight's calls before training are not steps
+    forwards = count_training_forwards(trainer)  # the preflight's calls before training are not steps
     trainer.train()
     model, u = by_hand(old, penalty)
     for (name, p), q in zip(trainer.model.named_parameters(), model.parameters()):

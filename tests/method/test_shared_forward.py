@@ -4,6 +4,7 @@ separate forwards, one model call fewer, and only where the values cannot change
 from __future__ import annotations
 
 import torch
+from scale_tiny import count_forwards, count_training_forwards
 from torch import nn
 from transformers import (
     GPT2Config,
@@ -11,7 +12,6 @@ from transformers import (
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
-    TrainerCallback,
 )
 
 from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments
@@ -68,26 +68,6 @@ def make_trainer(tmp_path, model: nn.Module, name: str, *, accumulation: int = 1
                                              batch_size=8, row_fn=ReferenceGap(causal_lm_per_example_loss))
     return cls(model=model, args=args, train_dataset=Rows(32, 0), data_collator=collate, constraints=constraints,
                regulariser=regulariser)
-
-
-def count_forwards(model: nn.Module) -> list[int]:
-    calls = [0]
-    model.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
-    return calls
-
-
-class _ResetAtTrainBegin(TrainerCallback):
-    def __init__(self, calls: list[int]) -> None:
-        self.calls = calls
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        self.calls[0] = 0  # the preflight's calls before training are no step's
-
-
-def count_training_forwards(trainer: ConstrainedTrainer) -> list[int]:
-    calls = count_forwards(trainer.model)
-    trainer.add_callback(_ResetAtTrainBegin(calls))
-    return calls
 
 
 def test_shared_forward_gives_the_separate_forwards_step(tmp_path):
