@@ -139,12 +139,18 @@ def run_spec(method: str, value: float, cfg: ex.ExampleArguments,
     return m.penalty, run_cfg, (None if m.regulariser is None else (m.regulariser, value))
 
 
-def one_run(job: tuple[str, str, float, int, ex.ExampleArguments, float]) -> dict[str, Any]:
+def saved_run_name(method: str, value: float, seed: int) -> str:
+    """The folder name of one run's saved model under ``--save_models`` (``replay-0.5-seed100``)."""
+    return f"{method}-{'none' if math.isnan(value) else format(value, 'g')}-seed{seed}"
+
+
+def one_run(job: tuple[str, str, float, int, ex.ExampleArguments, float, Optional[str]]) -> dict[str, Any]:
     """Fine-tune once (a worker process) and return the example's run record plus the method's name and knob."""
-    old_path, method, value, seed, cfg, combo_tolerance = job
+    old_path, method, value, seed, cfg, combo_tolerance, save_models = job
     ex.torch.set_num_threads(cfg.threads)
     penalty, run_cfg, baseline = run_spec(method, value, cfg, combo_tolerance)
-    record = ex.finetune(old_path, penalty, seed, run_cfg, regulariser=baseline)
+    save_to = None if save_models is None else os.path.join(save_models, "runs", saved_run_name(method, value, seed))
+    record = ex.finetune(old_path, penalty, seed, run_cfg, regulariser=baseline, save_to=save_to)
     return {"method": method, "knob": METHODS[method].knob, "value": None if math.isnan(value) else value,
             "steps": run_cfg.max_steps, "constraint_settings": constraint_settings(penalty, run_cfg), **record}
 
@@ -352,6 +358,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default="outputs/forgetting_frontier/results.json")
     p.add_argument("--figure", default=None, help="write the frontier figure (PNG) here")
     p.add_argument("--workers", type=int, default=2, help="runs in parallel (processes)")
+    p.add_argument("--save_models", default=None, metavar="DIR",
+                   help="save each run's fine-tuned model in DIR/runs/<method>-<value>-seed<seed> and the old tasks' "
+                        "certification rows in DIR/certification_rows/<task>.jsonl, for hf-constrained certify "
+                        "(benchmarks/certify_saved_runs.py)")
     p.add_argument("--example_result", default=None,
                    help="take the unconstrained and the constrained runs from this LLM-example result file (same "
                         "old model and settings, checked) instead of running them again")
@@ -475,7 +485,9 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     held_out, _ = ex.data_splits(tokenizer, cfg)
     old_model = ex.AutoModelForCausalLM.from_pretrained(old_path)
     old = ex.evaluate(old_model, held_out, ex.PaddingCollator(tokenizer))
-    jobs = [(old_path, method, value, seed, cfg, args.combo_tolerance)
+    if args.save_models:  # the certification rows once, as files, for hf-constrained certify
+        ex.write_certification_rows(cfg, os.path.join(args.save_models, "certification_rows"))
+    jobs = [(old_path, method, value, seed, cfg, args.combo_tolerance, args.save_models)
             for method in args.methods for value in overrides.get(method, METHODS[method].values)
             for seed in args.seeds]
     logger.info("%d runs: %s", len(jobs), sorted({j[1] for j in jobs}))

@@ -276,6 +276,24 @@ def data_splits(tokenizer: Any, cfg: ExampleArguments) -> tuple[dict[str, Datase
     return held_out, constraint_rows
 
 
+def write_certification_rows(cfg: ExampleArguments, folder: str) -> dict[str, str]:
+    """The certification rows of every old task (:func:`certification_rows`, before tokenising) as JSONL files
+    ``folder/<task>.jsonl`` of ``id`` / ``prompt`` / ``completion`` rows, for ``hf-constrained certify``; returns
+    ``{task: path}``. Each row carries its draw's name (``task/certify/i``): two draws of the same text are two
+    independent samples of the task, and the command keeps both (it drops only rows equal in every column)."""
+    tasks = cfg.string_tasks()
+    os.makedirs(folder, exist_ok=True)
+    paths = {}
+    for t in tasks.old:
+        rows = tasks.make_rows(t, cfg.certify_rows, random.Random(f"{t}-{CERTIFY_DRAW}"))  # task_data's draw
+        paths[t] = os.path.join(folder, f"{t}.jsonl")
+        with open(paths[t] + ".tmp", "w") as f:
+            for i, row in enumerate(rows):
+                f.write(json.dumps({"id": f"{t}/certify/{i}", **row}) + "\n")
+        os.replace(paths[t] + ".tmp", paths[t])
+    return paths
+
+
 def certification_rows(tokenizer: Any, cfg: ExampleArguments) -> dict[str, IndependentDraws]:
     """The certification split of every old task: ``certify_rows`` independent draws (generator seed
     ``CERTIFY_DRAW``, fixed across seeds), read only by the certificate."""
@@ -403,11 +421,12 @@ def rows_per_step(trainer: ConstrainedTrainer) -> dict[str, int]:
 
 
 def finetune(old_path: str, penalty: str, seed: int, cfg: ExampleArguments,
-             regulariser: Optional[tuple[str, float]] = None) -> dict[str, Any]:
+             regulariser: Optional[tuple[str, float]] = None, save_to: Optional[str] = None) -> dict[str, Any]:
     """Fine-tune the old model on the new task (``penalty`` "none" or the constrained run's) and evaluate it held-out.
 
     ``regulariser``: a baseline ``(name, value)`` (:func:`baseline_regulariser`) added to the objective
-    (``benchmarks/forgetting_frontier.py``)."""
+    (``benchmarks/forgetting_frontier.py``). ``save_to``: a folder that receives the fine-tuned model and the
+    tokenizer (``save_pretrained``), for ``hf-constrained certify`` to certify it apart from this run."""
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:
         trainer, held_out = build_trainer(old_path, penalty, seed, cfg, tmp, regulariser)
@@ -416,6 +435,9 @@ def finetune(old_path: str, penalty: str, seed: int, cfg: ExampleArguments,
         with study_ledger(tmp):  # the final weights, on the certification rows: this run's first look
             certificate = certify_models(trainer, delta=cfg.delta)
     model, collate = trainer.model, trainer.data_collator
+    if save_to is not None:
+        model.save_pretrained(save_to)
+        AutoTokenizer.from_pretrained(old_path).save_pretrained(save_to)
     metrics = evaluate(model, held_out, collate)
     cert = None if certificate is None else {
         "certified": certificate.is_certified(0), "forgotten": certificate.values[0],
