@@ -61,8 +61,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import forgetting_frontier as ff  # noqa: E402
 
 from hf_constrained.atomic_files import atomic_write_json  # noqa: E402
-from hf_constrained.clip import experiment as pipeline  # noqa: E402  (the demo's pipeline)
 from hf_constrained.certification.ledger import LEDGER_FILE, user_ledger_at  # noqa: E402
+from hf_constrained.clip import experiment as pipeline  # noqa: E402  (the demo's pipeline)
 from hf_constrained.publishable import publishable_command, publishable_values  # noqa: E402
 from hf_constrained.recipes import demo_clip_digits as demo  # noqa: E402
 

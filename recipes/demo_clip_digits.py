@@ -38,6 +38,7 @@ import torch
 
 from hf_constrained.atomic_files import atomic_write_json
 from hf_constrained.clip.experiment import (
+    DATA_NAMES,
     FORGETTING,
     SELECT_ON,
     SHAPE_FIELDS,
@@ -61,7 +62,6 @@ from hf_constrained.redact import redact_command
 logger = logging.getLogger(__name__)
 
 PENALTIES = ("hinge", "squared_hinge", "none")
-DATA_NAMES = ("digits", "shapes")  # the choices of --data (hf_constrained.clip.experiment.demo_data)
 
 
 # ---------------------------------------------------------------------------------- report

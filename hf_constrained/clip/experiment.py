@@ -41,7 +41,7 @@ import os
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -82,12 +82,15 @@ DEFAULT_SEED = 2027
 
 
 def _opt(default: Any, help: str) -> Any:
+    """A setting's default and its one line of ``--help``."""
     return field(default=default, metadata={"help": help})
 
 
 @dataclass
-class DemoConfig(CertificateArguments):  # --delta: the certificate's error level
-    """The demo's settings, one ``--option`` each (the field's help is the option's)."""
+class DemoConfig(CertificateArguments):
+    """The settings of one run of the experiment: the demo's options (``recipes/demo_clip_digits.py``: one
+    ``--option`` each, whose help is the field's), with the certificate's error level ``delta`` inherited from
+    :class:`~hf_constrained.safety.settings.CertificateArguments` (declared and checked there for every recipe)."""
 
     target: int = _opt(9, "class index of the new class to learn (9: 'nine')")
     pulled: int = _opt(5, "the protected class whose images pollute the target data (captioned as the target)")
@@ -144,10 +147,6 @@ class DemoConfig(CertificateArguments):  # --delta: the certificate's error leve
     held_out_images: int = _opt(3000, "--data shapes: held-out images per class (--certify_fraction of them "
                                       "certify)")
     shape_noise: float = _opt(0.1, "--data shapes: std of the generated images' pixel noise")
-
-
-OPTION_HELP = {f.name: f.metadata["help"] for f in fields(DemoConfig)}
-"""One line of ``--help`` per :class:`DemoConfig` field (``--delta``'s is the one every recipe shows)."""
 
 
 # ---------------------------------------------------------------------------------- data

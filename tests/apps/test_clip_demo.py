@@ -243,8 +243,8 @@ def test_calibrated_constraints_count_original_images_not_copies():
     """With ``confidence`` the demo's constraints are calibrated, and the margin's n is the
     number of original images of D_k (each enters as ``constraint_copies`` correlated copies)."""
     rows = {"zero": [{"x": i} for i in range(8 * 45)], "one": [{"x": i} for i in range(8 * 40)]}
-    pools = ProtectedPools(constraint=rows, selection={k: v[:10] for k, v in rows.items()}, test={}, target_selection=[],
-                       test_all=[])
+    pools = ProtectedPools(constraint=rows, selection={k: v[:10] for k, v in rows.items()}, test={},
+                           target_selection=[], test_all=[])
     rows_fn = ReferenceGap(lambda model, batch: None)
     cfg = pipeline.DemoConfig(confidence=0.9, constraint_copies=8, tolerance=0.05)
     cons = pipeline.demo_constraints(cfg, pools, rows_fn, collate=None)
@@ -360,14 +360,14 @@ def test_proxy_indicator_constraints_compare_the_share_forgotten_with_its_own_ra
     """With the proxy indicator the hinge acts when the share forgotten exceeds ``proxy_forget_rate``:
     a fixed margin ``forget_tolerance - proxy_forget_rate`` on the statistic's tolerance, no calibrated margin."""
     rows = {"zero": [{"x": i} for i in range(8 * 45)]}
-    pools = ProtectedPools(constraint=rows, selection={k: v[:10] for k, v in rows.items()}, test={}, target_selection=[],
-                       test_all=[], certify={"zero": [{"x": -1}] * 18})
+    pools = ProtectedPools(constraint=rows, selection={k: v[:10] for k, v in rows.items()}, test={},
+                           target_selection=[], test_all=[], certify={"zero": [{"x": -1}] * 18})
     cfg = pipeline.DemoConfig(indicator_fraction=0.3, proxy_indicator=True, confidence=0.0, proxy_forget_rate=0.05)
     (con,) = pipeline.demo_constraints(cfg, pools, ReferenceGap(lambda model, batch: None), collate=None)
     assert con.margin.value == pytest.approx(cfg.forget_tolerance - 0.05) and con.confidence is None
     assert con.certify_statistic.tolerance == cfg.forget_tolerance  # the certificate itself is unchanged
-    (plain,) = pipeline.demo_constraints(pipeline.DemoConfig(confidence=0.0), pools, ReferenceGap(lambda model, batch: None),
-                                     collate=None)
+    (plain,) = pipeline.demo_constraints(pipeline.DemoConfig(confidence=0.0), pools,
+                                         ReferenceGap(lambda model, batch: None), collate=None)
     assert plain.margin is None
 
 

@@ -9,8 +9,8 @@ import torch
 from transformers import TrainerCallback
 
 import hf_constrained.method.regularisers as regularisers
-from hf_constrained.safety.in_memory_selection import InMemoryFeasibleSelection
 from hf_constrained.clip import experiment as demo  # the demo's pipeline
+from hf_constrained.safety.in_memory_selection import InMemoryFeasibleSelection
 
 TINY = dict(stage1_epochs=2, steps=2, lr=3e-2, constraint_copies=1, eval_copies=1, select_every=0, batch_size=16)
 
