@@ -10,14 +10,14 @@ digit no claim below 6.6 points can be certified). The pipeline is the library's
 safety report, card and figures); this recipe is its command line, its runs over seeds and penalties, its results
 file and what it says about them (docs/demo.md: what it does, and why its numbers hold on unseen images).
 
-``make demo`` runs the hinge on one seed (``DEFAULT_SEED``) and writes the kept model with its safety report, model
-card and figures into ``<cache_dir>/seed-<seed>-<penalty>/``, printing what ran, each digit's held-out accuracy and
-the certified claim in words. ``python -m hf_constrained.recipes.demo_clip_digits --penalties
+``make demo`` runs the hinge on one seed (2027, the library's ``DEFAULT_SEED``) and writes the kept model with its
+safety report, model card and figures into ``<cache_dir>/seed-<seed>-<penalty>/``, printing what ran, each digit's
+held-out accuracy and the certified claim in words. ``python -m hf_constrained.recipes.demo_clip_digits --penalties
 hinge,squared_hinge,none --seeds 100,101,102,103,104 --workers 5`` compares the three penalties and repeats
 everything for several seeds, each with its own split and stage-1 old model (``--workers``: seeds in parallel
 processes, single-threaded each; the numbers do not change), and states each goal as met or not over the seeds.
-``--data shapes`` runs the same pipeline on generated shapes (``recipes/shapes_clip_example.py``). ``--help``
-lists the knobs.
+``--data shapes`` runs the same pipeline on generated shapes (``recipes/shapes_clip_example.py``). ``--help`` lists
+the knobs.
 """
 
 from __future__ import annotations

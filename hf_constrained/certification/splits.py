@@ -169,12 +169,12 @@ def partition_by_class(labels: Sequence[int], shares: Sequence[tuple[str, float]
 
     Each class (the distinct labels in sorted order) is permuted by one generator,
     ``numpy.random.default_rng(seed)`` (the seed alone, never the data), and cut into consecutive parts of
-    ``round(n_c * share)`` rows, one per
-    ``(name, share)`` of ``shares`` in that order; the rows left are ``rest``. With ``certify_from`` (the name of
-    the held-out part), the last ``certify_fraction`` of each class's rows of that part become the certification
-    split ``"certify"`` (:func:`certification_tail`), which nothing but the certificate reads; the other parts do
-    not depend on ``certify_fraction``. Raises ``ValueError`` when the shares leave no row for ``rest``, and
-    one naming ``flag`` (and the held-out ``unit``) when ``certify_fraction`` is outside [0, 1].
+    ``round(n_c * share)`` rows, one per ``(name, share)`` of ``shares`` in that order; the rows left are ``rest``.
+    With ``certify_from`` (the name of the held-out part), the last ``certify_fraction`` of each class's rows of
+    that part become the certification split ``"certify"`` (:func:`certification_tail`), which nothing but the
+    certificate reads; the other parts do not depend on ``certify_fraction``. Raises ``ValueError`` when the shares
+    leave no row for ``rest``, and one naming ``flag`` (and the held-out ``unit``) when ``certify_fraction`` is
+    outside [0, 1].
     """
     if sum(share for _, share in shares) >= 1:
         raise ValueError(f"the shares of {[name for name, _ in shares]} must leave rows for {rest!r}")

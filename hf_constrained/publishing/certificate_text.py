@@ -71,8 +71,9 @@ def certificate_paragraph(cert: Mapping[str, Any], *, noun: str, tolerance: floa
     ``noun`` loses at most 100 x ``tolerance`` points of accuracy" (the share of its certification images
     forgotten bounds its accuracy drop from above), tested per protected class with an exact Clopper-Pearson
     bound at the look's level within the budget ``delta``; a model is certified when every class passes
-    (intersection-union, no correction across classes). ``supply`` / ``supply_flag``: see
-    :func:`_why_not_tighter`."""
+    (intersection-union, no correction across classes). ``supply``: for a fixed data set, why it has no more
+    rows (the paragraph then says why the claim is not tighter); ``None`` for a generator, whose ``supply_flag``
+    sets how many rows it draws (the paragraph then says why the split has its size)."""
     rows = cert.get("rows") or {}
     if not rows:
         return ["Certificate: none (--certify_fraction 0: no certification images)."]
