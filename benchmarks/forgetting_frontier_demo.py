@@ -62,6 +62,7 @@ import forgetting_frontier as ff  # noqa: E402
 
 from hf_constrained.atomic_files import atomic_write_json  # noqa: E402
 from hf_constrained.certification.ledger import LEDGER_FILE, user_ledger_at  # noqa: E402
+from hf_constrained.clip import experiment as pipeline  # noqa: E402  (the demo's pipeline)
 from hf_constrained.publishable import publishable_command, publishable_values  # noqa: E402
 from hf_constrained.recipes import demo_clip_digits as demo  # noqa: E402
 
@@ -114,20 +115,20 @@ def _quiet() -> None:
     torch.set_num_threads(1)  # tiny models: one thread per run, the runs in processes
 
 
-def run_config(method: str, value: float, seed: int, base: dict[str, Any]) -> demo.DemoConfig:
+def run_config(method: str, value: float, seed: int, base: dict[str, Any]) -> pipeline.DemoConfig:
     """The demo's settings of one run: ``base`` at ``seed``, with the method's knob where it is a demo setting."""
     m = METHODS[method]
     fields = {**base, "seed": seed}
     if m.example_field is not None:
         fields[m.example_field] = value
-    return demo.DemoConfig(**fields)
+    return pipeline.DemoConfig(**fields)
 
 
 def stage1(job: tuple[int, dict[str, Any], str]) -> str:
     """The old model of a seed (trained once, cached under the cache folder), before the runs share it."""
     seed, base, cache_dir = job
     _quiet()
-    return demo.pretrain_old_model(demo.DemoConfig(**{**base, "seed": seed}), cache_dir, log=logger.debug)
+    return pipeline.pretrain_old_model(pipeline.DemoConfig(**{**base, "seed": seed}), cache_dir, log=logger.debug)
 
 
 def one_run(job: tuple[str, float, int, dict[str, Any], str]) -> dict[str, Any]:
@@ -139,20 +140,20 @@ def one_run(job: tuple[str, float, int, dict[str, Any], str]) -> dict[str, Any]:
     cfg = run_config(method, value, seed, base)
     clock = StepClock()
     with fresh_ledger():
-        old_path = demo.pretrain_old_model(cfg, cache_dir, log=logger.debug)
-        old_model = demo.load_old_model(old_path)  # once for the pools, the old accuracy and the run's copy
-        pools = demo.old_pools(cfg, old_path, old_model)
-        old = demo.old_accuracy(cfg, old_path, pools, old_model)
-        run = demo.finetune(cfg, old_path, m.penalty, pools=pools, log=logger.debug, callbacks=[clock],
+        old_path = pipeline.pretrain_old_model(cfg, cache_dir, log=logger.debug)
+        old_model = pipeline.load_old_model(old_path)  # once for the pools, the old accuracy and the run's copy
+        pools = pipeline.old_pools(cfg, old_path, old_model)
+        old = pipeline.old_accuracy(cfg, old_path, pools, old_model)
+        run = pipeline.finetune(cfg, old_path, m.penalty, pools=pools, log=logger.debug, callbacks=[clock],
                             regulariser=None if m.regulariser is None else (m.regulariser, value), old_model=old_model)
     return run_row(method, value, cfg, old, run, clock)
 
 
-def run_row(method: str, value: float, cfg: demo.DemoConfig, old: dict[str, float], run: dict[str, Any],
+def run_row(method: str, value: float, cfg: pipeline.DemoConfig, old: dict[str, float], run: dict[str, Any],
             clock: StepClock) -> dict[str, Any]:
     """One run's numbers, as fractions (accuracy changes in [-1, 1]), in the LLM benchmark's keys where they mean
     the same (``old_task_change``: each protected digit; ``worst_old_change``: the worst of them)."""
-    names = demo.demo_data(cfg).names  # the digits, or the shapes with --data shapes
+    names = pipeline.demo_data(cfg).names  # the digits, or the shapes with --data shapes
     target = names[cfg.target]
     changes = {n: run["accuracy"][n] - old[n] for n in names if n != target}
     worst = min(changes, key=changes.get)
@@ -258,7 +259,7 @@ def demo_settings(rest: list[str]) -> dict[str, Any]:
     for flag in ("--penalties", "--constraint_penalty", "--output", "--seed"):
         if any(a == flag or a.startswith(flag + "=") for a in rest):
             raise SystemExit(f"{flag}: the benchmark sets it (--methods, --json, --seeds)")
-    return {f.name: getattr(ns, f.name) for f in dataclasses.fields(demo.DemoConfig) if f.name != "seed"}
+    return {f.name: getattr(ns, f.name) for f in dataclasses.fields(pipeline.DemoConfig) if f.name != "seed"}
 
 
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
@@ -302,7 +303,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         chosen = {"rule": f"highest median target gain with median worst protected change >= -{args.within:g} "
                           "points; else the smallest median drop",
                   "values": choose(settings, args.within / 100), "chosen_on": list(args.seeds)}
-    noun = demo.demo_data(demo.DemoConfig(**base)).noun  # "digit", or "shape" with --data shapes
+    noun = pipeline.demo_data(pipeline.DemoConfig(**base)).noun  # "digit", or "shape" with --data shapes
     result = {"command": publishable_command("python benchmarks/forgetting_frontier_demo.py", argv),
               "config": {"benchmark": publishable_values(vars(args)), "demo": publishable_values(base)},
               "claim": f"every protected {noun} loses at most {100 * base['forget_tolerance']:g} points (share of its "

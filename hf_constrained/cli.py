@@ -149,10 +149,11 @@ def _demo_parser() -> tuple[Any, argparse.ArgumentParser]:
     """The demo's module and its option parser (``hf-constrained demo``)."""
     # imported here, not at the top: the demo imports torch and transformers, which would
     # make every other command (and --help) take seconds to start
+    from .recipe_args import PLAIN_USAGE
     from .recipes import __name__ as recipes_package
 
     demo = import_recipe(f"{recipes_package}.{DEMO_MODULE}")
-    parser = argparse.ArgumentParser(prog="hf-constrained demo", description=DEMO_DESCRIPTION, usage=demo.DEMO_USAGE,
+    parser = argparse.ArgumentParser(prog="hf-constrained demo", description=DEMO_DESCRIPTION, usage=PLAIN_USAGE,
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
     parser.add_argument("--config", default=None, help="YAML file of option values (names as the options, "
                         "without dashes); options on the command line override it")

@@ -24,9 +24,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import shlex
 import sys
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from transformers import HfArgumentParser, TrainingArguments
 
@@ -97,6 +98,56 @@ def parse_with_config(parser: argparse.ArgumentParser, argv: Sequence[str]) -> a
             parser.error(f"--config {known.config}: keys {twice[0]} set the same option; keep one")
         parser.set_defaults(**{dest_of[keys[str(k)]]: v for k, v in values.items()})
     return parser.parse_args(list(argv))
+
+
+PLAIN_USAGE = "%(prog)s [--config FILE.yaml] [--OPTION VALUE ...]  (--help: every option)"
+"""The usage line of a command built on a plain ``argparse`` parser (the demo and the examples on its pipeline): a
+mistyped option prints it and the error, not every option."""
+
+
+def flag_bool(text: str) -> bool:
+    """``true``/``false`` (also 1/0, yes/no) for a boolean option of a plain parser; anything else is an error, not
+    ``True`` (``bool("false")`` is)."""
+    value = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}.get(str(text).lower())
+    if value is None:
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return value
+
+
+def parse_seeds(text: Optional[str], default: int, flag: str = "--seeds") -> list[int]:
+    """The seeds of ``--seeds 100,101,102`` (comma-separated distinct integers), or ``[default]`` (the single
+    ``--seed``) when not given; anything else is a ``ValueError`` naming ``flag``."""
+    if text is None:
+        return [default]
+    try:
+        seeds = [int(s) for s in str(text).split(",") if s.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} must be comma-separated integers, got {text!r}") from None
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise ValueError(f"{flag} must list distinct integers, got {text!r}")
+    return seeds
+
+
+def run_plain_command(argv: Optional[Sequence[str]], prog: str, description: str,
+                      add_arguments: Callable[[argparse.ArgumentParser], None], run: Callable[..., Any],
+                      module_command: str, echo: Callable[[str], None]) -> int:
+    """A command on a plain ``argparse`` parser (the demo and the examples on its pipeline): ``--config`` and the
+    options of ``add_arguments`` (:func:`parse_with_config`), then ``run(namespace, echo=echo, command=...)`` with
+    the command as typed (``module_command`` and ``argv``, default ``sys.argv[1:]``); a ``ValueError`` is a
+    usage error naming the option (exit status 2). Returns 0."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog=prog, description=description, usage=PLAIN_USAGE,
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+    parser.add_argument("--config", default=None, help="YAML file of option values (names as the options, without "
+                        "dashes); options on the command line override it")
+    add_arguments(parser)
+    ns = parse_with_config(parser, args)
+    logging.basicConfig(level=logging.WARNING)
+    try:
+        run(ns, echo=echo, command=shlex.join([*module_command.split(), *args]))
+    except ValueError as exc:
+        parser.error(str(exc))
+    return 0
 
 
 def given_flags(argv: Optional[Sequence[str]] = None) -> set[str]:

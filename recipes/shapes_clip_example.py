@@ -34,6 +34,7 @@ import os
 import sys
 from typing import Any, Optional
 
+from hf_constrained.recipe_args import run_plain_command
 from hf_constrained.recipes import demo_clip_digits as demo
 
 FOLDER = "shapes_clip_example"
@@ -82,7 +83,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     """``python -m hf_constrained.recipes.shapes_clip_example``, the same as ``hf-constrained shapes-example``."""
     # named as it was called: `hf-constrained shapes-example` (the CLI sets argv[0]) or `python -m ...`
     prog = sys.argv[0] if os.path.basename(sys.argv[0]).startswith("hf-constrained") else MODULE_COMMAND
-    return demo.command_line(argv, prog, __doc__.split("\n")[0], add_arguments, run, MODULE_COMMAND)
+    return run_plain_command(argv, prog, __doc__.split("\n")[0], add_arguments, run, MODULE_COMMAND, demo.print_line)
 
 
 if __name__ == "__main__":

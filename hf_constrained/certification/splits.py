@@ -9,7 +9,9 @@ hashes and its size) names it in the ledger of looks, the report and the card.
 
 :func:`carve_certification` sets a certification split aside in the first place: a seeded share of
 the rows (of each class's rows, when given labels), drawn with a generator that depends on the seed
-alone, never on the data, so the split is fixed before anything reads a row.
+alone, never on the data, so the split is fixed before anything reads a row. :func:`partition_by_class`
+cuts a labelled pool into every split of an experiment at once (per class: held-out, selection, constraint
+data, ...), its certification split the last share of each class's held-out rows (:func:`certification_tail`).
 
 Plain numpy: no torch (a tensor row is hashed through its ``.numpy()`` without importing torch). The check
 that a run's certification rows appear in none of its other data is the run's
@@ -142,4 +144,57 @@ def carve_certification(rows: Any, fraction: float, seed: SeedLike, *, labels: O
     return _take(rows, left), _take(rows, certify)
 
 
-__all__ = ["SeedLike", "carve_certification", "check_certify_fraction", "row_hash", "split_fingerprint"]
+def certification_tail(positions: Sequence[int], fraction: float, *, flag: str = "--certify_fraction",
+                       unit: str = "rows") -> tuple[np.ndarray, np.ndarray]:
+    """(rows kept, certification rows): the last ``round(fraction * n)`` of the n ``positions``, in their order,
+    certify; the others are kept (e.g. to report on).
+
+    Unlike :func:`carve_certification` it draws nothing: ``positions`` are already in a seeded order (one class's
+    held-out rows of :func:`partition_by_class`) or independent draws (a generator's images), so their tail is a
+    random share fixed before any row is read. ``fraction`` may be 1 (every held-out row certifies: the reported
+    numbers are read after the model is fixed and change nothing the certificate depends on) or 0 (none);
+    outside [0, 1] it is a ``ValueError`` naming ``flag``.
+    """
+    if not 0 <= fraction <= 1:
+        raise ValueError(f"{flag} must be in [0, 1] (a share of the held-out {unit}), got {fraction}")
+    positions = np.asarray(positions)
+    n_kept = len(positions) - int(round(len(positions) * fraction))
+    return positions[:n_kept], positions[n_kept:]
+
+
+def partition_by_class(labels: Sequence[int], shares: Sequence[tuple[str, float]], seed: int, *, rest: str,
+                       certify_from: Optional[str] = None, certify_fraction: float = 0.0,
+                       flag: str = "--certify_fraction", unit: str = "rows") -> dict[str, list[int]]:
+    """Every split of a labelled pool at once, as sorted row positions per split name.
+
+    Each class (the distinct labels in sorted order) is permuted by one generator,
+    ``numpy.random.default_rng(seed)`` (the seed alone, never the data), and cut into consecutive parts of
+    ``round(n_c * share)`` rows, one per ``(name, share)`` of ``shares`` in that order; the rows left are ``rest``.
+    With ``certify_from`` (the name of the held-out part), the last ``certify_fraction`` of each class's rows of
+    that part become the certification split ``"certify"`` (:func:`certification_tail`), which nothing but the
+    certificate reads; the other parts do not depend on ``certify_fraction``. Raises ``ValueError`` when the shares
+    leave no row for ``rest``, and one naming ``flag`` (and the held-out ``unit``) when ``certify_fraction`` is
+    outside [0, 1].
+    """
+    if sum(share for _, share in shares) >= 1:
+        raise ValueError(f"the shares of {[name for name, _ in shares]} must leave rows for {rest!r}")
+    certification_tail([], certify_fraction, flag=flag, unit=unit)  # checked before any row is drawn
+    labels = np.asarray(labels)
+    rng = np.random.default_rng(seed)
+    parts: dict[str, list[int]] = {name: [] for name, _ in shares}
+    parts.update({rest: [], **({"certify": []} if certify_from is not None else {})})
+    for c in sorted(set(labels.tolist())):
+        idx = rng.permutation(np.flatnonzero(labels == c))
+        bounds = np.cumsum([0] + [int(round(len(idx) * share)) for _, share in shares])
+        for (name, _), start, end in zip(shares, bounds[:-1], bounds[1:]):
+            part = idx[start:end]
+            if name == certify_from:
+                part, certify = certification_tail(part, certify_fraction, flag=flag, unit=unit)
+                parts["certify"] += certify.tolist()
+            parts[name] += part.tolist()
+        parts[rest] += idx[bounds[-1]:].tolist()
+    return {name: sorted(rows) for name, rows in parts.items()}
+
+
+__all__ = ["SeedLike", "carve_certification", "certification_tail", "check_certify_fraction", "partition_by_class",
+           "row_hash", "split_fingerprint"]

@@ -8,7 +8,13 @@
 * :mod:`.heads`: optional per-class low-rank text heads;
 * :mod:`.tiny`: a small CLIP and word tokenizer built from configs (demo and tests, offline);
 * :mod:`.shapes`: generated shape images, as many independent ones per class as a claim needs (the
-  generated-shapes example, docs/generated_images.md).
+  generated-shapes example, docs/generated_images.md);
+* :mod:`.image_task`: a small zero-shot image task: classes and prompts, augmented copies, the old model
+  trained as a zero-shot classifier;
+* :mod:`.protected`: the protected classes' pools with the old model's references, their values on held-out
+  rows, and the replay / KL baselines that read them;
+* :mod:`.experiment`: the non-forgetting experiment on such a task (the demo's pipeline: stage 1, the
+  constraints, the checkpoint selection, the certificate, ``finish_run``).
 """
 
 from .contrastive import ContrastiveConstrainedTrainer, HalfPositiveSampler, contrastive_terms, gather_with_grad

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from typing import Any
 
 from transformers import CLIPConfig, CLIPModel, CLIPProcessor, CLIPTokenizer
 
@@ -48,8 +47,9 @@ def word_tokenizer(texts: Iterable[str], model_max_length: int = 32) -> CLIPToke
 
 def tiny_clip(vocab_size: int, *, image_size: int = 8, patch_size: int = 2, num_channels: int = 3,
               hidden_size: int = 64, layers: int = 2, heads: int = 4, projection_dim: int = 32,
-              max_text_length: int = 32, seed: int = 0, **extra: Any) -> CLIPModel:
-    """A CLIPModel with small ViT and text towers (random init, seeded)."""
+              max_text_length: int = 32, seed: int = 0) -> CLIPModel:
+    """A CLIPModel with small ViT and text towers (random init, seeded by ``seed``): ``layers`` layers of width
+    ``hidden_size`` with ``heads`` attention heads each, embeddings projected to ``projection_dim``."""
     import torch
 
     text = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
@@ -57,7 +57,7 @@ def tiny_clip(vocab_size: int, *, image_size: int = 8, patch_size: int = 2, num_
                 bos_token_id=0, eos_token_id=1, pad_token_id=1)
     vision = dict(image_size=image_size, patch_size=patch_size, num_channels=num_channels, hidden_size=hidden_size,
                   intermediate_size=2 * hidden_size, num_hidden_layers=layers, num_attention_heads=heads)
-    config = CLIPConfig(text_config=text, vision_config=vision, projection_dim=projection_dim, **extra)
+    config = CLIPConfig(text_config=text, vision_config=vision, projection_dim=projection_dim)
     torch.manual_seed(seed)
     return CLIPModel(config)
 

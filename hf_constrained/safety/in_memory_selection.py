@@ -16,7 +16,8 @@ split):
   (``trainer.evaluate_constraints``) against its tolerance, or against one ``requirement`` for all (the
   requirement itself rather than a training tolerance tightened by a margin);
 - :func:`hf_constrained.non_forgetting.largest_share_forgotten`: every protected task's share of selection
-  rows forgotten (right under the old model, wrong now; the certificate's statistic) against a largest share.
+  rows forgotten (right under the old model, wrong now; the certificate's statistic) against a largest share;
+  :func:`forgetting_violation` takes the old model's correctness on the selection rows for it, before training.
 
 The rows that chose the kept weights cannot certify them: the certificate reads its own split
 (:mod:`hf_constrained.certification.certify`).
@@ -25,6 +26,7 @@ The rows that chose the kept weights cannot certify them: the certificate reads 
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from dataclasses import asdict
 from typing import Any, Callable, Optional, Protocol
 
@@ -33,6 +35,7 @@ from torch import nn
 from transformers import TrainerCallback
 
 from ..certification.selection import EvaluationRecord, FeasibleSelection, is_better, summarize_records
+from ..non_forgetting import largest_share_forgotten, with_old_correctness
 
 ModelValue = Callable[[nn.Module], float]
 """``value(model) -> float``, evaluated on the weights now in the model (no gradient needed)."""
@@ -127,4 +130,16 @@ def largest_constraint_violation(trainer: ConstraintEvaluator, requirement: Opti
     return largest
 
 
-__all__ = ["InMemoryFeasibleSelection", "ModelValue", "largest_constraint_violation"]
+def forgetting_violation(old_model: nn.Module, datasets: Mapping[str, Any], correct: Callable[..., torch.Tensor],
+                         rate: float, collate_fn: Optional[Callable] = None, batch_size: int = 512) -> ModelValue:
+    """``model -> max_k share_k - rate``: the largest share of a protected task's selection rows forgotten (right
+    under the old model, wrong under ``model``; the certificate's statistic) above ``rate``
+    (:func:`hf_constrained.non_forgetting.largest_share_forgotten`). The old model's correctness on the rows of
+    ``datasets`` (task -> selection rows) is taken now, once: call it before training, with ``old_model`` still
+    the old model. ``correct``: ``(model, batch) -> (rows,)`` of 0/1, e.g. CLIP's zero-shot correctness."""
+    rows = {name: with_old_correctness(old_model, pool, correct, collate_fn, batch_size=batch_size)
+            for name, pool in datasets.items()}
+    return largest_share_forgotten(rows, correct, rate, collate_fn, batch_size=batch_size)
+
+
+__all__ = ["InMemoryFeasibleSelection", "ModelValue", "forgetting_violation", "largest_constraint_violation"]

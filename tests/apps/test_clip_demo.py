@@ -1,8 +1,11 @@
-"""The digits demo: its data design, enlarged pools, row-wise constraints, selection and verdicts."""
+"""The digits demo: its data design, enlarged pools, row-wise constraints, selection and verdicts (the pipeline is
+the library's :mod:`hf_constrained.clip.experiment`; the command line, the runs over seeds and the summaries are the
+recipe's)."""
 
 import ast
 import json
 import os
+from dataclasses import fields
 
 import numpy as np
 import pytest
@@ -10,30 +13,34 @@ import torch
 from transformers import TrainerCallback
 
 from hf_constrained.certification.selection import EvaluationRecord
+from hf_constrained.clip import experiment as pipeline
+from hf_constrained.clip.image_task import augmented_copies
+from hf_constrained.clip.protected import ProtectedPools
 from hf_constrained.non_forgetting import ReferenceGap
+from hf_constrained.recipe_args import parse_seeds
 from hf_constrained.recipes import demo_clip_digits as demo
 
 
 def test_digits_demo_data_design():
-    cfg = demo.DemoConfig()
-    data = demo.digits_split(cfg)
-    parts = [set(data[k]) for k in demo.SPLITS]
+    cfg = pipeline.DemoConfig()
+    data = pipeline.digits_split(cfg)
+    parts = [set(data[k]) for k in pipeline.SPLITS]
     for a in range(len(parts)):
         for b in range(a + 1, len(parts)):
-            assert not (parts[a] & parts[b]), (demo.SPLITS[a], demo.SPLITS[b])
+            assert not (parts[a] & parts[b]), (pipeline.SPLITS[a], pipeline.SPLITS[b])
     assert sum(map(len, parts)) == len(data["labels"])
-    rows = demo.target_rows(data, cfg)
+    rows = pipeline.target_rows(data, cfg)
     pos_labels = {r["label"] for r in rows if r["is_positive"]}
     neg_labels = {r["label"] for r in rows if not r["is_positive"]}
     assert pos_labels == {cfg.target, cfg.pulled}  # noisy positives: the pulled digit captioned as the target
     assert cfg.pulled not in neg_labels and cfg.target not in neg_labels and len(neg_labels) == 8
-    target_name = demo.DIGIT_NAMES[cfg.target]
+    target_name = pipeline.DIGIT_NAMES[cfg.target]
     assert all(r["caption"].endswith(target_name) for r in rows if r["is_positive"])
     # every target image outside the selection and test splits is a positive; those two stay out
     n_clean = sum(1 for r in rows if r["is_positive"] and r["label"] == cfg.target)
     assert n_clean == sum(1 for i in data["pretrain"] + data["constraint"] if data["labels"][i] == cfg.target)
     with pytest.raises(ValueError, match="stage 1"):
-        demo.digits_split(demo.DemoConfig(test_fraction=0.5, selection_fraction=0.3, constraint_fraction=0.2))
+        pipeline.digits_split(pipeline.DemoConfig(test_fraction=0.5, selection_fraction=0.3, constraint_fraction=0.2))
     # the certification images: by default every held-out image of each class (25%: 44-46), none of them in the
     # target data; every other split is what it is without them, and the reported accuracies are on all held-out
     per_class = [sum(data["labels"][i] == c for i in data["certify"]) for c in range(10)]
@@ -41,23 +48,23 @@ def test_digits_demo_data_design():
     assert not data["test"] and data["held_out"] == data["certify"]
     target_images = {r["pixel_values"].tobytes() for r in rows}
     assert not target_images & {data["images"][i].tobytes() for i in data["certify"]}
-    plain = demo.digits_split(demo.DemoConfig(certify_fraction=0.0))
+    plain = pipeline.digits_split(pipeline.DemoConfig(certify_fraction=0.0))
     assert not plain["certify"] and sorted(data["test"] + data["certify"]) == plain["test"] == plain["held_out"]
-    part = demo.digits_split(demo.DemoConfig(certify_fraction=0.4))
+    part = pipeline.digits_split(pipeline.DemoConfig(certify_fraction=0.4))
     assert [sum(part["labels"][i] == c for i in part["certify"]) for c in range(10)] == [
         int(round(0.4 * round(0.25 * n))) for n in np.bincount(data["labels"])]
     assert part["held_out"] == sorted(part["test"] + part["certify"]) == data["held_out"]
     assert all(data[k] == plain[k] == part[k] for k in ("pretrain", "constraint", "selection"))
-    assert demo._stage1_key(cfg) == demo._stage1_key(demo.DemoConfig(certify_fraction=0.0))
-    assert demo.digits_split(demo.DemoConfig(seed=1))["certify"] != data["certify"]  # drawn with the run's seed
+    assert pipeline._stage1_key(cfg) == pipeline._stage1_key(pipeline.DemoConfig(certify_fraction=0.0))
+    assert pipeline.digits_split(pipeline.DemoConfig(seed=1))["certify"] != data["certify"]  # drawn with the run's seed
     with pytest.raises(ValueError, match="--certify_fraction"):
-        demo.digits_split(demo.DemoConfig(certify_fraction=1.5))
+        pipeline.digits_split(pipeline.DemoConfig(certify_fraction=1.5))
 
 
 def test_augmented_copies_are_distorted_versions_of_their_own_image():
-    data = demo.digits_split(demo.DemoConfig())
+    data = pipeline.digits_split(pipeline.DemoConfig())
     images = data["images"][:30]
-    out = demo.augmented_copies(images, 4, seed=1, shift=0.5, rotate=10.0, noise=0.1)
+    out = augmented_copies(images, 4, seed=1, shift=0.5, rotate=10.0, noise=0.1)
     assert out.shape == (120, 1, 8, 8) and out.dtype == images.dtype
     assert out.min() >= -1 and out.max() <= 1
     flat_in, flat_out = images.reshape(30, -1), out.reshape(120, -1)
@@ -66,10 +73,10 @@ def test_augmented_copies_are_distorted_versions_of_their_own_image():
         for j in range(1, 4):
             dist = np.linalg.norm(flat_in - flat_out[4 * n + j], axis=1)
             assert 0 < dist[n] < np.median(np.delete(dist, n))  # changed, yet closer to its own image than most
-    np.testing.assert_array_equal(out, demo.augmented_copies(images, 4, seed=1, shift=0.5, rotate=10.0, noise=0.1))
-    assert not np.array_equal(out, demo.augmented_copies(images, 4, seed=2, shift=0.5, rotate=10.0, noise=0.1))
+    np.testing.assert_array_equal(out, augmented_copies(images, 4, seed=1, shift=0.5, rotate=10.0, noise=0.1))
+    assert not np.array_equal(out, augmented_copies(images, 4, seed=2, shift=0.5, rotate=10.0, noise=0.1))
     with pytest.raises(ValueError, match="copies"):
-        demo.augmented_copies(images, 0, seed=1)
+        augmented_copies(images, 0, seed=1)
 
 
 def test_pools_stay_in_their_split_and_carry_references_of_the_same_copies(tmp_path):
@@ -80,21 +87,21 @@ def test_pools_stay_in_their_split_and_carry_references_of_the_same_copies(tmp_p
     from hf_constrained.clip import ZeroShotLoss
     from hf_constrained.clip.data import CLIPCollator
 
-    cfg = demo.DemoConfig(stage1_epochs=1, constraint_copies=3, eval_copies=2)
-    path = demo.pretrain_old_model(cfg, str(tmp_path), log=lambda *a: None)
-    pools = demo.old_pools(cfg, path)
-    data = demo.digits_split(cfg)
-    name = demo.DIGIT_NAMES[0]
+    cfg = pipeline.DemoConfig(stage1_epochs=1, constraint_copies=3, eval_copies=2)
+    path = pipeline.pretrain_old_model(cfg, str(tmp_path), log=lambda *a: None)
+    pools = pipeline.old_pools(cfg, path)
+    data = pipeline.digits_split(cfg)
+    name = pipeline.DIGIT_NAMES[0]
     n_con = sum(1 for i in data["constraint"] if data["labels"][i] == 0)
     n_test = sum(1 for i in data["held_out"] if data["labels"][i] == 0)  # the accuracies: every held-out image
     assert len(pools.constraint[name]) == 3 * n_con and len(pools.test[name]) == 2 * n_test
-    assert demo.DIGIT_NAMES[cfg.target] not in pools.constraint
+    assert pipeline.DIGIT_NAMES[cfg.target] not in pools.constraint
     originals = {data["images"][i].tobytes() for i in data["constraint"]}
     test_originals = [pools.test[name][2 * k]["pixel_values"].tobytes() for k in range(n_test)]
     assert not originals & set(test_originals)
     tok = AutoTokenizer.from_pretrained(path)
     model = CLIPModel.from_pretrained(path).eval()
-    p = demo.prompts(tok)
+    p = pipeline.demo_data(cfg).prompts(tok)
     zs = ZeroShotLoss(p["input_ids"], p["attention_mask"], temperature=cfg.temperature)
     rows = [pools.constraint[name][i] for i in range(6)]
     batch = CLIPCollator(tokenizer=tok)(rows)
@@ -141,11 +148,14 @@ def test_seeds_option_is_checked():
 
     parser = argparse.ArgumentParser()
     demo.add_demo_arguments(parser)
-    assert demo._seeds(parser.parse_args(["--seeds", "0,1,2"])) == [0, 1, 2]
-    assert demo._seeds(parser.parse_args(["--seed", "4"])) == [4]
+    def seeds(ns):
+        return parse_seeds(ns.seeds, ns.seed)
+
+    assert seeds(parser.parse_args(["--seeds", "0,1,2"])) == [0, 1, 2]
+    assert seeds(parser.parse_args(["--seed", "4"])) == [4]
     for bad in ("0,x", "1,1"):
         with pytest.raises(ValueError, match="--seeds"):
-            demo._seeds(parser.parse_args(["--seeds", bad]))
+            seeds(parser.parse_args(["--seeds", bad]))
 
 
 def test_demo_flags_are_spelt_as_in_the_recipes_and_the_old_spellings_still_work():
@@ -189,15 +199,15 @@ def test_demo_keeps_the_checkpoint_the_librarys_selection_picks_on_the_selection
     from hf_constrained.clip.data import CLIPCollator
     from hf_constrained.clip.non_forgetting import zero_shot_predictions
 
-    cfg = demo.DemoConfig(stage1_epochs=2, steps=3, lr=3e-2, constraint_copies=1, eval_copies=1, select_every=1,
+    cfg = pipeline.DemoConfig(stage1_epochs=2, steps=3, lr=3e-2, constraint_copies=1, eval_copies=1, select_every=1,
                           batch_size=16, select_on=select_on, select_forget_rate=0.02, margin=0.01,
                           certify_fraction=0.0)
-    path = demo.pretrain_old_model(cfg, str(tmp_path), log=lambda *a: None)
-    pools = demo.old_pools(cfg, path)
+    path = pipeline.pretrain_old_model(cfg, str(tmp_path), log=lambda *a: None)
+    pools = pipeline.old_pools(cfg, path)
     steps = StepWeights()
-    run = demo.finetune(cfg, path, "hinge", pools=pools, log=lambda *a: None, callbacks=[steps])
+    run = pipeline.finetune(cfg, path, "hinge", pools=pools, log=lambda *a: None, callbacks=[steps])
     tok = AutoTokenizer.from_pretrained(path)
-    p = demo.prompts(tok)
+    p = pipeline.demo_data(cfg).prompts(tok)
     zs = ZeroShotLoss(p["input_ids"], p["attention_mask"], temperature=cfg.temperature)
     collate = CLIPCollator(tokenizer=tok)
     old, model = CLIPModel.from_pretrained(path), CLIPModel.from_pretrained(path)
@@ -225,7 +235,7 @@ def test_demo_keeps_the_checkpoint_the_librarys_selection_picks_on_the_selection
     assert run["kept_step"] == select_best(records, greater_is_better=False).step
     kept = CLIPModel.from_pretrained(path)
     kept.load_state_dict(steps.weights[run["kept_step"]])
-    assert run["accuracy"] == demo.zero_shot_accuracy(kept, pools.test_all, zs, collate, demo.DIGIT_NAMES,
+    assert run["accuracy"] == pipeline.zero_shot_accuracy(kept, pools.test_all, zs, collate, pipeline.DIGIT_NAMES,
                                                       batch_size=512)
 
 
@@ -233,17 +243,17 @@ def test_calibrated_constraints_count_original_images_not_copies():
     """With ``confidence`` the demo's constraints are calibrated, and the margin's n is the
     number of original images of D_k (each enters as ``constraint_copies`` correlated copies)."""
     rows = {"zero": [{"x": i} for i in range(8 * 45)], "one": [{"x": i} for i in range(8 * 40)]}
-    pools = demo.Pools(constraint=rows, selection={k: v[:10] for k, v in rows.items()}, test={}, target_selection=[],
-                       test_all=[])
+    pools = ProtectedPools(constraint=rows, selection={k: v[:10] for k, v in rows.items()}, test={},
+                           target_selection=[], test_all=[])
     rows_fn = ReferenceGap(lambda model, batch: None)
-    cfg = demo.DemoConfig(confidence=0.9, constraint_copies=8, tolerance=0.05)
-    cons = demo.demo_constraints(cfg, pools, rows_fn, collate=None)
+    cfg = pipeline.DemoConfig(confidence=0.9, constraint_copies=8, tolerance=0.05)
+    cons = pipeline.demo_constraints(cfg, pools, rows_fn, collate=None)
     assert [(c.confidence, c.independent_rows, c.tolerance) for c in cons] == [(0.9, 45, 0.05), (0.9, 40, 0.05)]
     assert all(c.row_fn is rows_fn for c in cons)  # one shared row_fn: one row-wise group
-    plain = demo.demo_constraints(demo.DemoConfig(confidence=0.0), pools, rows_fn, collate=None)
+    plain = pipeline.demo_constraints(pipeline.DemoConfig(confidence=0.0), pools, rows_fn, collate=None)
     assert all(c.confidence is None and c.independent_rows is None for c in plain)
     with pytest.raises(ValueError, match="--confidence"):
-        demo.demo_constraints(demo.DemoConfig(confidence=1.0), pools, rows_fn, collate=None)
+        pipeline.demo_constraints(pipeline.DemoConfig(confidence=1.0), pools, rows_fn, collate=None)
 
 
 def test_demo_certifies_each_kept_model_on_images_nothing_else_reads(tmp_path, monkeypatch):
@@ -257,18 +267,18 @@ def test_demo_certifies_each_kept_model_on_images_nothing_else_reads(tmp_path, m
     from hf_constrained.clip.data import CLIPCollator, RowDataset
     from hf_constrained.clip.non_forgetting import zero_shot_predictions
 
-    cfg = demo.DemoConfig(stage1_epochs=2, steps=4, lr=3e-2, constraint_copies=1, eval_copies=1, select_every=0,
+    cfg = pipeline.DemoConfig(stage1_epochs=2, steps=4, lr=3e-2, constraint_copies=1, eval_copies=1, select_every=0,
                           forget_tolerance=0.3, delta=0.1)
-    path = demo.pretrain_old_model(cfg, str(tmp_path), log=lambda *a: None)
-    pools = demo.old_pools(cfg, path)
-    data = demo.digits_split(cfg)
-    protected = [n for k, n in enumerate(demo.DIGIT_NAMES) if k != cfg.target]
+    path = pipeline.pretrain_old_model(cfg, str(tmp_path), log=lambda *a: None)
+    pools = pipeline.old_pools(cfg, path)
+    data = pipeline.digits_split(cfg)
+    protected = [n for k, n in enumerate(pipeline.DIGIT_NAMES) if k != cfg.target]
     assert sorted(pools.certify) == sorted(protected)
     # no training step and no checkpoint selection reads a certification image; the reported accuracies do
     used = {r["pixel_values"].tobytes() for split in (pools.constraint, pools.selection)
             for rows in split.values() for r in (rows[i] for i in range(len(rows)))}
     reported = {pools.test_all[i]["pixel_values"].tobytes() for i in range(len(pools.test_all))}
-    for k, name in enumerate(demo.DIGIT_NAMES):
+    for k, name in enumerate(pipeline.DIGIT_NAMES):
         if name in pools.certify:
             images = [data["images"][i] for i in data["certify"] if data["labels"][i] == k]
             rows = pools.certify[name]
@@ -276,24 +286,24 @@ def test_demo_certifies_each_kept_model_on_images_nothing_else_reads(tmp_path, m
             assert {x.tobytes() for x in images} <= reported
             np.testing.assert_array_equal(rows[0]["pixel_values"], images[0])
     kept = {}
-    real = demo.certify_models
+    real = pipeline.certify_models
 
     def capture(trainer, **kw):
         kept["state"] = {k: v.clone() for k, v in trainer.model.state_dict().items()}
         return real(trainer, **kw)
 
-    monkeypatch.setattr(demo, "certify_models", capture)
-    run = demo.finetune(cfg, path, "none", pools=pools, log=lambda *a: None)
+    monkeypatch.setattr(pipeline, "certify_models", capture)
+    run = pipeline.finetune(cfg, path, "none", pools=pools, log=lambda *a: None)
     cert = run["certificate"]
     tok = AutoTokenizer.from_pretrained(path)
     old, new = CLIPModel.from_pretrained(path), CLIPModel.from_pretrained(path)
     new.load_state_dict(kept["state"])
-    p = demo.prompts(tok)
+    p = pipeline.demo_data(cfg).prompts(tok)
     zs = ZeroShotLoss(p["input_ids"], p["attention_mask"], temperature=cfg.temperature)
     collate = CLIPCollator(tokenizer=tok)
     total = 0
     for name in protected:
-        rows = RowDataset(demo.class_rows(data, "certify", demo.DIGIT_NAMES.index(name)))
+        rows = RowDataset(pipeline.class_rows(data, "certify", pipeline.DIGIT_NAMES.index(name)))
         p_old, label = zero_shot_predictions(old, rows, zs, collate)
         p_new, _ = zero_shot_predictions(new, rows, zs, collate)
         forgotten = int(((p_old == label) & (p_new != label)).sum())
@@ -306,9 +316,9 @@ def test_demo_certifies_each_kept_model_on_images_nothing_else_reads(tmp_path, m
     assert total > 0  # the large step makes unconstrained fine-tuning forget some images
     assert cert["failing"] == [k for k, b in cert["bounds"].items() if b > 0.3]
     assert cert["certified"] == (not cert["failing"]) and cert["largest_bound"] == max(cert["bounds"].values())
-    summary = demo.seed_summary(cfg, {n: 1.0 for n in demo.DIGIT_NAMES}, run)
+    summary = demo.seed_summary(cfg, {n: 1.0 for n in pipeline.DIGIT_NAMES}, run)
     assert (summary["certified"], summary["not_certified"]) == (cert["certified"], cert["failing"])
-    table = demo.seed_table(cfg, {n: 1.0 for n in demo.DIGIT_NAMES}, [run])
+    table = demo.seed_table(cfg, {n: 1.0 for n in pipeline.DIGIT_NAMES}, [run])
     assert "| certified: every protected digit loses at most 30 points (share forgotten <= 0.3, delta 0.1) | " \
            + ("yes" if cert["certified"] else "no") in table
 
@@ -350,14 +360,14 @@ def test_proxy_indicator_constraints_compare_the_share_forgotten_with_its_own_ra
     """With the proxy indicator the hinge acts when the share forgotten exceeds ``proxy_forget_rate``:
     a fixed margin ``forget_tolerance - proxy_forget_rate`` on the statistic's tolerance, no calibrated margin."""
     rows = {"zero": [{"x": i} for i in range(8 * 45)]}
-    pools = demo.Pools(constraint=rows, selection={k: v[:10] for k, v in rows.items()}, test={}, target_selection=[],
-                       test_all=[], certify={"zero": [{"x": -1}] * 18})
-    cfg = demo.DemoConfig(indicator_fraction=0.3, proxy_indicator=True, confidence=0.0, proxy_forget_rate=0.05)
-    (con,) = demo.demo_constraints(cfg, pools, ReferenceGap(lambda model, batch: None), collate=None)
+    pools = ProtectedPools(constraint=rows, selection={k: v[:10] for k, v in rows.items()}, test={},
+                           target_selection=[], test_all=[], certify={"zero": [{"x": -1}] * 18})
+    cfg = pipeline.DemoConfig(indicator_fraction=0.3, proxy_indicator=True, confidence=0.0, proxy_forget_rate=0.05)
+    (con,) = pipeline.demo_constraints(cfg, pools, ReferenceGap(lambda model, batch: None), collate=None)
     assert con.margin.value == pytest.approx(cfg.forget_tolerance - 0.05) and con.confidence is None
     assert con.certify_statistic.tolerance == cfg.forget_tolerance  # the certificate itself is unchanged
-    (plain,) = demo.demo_constraints(demo.DemoConfig(confidence=0.0), pools, ReferenceGap(lambda model, batch: None),
-                                     collate=None)
+    (plain,) = pipeline.demo_constraints(pipeline.DemoConfig(confidence=0.0), pools,
+                                         ReferenceGap(lambda model, batch: None), collate=None)
     assert plain.margin is None
 
 
@@ -365,12 +375,12 @@ def test_results_record_the_command_and_the_settings_it_parses_to(tmp_path, monk
     """``main`` stores its own command line (as typed after ``python -m``) and the parsed settings."""
     import shlex
 
-    fake_run = {"accuracy": {n: 0.5 for n in demo.DIGIT_NAMES}, "h_train": {"a": 0.0}, "h_test": {"a": 0.0},
+    fake_run = {"accuracy": {n: 0.5 for n in pipeline.DIGIT_NAMES}, "h_train": {"a": 0.0}, "h_test": {"a": 0.0},
                 "kept_step": 1, "certificate": {"certified": True, "largest_bound": 0.1, "failing": []}}
     monkeypatch.setattr(demo, "pretrain_old_model", lambda *a, **k: "old")
     monkeypatch.setattr(demo, "load_old_model", lambda path: None)
     monkeypatch.setattr(demo, "old_pools", lambda *a, **k: None)
-    monkeypatch.setattr(demo, "old_accuracy", lambda *a, **k: {n: 0.5 for n in demo.DIGIT_NAMES})
+    monkeypatch.setattr(demo, "old_accuracy", lambda *a, **k: {n: 0.5 for n in pipeline.DIGIT_NAMES})
     monkeypatch.setattr(demo, "finetune", lambda cfg, path, p, **k: {**fake_run, "penalty": p})
     written = {}
     monkeypatch.setattr(demo, "atomic_write_json", lambda path, results: written.update(results))
@@ -386,8 +396,8 @@ def test_results_record_the_command_and_the_settings_it_parses_to(tmp_path, monk
             == ([3, 4], ["hinge"], 7.0, "x.json"))
     assert config == demo.parsed_config(_demo_parser().parse_args(shlex.split(written["command"])[3:]))
     # every setting, not just the changed ones (on the digits, less the generated images' settings, which they ignore)
-    assert {f.name for f in demo.fields(demo.DemoConfig)} - set(demo.SHAPE_FIELDS) < set(config)
-    assert not set(demo.SHAPE_FIELDS) & set(config)
+    assert {f.name for f in fields(pipeline.DemoConfig)} - set(pipeline.SHAPE_FIELDS) < set(config)
+    assert not set(pipeline.SHAPE_FIELDS) & set(config)
 
 
 def test_committed_demo_results_come_from_the_command_shown_beside_them():
@@ -451,16 +461,16 @@ def test_make_demo_default_path_prints_a_summary_and_the_paths_it_wrote(tmp_path
     and the paths of the safety report, card and figures, which exist and describe the kept model."""
     import re
 
-    assert demo.DEFAULT_SEED not in (*range(5), *range(100, 105))
+    assert pipeline.DEFAULT_SEED not in (*range(5), *range(100, 105))
     cache = tmp_path / "out"
     assert demo.main(["--stage1_epochs", "2", "--max_steps", "10", "--constraint_copies", "2", "--eval_copies", "1",
                       "--cache_dir", str(cache)]) == 0
     printed = capsys.readouterr().out
     results = json.loads((cache / "demo_results.json").read_text())
-    assert results["config"]["seeds"] == [demo.DEFAULT_SEED] and results["config"]["penalties"] == ["hinge"]
+    assert results["config"]["seeds"] == [pipeline.DEFAULT_SEED] and results["config"]["penalties"] == ["hinge"]
     (run,) = results["per_seed"][0]["runs"]
     cert = run["certificate"]
-    folder = cache / demo.run_folder(demo.DEFAULT_SEED, "hinge")
+    folder = cache / pipeline.run_folder(pipeline.DEFAULT_SEED, "hinge")
     for label, name in (("safety report", "safety_report.json"), ("model card", "README.md"), ("figures", "figures")):
         line = next(x for x in printed.splitlines() if x.strip().startswith(label))
         path = line.split(None, len(label.split()))[-1]
@@ -544,15 +554,15 @@ def test_several_penalties_certified_on_one_split_are_counted_looks_each_printed
 
 
 def test_summary_names_the_digits_not_certified_and_still_states_the_bound():
-    cfg = demo.DemoConfig()
-    names = [n for n in demo.DIGIT_NAMES if n != "nine"]
+    cfg = pipeline.DemoConfig()
+    names = [n for n in pipeline.DIGIT_NAMES if n != "nine"]
     rows = {f"non_forgetting/{n}": 45 for n in names}
     forgotten = {k: 0.0 for k in rows} | {"non_forgetting/three": 4 / 45}
     bounds = {k: 0.0644 for k in rows} | {"non_forgetting/three": 0.192}
-    run = {"penalty": "none", "kept_step": 40, "accuracy": {n: 0.9 for n in demo.DIGIT_NAMES}, "files": {},
+    run = {"penalty": "none", "kept_step": 40, "accuracy": {n: 0.9 for n in pipeline.DIGIT_NAMES}, "files": {},
            "certificate": {"certified": False, "failing": ["non_forgetting/three"], "largest_bound": 0.192,
                            "bounds": bounds, "forgotten": forgotten, "rows": rows}}
-    text = demo.newcomer_summary(cfg, {n: 0.9 for n in demo.DIGIT_NAMES}, run, "out")
+    text = demo.newcomer_summary(cfg, {n: 0.9 for n in pipeline.DIGIT_NAMES}, run, "out")
     assert ("NOT CERTIFIED: the requirement (every protected digit loses at most 15 points of accuracy) is not shown "
             "for three.") in " ".join(text.split())
     assert "no protected digit loses more than 19.2 points" in " ".join(text.split())

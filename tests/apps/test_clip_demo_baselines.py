@@ -9,7 +9,8 @@ import torch
 from transformers import TrainerCallback
 
 import hf_constrained.method.regularisers as regularisers
-from hf_constrained.recipes import demo_clip_digits as demo
+from hf_constrained.clip import experiment as demo  # the demo's pipeline
+from hf_constrained.safety.in_memory_selection import InMemoryFeasibleSelection
 
 TINY = dict(stage1_epochs=2, steps=2, lr=3e-2, constraint_copies=1, eval_copies=1, select_every=0, batch_size=16)
 
@@ -90,13 +91,13 @@ def test_baselines_keep_the_constrained_runs_checkpoint_rule(old, monkeypatch):
     first); plain fine-tuning keeps the demo's (the best target loss)."""
     cfg, path, pools = old
     seen = []
-    original = demo.InMemoryFeasibleSelection.__init__
+    original = InMemoryFeasibleSelection.__init__
 
     def init(self, every, objective, violation=None, **kwargs):
         seen.append(violation is not None)  # feasibility checked, or the target loss alone
         original(self, every, objective, violation, **kwargs)
 
-    monkeypatch.setattr(demo.InMemoryFeasibleSelection, "__init__", init)
+    monkeypatch.setattr(InMemoryFeasibleSelection, "__init__", init)
     every = demo.DemoConfig(**{**TINY, "select_every": 1})
     for regulariser in (None, ("replay", 0.5), ("kl", 1.0)):
         demo.finetune(every, path, "none", pools=pools, log=lambda *a: None, regulariser=regulariser)

@@ -125,7 +125,7 @@ def test_recipe_csv_lora_squared_hinge(assets, tmp_path):
 @pytest.mark.slow
 def test_short_constrained_run_forgets_less_than_unconstrained(tmp_path):
     """Scaled-down demo: on the pulled digit the hinge keeps the constraint far lower than no penalty."""
-    from hf_constrained.recipes import demo_clip_digits as demo
+    from hf_constrained.clip import experiment as demo  # the demo's pipeline
 
     cfg = demo.DemoConfig(stage1_epochs=8, steps=30, lr=1e-4, beta=10.0, constraint_copies=2, eval_copies=1,
                           select_every=0)

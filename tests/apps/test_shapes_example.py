@@ -8,6 +8,7 @@ import os
 import numpy as np
 import pytest
 
+from hf_constrained.clip import experiment as pipeline
 from hf_constrained.clip.shapes import SHAPES, draw_shapes, render_shapes
 from hf_constrained.recipes import demo_clip_digits as demo
 from hf_constrained.recipes import shapes_clip_example as ex
@@ -57,42 +58,42 @@ def test_shapes_are_told_apart_by_their_pixels_not_only_by_noise():
 
 
 def test_shapes_splits_are_independent_draws_that_never_share_an_image():
-    cfg = demo.DemoConfig(**{**ex.SHAPES_DEFAULTS, "pretrain_images": 30, "constraint_images": 20,
+    cfg = pipeline.DemoConfig(**{**ex.SHAPES_DEFAULTS, "pretrain_images": 30, "constraint_images": 20,
                              "selection_images": 20, "held_out_images": 40, "certify_fraction": 0.75, "seed": 3})
-    data = demo.shapes_split(cfg)
+    data = pipeline.shapes_split(cfg)
     n = len(SHAPES)
     assert [len(data[k]) for k in ("pretrain", "constraint", "selection")] == [30 * n, 20 * n, 20 * n]
     assert len(data["certify"]) == 30 * n and len(data["test"]) == 10 * n
     assert data["held_out"] == sorted(data["test"] + data["certify"])
-    for split in demo.SPLITS:  # every class in every split, in the stated numbers
+    for split in pipeline.SPLITS:  # every class in every split, in the stated numbers
         counts = np.bincount(data["labels"][data[split]], minlength=n)
         assert len(set(counts)) == 1, split
     # no image in two splits (by index and by content), and the draw is the same for the same seed
     seen: dict[bytes, str] = {}
-    for split in demo.SPLITS:
+    for split in pipeline.SPLITS:
         for i in data[split]:
             key = data["images"][i].tobytes()
             assert key not in seen, (split, seen.get(key))
             seen[key] = split
-    again = demo.shapes_split(cfg)
+    again = pipeline.shapes_split(cfg)
     assert np.array_equal(again["images"], data["images"])
     # the splits are their own generator streams: more held-out images leave stage 1, D_k and selection as they were
-    more = demo.shapes_split(demo.DemoConfig(**{**cfg.__dict__, "held_out_images": 80}))
+    more = pipeline.shapes_split(pipeline.DemoConfig(**{**cfg.__dict__, "held_out_images": 80}))
     for split in ("pretrain", "constraint", "selection"):
         assert np.array_equal(more["images"][more[split]], data["images"][data[split]]), split
     # the target data never holds a held-out image
-    rows = demo.target_rows(data, cfg)
+    rows = pipeline.target_rows(data, cfg)
     assert not {r["pixel_values"].tobytes() for r in rows} & {data["images"][i].tobytes() for i in data["held_out"]}
     assert {r["label"] for r in rows if r["is_positive"]} == {cfg.target, cfg.pulled}
 
 
 def test_bad_data_options_name_the_flag():
     with pytest.raises(ValueError, match="--data"):
-        demo.demo_data(demo.DemoConfig(data="mnist"))
+        pipeline.demo_data(pipeline.DemoConfig(data="mnist"))
     with pytest.raises(ValueError, match="--target"):
-        demo.demo_data(demo.DemoConfig(data="shapes", target=8))
+        pipeline.demo_data(pipeline.DemoConfig(data="shapes", target=8))
     with pytest.raises(ValueError, match="--held_out_images"):
-        demo.shapes_split(demo.DemoConfig(data="shapes", target=1, pulled=0, held_out_images=-1))
+        pipeline.shapes_split(pipeline.DemoConfig(data="shapes", target=1, pulled=0, held_out_images=-1))
     with pytest.raises(SystemExit):
         ex.main(["--data", "digits", "--cache_dir", "unused"])
 

@@ -18,8 +18,8 @@ def test_every_method_runs_on_the_same_demo_settings(tmp_path, monkeypatch):
     out, figure = tmp_path / "frontier.json", tmp_path / "frontier.png"
     one_value = [f"{m}={d.values[0]:g}" for m, d in ffd.METHODS.items() if d.knob]
     finetuned = []  # each run's record from the demo (in this process: one worker), in the runs' order
-    finetune = ffd.demo.finetune
-    monkeypatch.setattr(ffd.demo, "finetune", lambda *a, **k: finetuned.append(finetune(*a, **k)) or finetuned[-1])
+    finetune = ffd.pipeline.finetune
+    monkeypatch.setattr(ffd.pipeline, "finetune", lambda *a, **k: finetuned.append(finetune(*a, **k)) or finetuned[-1])
     # --margin 0.1: the constraints are trained to h_k <= 0.05 - 0.1 < 0, violated from the first step, so in two
     # steps the hinges must act (at the demo's margin they would not have yet, and every run would equal `none`)
     result = ffd.main(["--seeds", "0", "--workers", "1", "--values", *one_value, "--json", str(out),
@@ -29,7 +29,7 @@ def test_every_method_runs_on_the_same_demo_settings(tmp_path, monkeypatch):
     assert figure.stat().st_size > 0 and not (tmp_path / "frontier.json.partial.jsonl").exists()
     runs = saved["runs"]
     assert [r["method"] for r in runs] == list(ffd.METHODS)
-    protected = {n for n in ffd.demo.DIGIT_NAMES if n != "nine"}
+    protected = {n for n in ffd.pipeline.DIGIT_NAMES if n != "nine"}
     for r in runs:
         assert r["seed"] == 0 and r["steps"] == 2 and r["target"] == "nine"
         assert set(r["old_task_change"]) == protected

@@ -57,3 +57,44 @@ def test_errors_name_the_flag_the_part_and_the_count():
                             more="a larger --x")
     with pytest.raises(ValueError, match="2 labels for 3 rows"):
         carve_certification([1, 2, 3], 0.5, 0, labels=[0, 1])
+
+
+def test_partition_by_class_cuts_each_seeded_class_permutation_into_its_parts():
+    """partition_by_class (the demo's splits): per class, default_rng(seed)'s permutation cut into consecutive
+    shares, the rest last; the certification split is the tail of each class's held-out part, and nothing but
+    ``test`` and ``certify`` depends on ``certify_fraction``."""
+    from hf_constrained.certification.splits import certification_tail, partition_by_class
+
+    labels = np.array([0] * 40 + [1] * 23 + [2] * 31)
+    shares = [("test", 0.25), ("selection", 0.15)]
+    parts = partition_by_class(labels, shares, 3, rest="train", certify_from="test", certify_fraction=0.5)
+    assert set(parts) == {"test", "selection", "train", "certify"}
+    every = sorted(i for rows in parts.values() for i in rows)
+    assert every == list(range(len(labels)))  # disjoint and complete
+    rng = np.random.default_rng(3)
+    for c in range(3):
+        idx = rng.permutation(np.flatnonzero(labels == c))
+        n_held, n_sel = int(round(len(idx) * 0.25)), int(round(len(idx) * 0.15))
+        kept, certify = certification_tail(idx[:n_held], 0.5)
+        assert sorted(certify.tolist()) == [i for i in parts["certify"] if labels[i] == c]
+        assert sorted(kept.tolist()) == [i for i in parts["test"] if labels[i] == c]
+        assert sorted(idx[n_held:n_held + n_sel].tolist()) == [i for i in parts["selection"] if labels[i] == c]
+    none = partition_by_class(labels, shares, 3, rest="train", certify_from="test", certify_fraction=0.0)
+    every_held = partition_by_class(labels, shares, 3, rest="train", certify_from="test", certify_fraction=1.0)
+    assert not none["certify"] and not every_held["test"]
+    assert sorted(parts["test"] + parts["certify"]) == none["test"] == every_held["certify"]
+    assert all(parts[k] == none[k] == every_held[k] for k in ("selection", "train"))
+    with pytest.raises(ValueError, match="--certify_fraction must be in \\[0, 1\\]"):
+        partition_by_class(labels, shares, 3, rest="train", certify_from="test", certify_fraction=1.5)
+    with pytest.raises(ValueError, match="must leave rows for 'train'"):
+        partition_by_class(labels, [("a", 0.6), ("b", 0.4)], 3, rest="train")
+
+
+def test_certification_tail_takes_the_last_share_in_the_given_order():
+    from hf_constrained.certification.splits import certification_tail
+
+    kept, certify = certification_tail([5, 9, 1, 7, 3], 0.4)
+    assert kept.tolist() == [5, 9, 1] and certify.tolist() == [7, 3]
+    assert certification_tail([5, 9], 0.0)[1].tolist() == [] and certification_tail([5, 9], 1.0)[0].tolist() == []
+    with pytest.raises(ValueError, match="--share must be in \\[0, 1\\] \\(a share of the held-out images\\)"):
+        certification_tail([1], -0.1, flag="--share", unit="images")
