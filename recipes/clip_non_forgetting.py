@@ -51,6 +51,7 @@ from hf_constrained.certification.splits import carve_certification, check_certi
 from hf_constrained.clip import (
     CLIPWithClassTextHeads,
     ContrastiveConstrainedTrainer,
+    NonForgettingConfig,
     ZeroShotLoss,
     non_forgetting_constraints,
     zero_shot_accuracy,
@@ -288,12 +289,12 @@ def main(argv: Optional[list[str]] = None) -> dict:
     # the old model: the model before training; with LoRA the adapter-disabled base (no second copy)
     with model.disable_adapter() if script.lora_r else contextlib.nullcontext():
         constraints = non_forgetting_constraints(model, loss, train_sets, collate, eval_datasets=eval_sets,
-                                                 tolerance=script.constraint_tolerance,
-                                                 batch_size=script.reference_batch_size,
-                                                 certify_datasets=certify_sets,
-                                                 forget_tolerance=script.forget_tolerance if certify_sets else None,
-                                                 old_correct_on_rows=bool(certify_sets)
-                                                 and args.constraint_proxy_indicator)
+                                                 certify_datasets=certify_sets, config=NonForgettingConfig(
+                                                     tolerance=script.constraint_tolerance,
+                                                     batch_size=script.reference_batch_size,
+                                                     forget_tolerance=script.forget_tolerance if certify_sets else None,
+                                                     old_correct_on_rows=bool(certify_sets)
+                                                     and args.constraint_proxy_indicator))
     report_split = data["held_out"] if data["held_out"] is not None else data["train"]
     report_rows = RowDataset([row for c in classes for row in report_split.get(c, [])])
     accuracy_old = zero_shot_accuracy(model, report_rows, loss, collate, classes)

@@ -82,6 +82,7 @@ from hf_constrained.errors import check_model_path
 from hf_constrained.extras import MissingExtraError, has_module, install_hint
 from hf_constrained.method.regularisers import ConstraintRowReplay
 from hf_constrained.non_forgetting import (
+    NonForgettingConfig,
     ReferenceGap,
     causal_lm_per_example_loss,
     non_forgetting_constraints,
@@ -546,24 +547,24 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     # adapter-disabled base) answers exactly and the new one does not (teacher-forced exact match of the answer)
     certifying = data.certify_fraction > 0
     # a proxy indicator evaluates the certificate's statistic on the constraint rows: they need the old correctness
+    statement = dict(batch_size=data.reference_batch_size, forget_tolerance=data.forget_tolerance,
+                     old_correct_on_rows=certifying and args.constraint_proxy_indicator)
     constraints = []
     if protected:
         constraints += non_forgetting_constraints(
             model, causal_lm_per_example_loss, {k: v.train for k, v in protected.items()}, collate,
             eval_datasets=None if data.eval_fraction <= 0 else {k: v.held_out for k, v in protected.items()},
-            tolerance=data.constraint_tolerance, relative_tolerance=data.relative_tolerance,
-            batch_size=data.reference_batch_size, row_fn=gap,
             certify_datasets={k: v.certify for k, v in protected.items()} if certifying else None,
-            correct=causal_lm_per_example_correct, forget_tolerance=data.forget_tolerance,
-            old_correct_on_rows=certifying and args.constraint_proxy_indicator)
+            correct=causal_lm_per_example_correct, row_fn=gap,
+            config=NonForgettingConfig(tolerance=data.constraint_tolerance, relative_tolerance=data.relative_tolerance,
+                                       **statement))
     if safety is not None:
         constraints += non_forgetting_constraints(
             model, causal_lm_per_example_loss, {"refusals": safety.train}, collate,
             eval_datasets=None if safety.held_out is None else {"refusals": safety.held_out},
-            tolerance=data.safety_tolerance, batch_size=data.reference_batch_size, name="safety/{task}",
-            row_fn=gap, certify_datasets={"refusals": safety.certify} if certifying else None,
-            correct=causal_lm_per_example_correct, forget_tolerance=data.forget_tolerance,
-            old_correct_on_rows=certifying and args.constraint_proxy_indicator)
+            certify_datasets={"refusals": safety.certify} if certifying else None,
+            correct=causal_lm_per_example_correct, row_fn=gap,
+            config=NonForgettingConfig(tolerance=data.safety_tolerance, name="safety/{task}", **statement))
     certification = {c.name: {"rows": len(c.certify.dataset), "fraction_of_held_out": data.certify_fraction,
                               "seed": args.seed} for c in constraints if c.certifiable}
     for name, split in certification.items():
