@@ -38,12 +38,12 @@ from ..publishable import publishable_command
 from ..safety.finish import certify_models, finish_run, push_last
 from ..safety.settings import CertificateArguments
 from .data import TABULAR_LOADERS, TabularColumns, TabularSplit, load_tabular_csv
+from .evaluation import ROCHistoryCallback
 from .icppac import ICPPACConfig, ICPPACTrainer
 from .model import MLPConfig, MLPForScoring
 from .roc import (
     DEFAULT_KAPPA,
     AUCConstrainedTrainer,
-    ROCHistoryCallback,
     collate_pairs,
     objective_pairs,
     pairwise_auc_loss,
