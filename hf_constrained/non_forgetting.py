@@ -369,8 +369,9 @@ def _statement_statistic(task: str, name: str, certify_dataset: Optional[Any], c
         return None
     if correct is None or not config.states_a_certificate:
         raise ValueError(f"protected task {task!r}: certify_dataset needs correct= (per-row 0/1 correctness) "
-                         "and forget_tolerance= (the largest share of examples that may be forgotten) or "
-                         "accuracy_drop_tolerance= (the most accuracy the task may lose, 0.02 = 2 points)")
+                         "and, in config=NonForgettingConfig(...), forget_tolerance= (the largest share of examples "
+                         "that may be forgotten) or accuracy_drop_tolerance= (the most accuracy the task may lose, "
+                         "0.02 = 2 points)")
     statistic = (forgetting_statistic(correct, config.forget_tolerance) if config.forget_tolerance is not None
                  else points_lost_statistic(correct, config.accuracy_drop_tolerance))
     check = certifiability(name, statistic.bound, statistic.value_range, statistic.tolerance,
