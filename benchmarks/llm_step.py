@@ -53,7 +53,7 @@ from common import default_clock, machine, setup_threads, summary, timed_train, 
 
 from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments  # noqa: E402
 from hf_constrained.method.regularisers import ConstraintRowReplay, Replay  # noqa: E402
-from hf_constrained.non_forgetting import ReferenceGap, non_forgetting_constraints  # noqa: E402
+from hf_constrained.non_forgetting import NonForgettingConfig, ReferenceGap, non_forgetting_constraints  # noqa: E402
 from hf_constrained.per_sample_loss import (  # noqa: E402
     PaddingCollator,
     causal_lm_per_example_correct,
@@ -180,10 +180,12 @@ def make_trainer(a: argparse.Namespace, variant: Optional[str], steps: int) -> C
     certify = None if not v.split else {task: TokenRows(64, a.seq_len, vocab, seed=20 + i)
                                         for i, task in enumerate(TASKS)}
     constraints = non_forgetting_constraints(
-        model, causal_lm_per_example_loss, protected, collate, relative_tolerance=RECIPE["relative_tolerance"],
-        batch_size=RECIPE["reference_batch_size"], row_fn=ReferenceGap(causal_lm_per_example_loss),
+        model, causal_lm_per_example_loss, protected, collate, row_fn=ReferenceGap(causal_lm_per_example_loss),
         certify_datasets=certify, correct=causal_lm_per_example_correct if certify else None,
-        forget_tolerance=RECIPE["forget_tolerance"] if certify else None, old_correct_on_rows=bool(certify))
+        config=NonForgettingConfig(relative_tolerance=RECIPE["relative_tolerance"],
+                                   batch_size=RECIPE["reference_batch_size"],
+                                   forget_tolerance=RECIPE["forget_tolerance"] if certify else None,
+                                   old_correct_on_rows=bool(certify)))
     replayed = ConstraintRowReplay(v.replay) if v.replay else None if not v.own_replay else Replay(
         torch.utils.data.ConcatDataset(list(protected.values())), v.own_replay, collate, seed=0)
     trainer = ConstrainedTrainer(model=model, args=args, train_dataset=train, data_collator=collate,

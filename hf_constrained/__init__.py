@@ -33,7 +33,7 @@ if TYPE_CHECKING:  # pragma: no cover
         constraints_per_value,
     )
     from .margin import CalibratedMargin, CertificateMargin, FixedMargin
-    from .non_forgetting import non_forgetting_constraints
+    from .non_forgetting import NonForgettingConfig, non_forgetting_constraints
     from .publishing.report import SafetyReport, UnsafeModelError
     from .safety.certify_claims import CertifySettings
     from .safety.certify_model import certify_model
@@ -53,6 +53,7 @@ _LAZY = {
     "certify": ".certification.certify",
     "constraints_per_value": ".constraint",
     "non_forgetting_constraints": ".non_forgetting",
+    "NonForgettingConfig": ".non_forgetting",
     "ContrastiveConstrainedTrainer": ".clip.contrastive",
     "finish_run": ".safety.finish",
     "build_safety_report": ".safety.finish",
@@ -89,6 +90,7 @@ __all__ = [
     "ConstraintValueError",
     "ContrastiveConstrainedTrainer",
     "FixedMargin",
+    "NonForgettingConfig",
     "SafetyReport",
     "UnsafeModelError",
     "build_safety_report",

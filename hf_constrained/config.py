@@ -8,7 +8,7 @@ import math
 import numbers
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from transformers import TrainingArguments
 
@@ -18,6 +18,9 @@ from .method.estimators import parse_gamma_prime
 from .method.penalties import PENALTIES
 from .method.strategies import EstimateSource, check_indicator_fraction, estimate_source
 from .publishable import is_secret_flag, publishable_path
+
+if TYPE_CHECKING:
+    from .method.engine import StepConfig
 
 
 @dataclass
@@ -199,6 +202,17 @@ class ConstrainedTrainingArguments(TrainingArguments):
             raise ValueError(f"constraint_eval_batch_size must be >= 1, got {self.constraint_eval_batch_size}")
         if self.log_constraint_estimates_max < 0:
             raise ValueError(f"log_constraint_estimates_max must be >= 0, got {self.log_constraint_estimates_max}")
+
+    def step_config(self, num_sampled: int) -> "StepConfig":
+        """The constraint step's settings (Algorithm 1, lines 3-6) from ``msvr_gamma``, ``msvr_gamma_prime``,
+        ``constraint_batch_size``, the sampling seed, ``share_constraint_batches`` and ``check_constraint_finite``;
+        ``num_sampled`` is |B_c|, resolved by the trainer from ``constraints_per_step`` and m."""
+        from .method.engine import StepConfig  # on use: the arguments stay importable without the engine's modules
+
+        return StepConfig(gamma=self.msvr_gamma, gamma_prime=self.msvr_gamma_prime, num_sampled=num_sampled,
+                          batch_size=self.constraint_batch_size, seed=self.constraint_sampling_seed,
+                          share_constraint_batches=self.share_constraint_batches,
+                          check_finite=self.check_constraint_finite)
 
     def margin_rule(self) -> Optional[Margin]:
         """The run's margin rule from ``constraint_margin``, ``constraint_confidence`` and

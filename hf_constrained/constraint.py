@@ -15,11 +15,9 @@ constraint is ``outer(inner) <= tolerance``; the gradient weight is chained thro
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import math
 import numbers
-import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -105,10 +103,6 @@ class Certification:
     value_range: Optional[tuple[float, float]] = None
 
 
-_CERTIFY_ALIASES = {"certify_dataset": "dataset", "certify_statistic": "statistic", "value_range": "value_range"}
-"""The earlier separate ``Constraint`` fields, kept for one release as aliases of ``Constraint.certify``'s parts."""
-
-
 class ConstraintValueError(RuntimeError):
     """A constraint function returned something the method cannot use."""
 
@@ -156,19 +150,12 @@ class Constraint:
             running spread ``s`` of the per-row values, so that h holds on unseen data of the same
             population with about that one-sided confidence) or ``CertificateMargin(delta)``; a plain
             number is a ``FixedMargin``. Read back as the rule.
-        confidence: the earlier spelling of ``margin=CalibratedMargin(confidence)``, kept for one
-            release (deprecated): as a keyword it sets ``margin``; as an attribute it reads the
-            confidence of a calibrated margin (``None`` otherwise).
         independent_rows: for a calibrated constraint, the number of independent rows the
             margin counts instead of ``len(dataset)`` (e.g. the number of original images
             when ``dataset`` holds several augmented copies of each: correlated copies do
             not shrink the standard error ``s / sqrt(n)``). Default: ``len(dataset)``.
         certify: how the constraint is certified, a :class:`Certification` (its split, the
             statistic measured there and the range of the values); ``None``: not certified.
-        certify_dataset, certify_statistic, value_range: the earlier separate names of
-            ``certify.dataset``, ``certify.statistic`` and ``certify.value_range``, kept for one
-            release: as keywords they build (or replace that part of) ``certify``; as attributes
-            they read it, and setting one replaces that part of ``certify``.
     """
 
     name: str
@@ -366,73 +353,6 @@ class Constraint:
         outputs = self.row_fn(model, batch)
         values = self.row_values(outputs)
         return self.reduce_rows(values, self.row_groups(batch, values.shape[0], values.device))
-
-
-def _certify_alias(name: str, part: str) -> property:
-    """``Constraint.<name>``: ``certify.<part>`` (None without ``certify``); setting it replaces that part."""
-
-    def get(self: Constraint) -> Any:
-        return None if self.certify is None else getattr(self.certify, part)
-
-    def set_(self: Constraint, value: Any) -> None:
-        if value is None and self.certify is None:
-            return
-        self.certify = dataclasses.replace(self.certify or Certification(), **{part: value})
-
-    return property(get, set_, doc=f"Alias of ``certify.{part}`` (the earlier separate field, kept for one release).")
-
-
-for _name, _part in _CERTIFY_ALIASES.items():
-    setattr(Constraint, _name, _certify_alias(_name, _part))
-
-_dataclass_init = Constraint.__init__
-
-
-def _get_confidence(self: Constraint) -> Optional[float]:
-    return self.margin.confidence if isinstance(self.margin, CalibratedMargin) else None
-
-
-def _set_confidence(self: Constraint, value: Optional[float]) -> None:
-    if value is not None:
-        self.margin = CalibratedMargin(value)
-    elif isinstance(self.margin, CalibratedMargin):
-        self.margin = None
-
-
-Constraint.confidence = property(  # type: ignore[attr-defined]
-    _get_confidence, _set_confidence,
-    doc="The confidence of a calibrated margin (``margin=CalibratedMargin(confidence)``), else ``None``; setting it "
-        "sets that margin. The earlier field, kept for one release.")
-
-
-@functools.wraps(_dataclass_init)
-def _init_with_aliases(self: Constraint, *args: Any, certify_dataset: Optional[Any] = None,
-                       value_range: Optional[tuple[float, float]] = None,
-                       certify_statistic: Optional[CertifyStatistic] = None, confidence: Optional[float] = None,
-                       **kwargs: Any) -> None:
-    """The dataclass's ``__init__``, also taking the earlier separate keywords (aliases for one release): each
-    one given replaces that part of ``certify``. Not fields, so ``dataclasses.replace`` carries ``certify``.
-    ``confidence=c`` is ``margin=CalibratedMargin(c)`` (deprecated)."""
-    if confidence is not None:
-        name = kwargs.get("name", args[0] if args else None)
-        if kwargs.get("margin") is not None:
-            raise ValueError(f"constraint {name!r}: give margin or confidence (the earlier spelling of "
-                             "margin=CalibratedMargin(confidence)), not both")
-        warnings.warn("Constraint(confidence=c) is deprecated: use Constraint(margin=CalibratedMargin(c))",
-                      DeprecationWarning, stacklevel=2)
-        try:
-            kwargs["margin"] = CalibratedMargin(confidence)
-        except ValueError as error:
-            raise ValueError(f"constraint {name!r}: {error}") from None
-    given = {part: value for part, value in (("dataset", certify_dataset), ("value_range", value_range),
-                                             ("statistic", certify_statistic)) if value is not None}
-    base = kwargs.get("certify")
-    if given and (base is None or isinstance(base, Certification)):  # anything else: __post_init__'s TypeError
-        kwargs["certify"] = dataclasses.replace(base or Certification(), **given)
-    _dataclass_init(self, *args, **kwargs)
-
-
-Constraint.__init__ = _init_with_aliases  # type: ignore[method-assign]
 
 
 def _hashable(value: Any) -> Any:

@@ -13,13 +13,17 @@ CLIP's zero-shot cross-entropy (:class:`hf_constrained.clip.ZeroShotLoss`), or a
 ``loss(model, batch) -> (rows,)``.
 
 The old model's per-sample losses are computed ONCE, before training (eval mode, no grad,
-batched, with a progress bar; :func:`reference_losses`), and stored with the rows
-(:class:`ReferenceLossDataset` adds ``reference_loss``). The mini-batch value the MSVR
-estimator tracks (Algorithm 1, line 6) is then h_k(w; B_k) = mean over B_k of
-l(w, x) - l(w_old, x), computed without the old model.
+batched, with a progress bar), and stored with the rows: the reference pass,
+:mod:`hf_constrained.reference_pass` (:func:`~hf_constrained.reference_pass.reference_losses`;
+:class:`~hf_constrained.reference_pass.ReferenceLossDataset` adds ``reference_loss``). The
+mini-batch value the MSVR estimator tracks (Algorithm 1, line 6) is then h_k(w; B_k) = mean
+over B_k of l(w, x) - l(w_old, x), computed without the old model.
+
+The settings (tolerances, the old model's passes, the certificate's statement) are one value,
+:class:`NonForgettingConfig`.
 
 **Certificates in the user's units.** With certification rows, the user states the loss they
-accept before training, at ``delta``, in one of two units:
+accept before training, at ``delta``, in one of two units (fields of :class:`NonForgettingConfig`):
 
 * ``accuracy_drop_tolerance=0.02``: "each old task loses at most 2 points of accuracy", the mean
   of the paired change ``old_correct - new_correct`` per row (in {-1, 0, 1}; rows newly right
@@ -47,18 +51,18 @@ call. With a PEFT (LoRA) model the adapter-disabled base serves as the old model
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import functools
 import logging
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
 import numpy as np
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
-from .batches import collate_examples, fetch_rows
+from .batches import collate_examples
 from .certification.bounds import clopper_pearson_upper_bounds, paired_change_upper_bounds
 from .certification.certify import DEFAULT_DELTA, certifiability, first_look_delta
 from .constraint import Certification, CertifyStatistic, Constraint
@@ -70,18 +74,22 @@ from .per_sample_loss import (
     causal_lm_per_example_loss,
     sequence_classification_per_example_loss,
 )
+from .reference_pass import (
+    CORRECT_KEY,
+    REFERENCE_KEY,
+    PerSampleCorrect,
+    PerSampleLoss,
+    ReferenceCorrectDataset,
+    ReferenceLossDataset,
+    as_per_sample_loss,
+    iterate_batches,
+    old_model_context,
+    reference_losses,
+    to_device,
+    with_old_correctness,
+)
 
 logger = logging.getLogger(__name__)
-
-PerSampleLoss = Callable[[nn.Module, Any], torch.Tensor]
-"""``loss(model, batch) -> tensor (rows,)``: one loss per row, independent of the other rows."""
-
-REFERENCE_KEY = "reference_loss"
-CORRECT_KEY = "reference_correct"
-
-PerSampleCorrect = Callable[[nn.Module, Any], torch.Tensor]
-"""``correct(model, batch) -> tensor (rows,)`` of 0/1: whether the model gets each row right
-(e.g. :func:`~hf_constrained.per_sample_loss.causal_lm_per_example_correct`)."""
 
 __all__ = [
     "CORRECT_KEY",
@@ -89,6 +97,7 @@ __all__ = [
     "PairedChange",
     "certifiable_target",
     "points_lost_statistic",
+    "NonForgettingConfig",
     "NonForgettingConstraint",
     "PerSampleCorrect",
     "ReferenceCorrectDataset",
@@ -109,137 +118,6 @@ __all__ = [
     "to_device",
     "with_old_correctness",
 ]
-
-
-def as_per_sample_loss(loss: Any) -> PerSampleLoss:
-    """``loss`` itself, or its ``per_sample`` method for loss objects whose call gives the
-    batch's constraint value (e.g. :class:`hf_constrained.clip.ZeroShotLoss`)."""
-    per_sample = getattr(loss, "per_sample", None)
-    if callable(per_sample):
-        return per_sample
-    if not callable(loss):
-        raise TypeError(f"a per-sample loss must be callable as loss(model, batch), got {type(loss).__name__}")
-    return loss
-
-
-def to_device(batch: Any, device: torch.device) -> Any:
-    """``batch`` with its tensors moved to ``device`` (dict batches; others unchanged)."""
-    if isinstance(batch, Mapping):
-        return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-    return batch
-
-
-def iterate_batches(dataset: Any, collate_fn: Callable, batch_size: int, desc: str) -> Iterator[tuple[list[int], Any]]:
-    """(row indices, collated batch) over ``dataset`` in order, with a progress bar for long passes."""
-    starts = range(0, len(dataset), batch_size)
-    for start in tqdm(starts, desc=desc, leave=False, disable=len(starts) < 20):
-        rows = list(range(start, min(start + batch_size, len(dataset))))
-        yield rows, collate_fn(fetch_rows(dataset, rows))
-
-
-def old_model_context(model: nn.Module, use_base: bool = True) -> contextlib.AbstractContextManager:
-    """A context in which ``model`` computes the old model's values: for a PEFT model
-    (``disable_adapter``) with ``use_base``, its adapter-disabled base; otherwise the model as it is."""
-    if use_base and callable(getattr(model, "disable_adapter", None)):
-        return model.disable_adapter()
-    return contextlib.nullcontext()
-
-
-@torch.no_grad()
-def reference_losses(model: nn.Module, dataset: Any, loss: Union[PerSampleLoss, Any],
-                     collate_fn: Optional[Callable] = None, batch_size: int = 64, *,
-                     desc: str = "reference losses") -> torch.Tensor:
-    """Per-sample loss of ``model`` on every row of ``dataset``, in row order (float32, CPU).
-
-    The model runs in eval mode (dropout off) under ``no_grad``, in batches of
-    ``batch_size`` on the model's device; its training mode is restored afterwards.
-    This is the old model's L_k(w_old, x) of the constraint h_k (section 5.2), computed once.
-
-    Args:
-        model: the old model (or, inside :func:`old_model_context`, a PEFT model's base).
-        dataset: indexable rows (a ``datasets.Dataset``, a torch ``Dataset``, a list).
-        loss: ``loss(model, batch) -> (rows,)``, or an object with ``per_sample(model, batch)``.
-        collate_fn: rows -> batch (default :func:`~hf_constrained.constraint.collate_examples`;
-            tokenised text needs a padding collator such as
-            :class:`~hf_constrained.per_sample_loss.PaddingCollator`).
-        batch_size: rows per forward pass.
-    """
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    per_sample = as_per_sample_loss(loss)
-    collate_fn = collate_fn or collate_examples
-    device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    out = torch.empty(len(dataset), dtype=torch.float32)
-    try:
-        for rows, batch in iterate_batches(dataset, collate_fn, batch_size, desc):
-            values = per_sample(model, to_device(batch, device))
-            if values.dim() != 1 or values.shape[0] != len(rows):
-                raise ValueError(f"the per-sample loss returned shape {tuple(values.shape)} for a batch of "
-                                 f"{len(rows)} rows; it must return one value per row")
-            out[rows] = values.float().cpu()
-    finally:
-        model.train(was_training)
-    if not torch.isfinite(out).all():
-        bad = torch.nonzero(~torch.isfinite(out)).flatten()[:5].tolist()
-        raise ValueError(f"the old model's loss is not finite on rows {bad} ({desc})")
-    return out
-
-
-class ReferenceLossDataset(torch.utils.data.Dataset):
-    """The rows of ``dataset`` with the old model's per-sample loss added as ``reference_loss``.
-
-    Rows that name themselves (a ``row_identities()`` method, read by the certification-split
-    check of :mod:`hf_constrained.safety.split_checks`) keep their names."""
-
-    def __init__(self, dataset: Any, losses: torch.Tensor) -> None:
-        if len(losses) != len(dataset):
-            raise ValueError(f"{len(losses)} reference losses for {len(dataset)} rows")
-        self.dataset, self.losses = dataset, torch.as_tensor(losses, dtype=torch.float32)
-        identities = getattr(dataset, "row_identities", None)
-        if callable(identities):  # rows that name themselves (hf_constrained.safety.split_checks) keep their names
-            self.row_identities = identities
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    key = REFERENCE_KEY  # the field each row gains
-
-    def _row(self, row: Any, i: int) -> dict[str, Any]:
-        if not isinstance(row, Mapping):
-            raise TypeError(f"{type(self).__name__} needs dict rows, got {type(row).__name__} at row {i}")
-        row = dict(row)
-        row[self.key] = float(self.losses[i])
-        return row
-
-    def __getitem__(self, i: int) -> dict[str, Any]:
-        return self._row(self.dataset[i], i)
-
-    def __getitems__(self, rows: list[int]) -> list[dict[str, Any]]:
-        return [self._row(r, i) for r, i in zip(fetch_rows(self.dataset, rows), rows)]
-
-    @property
-    def mean_loss(self) -> float:
-        return float(self.losses.mean())
-
-
-class ReferenceCorrectDataset(ReferenceLossDataset):
-    """The rows of ``dataset`` with the old model's 0/1 correctness added as ``reference_correct``
-    (certification rows: the forgetting statistic needs no reference loss)."""
-
-    key = CORRECT_KEY
-
-
-def with_old_correctness(old_model: nn.Module, dataset: Any, correct: PerSampleCorrect,
-                         collate_fn: Optional[Callable] = None, batch_size: int = 64, *,
-                         desc: str = "old model's correctness") -> ReferenceCorrectDataset:
-    """``dataset``'s rows with the old model's 0/1 correctness on each as ``reference_correct``
-    (:class:`ReferenceCorrectDataset`): one eval-mode pass of ``correct`` (:func:`reference_losses`), before
-    training, so that :class:`ForgottenRows` can later tell, per row, whether a model forgot it.
-    Rows that already carry ``reference_loss`` (a :class:`ReferenceLossDataset`) keep it."""
-    return ReferenceCorrectDataset(dataset, reference_losses(old_model, dataset, correct, collate_fn, batch_size,
-                                                             desc=desc))
 
 
 class ForgottenRows:
@@ -423,6 +301,86 @@ def _for_task(value: Optional[Tolerance], task: str, what: str) -> float:
     return float(value)
 
 
+@dataclass(frozen=True)
+class NonForgettingConfig:
+    """The settings of non-forgetting constraints (section 5.2). Fields marked "per task" take one value for
+    every protected task or a mapping task name -> value.
+
+    Args:
+        tolerance: absolute tolerance on h_k (per task).
+        relative_tolerance: added tolerance as a fraction of the old model's mean loss on the task's
+            rows, tol_k = tolerance + relative_tolerance * L_k(w_old, D_k) (per task).
+        name: the constraint's name, a format string with ``{task}``.
+        batch_size: rows per batch of the old model's passes (reference losses, correctness).
+        use_base_of_adapter: for a PEFT model, the old model is the base (adapters disabled during
+            the old model's passes). ``False`` when the old model is base + a previously trained adapter.
+        forget_tolerance: the certificate bounds the share of the task's certification rows forgotten
+            (:class:`ForgottenRows`; per task).
+        accuracy_drop_tolerance: the certificate bounds the accuracy the task loses (:class:`PairedChange`;
+            0.02 = 2 points; per task). Give at most one of the two statements.
+        delta: the certificate's error level the statement is made at (the margin is sized for the first
+            look at the split, :func:`~hf_constrained.certification.certify.first_look_delta`).
+        old_correct_on_rows: with a certification split, also give the training rows the old model's
+            correctness, so that a proxy indicator (``constraint_proxy_indicator``) can evaluate the
+            certificate's statistic on them (one more old-model pass). The constraint's ``margin`` is then
+            sized from the statement (module docstring), in the statistic's units.
+    """
+
+    # the training constraint h_k(w) = L_k(w) - L_k(w_old) <= tol_k
+    tolerance: Tolerance = 0.0
+    relative_tolerance: Optional[Tolerance] = None
+    name: str = "non_forgetting/{task}"
+    # the old model's passes
+    batch_size: int = 64
+    use_base_of_adapter: bool = True
+    # the certificate's statement, in the user's units (with certification rows and ``correct``)
+    forget_tolerance: Optional[Tolerance] = None
+    accuracy_drop_tolerance: Optional[Tolerance] = None
+    delta: float = DEFAULT_DELTA
+    old_correct_on_rows: bool = False
+
+    def __post_init__(self) -> None:
+        if self.forget_tolerance is not None and self.accuracy_drop_tolerance is not None:
+            raise ValueError("give forget_tolerance or accuracy_drop_tolerance, not both (the certificate bounds "
+                             "one statistic per constraint)")
+
+    @property
+    def states_a_certificate(self) -> bool:
+        return self.forget_tolerance is not None or self.accuracy_drop_tolerance is not None
+
+    def for_task(self, task: str, certified: bool = True) -> "NonForgettingConfig":
+        """These settings with one task's numbers in place of mappings. For a task without certification rows
+        (``certified=False``) the statement is left out, so its mappings need entries for certified tasks only."""
+        def statement(value: Optional[Tolerance], what: str) -> Optional[float]:
+            return None if value is None or not certified else _for_task(value, task, what)
+
+        return dataclasses.replace(
+            self, tolerance=_for_task(self.tolerance, task, "tolerance"),
+            relative_tolerance=_for_task(self.relative_tolerance, task, "relative_tolerance"),
+            forget_tolerance=statement(self.forget_tolerance, "forget_tolerance"),
+            accuracy_drop_tolerance=statement(self.accuracy_drop_tolerance, "accuracy_drop_tolerance"))
+
+
+def _statement_statistic(task: str, name: str, certify_dataset: Optional[Any], correct: Optional[PerSampleCorrect],
+                         config: NonForgettingConfig) -> Optional[CertifyStatistic]:
+    """The certificate's statistic from the user's statement (``None`` without certification rows), checked
+    before the old model's pass over those rows: a tolerance the statistic cannot express is an error now."""
+    if certify_dataset is None:
+        return None
+    if correct is None or not config.states_a_certificate:
+        raise ValueError(f"protected task {task!r}: certify_dataset needs correct= (per-row 0/1 correctness) "
+                         "and, in config=NonForgettingConfig(...), forget_tolerance= (the largest share of examples "
+                         "that may be forgotten) or accuracy_drop_tolerance= (the most accuracy the task may lose, "
+                         "0.02 = 2 points)")
+    statistic = (forgetting_statistic(correct, config.forget_tolerance) if config.forget_tolerance is not None
+                 else points_lost_statistic(correct, config.accuracy_drop_tolerance))
+    check = certifiability(name, statistic.bound, statistic.value_range, statistic.tolerance,
+                           [len(certify_dataset)], first_look_delta(config.delta))
+    if check.never:
+        raise ValueError(check.message())
+    return statistic
+
+
 class NonForgettingConstraint(Constraint):
     """h_k(w) = L_k(w, D_k) - L_k(w_old, D_k) <= tolerance for one protected task (section 5.2).
 
@@ -434,160 +392,106 @@ class NonForgettingConstraint(Constraint):
     @classmethod
     def from_old_model(cls, task: str, old_model: nn.Module, loss: Union[PerSampleLoss, Any], dataset: Any,
                        collate_fn: Optional[Callable] = None, *, eval_dataset: Optional[Any] = None,
-                       tolerance: float = 0.0, relative_tolerance: float = 0.0, batch_size: int = 64,
-                       row_fn: Optional[ReferenceGap] = None, name: str = "non_forgetting/{task}",
-                       use_base_of_adapter: bool = True, certify_dataset: Optional[Any] = None,
-                       correct: Optional[PerSampleCorrect] = None,
-                       forget_tolerance: Optional[float] = None,
-                       old_correct_on_rows: bool = False,
-                       accuracy_drop_tolerance: Optional[float] = None,
-                       delta: float = DEFAULT_DELTA) -> "NonForgettingConstraint":
+                       certify_dataset: Optional[Any] = None, correct: Optional[PerSampleCorrect] = None,
+                       row_fn: Optional[ReferenceGap] = None,
+                       config: Optional[NonForgettingConfig] = None) -> "NonForgettingConstraint":
         """Run the reference pass of ``old_model`` on ``dataset`` (and ``eval_dataset``) and
         return the constraint over those rows.
 
         Args:
-            task: the protected task's name (the constraint is ``name.format(task=task)``).
+            task: the protected task's name (the constraint is ``config.name.format(task=task)``).
             old_model: the model before fine-tuning. For a PEFT model with
-                ``use_base_of_adapter`` (default) the reference pass runs with the adapters
-                disabled: the base model is the old model. Pass ``use_base_of_adapter=False``
-                when the old model is base + a previously trained adapter.
+                ``config.use_base_of_adapter`` (default) the reference pass runs with the adapters
+                disabled: the base model is the old model.
             loss: the per-sample loss l(w, x).
             dataset / eval_dataset: the protected rows for training / held-out evaluation.
             collate_fn: rows -> batch, shared by the reference pass and the trainer.
-            tolerance: absolute tolerance on h_k.
-            relative_tolerance: added tolerance as a fraction of the old model's mean loss
-                on ``dataset``: tol_k = tolerance + relative_tolerance * L_k(w_old, D_k).
-            row_fn: a :class:`ReferenceGap` to share with other constraints (default: a new one).
             certify_dataset: the task's certification rows (read only by the certificate); needs
-                ``correct`` (per-row 0/1 correctness) and the user's statement, one of:
-                ``forget_tolerance`` (the certificate bounds the share of the rows forgotten,
-                :class:`ForgottenRows`) or ``accuracy_drop_tolerance`` (it bounds the accuracy
-                lost, :class:`PairedChange`; 0.02 = 2 points).
-            old_correct_on_rows: with ``certify_dataset``, also give the training rows the old
-                model's correctness, so that a proxy indicator (``constraint_proxy_indicator``)
-                can evaluate the certificate's statistic on them (one more old-model pass). The
-                constraint's ``margin`` is then sized from the statement (module docstring), in
-                the statistic's units: use it with ``constraint_proxy_indicator``.
-            delta: the certificate's error level the statement is made at (the margin is sized
-                for the first look at the split, :func:`~hf_constrained.certification.certify.first_look_delta`).
+                ``correct`` (per-row 0/1 correctness) and the user's statement in ``config``:
+                ``forget_tolerance`` or ``accuracy_drop_tolerance``.
+            row_fn: a :class:`ReferenceGap` to share with other constraints (default: a new one).
+            config: tolerances, the old model's passes and the statement (:class:`NonForgettingConfig`).
         """
-        if relative_tolerance < 0:
-            raise ValueError(f"protected task {task!r}: relative_tolerance must be >= 0, got {relative_tolerance}")
-        collate_fn = collate_fn or collate_examples
-        with old_model_context(old_model, use_base_of_adapter):
-            train = ReferenceLossDataset(dataset, reference_losses(old_model, dataset, loss, collate_fn, batch_size,
-                                                                   desc=f"reference losses {task}"))
-            held_out = None
-            if eval_dataset is not None:
-                held_out = ReferenceLossDataset(eval_dataset, reference_losses(
-                    old_model, eval_dataset, loss, collate_fn, batch_size, desc=f"reference losses {task} (eval)"))
-        certify_rows, statistic = None, None
-        if forget_tolerance is not None and accuracy_drop_tolerance is not None:
-            raise ValueError(f"protected task {task!r}: give forget_tolerance or accuracy_drop_tolerance, not both "
-                             "(the certificate bounds one statistic per constraint)")
-        if certify_dataset is not None:
-            if correct is None or (forget_tolerance is None and accuracy_drop_tolerance is None):
-                raise ValueError(f"protected task {task!r}: certify_dataset needs correct= (per-row 0/1 correctness) "
-                                 "and forget_tolerance= (the largest share of examples that may be forgotten) or "
-                                 "accuracy_drop_tolerance= (the most accuracy the task may lose, 0.02 = 2 points)")
-            statistic = (forgetting_statistic(correct, forget_tolerance) if forget_tolerance is not None
-                         else points_lost_statistic(correct, accuracy_drop_tolerance))
-            # a tolerance the statistic cannot express is an error now, before the old model's passes
-            check = certifiability(name.format(task=task), statistic.bound, statistic.value_range,
-                                   statistic.tolerance, [len(certify_dataset)], first_look_delta(delta))
-            if check.never:
-                raise ValueError(check.message())
-            with old_model_context(old_model, use_base_of_adapter):
-                certify_rows = with_old_correctness(old_model, certify_dataset, correct, collate_fn, batch_size,
-                                                    desc=f"old model's correctness {task} (certification)")
-        old_loss = train.mean_loss
-        if old_correct_on_rows:
-            if statistic is None:
-                raise ValueError(f"protected task {task!r}: old_correct_on_rows serves the certificate's statistic: "
-                                 "give certify_dataset, correct and forget_tolerance")
-            with old_model_context(old_model, use_base_of_adapter):
-                train = with_old_correctness(old_model, train, correct, collate_fn, batch_size,
-                                             desc=f"old model's correctness {task}")
-        tol = float(tolerance) + float(relative_tolerance) * old_loss
-        metadata = {"task": task, "old_loss": old_loss, "absolute_tolerance": float(tolerance),
-                    "relative_tolerance": float(relative_tolerance)}
+        config = (config or NonForgettingConfig()).for_task(task)
+        if config.relative_tolerance < 0:
+            raise ValueError(f"protected task {task!r}: relative_tolerance must be >= 0, got "
+                             f"{config.relative_tolerance}")
+        collate_fn, name = collate_fn or collate_examples, config.name.format(task=task)
+
+        def old_pass(fn: Callable, rows: Any, per_row: Callable, desc: str) -> Any:
+            """One pass of the old model (a PEFT model's base, unless configured otherwise) over ``rows``."""
+            with old_model_context(old_model, config.use_base_of_adapter):
+                return fn(old_model, rows, per_row, collate_fn, config.batch_size, desc=desc)
+
+        train = ReferenceLossDataset(dataset, old_pass(reference_losses, dataset, loss, f"reference losses {task}"))
+        held_out = None if eval_dataset is None else ReferenceLossDataset(eval_dataset, old_pass(
+            reference_losses, eval_dataset, loss, f"reference losses {task} (eval)"))
+        statistic = _statement_statistic(task, name, certify_dataset, correct, config)
+        certify_rows = None if statistic is None else old_pass(
+            with_old_correctness, certify_dataset, correct, f"old model's correctness {task} (certification)")
+        metadata = {"task": task, "old_loss": train.mean_loss, "absolute_tolerance": config.tolerance,
+                    "relative_tolerance": config.relative_tolerance}
         if held_out is not None:
             metadata["old_eval_loss"] = held_out.mean_loss
         margin = None
-        if old_correct_on_rows:
+        if config.old_correct_on_rows:
+            if statistic is None:
+                raise ValueError(f"protected task {task!r}: old_correct_on_rows serves the certificate's statistic: "
+                                 "give certify_dataset, correct and forget_tolerance")
+            train = old_pass(with_old_correctness, train, correct, f"old model's correctness {task}")
             # the proxy indicator tracks the statistic: aim it at what the certification split can still certify
-            target = certifiable_target(statistic, len(certify_rows), delta)
+            target = certifiable_target(statistic, len(certify_rows), config.delta)
             margin = statistic.tolerance - (0.0 if target is None else target)
-            metadata.update(certifiable_target=target, statement_delta=float(delta))
-        return cls(name=name.format(task=task), row_fn=row_fn if row_fn is not None else ReferenceGap(loss),
-                   dataset=train, tolerance=tol, eval_dataset=held_out, collate_fn=collate_fn, metadata=metadata,
-                   certify=None if certify_rows is None and statistic is None
-                   else Certification(dataset=certify_rows, statistic=statistic), margin=margin)
+            metadata.update(certifiable_target=target, statement_delta=float(config.delta))
+        return cls(name=name, row_fn=row_fn if row_fn is not None else ReferenceGap(loss), dataset=train,
+                   tolerance=config.tolerance + config.relative_tolerance * metadata["old_loss"],
+                   eval_dataset=held_out, collate_fn=collate_fn, metadata=metadata,
+                   certify=None if statistic is None else Certification(dataset=certify_rows, statistic=statistic),
+                   margin=margin)
 
 
 def non_forgetting_constraints(old_model: nn.Module, loss: Union[PerSampleLoss, Any], datasets: Mapping[str, Any],
                                collate_fn: Optional[Callable] = None, *,
-                               eval_datasets: Optional[Mapping[str, Any]] = None, tolerance: Tolerance = 0.0,
-                               relative_tolerance: Optional[Tolerance] = None, batch_size: int = 64,
-                               name: str = "non_forgetting/{task}", row_fn: Optional[ReferenceGap] = None,
-                               use_base_of_adapter: bool = True, certify_datasets: Optional[Mapping[str, Any]] = None,
-                               correct: Optional[PerSampleCorrect] = None,
-                               forget_tolerance: Optional[Tolerance] = None,
-                               old_correct_on_rows: bool = False,
-                               accuracy_drop_tolerance: Optional[Tolerance] = None,
-                               delta: float = DEFAULT_DELTA) -> list[NonForgettingConstraint]:
+                               eval_datasets: Optional[Mapping[str, Any]] = None,
+                               certify_datasets: Optional[Mapping[str, Any]] = None,
+                               correct: Optional[PerSampleCorrect] = None, row_fn: Optional[ReferenceGap] = None,
+                               config: Optional[NonForgettingConfig] = None) -> list[NonForgettingConstraint]:
     """One :class:`NonForgettingConstraint` per protected task, all sharing one row function.
 
     Args:
         old_model: the model before fine-tuning (a PEFT model: its base, see
-            :meth:`NonForgettingConstraint.from_old_model`).
+            :attr:`NonForgettingConfig.use_base_of_adapter`).
         loss: the per-sample loss, e.g. :func:`causal_lm_per_example_loss`.
         datasets: task name -> protected rows (tokenised for language models).
         collate_fn: rows -> batch, shared by all tasks (for text: a padding collator).
         eval_datasets: task name -> held-out rows (optional, per task).
-        tolerance: absolute tolerance, one for all or per task name.
-        relative_tolerance: fraction of the old model's mean loss added to the tolerance,
-            one for all or per task name.
-        name: constraint name format with ``{task}``.
-        row_fn: a :class:`ReferenceGap` of the same loss to share with constraints built
-            elsewhere (e.g. a safety set), so that all form one group.
         certify_datasets: task name -> certification rows (read only by the certificate), with
             ``correct`` (per-row 0/1 correctness, e.g.
             :func:`~hf_constrained.per_sample_loss.causal_lm_per_example_correct`) and the user's
-            statement (one for all or per task): ``forget_tolerance`` (the certificate bounds the
-            share of each task's examples forgotten) or ``accuracy_drop_tolerance`` (the accuracy
-            each task loses, paired per example; 0.02 = 2 points).
-        old_correct_on_rows: the old model's correctness on the training rows too, for
-            ``constraint_proxy_indicator``, with the training margin sized from the statement
-            (see :meth:`NonForgettingConstraint.from_old_model`).
-        delta: the certificate's error level of the statement.
+            statement in ``config``: ``forget_tolerance`` (the certificate bounds the share of each
+            task's examples forgotten) or ``accuracy_drop_tolerance`` (the accuracy each task loses,
+            paired per example; 0.02 = 2 points).
+        row_fn: a :class:`ReferenceGap` of the same loss to share with constraints built
+            elsewhere (e.g. a safety set), so that all form one group.
+        config: the tolerances, the old model's passes and the certificate's statement
+            (:class:`NonForgettingConfig`; each tolerance one for all tasks or per task name).
     """
     if not datasets:
         raise ValueError("no protected tasks: pass at least one task's data")
-    if eval_datasets is not None:
-        unknown = sorted(set(eval_datasets) - set(datasets))
+    for what, given in (("eval_datasets", eval_datasets), ("certify_datasets", certify_datasets)):
+        unknown = sorted(set(given or ()) - set(datasets))
         if unknown:
-            raise KeyError(f"eval_datasets has tasks {unknown} that are not in datasets ({sorted(datasets)})")
-    if certify_datasets is not None:
-        unknown = sorted(set(certify_datasets) - set(datasets))
-        if unknown:
-            raise KeyError(f"certify_datasets has tasks {unknown} that are not in datasets ({sorted(datasets)})")
+            raise KeyError(f"{what} has tasks {unknown} that are not in datasets ({sorted(datasets)})")
+    config = config or NonForgettingConfig()
     row_fn = row_fn if row_fn is not None else ReferenceGap(loss)
     collate_fn = collate_fn or collate_examples
     out = []
     for task, data in datasets.items():
-        held_out = None if eval_datasets is None else eval_datasets.get(task)
+        certify_rows = None if certify_datasets is None else certify_datasets.get(task)
         constraint = NonForgettingConstraint.from_old_model(
-            task, old_model, loss, data, collate_fn, eval_dataset=held_out,
-            tolerance=_for_task(tolerance, task, "tolerance"),
-            relative_tolerance=_for_task(relative_tolerance, task, "relative_tolerance"),
-            batch_size=batch_size, row_fn=row_fn, name=name, use_base_of_adapter=use_base_of_adapter,
-            certify_dataset=None if certify_datasets is None else certify_datasets.get(task), correct=correct,
-            forget_tolerance=None if forget_tolerance is None or certify_datasets is None
-            or task not in certify_datasets else _for_task(forget_tolerance, task, "forget_tolerance"),
-            accuracy_drop_tolerance=None if accuracy_drop_tolerance is None or certify_datasets is None
-            or task not in certify_datasets else _for_task(accuracy_drop_tolerance, task, "accuracy_drop_tolerance"),
-            old_correct_on_rows=old_correct_on_rows, delta=delta)
+            task, old_model, loss, data, collate_fn, eval_dataset=None if eval_datasets is None
+            else eval_datasets.get(task), certify_dataset=certify_rows, correct=correct, row_fn=row_fn,
+            config=config.for_task(task, certified=certify_datasets is not None and task in certify_datasets))
         out.append(constraint)
         logger.info("non-forgetting constraint %s: %d rows, old loss %.4f, tolerance %.4g", constraint.name,
                     len(data), constraint.metadata["old_loss"], constraint.tolerance)

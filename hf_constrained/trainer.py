@@ -36,7 +36,7 @@ from .distributed import (
     full_state_dict_save,
     uses_ddp,
 )
-from .method.engine import ConstraintEngine
+from .method.engine import ConstraintEngine, Placement
 from .method.estimators import run_precision
 from .method.penalties import make_penalty
 from .method.projection import GradientProjection, ProjectedGradient
@@ -121,14 +121,11 @@ class ConstrainedTrainer(TrainerInternals):
             self.constraints, train_dataset=self.train_dataset, eval_dataset=self.eval_dataset)
         self.batches = BatchMaker(getattr(self, "data_collator", None), self._to_device)
         self.engine: Optional[ConstraintEngine] = None if not m else ConstraintEngine(
-            self.constraints, self.penalty, self.batches, gamma=self.args.msvr_gamma,
-            gamma_prime=self.args.msvr_gamma_prime, num_sampled=num_sampled,
-            batch_size=self.args.constraint_batch_size, seed=self.args.constraint_sampling_seed,
-            device=self.args.device, dtype=run_precision(self.model), world=self.accelerator.num_processes,
-            rank=self.accelerator.process_index, reduce_sum=lambda x: self.accelerator.reduce(x, reduction="sum"),
-            share_constraint_batches=self.args.share_constraint_batches,
-            check_finite=self.args.check_constraint_finite, margin=self.args.margin_rule(),
-            source=self.args.estimate_source())
+            self.constraints, self.penalty, self.batches, self.args.step_config(num_sampled),
+            Placement(self.args.device, run_precision(self.model), world=self.accelerator.num_processes,
+                      rank=self.accelerator.process_index,
+                      reduce_sum=lambda x: self.accelerator.reduce(x, reduction="sum")),
+            margin=self.args.margin_rule(), source=self.args.estimate_source())
         if self.regularised is not None:  # one draw of old rows per step where it can, or a log line saying why not
             self.regularised.check_rows(self.engine, self.penalty.active)
         self.in_training_step = False  # True inside training_step (subclasses' objectives read it)

@@ -37,7 +37,7 @@ import logging
 import os
 import sys
 from dataclasses import asdict, dataclass, field
-from typing import Optional
+from typing import Any, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -51,6 +51,7 @@ from hf_constrained.certification.splits import carve_certification, check_certi
 from hf_constrained.clip import (
     CLIPWithClassTextHeads,
     ContrastiveConstrainedTrainer,
+    NonForgettingConfig,
     ZeroShotLoss,
     non_forgetting_constraints,
     zero_shot_accuracy,
@@ -227,7 +228,9 @@ def default_penalty_beta(args: ConstrainedTrainingArguments, given: set[str]) ->
         args.penalty_beta = PAPER_BETA[args.constraint_penalty]
 
 
-def main(argv: Optional[list[str]] = None) -> dict:
+def setup(argv: Optional[list[str]]) -> tuple[ScriptArguments, ConstrainedTrainingArguments]:
+    """The flags, checked before any data is read or model loaded (optional packages: an error naming the
+    extra); then logging and the seed."""
     script, args = parse_recipe_args([ScriptArguments, ConstrainedTrainingArguments], argv, description=__doc__,
                                      # --help-all shows the hinge's default beta (the squared hinge's follows below)
                                      defaults={"remove_unused_columns": False, "output_dir": OUTPUT_DIR,
@@ -246,23 +249,33 @@ def main(argv: Optional[list[str]] = None) -> dict:
     set_seed(args.seed)
     if script.lora_r and script.class_text_heads_rank:
         raise ValueError("--lora_r and --class_text_heads_rank cannot be combined in this recipe")
+    return script, args
 
-    data = build_data(script)
-    classes, target = data["classes"], data["target"]
-    # the certification split: set aside before anything reads the rows (reference pass, evaluation, accuracies)
+
+def set_aside_certification(script: ScriptArguments, seed: int, data: dict) -> tuple[dict, str]:
+    """Each protected class's certification images, carved before anything reads the rows (reference pass,
+    evaluation, accuracies): from the held-out images, or the constraint images when there are none (``data`` keeps
+    the rest). Returns them and where they came from; warns where a class has too few to certify
+    ``--forget_tolerance`` even with none forgotten."""
     certify_from = "held-out" if data["held_out"] is not None else "constraint data"
     if data["held_out"] is not None:
         data["held_out"], certify_rows = split_certification(data["held_out"], data["protected"],
-                                                             script.certify_fraction, args.seed, "held-out")
+                                                             script.certify_fraction, seed, "held-out")
     else:
         data["train"], certify_rows = split_certification(data["train"], data["protected"], script.certify_fraction,
-                                                          args.seed, "constraint")
+                                                          seed, "constraint")
     for c, rows in certify_rows.items():
         floor = clopper_pearson_upper_bound(0, len(rows), script.delta)
         if script.forget_tolerance < floor:
             logger.warning("protected class %r: %d certification images cannot certify --forget_tolerance %g at "
                            "--delta %g (even with none forgotten the bound is %.3f)", c, len(rows),
                            script.forget_tolerance, script.delta, floor)
+    return certify_rows, certify_from
+
+
+def load_model(script: ScriptArguments, args: ConstrainedTrainingArguments, data: dict) -> tuple[Any, Any, bool]:
+    """The processor and the model (fixed temperatures; with ``--lora_r`` a LoRA adapter, with
+    ``--class_text_heads_rank`` per-class text heads), on the run's device; and whether it has the heads."""
     processor = CLIPProcessor.from_pretrained(script.model_name_or_path)
     model = CLIPModel.from_pretrained(script.model_name_or_path, dtype=torch.float32)
     model.logit_scale.requires_grad_(False)  # fixed temperatures (t, tau), as the paper
@@ -273,11 +286,30 @@ def main(argv: Optional[list[str]] = None) -> dict:
                                                  target_modules=_split(script.lora_target_modules)))
     heads = script.class_text_heads_rank > 0
     if heads:
-        model = CLIPWithClassTextHeads(model, len(classes), script.class_text_heads_rank)
+        model = CLIPWithClassTextHeads(model, len(data["classes"]), script.class_text_heads_rank)
         for r in data["target_rows"]:
             r["text_class_id"] = int(r.get("label", -1))
     model.to(args.device)
+    return processor, model, heads
 
+
+class Problem(NamedTuple):
+    """The constrained problem: the zero-shot loss, the collator, one constraint per protected class, the rows the
+    accuracies are reported on, and whether there are held-out and certification images."""
+
+    loss: ZeroShotLoss
+    collate: CLIPCollator
+    constraints: list[Any]
+    report_rows: RowDataset
+    held_out: bool
+    certified: bool
+
+
+def build_problem(script: ScriptArguments, args: ConstrainedTrainingArguments, data: dict, model: Any,
+                  processor: Any, certify_rows: dict, heads: bool) -> Problem:
+    """The zero-shot loss over every class prompt and a non-forgetting constraint per protected class, its old
+    model's values computed here (with LoRA the adapter-disabled base: no second copy)."""
+    classes = data["classes"]
     prompts = processor.tokenizer([data["template"].format(c) for c in classes], padding=True, return_tensors="pt")
     loss = ZeroShotLoss(prompts["input_ids"], prompts.get("attention_mask"), temperature=script.temperature,
                         class_heads=heads)
@@ -288,29 +320,74 @@ def main(argv: Optional[list[str]] = None) -> dict:
     # the old model: the model before training; with LoRA the adapter-disabled base (no second copy)
     with model.disable_adapter() if script.lora_r else contextlib.nullcontext():
         constraints = non_forgetting_constraints(model, loss, train_sets, collate, eval_datasets=eval_sets,
-                                                 tolerance=script.constraint_tolerance,
-                                                 batch_size=script.reference_batch_size,
-                                                 certify_datasets=certify_sets,
-                                                 forget_tolerance=script.forget_tolerance if certify_sets else None,
-                                                 old_correct_on_rows=bool(certify_sets)
-                                                 and args.constraint_proxy_indicator)
+                                                 certify_datasets=certify_sets, config=NonForgettingConfig(
+                                                     tolerance=script.constraint_tolerance,
+                                                     batch_size=script.reference_batch_size,
+                                                     forget_tolerance=script.forget_tolerance if certify_sets else None,
+                                                     old_correct_on_rows=bool(certify_sets)
+                                                     and args.constraint_proxy_indicator))
     report_split = data["held_out"] if data["held_out"] is not None else data["train"]
     report_rows = RowDataset([row for c in classes for row in report_split.get(c, [])])
-    accuracy_old = zero_shot_accuracy(model, report_rows, loss, collate, classes)
+    return Problem(loss, collate, constraints, report_rows, bool(eval_sets), bool(certify_sets))
 
+
+def build_trainer(script: ScriptArguments, args: ConstrainedTrainingArguments, model: Any, data: dict,
+                  problem: Problem) -> ContrastiveConstrainedTrainer:
+    """The contrastive objective on the target pairs under the constraints; with ``--accuracy_every_steps`` the
+    per-class zero-shot accuracy logged with the Trainer's entries."""
     trainer = ContrastiveConstrainedTrainer(
-        model=model, args=args, train_dataset=RowDataset(data["target_rows"]), data_collator=collate,
-        constraints=constraints, contrastive_temperature=script.contrastive_temperature,
+        model=model, args=args, train_dataset=RowDataset(data["target_rows"]), data_collator=problem.collate,
+        constraints=problem.constraints, contrastive_temperature=script.contrastive_temperature,
         half_positive_batches=script.half_positive_batches,
     )
     if script.accuracy_every_steps:  # logged WITH the Trainer's entry of that step, never instead of it
         trainer.add_callback(PeriodicMetricsCallback(
             trainer, script.accuracy_every_steps,
-            lambda t: {f"eval_accuracy/{c}": v
-                       for c, v in zero_shot_accuracy(t.model, report_rows, loss, collate, classes).items()}))
+            lambda t: {f"eval_accuracy/{c}": v for c, v in zero_shot_accuracy(
+                t.model, problem.report_rows, problem.loss, problem.collate, data["classes"]).items()}))
+    return trainer
+
+
+def report_run(script: ScriptArguments, trainer: Any, problem: Problem, results: dict, certify_from: str,
+               argv: Optional[list[str]]) -> Any:
+    """The safety report and model card (a non-forgetting constraint is 0 at the old model by definition), with
+    each protected class's old and new zero-shot accuracy beside its constraint."""
+    accuracy_old, accuracy_new = results["accuracy_old"], results["accuracy_new"]
+    constraints = problem.constraints
+    return finish_run(
+        trainer, old_model_values={c.name: 0.0 for c in constraints}, base_model_name=script.model_name_or_path,
+        dataset_description=f"fine-tuned for the target class {results['target_class']!r}; protected classes "
+                            f"{results['protected_classes']}; "
+                            f"accuracies on {results['accuracy_split']} data; "
+                            + (f"certified on {script.certify_fraction:g} of each protected class's {certify_from} "
+                               f"images (read by nothing else) as 'at most {script.forget_tolerance:g} of the "
+                               "class's images forgotten'" if problem.certified else "no certification split"),
+        delta=script.delta, eval_dataset=dataset_id(script),
+        population=f"the {certify_from} images of each protected class, each constraint its own class"
+        if problem.certified else None,
+        reproduce_command=publishable_command("accelerate launch recipes/clip_non_forgetting.py",
+                                              sys.argv[1:] if argv is None else argv,
+                                              output_dir=trainer.args.output_dir),
+        objective_metrics={f"accuracy/{c}": v for c, v in accuracy_new.items()},
+        # what users look at beside the loss-based value: zero-one accuracy per protected class
+        # (each constraint's metadata names its class under "task", as the non-forgetting builder stores it)
+        extra_columns={"old accuracy": {c.name: accuracy_old[c.metadata["task"]] for c in constraints},
+                       "new accuracy": {c.name: accuracy_new[c.metadata["task"]] for c in constraints}},
+    )
+
+
+def main(argv: Optional[list[str]] = None) -> dict:
+    script, args = setup(argv)
+    data = build_data(script)
+    classes, target = data["classes"], data["target"]
+    certify_rows, certify_from = set_aside_certification(script, args.seed, data)
+    processor, model, heads = load_model(script, args, data)
+    problem = build_problem(script, args, data, model, processor, certify_rows, heads)
+    accuracy_old = zero_shot_accuracy(model, problem.report_rows, problem.loss, problem.collate, classes)
+    trainer = build_trainer(script, args, model, data, problem)
     train_result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     metrics = trainer.evaluate()
-    accuracy_new = zero_shot_accuracy(model, report_rows, loss, collate, classes)
+    accuracy_new = zero_shot_accuracy(model, problem.report_rows, problem.loss, problem.collate, classes)
     results = {
         "model": publishable_path(script.model_name_or_path),  # results are shared: no local paths
         "target_class": target,
@@ -322,7 +399,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         "constraints_train": trainer.evaluate_constraints(split="train"),
         "accuracy_old": accuracy_old,
         "accuracy_new": accuracy_new,
-        "accuracy_split": "held-out" if eval_sets else "constraint data",
+        "accuracy_split": "held-out" if problem.held_out else "constraint data",
         "log_history": trainer.state.log_history,
         "script_args": publishable_values(asdict(script), args.output_dir),
     }
@@ -331,32 +408,12 @@ def main(argv: Optional[list[str]] = None) -> dict:
     trainer.save_model(args.output_dir, push=False)
     if trainer.is_world_process_zero():
         processor.save_pretrained(args.output_dir)
-    # safety report + model card (after save_pretrained: a PEFT save writes its own README.md);
-    # a non-forgetting constraint is 0 at the old model by definition
-    report = finish_run(
-        trainer, old_model_values={c.name: 0.0 for c in constraints}, base_model_name=script.model_name_or_path,
-        dataset_description=f"fine-tuned for the target class {target!r}; protected classes "
-                            f"{results['protected_classes']}; "
-                            f"accuracies on {results['accuracy_split']} data; "
-                            + (f"certified on {script.certify_fraction:g} of each protected class's {certify_from} "
-                               f"images (read by nothing else) as 'at most {script.forget_tolerance:g} of the "
-                               "class's images forgotten'" if certify_sets else "no certification split"),
-        delta=script.delta, eval_dataset=dataset_id(script),
-        population=f"the {certify_from} images of each protected class, each constraint its own class"
-        if certify_sets else None,
-        reproduce_command=publishable_command("accelerate launch recipes/clip_non_forgetting.py",
-                                              sys.argv[1:] if argv is None else argv,
-                                              output_dir=args.output_dir),
-        objective_metrics={f"accuracy/{c}": v for c, v in accuracy_new.items()},
-        # what users look at beside the loss-based value: zero-one accuracy per protected class
-        # (each constraint's metadata names its class under "task", as the non-forgetting builder stores it)
-        extra_columns={"old accuracy": {c.name: accuracy_old[c.metadata["task"]] for c in constraints},
-                       "new accuracy": {c.name: accuracy_new[c.metadata["task"]] for c in constraints}},
-    )
+    # safety report + model card (after save_pretrained: a PEFT save writes its own README.md)
+    report = report_run(script, trainer, problem, results, certify_from, argv)
     results["safe"] = report.all_satisfied
     results["certificate"] = {
         "certified": report.certified, "delta": script.delta, "forget_tolerance": script.forget_tolerance,
-        "certify_fraction": script.certify_fraction, "certify_split": certify_from if certify_sets else None,
+        "certify_fraction": script.certify_fraction, "certify_split": certify_from if problem.certified else None,
         "certify_rows": {c: len(rows) for c, rows in certify_rows.items()},
         "certified_bounds": report.certified_bounds(), "failing": report.with_rule("certified").failed,
     }

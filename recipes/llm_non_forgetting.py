@@ -82,6 +82,7 @@ from hf_constrained.errors import check_model_path
 from hf_constrained.extras import MissingExtraError, has_module, install_hint
 from hf_constrained.method.regularisers import ConstraintRowReplay
 from hf_constrained.non_forgetting import (
+    NonForgettingConfig,
     ReferenceGap,
     causal_lm_per_example_loss,
     non_forgetting_constraints,
@@ -102,10 +103,15 @@ TRL_EXTRA = install_hint("trl")
 # (a quarter of each protected set's constraint rows drive the indicator) whose indicator follows the certificate's
 # statistic (the share of rows forgotten) against --forget_tolerance minus a margin of 0.02, 8 rows per constraint and
 # step. Two rows without the look-ahead, cheaper, lost to replay alone on the seeds that reported them.
+# The defaults that depend on other flags (the margin, the proxy indicator, replay) are decided in one place,
+# resolve_defaults, after parsing; until then the parser holds the library's value (UNTIL_RESOLVED).
 BENCHMARK_DEFAULTS: dict[str, Any] = {
     "penalty_beta": 0.25, "msvr_gamma": 0.2, "msvr_gamma_prime": "0.1", "constraint_batch_size": 8,
     "constraint_indicator_fraction": 0.25, "constraint_proxy_indicator": True, "constraint_margin": 0.02}
 BENCHMARK_REPLAY = 0.5
+UNTIL_RESOLVED: dict[str, Any] = {"constraint_margin": None, "constraint_proxy_indicator": False}
+MARGIN_FLAGS = ("constraint_margin", "constraint_confidence", "constraint_certificate_delta")
+"""The margin rules, at most one per run: a user who gives one replaces the default margin."""
 
 
 @dataclass
@@ -282,7 +288,7 @@ def parse_arguments(argv: Optional[list[str]] = None, use_trl: Optional[bool] = 
     dataset, training, model, data = parse_recipe_args(
         _dataclass_types(use_trl), argv, description=__doc__.split("\n\n")[0], parser_class=parser_class,
         replaced_flags=REPLACED_FLAGS,
-        defaults={"output_dir": "outputs/llm_non_forgetting", **parser_defaults(given)})
+        defaults={"output_dir": "outputs/llm_non_forgetting", **BENCHMARK_DEFAULTS, **UNTIL_RESOLVED})
     lora_flags = sorted(given & {"lora_r", "lora_alpha", "lora_dropout", "lora_target_modules",
                                  "lora_target_parameters", "lora_modules_to_save", "use_rslora", "use_dora"})
     if lora_flags and not model.use_peft:
@@ -291,22 +297,8 @@ def parse_arguments(argv: Optional[list[str]] = None, use_trl: Optional[bool] = 
                              "by --use_peft)")
         raise RecipeConfigError(f"{', '.join('--' + f for f in lora_flags)} without --use_peft: LoRA is turned on by "
                          "--use_peft (TRL's ModelConfig); add --use_peft true")
-    resolve_automatic_defaults(data, training, given)
+    resolve_defaults(data, training, given)
     return RecipeArguments(dataset, training, model, data, use_trl)
-
-
-OTHER_MARGINS = ("constraint_confidence", "constraint_certificate_delta")
-"""Margin rules exclusive with ``constraint_margin``: a user who gives one replaces the default margin."""
-
-
-def parser_defaults(given: set[str]) -> dict[str, Any]:
-    """:data:`BENCHMARK_DEFAULTS` as the parser's defaults, but those that depend on other flags: the proxy indicator
-    starts off (:func:`resolve_automatic_defaults` turns it on where the fraction and the certificate allow), and the
-    margin is none where the user chose another margin rule (the arguments accept one rule: the user's wins)."""
-    defaults = dict(BENCHMARK_DEFAULTS, constraint_proxy_indicator=False)
-    if given & set(OTHER_MARGINS) and "constraint_margin" not in given:
-        defaults["constraint_margin"] = None
-    return defaults
 
 
 def packed_flags(args: Any) -> list[str]:
@@ -315,12 +307,16 @@ def packed_flags(args: Any) -> list[str]:
     return [f"--{flag}" for flag in ("packing", "padding_free") if getattr(args, flag, False)]
 
 
-def resolve_automatic_defaults(data: ConstraintDataArguments, args: Any, given: set[str]) -> None:
-    """The defaults that depend on other flags: replay (``--replay_old``, 0.5 where it applies) and the proxy
-    indicator (on with two-split estimation where there is a certificate, whose statistic it follows). A value the
-    user gave is kept (and checked by :func:`check_arguments`); a default that cannot apply is turned off, with a
-    warning naming why. The default beta, the hinge's, is kept for the squared hinge with a warning (no benchmark
-    chose one for it)."""
+def resolve_defaults(data: ConstraintDataArguments, args: Any, given: set[str]) -> None:
+    """The defaults that depend on other flags, all decided here, after parsing (the others are
+    :data:`BENCHMARK_DEFAULTS`, the parser's): the margin (:data:`BENCHMARK_DEFAULTS`' 0.02 unless the user chose
+    a margin rule: the arguments accept one), replay (``--replay_old``, :data:`BENCHMARK_REPLAY` where it applies)
+    and the proxy indicator (on with two-split estimation where there is a certificate, whose statistic it
+    follows). A value the user gave is kept (and checked by :func:`check_arguments`); a default that cannot apply
+    is turned off, with a warning naming why. The default beta, the hinge's, is kept for the squared hinge with a
+    warning (no benchmark chose one for it)."""
+    if not given & set(MARGIN_FLAGS):
+        args.constraint_margin = BENCHMARK_DEFAULTS["constraint_margin"]
     if data.replay_old is None:
         packed = packed_flags(args)
         off = ("--constraint_penalty none" if args.constraint_penalty == "none" else
@@ -340,7 +336,8 @@ def resolve_automatic_defaults(data: ConstraintDataArguments, args: Any, given: 
         # on where it applies: two-split estimation (its indicator rows) and a certificate (whose statistic it follows),
         # in a constrained run (plain SFT has no indicator: its old model's correctness on the rows would be wasted)
         two_split = bool(args.constraint_indicator_fraction) and args.constraint_penalty != "none"
-        args.constraint_proxy_indicator = two_split and not no_certificate
+        args.constraint_proxy_indicator = BENCHMARK_DEFAULTS["constraint_proxy_indicator"] and two_split \
+            and not no_certificate
         if two_split and no_certificate:
             logger.warning("the proxy indicator is off: it follows the certificate's statistic, and this run has no "
                            "certificate (--certify_fraction 0 or --eval_fraction 0); the indicator follows the loss "
@@ -512,16 +509,20 @@ def load_model_and_tokenizer(config: RecipeArguments) -> tuple[Any, Any]:
 
 
 # ---------------------------------------------------------------------------------- main
-def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
-    config = parse_arguments(argv)
-    data, args, margs = config.data, config.training, config.model
-    logging.basicConfig(level=logging.INFO if args.should_log else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    check_arguments(config)
-    set_seed(args.seed)
-    model, tokenizer = load_model_and_tokenizer(config)
-    target_source = config.dataset.dataset_name
+class RecipeData(NamedTuple):
+    """The run's rows: the target's training and held-out rows, each protected set's :class:`Splits` by name, and
+    the safety set's (``None`` without one)."""
 
+    train: Any
+    eval: Any
+    protected: dict[str, Splits]
+    safety: Optional[Splits]
+
+
+def load_data(config: RecipeArguments, tokenizer: Any) -> RecipeData:
+    """Every dataset, split; the constraints' rows tokenised here, the target's by TRL when it runs."""
+    data, args = config.data, config.training
+    target_source = config.dataset.dataset_name
     with args.main_process_first(desc="tokenising"):
         if config.trl:  # TRL prepares the objective's rows (formats, chat template, packing) itself
             raw = load_raw(target_source, config.dataset.dataset_train_split, config.dataset.dataset_config,
@@ -537,54 +538,121 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         if data.safety_dataset:
             safety = load_tokenized(data.safety_dataset, data.protected_split, tokenizer, config, "safety",
                                     data.max_constraint_rows, args.seed, certify=True)
+    return RecipeData(train_rows, eval_rows, protected, safety)
 
-    collate = SFTPaddingCollator(tokenizer)  # the constraints' rows (and without TRL the objective's)
-    if not getattr(model, "is_quantized", False):  # a quantised model is placed when it loads
-        model.to(args.device)
+
+def build_constraints(config: RecipeArguments, model: Any, collate: Any, rows: RecipeData) -> list[Any]:
+    """One non-forgetting constraint per protected set and one for the safety set, all sharing one row function
+    (one model call for every sampled constraint). The certificate: per set, the share of its certification rows
+    the old model (with LoRA: the adapter-disabled base) answers exactly and the new one does not (teacher-forced
+    exact match of the answer)."""
+    data, args = config.data, config.training
     gap = ReferenceGap(causal_lm_per_example_loss)  # one row function: every constraint in one group
-    # the certificate: per protected task, the share of its certification rows the old model (with LoRA: the
-    # adapter-disabled base) answers exactly and the new one does not (teacher-forced exact match of the answer)
     certifying = data.certify_fraction > 0
     # a proxy indicator evaluates the certificate's statistic on the constraint rows: they need the old correctness
+    statement = dict(batch_size=data.reference_batch_size, forget_tolerance=data.forget_tolerance,
+                     old_correct_on_rows=certifying and args.constraint_proxy_indicator)
     constraints = []
-    if protected:
+    if rows.protected:
+        protected = rows.protected
         constraints += non_forgetting_constraints(
             model, causal_lm_per_example_loss, {k: v.train for k, v in protected.items()}, collate,
             eval_datasets=None if data.eval_fraction <= 0 else {k: v.held_out for k, v in protected.items()},
-            tolerance=data.constraint_tolerance, relative_tolerance=data.relative_tolerance,
-            batch_size=data.reference_batch_size, row_fn=gap,
             certify_datasets={k: v.certify for k, v in protected.items()} if certifying else None,
-            correct=causal_lm_per_example_correct, forget_tolerance=data.forget_tolerance,
-            old_correct_on_rows=certifying and args.constraint_proxy_indicator)
-    if safety is not None:
+            correct=causal_lm_per_example_correct, row_fn=gap,
+            config=NonForgettingConfig(tolerance=data.constraint_tolerance, relative_tolerance=data.relative_tolerance,
+                                       **statement))
+    if rows.safety is not None:
+        safety = rows.safety
         constraints += non_forgetting_constraints(
             model, causal_lm_per_example_loss, {"refusals": safety.train}, collate,
             eval_datasets=None if safety.held_out is None else {"refusals": safety.held_out},
-            tolerance=data.safety_tolerance, batch_size=data.reference_batch_size, name="safety/{task}",
-            row_fn=gap, certify_datasets={"refusals": safety.certify} if certifying else None,
-            correct=causal_lm_per_example_correct, forget_tolerance=data.forget_tolerance,
-            old_correct_on_rows=certifying and args.constraint_proxy_indicator)
+            certify_datasets={"refusals": safety.certify} if certifying else None,
+            correct=causal_lm_per_example_correct, row_fn=gap,
+            config=NonForgettingConfig(tolerance=data.safety_tolerance, name="safety/{task}", **statement))
+    return constraints
+
+
+def certification_splits(config: RecipeArguments, constraints: list[Any]) -> dict[str, dict[str, Any]]:
+    """Each certified constraint's split (rows, fraction, seed), with a warning where it is too small to certify
+    ``--forget_tolerance`` even with nothing forgotten."""
+    data = config.data
     certification = {c.name: {"rows": len(c.certify.dataset), "fraction_of_held_out": data.certify_fraction,
-                              "seed": args.seed} for c in constraints if c.certifiable}
+                              "seed": config.training.seed} for c in constraints if c.certifiable}
     for name, split in certification.items():
         floor = 1.0 - data.delta ** (1.0 / split["rows"])  # the bound with nothing forgotten
         if floor > data.forget_tolerance:
             logger.warning("%s: %d certification rows cannot certify --forget_tolerance %g (even with nothing "
                            "forgotten the bound is %.3f): more rows (--eval_fraction, --certify_fraction) or a "
                            "larger tolerance", name, split["rows"], data.forget_tolerance, floor)
+    return certification
 
+
+def build_trainer(config: RecipeArguments, model: Any, tokenizer: Any, collate: Any, rows: RecipeData,
+                  constraints: list[Any]) -> tuple[Any, Optional[ConstraintRowReplay]]:
+    """TRL's ``ConstrainedSFTTrainer`` where TRL runs (its data preparation, loss and metrics for the objective),
+    else ``ConstrainedTrainer``; with replay of the constraints' own rows (returned too, ``None`` without)."""
+    data, args = config.data, config.training
     # replay reads the constraints' own rows of each step (never held-out or certification rows): one draw of old
     # rows per step, each row's loss computed once; with the hinge each row carries both weights
     replay = None if not data.replay_old else ConstraintRowReplay(data.replay_old)
     if config.trl:  # TRL's data preparation, loss and metrics (mean_token_accuracy, num_tokens) for the objective
         from hf_constrained.integrations.trl import ConstrainedSFTTrainer
 
-        trainer = ConstrainedSFTTrainer(model=model, args=args, train_dataset=train_rows, eval_dataset=eval_rows,
-                                        processing_class=tokenizer, constraints=constraints, regulariser=replay)
-    else:
-        trainer = ConstrainedTrainer(model=model, args=args, train_dataset=train_rows, eval_dataset=eval_rows,
-                                     data_collator=collate, processing_class=tokenizer, constraints=constraints,
-                                     regulariser=replay)
+        return ConstrainedSFTTrainer(model=model, args=args, train_dataset=rows.train, eval_dataset=rows.eval,
+                                     processing_class=tokenizer, constraints=constraints, regulariser=replay), replay
+    return ConstrainedTrainer(model=model, args=args, train_dataset=rows.train, eval_dataset=rows.eval,
+                              data_collator=collate, processing_class=tokenizer, constraints=constraints,
+                              regulariser=replay), replay
+
+
+def finish(config: RecipeArguments, trainer: Any, rows: RecipeData, constraints: list[Any],
+           command: str) -> tuple[Any, dict[str, Any]]:
+    """Held-out evaluation (objective and exact constraint values), safety report, card and figures (a
+    non-forgetting constraint is 0 at the old model by definition); without constraints the objective's
+    evaluation alone. Returns the report (``None`` without constraints) and the objective's metrics."""
+    data, margs = config.data, config.model
+    target_source = config.dataset.dataset_name
+    if not constraints:
+        return None, (trainer.evaluate() if rows.eval is not None else {})
+    protected_sources = named_sources(data.protected_datasets, "--protected_datasets").values()
+    hub_ids = [s for s in [target_source, *protected_sources, data.safety_dataset] if s and not os.path.exists(s)]
+    report = finish_run(
+        trainer, old_model_values={c.name: 0.0 for c in constraints}, base_model_name=margs.model_name_or_path,
+        dataset_description=(
+            f"SFT on {publishable_path(target_source)}; "
+            f"protected: {sorted(rows.protected) or 'none'}"
+            f"{'; safety set ' + publishable_path(data.safety_dataset) if data.safety_dataset else ''}"
+            + (f"; the protected and safety sets' training rows replayed as a share {data.replay_old:g} of the "
+               "loss" if data.replay_old else "")
+            + f"; a fraction {data.eval_fraction:g} of every dataset held out"
+            + (f", a fraction {data.certify_fraction:g} of each protected / safety set's "
+               "held-out rows "
+               "set aside as its certification split (read only by the certificate: the "
+               "share of the set's examples forgotten, teacher-forced exact match, at most "
+               f"{data.forget_tolerance:g})" if data.certify_fraction > 0 else "; no certification split")),
+        datasets=hub_ids or None,
+        reproduce_command=command,
+        delta=data.delta,
+    )
+    return report, dict(report.objective_metrics)
+
+
+def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
+    config = parse_arguments(argv)
+    data, args, margs = config.data, config.training, config.model
+    logging.basicConfig(level=logging.INFO if args.should_log else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    check_arguments(config)
+    set_seed(args.seed)
+    model, tokenizer = load_model_and_tokenizer(config)
+    rows = load_data(config, tokenizer)
+    collate = SFTPaddingCollator(tokenizer)  # the constraints' rows (and without TRL the objective's)
+    if not getattr(model, "is_quantized", False):  # a quantised model is placed when it loads
+        model.to(args.device)
+    constraints = build_constraints(config, model, collate, rows)
+    certification = certification_splits(config, constraints)
+    trainer, replay = build_trainer(config, model, tokenizer, collate, rows, constraints)
     train_result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     # the upload comes last, after the results, report and card exist: this save does not push
     push, args.push_to_hub = args.push_to_hub, False
@@ -592,37 +660,10 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         trainer.save_model(args.output_dir)  # before the card: a PEFT save writes its own README.md
     finally:
         args.push_to_hub = push
-
-    protected_sources = named_sources(data.protected_datasets, "--protected_datasets").values()
-    hub_ids = [s for s in [target_source, *protected_sources, data.safety_dataset] if s and not os.path.exists(s)]
     # the installed entry point after pip install; with --config, a copy of the file saved in --output_dir
     command = publishable_command("accelerate launch recipes/llm_non_forgetting.py",
                                   sys.argv[1:] if argv is None else argv, output_dir=args.output_dir)
-    report, metrics = None, {}
-    if constraints:
-        # held-out evaluation (objective and exact constraint values), safety report, card, figures;
-        # a non-forgetting constraint is 0 at the old model by definition
-        report = finish_run(
-            trainer, old_model_values={c.name: 0.0 for c in constraints}, base_model_name=margs.model_name_or_path,
-            dataset_description=(
-                f"SFT on {publishable_path(target_source)}; "
-                f"protected: {sorted(protected) or 'none'}"
-                f"{'; safety set ' + publishable_path(data.safety_dataset) if data.safety_dataset else ''}"
-                + (f"; the protected and safety sets' training rows replayed as a share {data.replay_old:g} of the "
-                   "loss" if data.replay_old else "")
-                + f"; a fraction {data.eval_fraction:g} of every dataset held out"
-                + (f", a fraction {data.certify_fraction:g} of each protected / safety set's "
-                   "held-out rows "
-                   "set aside as its certification split (read only by the certificate: the "
-                   "share of the set's examples forgotten, teacher-forced exact match, at most "
-                   f"{data.forget_tolerance:g})" if certifying else "; no certification split")),
-            datasets=hub_ids or None,
-            reproduce_command=command,
-            delta=data.delta,
-        )
-        metrics = dict(report.objective_metrics)
-    elif eval_rows is not None:
-        metrics = trainer.evaluate()
+    report, metrics = finish(config, trainer, rows, constraints, command)
     results = {
         "command": command,
         "model": publishable_path(margs.model_name_or_path),  # results are shared: no local paths

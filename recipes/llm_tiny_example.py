@@ -95,6 +95,7 @@ from hf_constrained.certification.ledger import user_ledger_at
 from hf_constrained.method.projection import AGEM, GradientProjection, ReplayAGEM
 from hf_constrained.method.regularisers import ConstraintRowReplay, KLToOld, L2ToOld, ObjectiveRegulariser, Replay
 from hf_constrained.non_forgetting import (
+    NonForgettingConfig,
     PaddingCollator,
     causal_lm_per_example_loss,
     non_forgetting_constraints,
@@ -361,9 +362,9 @@ def build_trainer(old_path: str, penalty: str, seed: int, cfg: ExampleArguments,
     certify = certification_rows(tokenizer, cfg) if cfg.certify_rows else None
     constraints = non_forgetting_constraints(model, causal_lm_per_example_loss, constraint_rows, collate,
                                              eval_datasets={t: held_out[t] for t in constraint_rows},
-                                             tolerance=cfg.tolerance, batch_size=256, certify_datasets=certify,
-                                             correct=causal_lm_per_example_correct,
-                                             forget_tolerance=cfg.forget_tolerance)
+                                             certify_datasets=certify, correct=causal_lm_per_example_correct,
+                                             config=NonForgettingConfig(tolerance=cfg.tolerance, batch_size=256,
+                                                                        forget_tolerance=cfg.forget_tolerance))
     if cfg.constraint_surrogate == "loss_increase":
         for c in constraints:  # each row's loss rise only (the gradient's rows, and the held-out h_k)
             c.row_transform = torch.relu

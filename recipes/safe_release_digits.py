@@ -58,6 +58,7 @@ from hf_constrained import (
     CertifyStatistic,
     ConstrainedTrainer,
     ConstrainedTrainingArguments,
+    SafetyReport,
     UnsafeModelError,
     constraints_per_value,
     finish_run,
@@ -165,12 +166,9 @@ class ReleaseArguments(CertificateArguments):
         check_certify_fraction(self.audit_fraction, "--audit_fraction")
 
 
-def main(argv: list[str] | None = None) -> int:
-    opts, training_args = parse_recipe_args([ReleaseArguments, ConstrainedTrainingArguments], argv,
-                                            description=__doc__, defaults=TRAINING_DEFAULTS)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    seed = training_args.seed
-
+def split_digits(opts: ReleaseArguments, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+    """The digits (x in [0, 1], labels y) and their disjoint parts, stratified by digit and seeded by ``seed``: the
+    old model's rows, and of the rest ``train``, ``select``, ``certify`` and, with ``--audit_fraction``, ``audit``."""
     load_digits = require_extra("sklearn.datasets", "recipes", "the safe-release recipe's digits").load_digits
     train_test_split = require_extra("sklearn.model_selection", "recipes", "the safe-release recipe's splits"
                                      ).train_test_split
@@ -188,6 +186,35 @@ def main(argv: list[str] | None = None) -> int:
     if opts.audit_fraction:
         part["certify"], part["audit"] = train_test_split(part["certify"], test_size=opts.audit_fraction,
                                                           stratify=y[part["certify"]], random_state=seed)
+    return x, y, idx_old, part
+
+
+def release_gate(trainer: ConstrainedTrainer, report: SafetyReport, opts: ReleaseArguments) -> bool:
+    """The push gate's verdict, printed (and the push, with ``--hub_model_id``); whether it is closed."""
+    output_dir, hub_model_id = trainer.args.output_dir, trainer.args.hub_model_id
+    try:
+        trainer.safety.check_safe_to_push(allow_unsafe=opts.allow_unsafe)
+        # without a push asked for, say what an open gate allows and how (a bare "open" leaves a newcomer guessing)
+        print("push gate: open" + (" (override)" if not report.all_satisfied else "")
+              + ("" if hub_model_id else f" (no push was asked for; to publish: hf-constrained push "
+                 f"{output_dir} --repo_id owner/name)"))
+        if hub_model_id:
+            trainer.push_to_hub(allow_unsafe=opts.allow_unsafe)
+    except UnsafeModelError as err:
+        # the refusal's own words only when a push was asked for; else the verdict, and what a push would do
+        why = str(err).splitlines()[0] if hub_model_id else \
+            f"{report.summary()} (no push was asked for; --hub_model_id would upload nothing)"
+        print(f"push gate: closed: {why}")
+        return True
+    return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts, training_args = parse_recipe_args([ReleaseArguments, ConstrainedTrainingArguments], argv,
+                                            description=__doc__, defaults=TRAINING_DEFAULTS)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    seed = training_args.seed
+    x, y, idx_old, part = split_digits(opts, seed)
     old = train_old_model(x[idx_old], y[idx_old], seed)
     rows = {name: with_reference_loss(old, x[i], y[i], i) for name, i in part.items()}
 
@@ -231,22 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     if trainer.is_world_process_zero():
         atomic_write_json(os.path.join(training_args.output_dir, "results.json"), results, indent=1)
     print(report.render())
-    try:
-        trainer.safety.check_safe_to_push(allow_unsafe=opts.allow_unsafe)
-        # without a push asked for, say what an open gate allows and how (a bare "open" leaves a newcomer guessing)
-        print("push gate: open" + (" (override)" if not report.all_satisfied else "")
-              + ("" if training_args.hub_model_id else f" (no push was asked for; to publish: hf-constrained push "
-                 f"{training_args.output_dir} --repo_id owner/name)"))
-        if training_args.hub_model_id:
-            trainer.push_to_hub(allow_unsafe=opts.allow_unsafe)
-    except UnsafeModelError as err:
-        # the refusal's own words only when a push was asked for; else the verdict, and what a push would do
-        why = str(err).splitlines()[0] if training_args.hub_model_id else \
-            f"{report.summary()} (no push was asked for; --hub_model_id would upload nothing)"
-        print(f"push gate: closed: {why}")
-        gate_closed = True
-    else:
-        gate_closed = False
+    gate_closed = release_gate(trainer, report, opts)
     if trainer.is_world_process_zero():  # where the run's evidence is, as the demo prints it
         print(f"written to {training_args.output_dir}: the model, safety_report.json (hf-constrained report "
               f"{training_args.output_dir}), the model card README.md, figures/ and results.json")

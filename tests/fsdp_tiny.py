@@ -13,7 +13,7 @@ from scale_tiny import NUM_GROUPS, ListDataset, TinyClassifier, make_rows, tiny_
 from torch import nn
 
 from hf_constrained import ConstrainedTrainer
-from hf_constrained.non_forgetting import non_forgetting_constraints
+from hf_constrained.non_forgetting import NonForgettingConfig, non_forgetting_constraints
 
 
 def per_row_ce(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -35,8 +35,9 @@ def certified_trainer(output_dir: str, **overrides: Any) -> ConstrainedTrainer:
     train_rows, _ = make_rows(128, 0)
     c_rows, c_groups = make_rows(96, 1)
     protected = {f"group{k}": ListDataset([r for r, g in zip(c_rows, c_groups) if g == k]) for k in range(NUM_GROUPS)}
-    constraints = non_forgetting_constraints(model, per_row_ce, protected, tolerance=0.0, batch_size=16,
-                                             certify_datasets=certify_rows(), correct=per_row_correct,
-                                             forget_tolerance=0.5)
+    constraints = non_forgetting_constraints(model, per_row_ce, protected, certify_datasets=certify_rows(),
+                                             correct=per_row_correct,
+                                             config=NonForgettingConfig(tolerance=0.0, batch_size=16,
+                                                                        forget_tolerance=0.5))
     return ConstrainedTrainer(model=model, args=tiny_args(output_dir, **overrides),
                               train_dataset=ListDataset(train_rows), constraints=constraints)

@@ -341,65 +341,93 @@ def certify(candidates: Sequence[Mapping[str, RowValues]], tolerance: Mapping[st
         raise ValueError("certify needs at least one candidate")
     if candidate_ids is not None and len(candidate_ids) != len(candidates):
         raise ValueError(f"{len(candidate_ids)} candidate_ids for {len(candidates)} candidates")
-    names = list(tolerance)
-    if not names:
-        raise ValueError("certify needs at least one constraint (tolerance is empty)")
-    for j, cand in enumerate(candidates):
-        missing = [n for n in names if n not in cand]
-        extra = [n for n in cand if n not in tolerance]
-        if missing or extra:
-            raise ValueError(f"candidate {j}: per-row values are needed for exactly the constraints {names}; "
-                             f"missing {missing}, unknown {extra}")
-    ranges = {n: (float(r[0]), float(r[1])) for n, r in _per_constraint(value_range, names, "value_range").items()}
-    bounds = {n: check_bound(b) for n, b in _per_constraint(bound, names, "bound").items()}
-    tol = {n: float(tolerance[n]) for n in names}
-    for j, cand in enumerate(candidates):  # bad values are errors before any look is spent
-        for n in names:
-            _check_rows(cand[n], ranges[n], bounds[n], n)
-    fingerprints = dict(split_fingerprints or {})
-    ordered = any(b in ORDER_DEPENDENT_BOUNDS for b in bounds.values())
+    claims = _Claims.checked(candidates, tolerance, value_range, bound, split_fingerprints)
+    ordered = any(b in ORDER_DEPENDENT_BOUNDS for b in claims.bounds.values())
     seed = row_order_seed if row_order_seed is not None or not ordered else new_order_seed()
-    spent = {n: delta for n in names}
+    spent = {n: delta for n in claims.names}
     looks: dict[str, int] = {}
     if ledger is not None:
-        splits: dict[str, list[str]] = {}
-        for n in names:  # a constraint without a fingerprint is counted under its name
-            splits.setdefault(fingerprints.get(n) or f"constraint:{n}", []).append(n)
-        key = look_key([procedure, delta, len(candidates)]
-                       + [x for n in names for x in (n, tol[n], ranges[n], bounds[n], fingerprints.get(n))]
-                       + [x for cand in candidates for n in names for x in _identity(cand[n])]
-                       # a different model with the same values is another claim: the key differs
-                       + ([] if candidate_ids is None or all(i is None for i in candidate_ids)
-                          else ["candidates", *map(str, candidate_ids)]))
-        taken = ledger.spend(splits, key, delta, seed)
-        for fp, members in splits.items():
-            for n in members:
-                looks[n], spent[n] = taken[fp].look, taken[fp].delta_spent
-        seeds = {taken[fp].order_seed for fp in splits}
-        if ordered and len(seeds) == 1 and None not in seeds:
-            seed = seeds.pop()  # the same look again: the same row order, so the same answer
-    levels = {n: spent[n] if procedure == "fixed_sequence" else spent[n] / len(candidates) for n in names}
+        key = look_key([procedure, delta, len(candidates)] + claims.identity(candidates, candidate_ids))
+        looks, spent, seed = _ledger_look(ledger, claims, key, delta, seed, ordered)
+    levels = {n: spent[n] if procedure == "fixed_sequence" else spent[n] / len(candidates) for n in claims.names}
     certified: list[int] = []
     upper_bounds: list[dict[str, float]] = []
     values: list[dict[str, float]] = []
     num_rows: dict[str, int] = {}
     for j, cand in enumerate(candidates):
-        ub = {n: statistic_upper_bound(cand[n], ranges[n], levels[n], bounds[n], name=n, order_seed=seed)
-              for n in names}
+        ub = {n: statistic_upper_bound(cand[n], claims.ranges[n], levels[n], claims.bounds[n], name=n,
+                                       order_seed=seed) for n in claims.names}
         upper_bounds.append(ub)
-        values.append({n: point_value(cand[n]) for n in names})
-        for n in names:
+        values.append({n: point_value(cand[n]) for n in claims.names})
+        for n in claims.names:
             num_rows.setdefault(n, int(_rows(cand[n])[0].size))
-        if all(ub[n] <= tol[n] for n in names):
+        if all(ub[n] <= claims.tolerance[n] for n in claims.names):
             certified.append(j)
         elif procedure == "fixed_sequence":
             break  # the candidates after the first failure are never tested
-    return Certificate(certified=certified, upper_bounds=upper_bounds, values=values, tolerance=tol,
-                       value_range=ranges, bound=bounds, num_rows=num_rows, delta=delta, procedure=procedure,
-                       num_candidates=len(candidates), level=min(levels.values()),
-                       split_fingerprints=fingerprints, row_order_seed=seed if ordered else None,
+    return Certificate(certified=certified, upper_bounds=upper_bounds, values=values, tolerance=claims.tolerance,
+                       value_range=claims.ranges, bound=claims.bounds, num_rows=num_rows, delta=delta,
+                       procedure=procedure, num_candidates=len(candidates), level=min(levels.values()),
+                       split_fingerprints=claims.fingerprints, row_order_seed=seed if ordered else None,
                        looks=looks, delta_spent=spent if ledger is not None else {}, levels=levels,
                        spending=None if ledger is None else ledger.spending.name)
+
+
+@dataclass(frozen=True)
+class _Claims:
+    """What :func:`certify` tests, checked before any look is spent: each constraint's tolerance, value range,
+    bound and certification split's fingerprint (names in the order of ``tolerance``)."""
+
+    names: list[str]
+    tolerance: dict[str, float]
+    ranges: dict[str, tuple[float, float]]
+    bounds: dict[str, str]
+    fingerprints: dict[str, str]
+
+    @classmethod
+    def checked(cls, candidates: Sequence[Mapping[str, RowValues]], tolerance: Mapping[str, float],
+                value_range: Any, bound: Any, split_fingerprints: Optional[Mapping[str, str]]) -> "_Claims":
+        names = list(tolerance)
+        if not names:
+            raise ValueError("certify needs at least one constraint (tolerance is empty)")
+        for j, cand in enumerate(candidates):
+            missing = [n for n in names if n not in cand]
+            extra = [n for n in cand if n not in tolerance]
+            if missing or extra:
+                raise ValueError(f"candidate {j}: per-row values are needed for exactly the constraints {names}; "
+                                 f"missing {missing}, unknown {extra}")
+        ranges = {n: (float(r[0]), float(r[1])) for n, r in _per_constraint(value_range, names, "value_range").items()}
+        bounds = {n: check_bound(b) for n, b in _per_constraint(bound, names, "bound").items()}
+        for cand in candidates:  # bad values are errors before any look is spent
+            for n in names:
+                _check_rows(cand[n], ranges[n], bounds[n], n)
+        return cls(names, {n: float(tolerance[n]) for n in names}, ranges, bounds, dict(split_fingerprints or {}))
+
+    def identity(self, candidates: Sequence[Mapping[str, RowValues]],
+                 candidate_ids: Optional[Sequence[Optional[str]]]) -> list[Any]:
+        """What makes a look the same look again: the claims, the candidates' values and, when given, their ids
+        (a different model with the same values is another claim: the key differs)."""
+        return ([x for n in self.names for x in (n, self.tolerance[n], self.ranges[n], self.bounds[n],
+                                                 self.fingerprints.get(n))]
+                + [x for cand in candidates for n in self.names for x in _identity(cand[n])]
+                + ([] if candidate_ids is None or all(i is None for i in candidate_ids)
+                   else ["candidates", *map(str, candidate_ids)]))
+
+
+def _ledger_look(ledger: CertificationLedger, claims: _Claims, key: str, delta: float, seed: Optional[int],
+                 ordered: bool) -> tuple[dict[str, int], dict[str, float], Optional[int]]:
+    """One look at each certification split in the ledger: each constraint's look number and the delta its
+    split's schedule gives it, and the row order's seed (a repeated look keeps its seed, so its answer)."""
+    splits: dict[str, list[str]] = {}
+    for n in claims.names:  # a constraint without a fingerprint is counted under its name
+        splits.setdefault(claims.fingerprints.get(n) or f"constraint:{n}", []).append(n)
+    taken = ledger.spend(splits, key, delta, seed)
+    looks = {n: taken[fp].look for fp, members in splits.items() for n in members}
+    spent = {n: taken[fp].delta_spent for fp, members in splits.items() for n in members}
+    seeds = {taken[fp].order_seed for fp in splits}
+    if ordered and len(seeds) == 1 and None not in seeds:
+        seed = seeds.pop()  # the same look again: the same row order, so the same answer
+    return looks, spent, seed
 
 
 def _check_rows(value: RowValues, value_range: tuple[float, float], bound: str, name: str) -> None:

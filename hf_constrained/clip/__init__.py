@@ -21,6 +21,7 @@ from .contrastive import ContrastiveConstrainedTrainer, HalfPositiveSampler, con
 from .encode import clip_embeddings
 from .heads import CLIPWithClassTextHeads
 from .non_forgetting import (
+    NonForgettingConfig,
     NonForgettingConstraint,
     ReferenceLossDataset,
     ZeroShotCorrect,
@@ -34,6 +35,7 @@ __all__ = [
     "CLIPWithClassTextHeads",
     "ContrastiveConstrainedTrainer",
     "HalfPositiveSampler",
+    "NonForgettingConfig",
     "NonForgettingConstraint",
     "ReferenceLossDataset",
     "ZeroShotCorrect",

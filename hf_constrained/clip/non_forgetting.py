@@ -9,13 +9,13 @@ zero-shot accuracy. The old model's per-sample losses are computed once before t
 (eval mode, the collator's deterministic preprocessing, no augmentation); for a PEFT/LoRA
 model the adapter-disabled base serves as the old model (no second copy).
 
-``NonForgettingConstraint``, ``ReferenceLossDataset`` and ``reference_losses`` are the
-generic ones, re-exported; they accept a :class:`ZeroShotLoss` as the per-sample loss (its
+``NonForgettingConfig``, ``NonForgettingConstraint``, ``ReferenceLossDataset`` and ``reference_losses``
+are the generic ones, re-exported; they accept a :class:`ZeroShotLoss` as the per-sample loss (its
 ``per_sample`` method). :func:`non_forgetting_constraints` is the generic builder with CLIP's
 zero-shot correctness (:class:`ZeroShotCorrect`) as the default ``correct``: given
 certification rows per protected class (``certify_datasets``, rows nothing else reads) and
-``forget_tolerance``, each constraint is certified as "at most ``forget_tolerance`` of class
-k's images forgotten" (right under the old model, wrong now; a 0/1 rate with an exact
+``config=NonForgettingConfig(forget_tolerance=eps)``, each constraint is certified as "at most
+eps of class k's images forgotten" (right under the old model, wrong now; a 0/1 rate with an exact
 Clopper-Pearson bound, see :func:`hf_constrained.non_forgetting.forgetting_statistic`).
 """
 
@@ -30,11 +30,11 @@ from torch import nn
 
 from ..method.shared_forward import merge_right_padded
 from ..non_forgetting import (
+    NonForgettingConfig,
     NonForgettingConstraint,
     PerSampleCorrect,
     ReferenceGap,
     ReferenceLossDataset,
-    Tolerance,
     iterate_batches,
     reference_losses,
     to_device,
@@ -44,6 +44,7 @@ from .encode import clip_embeddings, normalised
 
 __all__ = [
     "MergedCLIPForward",
+    "NonForgettingConfig",
     "NonForgettingConstraint",
     "ReferenceLossDataset",
     "ZeroShotCorrect",
@@ -184,14 +185,14 @@ def non_forgetting_constraints(old_model: nn.Module, loss: Any, datasets: Mappin
                                collate_fn: Optional[Callable] = None, *,
                                certify_datasets: Optional[Mapping[str, Any]] = None,
                                correct: Optional[PerSampleCorrect] = None,
-                               forget_tolerance: Optional[Tolerance] = None,
+                               config: Optional[NonForgettingConfig] = None,
                                **kwargs: Any) -> list[NonForgettingConstraint]:
     """One non-forgetting constraint per protected class
-    (:func:`hf_constrained.non_forgetting.non_forgetting_constraints`, whose options ``kwargs``
-    takes: ``eval_datasets``, ``tolerance``, ``relative_tolerance``, ``batch_size``, ...).
+    (:func:`hf_constrained.non_forgetting.non_forgetting_constraints`, whose other options ``kwargs``
+    takes: ``eval_datasets``, ``row_fn``; the tolerances and batch size are ``config``'s).
 
     With ``certify_datasets`` (class name -> certification rows, read only by the certificate)
-    and ``forget_tolerance`` (one for all classes or per class; or ``accuracy_drop_tolerance``,
+    and ``config.forget_tolerance`` (one for all classes or per class; or ``accuracy_drop_tolerance``,
     the points of accuracy each class may lose), each constraint gets those rows,
     with the old model's zero-shot correctness stored as ``reference_correct``, and the
     forgetting statistic: the certificate bounds the share of class k's certification images
@@ -201,12 +202,12 @@ def non_forgetting_constraints(old_model: nn.Module, loss: Any, datasets: Mappin
     if certify_datasets is not None:
         if correct is None and isinstance(loss, ZeroShotLoss):
             correct = ZeroShotCorrect(loss)
-        if forget_tolerance is None and kwargs.get("accuracy_drop_tolerance") is None:
+        if config is None or not config.states_a_certificate:
             raise ValueError("certify_datasets needs forget_tolerance= (the largest share of each protected class's "
                              "images that may be forgotten) or accuracy_drop_tolerance= (the most zero-shot accuracy "
-                             "each class may lose, 0.02 = 2 points)")
+                             "each class may lose, 0.02 = 2 points) in config=NonForgettingConfig(...)")
     return generic_non_forgetting_constraints(old_model, loss, datasets, collate_fn, certify_datasets=certify_datasets,
-                                              correct=correct, forget_tolerance=forget_tolerance, **kwargs)
+                                              correct=correct, config=config, **kwargs)
 
 
 @torch.no_grad()

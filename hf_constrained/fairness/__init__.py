@@ -2,8 +2,9 @@
 
 Modules: :mod:`.data` (Adult, COMPAS, any CSV, CheXpert), :mod:`.model` (the MLP scorer as
 a ``PreTrainedModel``), :mod:`.roc` (AUC loss, the constraints, exact values, trainer),
-:mod:`.icppac` (the double-loop baseline), :mod:`.frvp` (the FRVP diagnostic),
-:mod:`.experiment` (one run, used by ``recipes/roc_fairness.py`` and the benchmark).
+:mod:`.evaluation` (AUC, the shift-proof measures, the per-epoch history), :mod:`.icppac` (the
+double-loop baseline), :mod:`.frvp` (the FRVP diagnostic), :mod:`.experiment` (one run, used by
+``recipes/roc_fairness.py`` and the benchmark).
 
 Names are imported on first use: the model (``hf_constrained.fairness.model``, what a
 published ROC model's card imports) needs no optional package; the data, the AUC and the
@@ -17,7 +18,7 @@ from ..lazy_import import lazy_attributes
 _LAZY = {
     "AUCConstrainedTrainer": ".roc",
     "DEFAULT_KAPPA": ".roc",
-    "DEFAULT_QUANTILES": ".roc",
+    "DEFAULT_QUANTILES": ".evaluation",
     "DEFAULT_THRESHOLDS": ".roc",
     "GROUP_KEY": ".roc",
     "GroupRows": ".roc",
@@ -26,14 +27,14 @@ _LAZY = {
     "MLPConfig": ".model",
     "MLPForScoring": ".model",
     "PairedRows": ".roc",
-    "ROCHistoryCallback": ".roc",
+    "ROCHistoryCallback": ".evaluation",
     "SigmoidRate": ".roc",
     "TabularSplit": ".data",
-    "auc_score": ".roc",
+    "auc_score": ".evaluation",
     "build_tabular_splits": ".data",
     "collate_pairs": ".roc",
     "collate_rows": ".roc",
-    "evaluate_roc": ".roc",
+    "evaluate_roc": ".evaluation",
     "feature_names": ".data",
     "frvp_report": ".frvp",
     "load_adult": ".data",
@@ -45,11 +46,11 @@ _LAZY = {
     "model_scores": ".model",
     "objective_pairs": ".roc",
     "pairwise_auc_loss": ".roc",
-    "roc_curve_gap": ".roc",
+    "roc_curve_gap": ".evaluation",
     "roc_fairness_constraints": ".roc",
     "roc_fairness_values": ".roc",
     "roc_row_scores": ".roc",
-    "shift_proof_fairness": ".roc",
+    "shift_proof_fairness": ".evaluation",
     "smallest_certified_gap": ".roc",
 }
 

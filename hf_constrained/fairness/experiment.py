@@ -38,12 +38,12 @@ from ..publishable import publishable_command
 from ..safety.finish import certify_models, finish_run, push_last
 from ..safety.settings import CertificateArguments
 from .data import TABULAR_LOADERS, TabularColumns, TabularSplit, load_tabular_csv
+from .evaluation import ROCHistoryCallback
 from .icppac import ICPPACConfig, ICPPACTrainer
 from .model import MLPConfig, MLPForScoring
 from .roc import (
     DEFAULT_KAPPA,
     AUCConstrainedTrainer,
-    ROCHistoryCallback,
     collate_pairs,
     objective_pairs,
     pairwise_auc_loss,
@@ -186,6 +186,26 @@ def step_decay(total_steps: int, at: Sequence[float], factor: float) -> Callable
     return lambda step: factor ** bisect.bisect_right(milestones, step)
 
 
+@dataclass
+class _Run:
+    """One run's pieces, built once by :func:`_prepare` and read by each step of :func:`run_roc_fairness`."""
+
+    args: ROCFairnessArguments
+    training_args: ConstrainedTrainingArguments
+    splits: dict[str, TabularSplit]
+    certify_split: Optional[TabularSplit]
+    model: MLPForScoring
+    constraints: list[Any]
+    objective: Any
+    history: ROCHistoryCallback
+    epochs: int
+    total_steps: int
+
+    @property
+    def batch(self) -> int:
+        return self.training_args.per_device_train_batch_size
+
+
 def run_roc_fairness(args: ROCFairnessArguments, training_args: ConstrainedTrainingArguments,
                      splits: Optional[dict[str, TabularSplit]] = None,
                      callbacks: Sequence[TrainerCallback] = (),
@@ -200,6 +220,34 @@ def run_roc_fairness(args: ROCFairnessArguments, training_args: ConstrainedTrain
     methods only; ICPPAC has its own loop).
     """
     check_push(args, training_args)
+    run = _prepare(args, training_args, splits)
+    t_start = time.perf_counter()
+    certificate: Optional[dict[str, Any]] = None
+    if args.method == "icppac":
+        trainer, train_seconds = _train_icppac(run)
+    else:
+        trainer = _train_with_penalty(run, callbacks)
+        train_seconds = run.history.train_seconds
+        if run.certify_split is not None:
+            certificate = _certificate(run, trainer)
+        if args.save_model:
+            _save_with_report(run, trainer, argv)
+    results = _results(run, train_seconds, time.perf_counter() - t_start, certificate)
+    if training_args.should_save:
+        path = args.results_file if os.path.isabs(args.results_file) else os.path.join(
+            training_args.output_dir, args.results_file)
+        atomic_write_json(path, results, indent=1)  # never a half-written results file
+        if args.method == "icppac" and args.save_model:
+            run.model.save_pretrained(training_args.output_dir)
+    # last, after every local file is written: a refusal uploads nothing, loses nothing and fails the command
+    results["exit_status"] = push_last(trainer, args.allow_unsafe_push) if training_args.push_to_hub else 0
+    return results
+
+
+def _prepare(args: ROCFairnessArguments, training_args: ConstrainedTrainingArguments,
+             splits: Optional[dict[str, TabularSplit]]) -> _Run:
+    """The splits (the certification rows carved out of the test split), the model, the constraints, the
+    objective's pairs, the history and the number of optimizer steps."""
     splits = dict(splits or load_splits(args))
     certify_split = None
     if args.certify_fraction > 0 and args.method != "icppac":
@@ -207,9 +255,9 @@ def run_roc_fairness(args: ROCFairnessArguments, training_args: ConstrainedTrain
         # per-epoch history either); the rest of the test split is data that neither training nor the certificate saw
         test = splits["test"]
         split_module = require_extra("sklearn.model_selection", "fairness", "the certification split")
-        train_test_split = split_module.train_test_split
-        keep, held = train_test_split(np.arange(len(test)), test_size=args.certify_fraction,
-                                      stratify=test.label * 2 + test.group, random_state=args.split_seed + 2)
+        keep, held = split_module.train_test_split(np.arange(len(test)), test_size=args.certify_fraction,
+                                                   stratify=test.label * 2 + test.group,
+                                                   random_state=args.split_seed + 2)
         splits["test"], certify_split = test.subset(np.sort(keep)), test.subset(np.sort(held))
     torch.manual_seed(training_args.seed)
     np.random.seed(training_args.seed)
@@ -223,85 +271,101 @@ def run_roc_fairness(args: ROCFairnessArguments, training_args: ConstrainedTrain
     history = ROCHistoryCallback(splits, thresholds=args.threshold_list, kappa=args.kappa,
                                  temperature=args.rate_temperature)
     epochs = int(math.ceil(training_args.num_train_epochs))
-    batch = training_args.per_device_train_batch_size
     # optimizer steps the Trainer will take: the batches are sharded across processes and
     # grouped by gradient accumulation; max_steps, when set, wins
-    batches_per_epoch = math.ceil(len(objective) / (batch * training_args.world_size))
+    batches_per_epoch = math.ceil(len(objective) / (training_args.per_device_train_batch_size
+                                                    * training_args.world_size))
     steps_per_epoch = max(1, batches_per_epoch // training_args.gradient_accumulation_steps)
     total = training_args.max_steps if training_args.max_steps > 0 else steps_per_epoch * epochs
-    t_start = time.perf_counter()
-    certificate: Optional[dict[str, Any]] = None
+    return _Run(args, training_args, splits, certify_split, model, constraints, objective, history, epochs, total)
 
-    if args.method == "icppac":
-        if training_args.world_size > 1:
-            raise ValueError("--method icppac runs its own single-process loop; launch it with python, not "
-                             f"with {training_args.world_size} processes")
-        model.to(training_args.device)
-        gen = torch.Generator().manual_seed(training_args.seed)
-        loader = torch.utils.data.DataLoader(objective, batch_size=batch, shuffle=True, generator=gen,
-                                             collate_fn=collate_pairs)
-        history.on_train_begin(None, None, None, model=model)
-        cfg = ICPPACConfig(eta=args.icppac_eta, tau=args.icppac_tau, mu=args.icppac_mu, theta=args.icppac_theta,
-                           inner_steps=args.icppac_inner_steps, inner_output=args.icppac_inner_output)
-        trainer = ICPPACTrainer(
-            model, pairwise_auc_loss, loader, constraints, cfg,
-            constraint_batch_size=training_args.constraint_batch_size, seed=training_args.constraint_sampling_seed,
-            lr_factor=step_decay(total, args.decay_list, args.lr_decay_factor), disable_tqdm=training_args.disable_tqdm,
-            callbacks=[lambda ep, mdl, secs: (setattr(history, "train_seconds", secs), history.record(mdl, ep))],
-        )
-        summary = trainer.train(epochs)
-        train_seconds = summary["train_seconds"]
-    else:
-        training_args.constraint_penalty = args.method
-        training_args.remove_unused_columns = False
-        optimizer = torch.optim.AdamW(model.parameters(), lr=training_args.learning_rate,
-                                      weight_decay=training_args.weight_decay)
-        # the paper's step decay (x lr_decay_factor at each fraction of training): torch's MultiStepLR,
-        # stepped once per optimizer step by the Trainer
-        scheduler = torch.optim.lr_scheduler.MultiStepLR(optimizer, decay_milestones(total, args.decay_list),
-                                                         gamma=args.lr_decay_factor)
-        trainer = AUCConstrainedTrainer(
-            model=model, args=training_args, constraints=constraints, train_dataset=objective,
-            data_collator=collate_pairs, optimizers=(optimizer, scheduler), callbacks=[history, *callbacks],
-        )
-        trainer.train()
-        train_seconds = history.train_seconds
-        if certify_split is not None:
-            cert = certify_models(trainer, delta=args.delta)
-            test = splits["test"]
-            certificate = {"certified": cert.certified == [0], "delta": args.delta, "bounds": cert.upper_bounds[0],
-                           "values": cert.values[0],
-                           "smallest_certified_gap": smallest_certified_gap(cert.upper_bounds[0]),
-                           "certify_rows": len(certify_split), "audit_rows": len(test),
-                           # the certified statistic (hard gaps) on the test split, which the certificate never read
-                           "test_values": roc_fairness_values(score_rows(model, test), test.label, test.group,
-                                                              args.threshold_list, hard=True),
-                           "split_fingerprints": cert.split_fingerprints}
-        if args.save_model:
-            if training_args.should_save:
-                # the upload comes last, after the results, report and card exist: this save does not push
-                push, training_args.push_to_hub = training_args.push_to_hub, False
-                try:
-                    trainer.save_model(training_args.output_dir)
-                finally:
-                    training_args.push_to_hub = push
-            final = history.history[-1]
-            # safety report + model card: constraints on the validation split, objective metrics on all splits
-            finish_run(trainer, base_model_name=f"MLPForScoring {args.hidden_list} (trained from scratch)",
-                       delta=args.delta,
-                       eval_dataset=args.dataset if args.dataset != "csv"
-                       else os.path.splitext(os.path.basename(args.csv_path))[0],
-                       dataset_description=f"{args.dataset}: objective and constraints on train, constraint check "
-                                           f"on the validation split (kappa={args.kappa}, thresholds "
-                                           f"{args.threshold_list})",
-                       reproduce_command=publishable_command("python recipes/roc_fairness.py",
-                                                             sys.argv[1:] if argv is None else argv,
-                                                             output_dir=training_args.output_dir),
-                       objective_metrics={f"{split}_auc": final[split]["auc"] for split in splits})
-    wall = time.perf_counter() - t_start
 
-    final = history.history[-1]
-    outside = {split: final[split]["shift_proof"]["fraction_outside_thresholds"] for split in splits}
+def _train_icppac(run: _Run) -> tuple[ICPPACTrainer, float]:
+    """The ICPPAC baseline in its own single-process loop, on the same pairs, batches and step decay."""
+    args, training_args, history = run.args, run.training_args, run.history
+    if training_args.world_size > 1:
+        raise ValueError("--method icppac runs its own single-process loop; launch it with python, not "
+                         f"with {training_args.world_size} processes")
+    run.model.to(training_args.device)
+    gen = torch.Generator().manual_seed(training_args.seed)
+    loader = torch.utils.data.DataLoader(run.objective, batch_size=run.batch, shuffle=True, generator=gen,
+                                         collate_fn=collate_pairs)
+    history.on_train_begin(None, None, None, model=run.model)
+    cfg = ICPPACConfig(eta=args.icppac_eta, tau=args.icppac_tau, mu=args.icppac_mu, theta=args.icppac_theta,
+                       inner_steps=args.icppac_inner_steps, inner_output=args.icppac_inner_output)
+    trainer = ICPPACTrainer(
+        run.model, pairwise_auc_loss, loader, run.constraints, cfg,
+        constraint_batch_size=training_args.constraint_batch_size, seed=training_args.constraint_sampling_seed,
+        lr_factor=step_decay(run.total_steps, args.decay_list, args.lr_decay_factor),
+        disable_tqdm=training_args.disable_tqdm,
+        callbacks=[lambda ep, mdl, secs: (setattr(history, "train_seconds", secs), history.record(mdl, ep))],
+    )
+    summary = trainer.train(run.epochs)
+    return trainer, summary["train_seconds"]
+
+
+def _train_with_penalty(run: _Run, callbacks: Sequence[TrainerCallback]) -> AUCConstrainedTrainer:
+    """A penalty method (or none) through the Trainer, with AdamW and the paper's step decay."""
+    args, training_args = run.args, run.training_args
+    training_args.constraint_penalty = args.method
+    training_args.remove_unused_columns = False
+    optimizer = torch.optim.AdamW(run.model.parameters(), lr=training_args.learning_rate,
+                                  weight_decay=training_args.weight_decay)
+    # the paper's step decay (x lr_decay_factor at each fraction of training): torch's MultiStepLR,
+    # stepped once per optimizer step by the Trainer
+    scheduler = torch.optim.lr_scheduler.MultiStepLR(optimizer, decay_milestones(run.total_steps, args.decay_list),
+                                                     gamma=args.lr_decay_factor)
+    trainer = AUCConstrainedTrainer(
+        model=run.model, args=training_args, constraints=run.constraints, train_dataset=run.objective,
+        data_collator=collate_pairs, optimizers=(optimizer, scheduler), callbacks=[run.history, *callbacks],
+    )
+    trainer.train()
+    return trainer
+
+
+def _certificate(run: _Run, trainer: AUCConstrainedTrainer) -> dict[str, Any]:
+    """The certificate of the trained model on the certification split, and the same hard gaps on the test
+    split, which the certificate never read."""
+    cert = certify_models(trainer, delta=run.args.delta)
+    test = run.splits["test"]
+    return {"certified": cert.certified == [0], "delta": run.args.delta, "bounds": cert.upper_bounds[0],
+            "values": cert.values[0], "smallest_certified_gap": smallest_certified_gap(cert.upper_bounds[0]),
+            "certify_rows": len(run.certify_split), "audit_rows": len(test),
+            # the certified statistic (hard gaps) on the test split, which the certificate never read
+            "test_values": roc_fairness_values(score_rows(run.model, test), test.label, test.group,
+                                               run.args.threshold_list, hard=True),
+            "split_fingerprints": cert.split_fingerprints}
+
+
+def _save_with_report(run: _Run, trainer: AUCConstrainedTrainer, argv: Optional[Sequence[str]]) -> None:
+    """The model, then its safety report and card (constraints on the validation split, objective metrics on
+    all splits); any push waits until the results are written (:func:`push_last`)."""
+    args, training_args = run.args, run.training_args
+    if training_args.should_save:
+        # the upload comes last, after the results, report and card exist: this save does not push
+        push, training_args.push_to_hub = training_args.push_to_hub, False
+        try:
+            trainer.save_model(training_args.output_dir)
+        finally:
+            training_args.push_to_hub = push
+    final = run.history.history[-1]
+    finish_run(trainer, base_model_name=f"MLPForScoring {args.hidden_list} (trained from scratch)",
+               delta=args.delta,
+               eval_dataset=args.dataset if args.dataset != "csv"
+               else os.path.splitext(os.path.basename(args.csv_path))[0],
+               dataset_description=f"{args.dataset}: objective and constraints on train, constraint check "
+                                   f"on the validation split (kappa={args.kappa}, thresholds "
+                                   f"{args.threshold_list})",
+               reproduce_command=publishable_command("python recipes/roc_fairness.py",
+                                                     sys.argv[1:] if argv is None else argv,
+                                                     output_dir=training_args.output_dir),
+               objective_metrics={f"{split}_auc": final[split]["auc"] for split in run.splits})
+
+
+def _shifted_splits(run: _Run, outside: dict[str, float]) -> list[str]:
+    """The splits where more than :data:`SHIFT_WARNING_FRACTION` of the scores lie outside the thresholds,
+    where the soft rates saturate (logged, with what to read instead)."""
+    args = run.args
     shifted = [split for split, frac in outside.items() if frac > SHIFT_WARNING_FRACTION]
     if shifted:
         logger.warning(
@@ -310,7 +374,16 @@ def run_roc_fairness(args: ROCFairnessArguments, training_args: ConstrainedTrain
             "quantiles, ROC gap) in results.json instead%s", args.method, 100 * SHIFT_WARNING_FRACTION,
             ", ".join(shifted), min(args.threshold_list), max(args.threshold_list),
             ", or bound the scores (--score_bound auto)" if args.score_bound_value is None else "")
-    results = {
+    return shifted
+
+
+def _results(run: _Run, train_seconds: float, wall: float, certificate: Optional[dict[str, Any]]) -> dict[str, Any]:
+    """``results.json``: the run's settings, the final history entry per split, times and the certificate."""
+    args, training_args, splits = run.args, run.training_args, run.splits
+    final = run.history.history[-1]
+    outside = {split: final[split]["shift_proof"]["fraction_outside_thresholds"] for split in splits}
+    penalty = args.method != "icppac"
+    return {
         "dataset": args.dataset,
         "method": args.method,
         "beta": training_args.penalty_beta if args.method in ("hinge", "squared_hinge") else None,
@@ -318,20 +391,20 @@ def run_roc_fairness(args: ROCFairnessArguments, training_args: ConstrainedTrain
         "kappa": args.kappa,
         "thresholds": args.threshold_list,
         "rate_temperature": args.rate_temperature,
-        "epochs": epochs,
-        "batch_size": batch,
+        "epochs": run.epochs,
+        "batch_size": run.batch,
         "num_processes": training_args.world_size,
         "constraint_batch_size": training_args.constraint_batch_size,  # pairs: rows per group
-        "msvr_gamma": training_args.msvr_gamma if args.method != "icppac" else None,
-        "msvr_gamma_prime": training_args.msvr_gamma_prime if args.method != "icppac" else None,
-        "constraint_margin": training_args.constraint_margin if args.method != "icppac" else None,
-        "learning_rate": training_args.learning_rate if args.method != "icppac" else args.icppac_eta,
-        "icppac": ({"eta": args.icppac_eta, "tau": args.icppac_tau, "mu": args.icppac_mu,
+        "msvr_gamma": training_args.msvr_gamma if penalty else None,
+        "msvr_gamma_prime": training_args.msvr_gamma_prime if penalty else None,
+        "constraint_margin": training_args.constraint_margin if penalty else None,
+        "learning_rate": training_args.learning_rate if penalty else args.icppac_eta,
+        "icppac": (None if penalty else
+                   {"eta": args.icppac_eta, "tau": args.icppac_tau, "mu": args.icppac_mu,
                     "theta": args.icppac_theta, "inner_steps": args.icppac_inner_steps,
-                    "inner_output": args.icppac_inner_output}
-                   if args.method == "icppac" else None),
+                    "inner_output": args.icppac_inner_output}),
         "score_bound": args.score_bound_value,
-        "num_parameters": sum(p.numel() for p in model.parameters()),
+        "num_parameters": sum(p.numel() for p in run.model.parameters()),
         "final": {split: final[split] for split in splits},
         "test_auc": final["test"]["auc"],
         "train_max_violation": final["train"]["max_violation"],
@@ -342,22 +415,13 @@ def run_roc_fairness(args: ROCFairnessArguments, training_args: ConstrainedTrain
                                                                             "hard_gap_max", "roc_gap")}
                         for split in splits},
         "scores_outside_thresholds": outside,
-        "scores_shifted_outside_thresholds": shifted,
+        "scores_shifted_outside_thresholds": _shifted_splits(run, outside),
         "train_seconds": train_seconds,
-        "seconds_per_epoch": train_seconds / max(epochs, 1),
+        "seconds_per_epoch": train_seconds / max(run.epochs, 1),
         "wall_seconds": wall,
-        "history": history.history,
+        "history": run.history.history,
         "certificate": certificate,
     }
-    if training_args.should_save:
-        path = args.results_file if os.path.isabs(args.results_file) else os.path.join(
-            training_args.output_dir, args.results_file)
-        atomic_write_json(path, results, indent=1)  # never a half-written results file
-        if args.method == "icppac" and args.save_model:
-            model.save_pretrained(training_args.output_dir)
-    # last, after every local file is written: a refusal uploads nothing, loses nothing and fails the command
-    results["exit_status"] = push_last(trainer, args.allow_unsafe_push) if training_args.push_to_hub else 0
-    return results
 
 
 def check_push(args: ROCFairnessArguments, training_args: ConstrainedTrainingArguments) -> None:

@@ -96,13 +96,15 @@ class ICPPACTrainer:
     Args:
         lr_factor: ``lr_factor(step) -> multiplier`` of eta (the shared step-decay schedule).
         callbacks: ``fn(epoch, model, train_seconds)`` after each epoch (history).
+
+    Batches and the dual variables go to the model's device (where its parameters are).
     """
 
     def __init__(self, model: nn.Module, objective_fn: Callable[[nn.Module, Any], torch.Tensor],
                  train_loader: Any, constraints: Sequence[Constraint], config: ICPPACConfig, *,
                  constraint_batch_size: int, seed: int = 0, lr_factor: Optional[Callable[[int], float]] = None,
                  callbacks: Sequence[Callable[[float, nn.Module, float], None]] = (),
-                 device: Optional[torch.device] = None, disable_tqdm: bool = True) -> None:
+                 disable_tqdm: bool = True) -> None:
         if not constraints:
             raise ValueError("ICPPAC needs at least one constraint")
         self.model = model
@@ -115,7 +117,7 @@ class ICPPACTrainer:
         self.batches = BatchMaker(None, self._to_device)
         self.lr_factor = lr_factor or (lambda step: 1.0)
         self.callbacks = list(callbacks)
-        self.device = device or next(model.parameters()).device
+        self.device = next(model.parameters()).device
         self.disable_tqdm = disable_tqdm
         self.params = [p for p in model.parameters() if p.requires_grad]
         m = len(self.constraints)

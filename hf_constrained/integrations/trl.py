@@ -20,12 +20,14 @@ report, model cards and gated ``push_to_hub`` are this library's (the trainer's 
 Example (non-forgetting constraints on protected data, tokenised like TRL's rows)::
 
     from hf_constrained.integrations.trl import ConstrainedSFTConfig, ConstrainedSFTTrainer
-    from hf_constrained.non_forgetting import causal_lm_per_example_loss, non_forgetting_constraints
+    from hf_constrained.non_forgetting import NonForgettingConfig, non_forgetting_constraints
+    from hf_constrained.per_sample_loss import causal_lm_per_example_loss
     from hf_constrained.text_data import SFTPaddingCollator, tokenize_sft
 
     protected = {name: tokenize_sft(ds, tokenizer) for name, ds in raw_protected.items()}
     constraints = non_forgetting_constraints(model, causal_lm_per_example_loss, protected,
-                                             SFTPaddingCollator(tokenizer), relative_tolerance=0.02)
+                                             SFTPaddingCollator(tokenizer),
+                                             config=NonForgettingConfig(relative_tolerance=0.02))
     trainer = ConstrainedSFTTrainer(model=model, args=ConstrainedSFTConfig(output_dir="out", packing=True),
                                     train_dataset=target, processing_class=tokenizer,
                                     constraints=constraints)

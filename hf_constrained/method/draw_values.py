@@ -9,7 +9,7 @@ divided by the number of processes).
 **Measured the way the certificate measures them.** Every constraint value here (the estimate
 u_k's inputs, the look-ahead, the gradient's h_k(w_t; B_k)) is computed with the model in eval
 mode (:func:`measured_as_certified`): dropout off, normalisation layers on their running
-statistics, as the old model's reference values (:func:`~hf_constrained.non_forgetting.reference_losses`),
+statistics, as the old model's reference values (:func:`~hf_constrained.reference_pass.reference_losses`),
 the held-out evaluation and the certificate are. In training mode a dropout model's own
 unchanged weights would show a violation (its loss with dropout exceeds its loss without: about
 +0.12 nats per token on a small LM) and the hinge would push on a violation that does not exist.

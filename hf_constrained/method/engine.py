@@ -128,19 +128,57 @@ class EngineSettings:
         return dataclasses.asdict(self)
 
 
+@dataclass(frozen=True)
+class StepConfig:
+    """The constraint part of Algorithm 1's step as configured (the engine resolves it; what it runs with is
+    :class:`EngineSettings`).
+
+    Args:
+        gamma, gamma_prime: the MSVR weights of line 6; ``gamma_prime`` may be ``"theory"``.
+        num_sampled: |B_c|, the constraints sampled per step (line 3).
+        batch_size: |B_k| per process, the rows of each sampled constraint (line 5).
+        seed: the sampling seed (B_c^t and the streams are functions of it and the step).
+        share_constraint_batches: row-wise constraints of one group on the same dataset object
+            draw one batch per step from one stream (a sampling choice: their batches are no
+            longer independent).
+        check_finite: stop with an error naming the constraint when a value is NaN/inf (one
+            host sync per step).
+    """
+
+    gamma: float
+    gamma_prime: Any
+    num_sampled: int
+    batch_size: int
+    seed: int
+    share_constraint_batches: bool = False
+    check_finite: bool = True
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the engine's values live and which processes share a step: ``device`` and ``dtype`` (the
+    estimators' precision, the run's), the number of processes ``world``, this one's ``rank`` and their
+    all-reduce of a sum ``reduce_sum`` (``None`` on one process)."""
+
+    device: torch.device
+    dtype: torch.dtype = torch.float32
+    world: int = 1
+    rank: int = 0
+    reduce_sum: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+
+
 class RowPart:
     """One side of a step's rows: the constraints' views over them, a batch stream per constraint (``None``
     for a data-free one) and the one way their values are computed (:class:`DrawValues`)."""
 
     def __init__(self, views: Sequence[Constraint], batches: BatchMaker, *, seed: int, first_stream: int,
-                 batch_size: int, device: torch.device, world: int, rank: int,
-                 reduce_sum: Optional[Callable[[torch.Tensor], torch.Tensor]]) -> None:
+                 batch_size: int, placement: Placement) -> None:
         self.views = list(views)
         self.streams: list[Optional[ConstraintBatchStream]] = [
             None if c.data_free else ConstraintBatchStream(len(c.dataset), seed, first_stream + k)
             for k, c in enumerate(self.views)]
-        self.values = DrawValues(self.views, batches, batch_size=batch_size, device=device, world=world, rank=rank,
-                                 reduce_sum=reduce_sum)
+        self.values = DrawValues(self.views, batches, batch_size=batch_size, device=placement.device,
+                                 world=placement.world, rank=placement.rank, reduce_sum=placement.reduce_sum)
 
     def rows(self, ids: torch.Tensor) -> list[Optional[list[int]]]:
         """The global rows of each sampled constraint's batch (line 5); constraints sharing a stream share them."""
@@ -165,17 +203,8 @@ class ConstraintEngine:
         constraints: the m constraints.
         penalty: maps estimates to gradient weights (line 9).
         batches: the one way rows become a device batch.
-        gamma, gamma_prime: MSVR weights (line 6); ``gamma_prime`` may be ``"theory"``.
-        num_sampled: |B_c|.
-        batch_size: |B_k| per process.
-        seed: the sampling seed (B_c^t and the streams are functions of it and the step).
-        device: where estimators and values live; ``dtype`` their precision (the run's).
-        world, rank, reduce_sum: the processes and their all-reduce (a sum).
-        share_constraint_batches: row-wise constraints of one group on the same dataset object
-            draw one batch per step from one stream (a sampling choice: their batches are no
-            longer independent).
-        check_finite: stop with an error naming the constraint when a value is NaN/inf (one
-            host sync per step).
+        config: the step's settings (:class:`StepConfig`: MSVR's gamma and gamma', |B_c|, |B_k|, the seed).
+        placement: the device, precision and processes (:class:`Placement`).
         margin: the run's margin rule (:class:`~hf_constrained.margin.Margin`; a number is a
             :class:`~hf_constrained.margin.FixedMargin`), for every constraint without its own
             ``Constraint.margin`` that it applies to (:func:`~hf_constrained.method.strategies.margin_rules`).
@@ -183,32 +212,31 @@ class ConstraintEngine:
             (:class:`~hf_constrained.method.strategies.EstimateSource`; default the paper's one split).
     """
 
-    def __init__(self, constraints: Sequence[Constraint], penalty: Penalty, batches: BatchMaker, *, gamma: float,
-                 gamma_prime: Any, num_sampled: int, batch_size: int, seed: int, device: torch.device,
-                 dtype: torch.dtype = torch.float32, world: int = 1, rank: int = 0,
-                 reduce_sum: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
-                 share_constraint_batches: bool = False, check_finite: bool = True,
-                 margin: Optional[Margin | float] = None, source: Optional[EstimateSource] = None) -> None:
+    def __init__(self, constraints: Sequence[Constraint], penalty: Penalty, batches: BatchMaker, config: StepConfig,
+                 placement: Placement, *, margin: Optional[Margin | float] = None,
+                 source: Optional[EstimateSource] = None) -> None:
         self.constraints = list(constraints)
         m = len(self.constraints)
         self.margin_rule, self.source = as_margin(margin), source if source is not None else OneSplit()
-        self._configured = dict(gamma_prime_rule=str(gamma_prime),
-                                share_constraint_batches=bool(share_constraint_batches))
-        self.penalty, self.batches, self.check_finite = penalty, batches, check_finite
-        self.batch_size, self.world, self.device = batch_size, world, device
-        self.sampler = ConstraintSampler(m, num_sampled, seed)
-        self.estimator = MSVREstimator(m, gamma, resolve_gamma_prime(gamma_prime, m, num_sampled, gamma),
-                                       device=device, dtype=dtype)
+        self._configured = dict(gamma_prime_rule=str(config.gamma_prime),
+                                share_constraint_batches=bool(config.share_constraint_batches))
+        self.penalty, self.batches, self.check_finite = penalty, batches, config.check_finite
+        batch_size, device = config.batch_size, placement.device
+        self.batch_size, self.world, self.device = batch_size, placement.world, device
+        self.sampler = ConstraintSampler(m, config.num_sampled, config.seed)
+        self.estimator = MSVREstimator(
+            m, config.gamma, resolve_gamma_prime(config.gamma_prime, m, config.num_sampled, config.gamma),
+            device=device, dtype=placement.dtype)
         # the source decides which rows drive the gradient and which the estimate (the same part under one split);
         # the estimate part's streams have their own ids (m + k)
-        grad_views, estimate_views = self.source.views(self.constraints, seed)
-        part = dict(seed=seed, device=device, world=world, rank=rank, reduce_sum=reduce_sum)
+        grad_views, estimate_views = self.source.views(self.constraints, config.seed)
+        part = dict(seed=config.seed, placement=placement)
         self.gradient_rows = RowPart(grad_views, batches, first_stream=0, batch_size=batch_size, **part)
         self.estimate_rows = self.gradient_rows if estimate_views is None else RowPart(
             estimate_views, batches, first_stream=m, batch_size=self.source.estimate_batch_size(batch_size), **part)
         # what each estimate u_k tracks: the estimate part's views (a proxy statistic's, with one); margins aside
         self.estimated = self.source.estimated(self.constraints, estimate_views)
-        if share_constraint_batches:
+        if config.share_constraint_batches:
             self.values.stream_owner = self._shared_stream_owners()
         self.margins = margin_rules(self.constraints, self.margin_rule)
         self.spread = RowSpread(self.constraints, self.margins, device=device, dtype=stats_dtype(device),
@@ -492,4 +520,4 @@ class ConstraintEngine:
                 stream.reseed(int(seed))
 
 
-__all__ = ["ConstraintDraw", "ConstraintEngine", "EngineSettings", "RowPart"]
+__all__ = ["ConstraintDraw", "ConstraintEngine", "EngineSettings", "Placement", "RowPart", "StepConfig"]

@@ -382,6 +382,39 @@ def card_status(report: Optional[SafetyReport]) -> str:
     return "passes" if report.all_satisfied else "unsafe"
 
 
+def _card_data(report: Optional[SafetyReport], status: str, base_model: Optional[str], *, model_name: str,
+               info: ModelCardInfo, source: ModelSource, extra_tags: Optional[Sequence[str]],
+               results: Sequence[EvalResult]) -> ModelCardData:
+    """The card's metadata (the YAML header the Hub reads): library, base model, tags with the status's own
+    (``constraints-violated``, ``not-certified``, ``certified-constraints``) and the model-index results."""
+    tags = ["hf_constrained", "constrained-fine-tuning"] + list(info.tags) + list(extra_tags or [])
+    if status in ("unsafe", "not_certified"):
+        tags.append("constraints-violated" if status == "unsafe" else "not-certified")
+    elif status == "certified":
+        tags.append("certified-constraints")
+    return ModelCardData(
+        library_name=source.library_name,
+        base_model=_hub_id(base_model),
+        datasets=info.datasets or None,
+        license=info.license,
+        language=info.language,
+        pipeline_tag=info.task,
+        tags=list(dict.fromkeys(tags)),
+        model_name=model_name,
+        eval_results=(eval_results(report, model_name=model_name, info=info) + list(results) or None)
+        if report is not None and report.checked else None,
+    )
+
+
+def _selection_message(selection: Optional[Mapping[str, Any]]) -> Optional[str]:
+    """How the weights were selected, in words, from the report's ``selection`` (entries that
+    :class:`FeasibleSelection` does not declare are left out)."""
+    if not selection:
+        return None
+    known = {k: v for k, v in selection.items() if k in FeasibleSelection.__dataclass_fields__}
+    return FeasibleSelection(**known).message()
+
+
 def render_model_card(
     report: Optional[SafetyReport],
     *,
@@ -413,29 +446,10 @@ def render_model_card(
     method.setdefault("method", "single-loop hinge exact penalty with MSVR constraint estimators (Algorithm 1)")
     method.setdefault("num_constraints", len(report.constraints) if report is not None else "unknown")
     status = card_status(report)
-    tags = ["hf_constrained", "constrained-fine-tuning"] + list(info.tags) + list(extra_tags or [])
-    if status in ("unsafe", "not_certified"):
-        tags.append("constraints-violated" if status == "unsafe" else "not-certified")
-    elif status == "certified":
-        tags.append("certified-constraints")
     base_model = source.adapter_base_model if source.is_adapter and source.adapter_base_model else info.base_model
-    card_data = ModelCardData(
-        library_name=source.library_name,
-        base_model=_hub_id(base_model),
-        datasets=info.datasets or None,
-        license=info.license,
-        language=info.language,
-        pipeline_tag=info.task,
-        tags=list(dict.fromkeys(tags)),
-        model_name=model_name,
-        eval_results=(eval_results(report, model_name=model_name, info=info) + list(results) or None)
-        if report is not None and report.checked else None,
-    )
+    card_data = _card_data(report, status, base_model, model_name=model_name, info=info, source=source,
+                           extra_tags=extra_tags, results=results)
     selection = report.selection if report is not None else None
-    selection_message = None
-    if selection:
-        known = {k: v for k, v in selection.items() if k in FeasibleSelection.__dataclass_fields__}
-        selection_message = FeasibleSelection(**known).message()
     checkpoint = (None if report is None or not report.checkpoint
                   else os.path.basename(os.path.normpath(report.checkpoint)))
     return ModelCard.from_template(
@@ -456,7 +470,7 @@ def render_model_card(
         diagnostics_table=_diagnostics_table(report),
         objective_metrics=report.objective_metrics if report is not None else {},
         selection=selection,
-        selection_message=selection_message,
+        selection_message=_selection_message(selection),
         checkpoint_name=checkpoint,
         method=method,
         dataset_description=info.dataset_description,

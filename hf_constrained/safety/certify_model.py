@@ -294,7 +294,7 @@ def certify_model(settings: CertifySettings, echo: Optional[Callable[[str], None
 def score_sets(plan: CertifyPlan, tokenized: dict[str, list], tokenizer: Any, model: Any,
                base: Optional[Any]) -> tuple[dict[str, np.ndarray], dict[str, tuple[float, float]]]:
     """Per set, the certified statistic's per-row values, and (base, model) exact-match accuracy."""
-    from ..non_forgetting import old_model_context
+    from ..reference_pass import old_model_context
     from ..text_data import SFTPaddingCollator
     from .certify_rows import RowCache, cache_key, correct_per_row
 

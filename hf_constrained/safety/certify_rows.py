@@ -29,8 +29,8 @@ from tqdm.auto import tqdm
 
 from ..atomic_files import atomic_write_json
 from ..certification.splits import row_hash, split_fingerprint
-from ..non_forgetting import to_device
 from ..per_sample_loss import IGNORE_INDEX, causal_lm_per_example_correct
+from ..reference_pass import to_device
 from ..text_data import drop_repeated_rows, load_text_dataset, sft_format, tokenize_example
 
 logger = logging.getLogger(__name__)

@@ -16,6 +16,7 @@ from hf_constrained.certification.selection import EvaluationRecord
 from hf_constrained.clip import experiment as pipeline
 from hf_constrained.clip.image_task import augmented_copies
 from hf_constrained.clip.protected import ProtectedPools
+from hf_constrained.margin import CalibratedMargin, FixedMargin
 from hf_constrained.non_forgetting import ReferenceGap
 from hf_constrained.recipe_args import parse_seeds
 from hf_constrained.recipes import demo_clip_digits as demo
@@ -248,10 +249,11 @@ def test_calibrated_constraints_count_original_images_not_copies():
     rows_fn = ReferenceGap(lambda model, batch: None)
     cfg = pipeline.DemoConfig(confidence=0.9, constraint_copies=8, tolerance=0.05)
     cons = pipeline.demo_constraints(cfg, pools, rows_fn, collate=None)
-    assert [(c.confidence, c.independent_rows, c.tolerance) for c in cons] == [(0.9, 45, 0.05), (0.9, 40, 0.05)]
+    assert [(c.margin, c.independent_rows, c.tolerance) for c in cons] == [(CalibratedMargin(0.9), 45, 0.05),
+                                                                           (CalibratedMargin(0.9), 40, 0.05)]
     assert all(c.row_fn is rows_fn for c in cons)  # one shared row_fn: one row-wise group
     plain = pipeline.demo_constraints(pipeline.DemoConfig(confidence=0.0), pools, rows_fn, collate=None)
-    assert all(c.confidence is None and c.independent_rows is None for c in plain)
+    assert all(not isinstance(c.margin, CalibratedMargin) and c.independent_rows is None for c in plain)
     with pytest.raises(ValueError, match="--confidence"):
         pipeline.demo_constraints(pipeline.DemoConfig(confidence=1.0), pools, rows_fn, collate=None)
 
@@ -364,8 +366,8 @@ def test_proxy_indicator_constraints_compare_the_share_forgotten_with_its_own_ra
                            target_selection=[], test_all=[], certify={"zero": [{"x": -1}] * 18})
     cfg = pipeline.DemoConfig(indicator_fraction=0.3, proxy_indicator=True, confidence=0.0, proxy_forget_rate=0.05)
     (con,) = pipeline.demo_constraints(cfg, pools, ReferenceGap(lambda model, batch: None), collate=None)
-    assert con.margin.value == pytest.approx(cfg.forget_tolerance - 0.05) and con.confidence is None
-    assert con.certify_statistic.tolerance == cfg.forget_tolerance  # the certificate itself is unchanged
+    assert con.margin.value == pytest.approx(cfg.forget_tolerance - 0.05) and isinstance(con.margin, FixedMargin)
+    assert con.certify.statistic.tolerance == cfg.forget_tolerance  # the certificate itself is unchanged
     (plain,) = pipeline.demo_constraints(pipeline.DemoConfig(confidence=0.0), pools,
                                          ReferenceGap(lambda model, batch: None), collate=None)
     assert plain.margin is None

@@ -8,6 +8,7 @@ import torch
 from hf_constrained.batches import collate_examples
 from hf_constrained.clip import (
     CLIPWithClassTextHeads,
+    NonForgettingConfig,
     NonForgettingConstraint,
     ZeroShotLoss,
     non_forgetting_constraints,
@@ -62,7 +63,7 @@ def test_zero_shot_loss_is_cross_entropy_over_all_prompts(setup):
 def test_constraint_is_new_minus_old_loss_on_the_same_samples(setup):
     tok, model, loss, prompts, data = setup
     collate = CLIPCollator()
-    (c,) = non_forgetting_constraints(model, loss, {"clear": data}, collate, batch_size=5)
+    (c,) = non_forgetting_constraints(model, loss, {"clear": data}, collate, config=NonForgettingConfig(batch_size=5))
     assert isinstance(c, NonForgettingConstraint) and c.name == "non_forgetting/clear"
     rows = [2, 7, 11]
     batch = (c.collate_fn or collate_examples)([c.dataset[i] for i in rows])
@@ -162,7 +163,8 @@ def test_certification_rows_count_images_right_before_and_wrong_now(setup):
     certify = {c: RowDataset([rows[i] for i in range(len(rows)) if rows[i]["label"] == k])
                for k, c in enumerate(CLASSES[:2])}
     constraints = non_forgetting_constraints(model, loss, by_class, collate, certify_datasets=certify,
-                                             forget_tolerance={"clear": 0.1, "rainy": 0.3}, batch_size=4)
+                                             config=NonForgettingConfig(forget_tolerance={"clear": 0.1, "rainy": 0.3},
+                                                                        batch_size=4))
     assert [c.certifiable for c in constraints] == [True, True, False]
     for c, tol in zip(constraints[:2], (0.1, 0.3)):
         stat = c.certify.statistic

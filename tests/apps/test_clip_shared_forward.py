@@ -8,7 +8,12 @@ from clip_synthetic import TINY_CAPTIONS, tiny_contrastive_setup
 from scale_tiny import count_training_forwards
 
 from hf_constrained import ConstrainedTrainingArguments
-from hf_constrained.clip import ContrastiveConstrainedTrainer, ZeroShotLoss, non_forgetting_constraints
+from hf_constrained.clip import (
+    ContrastiveConstrainedTrainer,
+    NonForgettingConfig,
+    ZeroShotLoss,
+    non_forgetting_constraints,
+)
 from hf_constrained.clip.data import CLIPCollator, RowDataset
 from hf_constrained.clip.non_forgetting import MergedCLIPForward
 from hf_constrained.method.regularisers import ConstraintRowReplay
@@ -24,7 +29,8 @@ def make_trainer(tmp_path, name: str, *, regulariser=None, model=None):
     g = torch.Generator().manual_seed(5)
     protected = {c: RowDataset([{"pixel_values": (torch.randn(3, 8, 8, generator=g) + k).numpy(), "label": k}
                                 for _ in range(12)]) for k, c in enumerate(("dog", "car"), start=1)}
-    constraints = non_forgetting_constraints(model, loss, protected, CLIPCollator(), tolerance=-1.0, batch_size=8)
+    constraints = non_forgetting_constraints(model, loss, protected, CLIPCollator(),
+                                             config=NonForgettingConfig(tolerance=-1.0, batch_size=8))
     args = ConstrainedTrainingArguments(
         output_dir=str(tmp_path / name), per_device_train_batch_size=8, learning_rate=0.05, optim="sgd",
         weight_decay=0.0, max_grad_norm=0.0, lr_scheduler_type="constant", max_steps=STEPS, report_to=[],

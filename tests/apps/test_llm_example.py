@@ -185,7 +185,8 @@ def test_a_proxy_indicator_sees_the_old_models_exact_match_on_the_constraint_row
     held_out, rows = ex.data_splits(tokenizer, cfg)
     constraints = ex.non_forgetting_constraints(model, ex.causal_lm_per_example_loss, rows, collate,
                                                 certify_datasets=ex.certification_rows(tokenizer, cfg),
-                                                correct=ex.causal_lm_per_example_correct, forget_tolerance=0.3)
+                                                correct=ex.causal_lm_per_example_correct,
+                                                config=ex.NonForgettingConfig(forget_tolerance=0.3))
     ex.add_old_correctness(model, constraints, collate)
     for c, task in zip(constraints, ex.OLD_TASKS):
         batch = collate([rows[task][i] for i in range(len(rows[task]))])

@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from hf_constrained.batches import collate_examples
 from hf_constrained.non_forgetting import (
+    NonForgettingConfig,
     NonForgettingConstraint,
     PaddingCollator,
     ReferenceGap,
@@ -112,8 +113,10 @@ def test_sequence_classifier_reference_pass_matches_each_example_alone(tokenizer
 def test_constraints_share_one_row_function_and_measure_new_minus_old(causal_lm, lm_rows, tokenizer):
     collate = PaddingCollator(tokenizer)
     data = {"reverse": lm_rows.select(range(4)), "other": lm_rows.select(range(4, 8))}
-    constraints = non_forgetting_constraints(causal_lm, causal_lm_per_example_loss, data, collate, batch_size=2,
-                                             tolerance={"reverse": 0.1, "other": 0.0}, relative_tolerance=0.5)
+    constraints = non_forgetting_constraints(causal_lm, causal_lm_per_example_loss, data, collate,
+                                             config=NonForgettingConfig(batch_size=2,
+                                                                        tolerance={"reverse": 0.1, "other": 0.0},
+                                                                        relative_tolerance=0.5))
     assert [c.name for c in constraints] == ["non_forgetting/reverse", "non_forgetting/other"]
     assert all(isinstance(c, NonForgettingConstraint) and c.rowwise for c in constraints)
     assert constraints[0].row_fn is constraints[1].row_fn  # one group: one fused model call
@@ -185,7 +188,7 @@ def test_lora_base_serves_as_old_model(causal_lm, lm_rows, tokenizer):
     (c,) = non_forgetting_constraints(peft_model, causal_lm_per_example_loss, {"all": lm_rows}, collate)
     torch.testing.assert_close(c.dataset.losses, base, rtol=1e-5, atol=1e-5)  # adapter disabled: the base
     (d,) = non_forgetting_constraints(peft_model, causal_lm_per_example_loss, {"all": lm_rows}, collate,
-                                      use_base_of_adapter=False)
+                                      config=NonForgettingConfig(use_base_of_adapter=False))
     torch.testing.assert_close(d.dataset.losses, adapted, rtol=1e-5, atol=1e-5)
     # the adapters are active again after the reference pass
     torch.testing.assert_close(reference_losses(peft_model, lm_rows, causal_lm_per_example_loss, collate), adapted)
@@ -215,7 +218,7 @@ def test_clear_errors(causal_lm, lm_rows, tokenizer):
                                    eval_datasets={"b": lm_rows})
     with pytest.raises(KeyError, match="no entry for protected task 'a'"):
         non_forgetting_constraints(causal_lm, causal_lm_per_example_loss, {"a": lm_rows}, collate,
-                                   tolerance={"b": 0.1})
+                                   config=NonForgettingConfig(tolerance={"b": 0.1}))
     with pytest.raises(ValueError, match="one value per row"):
         reference_losses(causal_lm, lm_rows, lambda m, b: causal_lm_per_example_loss(m, b).mean(), collate)
 
@@ -251,9 +254,9 @@ def test_certification_rows_measure_the_share_of_examples_forgotten(causal_lm, l
     lm_rows = Dataset.from_list(greedy)
     data = {"reverse": lm_rows.select(range(4))}
     certify = {"reverse": lm_rows.select(range(4, 8))}
-    constraints = non_forgetting_constraints(causal_lm, causal_lm_per_example_loss, data, collate, batch_size=3,
+    constraints = non_forgetting_constraints(causal_lm, causal_lm_per_example_loss, data, collate,
                                              certify_datasets=certify, correct=causal_lm_per_example_correct,
-                                             forget_tolerance=0.25)
+                                             config=NonForgettingConfig(batch_size=3, forget_tolerance=0.25))
     c = constraints[0]
     assert c.certify.statistic.tolerance == 0.25 and c.certify.statistic.bound == "clopper_pearson"
     assert c.certification_range() == (0.0, 1.0)
@@ -284,9 +287,10 @@ def test_old_correctness_on_the_training_rows_lets_a_proxy_indicator_train(causa
     data, certify = {"reverse": lm_rows.select(range(6))}, {"reverse": lm_rows.select(range(6, 8))}
 
     def build(old_correct_on_rows: bool) -> list:
-        return non_forgetting_constraints(causal_lm, causal_lm_per_example_loss, data, collate, batch_size=3,
+        return non_forgetting_constraints(causal_lm, causal_lm_per_example_loss, data, collate,
                                           certify_datasets=certify, correct=causal_lm_per_example_correct,
-                                          forget_tolerance=0.5, old_correct_on_rows=old_correct_on_rows)
+                                          config=NonForgettingConfig(batch_size=3, forget_tolerance=0.5,
+                                                                     old_correct_on_rows=old_correct_on_rows))
 
     (c,) = build(True)
     batch = collate([c.dataset[i] for i in range(6)])
@@ -305,7 +309,8 @@ def test_old_correctness_on_the_training_rows_lets_a_proxy_indicator_train(causa
     with pytest.raises(KeyError, match=CORRECT_KEY):
         train(build(False), "without")
     with pytest.raises(ValueError, match="old_correct_on_rows serves the certificate's statistic"):
-        non_forgetting_constraints(causal_lm, causal_lm_per_example_loss, data, collate, old_correct_on_rows=True)
+        non_forgetting_constraints(causal_lm, causal_lm_per_example_loss, data, collate,
+                                   config=NonForgettingConfig(old_correct_on_rows=True))
 
 
 # ---------------------------------------------------------------------- the statement in the user's units
@@ -331,7 +336,8 @@ def test_points_lost_is_the_paired_change_with_its_own_bound(causal_lm, lm_rows,
     rows = _greedy_rows(causal_lm, lm_rows)
     (c,) = non_forgetting_constraints(causal_lm, causal_lm_per_example_loss, {"reverse": lm_rows.select(range(4))},
                                       collate, certify_datasets={"reverse": rows},
-                                      correct=causal_lm_per_example_correct, accuracy_drop_tolerance=0.3)
+                                      correct=causal_lm_per_example_correct,
+                                      config=NonForgettingConfig(accuracy_drop_tolerance=0.3))
     stat = c.certify.statistic
     assert isinstance(stat.row_fn, PairedChange) and stat.bound == "paired_change" and stat.value_range == (-1.0, 1.0)
     assert stat.tolerance == 0.3 and c.certification_tolerance() == 0.3
@@ -357,7 +363,7 @@ def test_a_statement_the_statistic_cannot_express_is_an_error_naming_the_task(ca
         non_forgetting_constraints(causal_lm, causal_lm_per_example_loss, {"reverse": lm_rows.select(range(4))},
                                    PaddingCollator(tokenizer),
                                    certify_datasets={"reverse": lm_rows.select(range(4, 8))},
-                                   correct=causal_lm_per_example_correct, **statement)
+                                   correct=causal_lm_per_example_correct, config=NonForgettingConfig(**statement))
 
 
 def test_the_certifiable_target_is_the_largest_value_the_split_certifies():
@@ -387,22 +393,24 @@ def test_the_proxy_margin_is_sized_from_the_statement_and_a_small_split_warns_be
     collate = PaddingCollator(tokenizer)
     certify = Dataset.from_list([lm_rows[i] for i in range(6, 8)] * 100)  # 200 certification rows
     (c,) = non_forgetting_constraints(causal_lm, causal_lm_per_example_loss, {"reverse": lm_rows.select(range(6))},
-                                      collate, batch_size=8, certify_datasets={"reverse": certify},
-                                      correct=causal_lm_per_example_correct, accuracy_drop_tolerance=0.05,
-                                      old_correct_on_rows=True)
+                                      collate, certify_datasets={"reverse": certify},
+                                      correct=causal_lm_per_example_correct,
+                                      config=NonForgettingConfig(batch_size=8, accuracy_drop_tolerance=0.05,
+                                                                 old_correct_on_rows=True))
     target = certifiable_target(c.certify.statistic, 200, 0.05)
     assert target is not None and c.margin.value == pytest.approx(0.05 - target) and c.margin.value > 0
     assert c.metadata["certifiable_target"] == target
     # without the proxy (no old correctness on the training rows) the loss constraint keeps its own units
     (plain,) = non_forgetting_constraints(causal_lm, causal_lm_per_example_loss, {"reverse": lm_rows.select(range(6))},
-                                          collate, batch_size=8, certify_datasets={"reverse": certify},
-                                          correct=causal_lm_per_example_correct, accuracy_drop_tolerance=0.05)
+                                          collate, certify_datasets={"reverse": certify},
+                                          correct=causal_lm_per_example_correct,
+                                          config=NonForgettingConfig(batch_size=8, accuracy_drop_tolerance=0.05))
     assert plain.margin is None
     # 2 certification rows cannot certify 5 points even with nothing forgotten: the trainer says so before training
     (small,) = non_forgetting_constraints(causal_lm, causal_lm_per_example_loss, {"reverse": lm_rows.select(range(6))},
-                                          collate, batch_size=8,
-                                          certify_datasets={"reverse": lm_rows.select(range(6, 8))},
-                                          correct=causal_lm_per_example_correct, accuracy_drop_tolerance=0.05)
+                                          collate, certify_datasets={"reverse": lm_rows.select(range(6, 8))},
+                                          correct=causal_lm_per_example_correct,
+                                          config=NonForgettingConfig(batch_size=8, accuracy_drop_tolerance=0.05))
     args = ConstrainedTrainingArguments(output_dir=str(tmp_path / "run"), max_steps=1, report_to=[], use_cpu=True,
                                         save_strategy="no", disable_tqdm=True, remove_unused_columns=False)
     with caplog.at_level("WARNING", logger="hf_constrained.safety.split_checks"):

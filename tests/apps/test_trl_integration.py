@@ -14,7 +14,12 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_constrained import ConstrainedTrainingArguments
-from hf_constrained.non_forgetting import PaddingCollator, causal_lm_per_example_loss, non_forgetting_constraints
+from hf_constrained.non_forgetting import (
+    NonForgettingConfig,
+    PaddingCollator,
+    causal_lm_per_example_loss,
+    non_forgetting_constraints,
+)
 from hf_constrained.recipes.tiny_lm import char_tokenizer, tiny_causal_lm
 from hf_constrained.text_data import tokenize_sft
 from hf_constrained.trainer_internals import trainer_prepare_inputs
@@ -93,7 +98,8 @@ def test_loss_is_the_sft_objective_plus_the_hinge_penalty(setup, tmp_path):
     path, tokenizer, model, target, protected = setup
     old = copy.deepcopy(model)
     (c,) = non_forgetting_constraints(old, causal_lm_per_example_loss, {"reverse": protected},
-                                      PaddingCollator(tokenizer), tolerance=-5.0)  # always violated: weight beta
+                                      PaddingCollator(tokenizer),
+                                      config=NonForgettingConfig(tolerance=-5.0))  # always violated: weight beta
     new = copy.deepcopy(model)
     with torch.no_grad():
         for p in new.parameters():
@@ -122,7 +128,7 @@ def test_training_with_packing_and_chat_template_keeps_trl_features(setup, tmp_p
     split = protected.train_test_split(test_size=2, seed=0)
     constraints = non_forgetting_constraints(model, causal_lm_per_example_loss, {"reverse": split["train"]},
                                              PaddingCollator(tokenizer), eval_datasets={"reverse": split["test"]},
-                                             tolerance=0.01)
+                                             config=NonForgettingConfig(tolerance=0.01))
     trainer = ConstrainedSFTTrainer(model=copy.deepcopy(model), args=_config(tmp_path, packing=True, max_length=64,
                                                                 constraint_batch_size=2),
                                     train_dataset=target, processing_class=tokenizer, constraints=constraints)

@@ -25,6 +25,7 @@ from conftest import rows64 as make_data
 from scipy.stats import norm
 
 from hf_constrained import ConstrainedTrainer, Constraint, constraints_per_value
+from hf_constrained.margin import CalibratedMargin
 from hf_constrained.method.margins import SPREAD_DECAY, without_replacement_factor
 from hf_constrained.method.sampling import ConstraintBatchStream
 
@@ -108,9 +109,9 @@ def test_margin_acts_as_a_lowered_tolerance(tmp_path):
 def test_margin_settings_are_validated(tmp_path):
     data = make_data(30, 0)
     with pytest.raises(ValueError, match="confidence needs per-row values"):
-        Constraint("c", fn=lambda m, b: m(b["x"])["loss"], dataset=data, confidence=0.9)
+        Constraint("c", fn=lambda m, b: m(b["x"])["loss"], dataset=data, margin=CalibratedMargin(0.9))
     with pytest.raises(ValueError, match="confidence must be in"):
-        Constraint("c", row_fn=per_row_ce, dataset=data, confidence=1.2)
+        Constraint("c", row_fn=per_row_ce, dataset=data, margin=CalibratedMargin(1.2))
     with pytest.raises(ValueError, match="give at most one of constraint_margin, constraint_confidence"):
         ConstrainedTrainer(model=Net64(), train_dataset=data,
                            constraints=[Constraint("c", row_fn=per_row_ce, dataset=data)],

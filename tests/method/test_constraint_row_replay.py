@@ -16,7 +16,7 @@ from torch import nn
 from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments
 from hf_constrained.method.regularisers import ConstraintRowReplay, Replay
 from hf_constrained.method.sampling import ConstraintBatchStream, ConstraintSampler
-from hf_constrained.non_forgetting import non_forgetting_constraints
+from hf_constrained.non_forgetting import NonForgettingConfig, non_forgetting_constraints
 
 SEED, M, SAMPLED, B = 0, 3, 2, 4
 GAMMA, GAMMA_PRIME, BETA, LR, STEPS, RATIO = 0.5, 0.3, 2.0, 0.3, 6, 0.4
@@ -56,7 +56,7 @@ def row_ce(model, batch):
 def setup(tmp_path, name: str, penalty: str = "hinge", accumulation: int = 1, **overrides):
     old = [Rows(10, 11), Rows(9, 12), Rows(12, 13)]
     constraints = non_forgetting_constraints(Net(), row_ce, {f"t{k}": d for k, d in enumerate(old)},
-                                             tolerance=0.0, batch_size=16)
+                                             config=NonForgettingConfig(tolerance=0.0, batch_size=16))
     args = ConstrainedTrainingArguments(
         output_dir=str(tmp_path / name), per_device_train_batch_size=8 // accumulation,
         gradient_accumulation_steps=accumulation, learning_rate=LR, optim="sgd", weight_decay=0.0, max_grad_norm=0.0,
@@ -154,10 +154,11 @@ def _trainer_with(constraints, regulariser, **args):
 
 
 def test_what_cannot_be_replayed_in_one_draw_is_refused_before_training():
-    cons = non_forgetting_constraints(Net(), row_ce, {"small": Rows(5, 1), "big": Rows(40, 2)}, tolerance=0.0)
+    cons = non_forgetting_constraints(Net(), row_ce, {"small": Rows(5, 1), "big": Rows(40, 2)},
+                                      config=NonForgettingConfig(tolerance=0.0))
     with pytest.raises(ValueError, match=r"'non_forgetting/small'.* 5 rows .* draw of 8"):
         _trainer_with(cons, ConstraintRowReplay(0.5), constraint_batch_size=8)
-    cons = non_forgetting_constraints(Net(), row_ce, {"a": Rows(40, 1)}, tolerance=0.0)
+    cons = non_forgetting_constraints(Net(), row_ce, {"a": Rows(40, 1)}, config=NonForgettingConfig(tolerance=0.0))
     cons[0].row_transform = torch.relu
     with pytest.raises(ValueError, match="'non_forgetting/a'.*row_transform"):
         _trainer_with(cons, ConstraintRowReplay(0.5))
@@ -174,7 +175,7 @@ def test_what_cannot_be_replayed_in_one_draw_is_refused_before_training():
 
 
 def test_replay_of_its_own_rows_beside_the_hinge_says_it_draws_twice(caplog):
-    cons = non_forgetting_constraints(Net(), row_ce, {"a": Rows(40, 1)}, tolerance=0.0)
+    cons = non_forgetting_constraints(Net(), row_ce, {"a": Rows(40, 1)}, config=NonForgettingConfig(tolerance=0.0))
     with caplog.at_level("INFO", logger="hf_constrained.method.regularisers"):
         _trainer_with(cons, Replay(Rows(40, 1), 0.5, collate=lambda rows: torch.utils.data.default_collate(rows)))
     assert "two draws of old rows" in caplog.text

@@ -9,14 +9,15 @@ from test_replay_float64 import BETA, GAMMA, GAMMA_PRIME, LR, SAMPLED, SEED, STE
 from torch import nn
 
 from hf_constrained.batches import BatchMaker
-from hf_constrained.method.engine import ConstraintEngine
+from hf_constrained.method.engine import ConstraintEngine, Placement, StepConfig
 from hf_constrained.method.penalties import make_penalty
 
 
 def engine_for(cons) -> ConstraintEngine:
-    return ConstraintEngine(cons, make_penalty("hinge", BETA), BatchMaker(None, lambda batch: batch), gamma=GAMMA,
-                            gamma_prime=GAMMA_PRIME, num_sampled=SAMPLED, batch_size=B, seed=SEED,
-                            device=torch.device("cpu"), dtype=torch.float64)
+    return ConstraintEngine(cons, make_penalty("hinge", BETA), BatchMaker(None, lambda batch: batch),
+                            StepConfig(gamma=GAMMA, gamma_prime=GAMMA_PRIME, num_sampled=SAMPLED, batch_size=B,
+                                       seed=SEED),
+                            Placement(torch.device("cpu"), torch.float64))
 
 
 def train(model: nn.Module, engine: ConstraintEngine, train_rows: Rows, steps: range) -> None:

@@ -22,7 +22,7 @@ from hf_constrained.method.shared_forward import (
     merge_right_padded,
     trains_as_it_evaluates,
 )
-from hf_constrained.non_forgetting import ReferenceGap, non_forgetting_constraints
+from hf_constrained.non_forgetting import NonForgettingConfig, ReferenceGap, non_forgetting_constraints
 from hf_constrained.per_sample_loss import PaddingCollator, causal_lm_per_example_loss
 
 VOCAB = 48
@@ -64,8 +64,9 @@ def make_trainer(tmp_path, model: nn.Module, name: str, *, accumulation: int = 1
         report_to=[], save_strategy="no", disable_tqdm=True, remove_unused_columns=False,
         constraint_penalty="hinge", penalty_beta=5.0, constraint_batch_size=3, msvr_gamma_prime=0.1)
     protected = {"a": Rows(24, 1), "b": Rows(24, 2)}
-    constraints = non_forgetting_constraints(model, causal_lm_per_example_loss, protected, collate, tolerance=-1.0,
-                                             batch_size=8, row_fn=ReferenceGap(causal_lm_per_example_loss))
+    constraints = non_forgetting_constraints(model, causal_lm_per_example_loss, protected, collate,
+                                             row_fn=ReferenceGap(causal_lm_per_example_loss),
+                                             config=NonForgettingConfig(tolerance=-1.0, batch_size=8))
     return cls(model=model, args=args, train_dataset=Rows(32, 0), data_collator=collate, constraints=constraints,
                regulariser=regulariser)
 

@@ -5,8 +5,8 @@
   empirical-Bernstein width at the union bound's share of delta);
 * the one dispatch point (``margin_rules`` / ``run_margin`` / ``estimate_source``) rejects contradictory
   settings naming the constraint and the flags, and a constraint's own rule overrides the run's;
-* the earlier spellings keep working: ``Constraint(margin=0.1)`` is a ``FixedMargin``,
-  ``Constraint(confidence=c)`` a deprecated ``CalibratedMargin``, and the run flags map to the same rules.
+* the short spellings: ``Constraint(margin=0.1)`` is a ``FixedMargin``, and the run flags map to the same
+  rules; a calibrated margin has one spelling, ``margin=CalibratedMargin(c)``.
 """
 
 from __future__ import annotations
@@ -112,8 +112,8 @@ def test_contradictory_settings_are_errors_naming_the_constraint_and_the_flags()
         run_margin(margin=0.1, confidence=0.9)
     with pytest.raises(ValueError, match="constraint_confidence=0.9 and constraint_certificate_delta=0.05"):
         run_margin(confidence=0.9, certificate_delta=0.05)
-    with pytest.raises(ValueError, match="constraint 'c': give margin or confidence"):
-        constraint("c", margin=0.1, confidence=0.9)
+    with pytest.raises(TypeError, match="confidence"):  # margin=CalibratedMargin(c) is the one spelling
+        constraint("c", confidence=0.9)
     with pytest.raises(ValueError, match="constraint 's': confidence needs per-row values"):
         Constraint("s", fn=lambda m, b: m(**b)["loss"], dataset=rows(10), margin=CalibratedMargin(0.9))
     # a margin sized to the certificate on a constraint that certifies another statistic: named, before training
@@ -142,14 +142,9 @@ def test_a_run_rule_that_cannot_size_some_constraints_says_which(caplog):
     assert "constraint_certificate_delta" in caplog.text and "['scalar', 'c']" in caplog.text
 
 
-def test_the_earlier_spellings_keep_working():
+def test_a_number_is_a_fixed_margin_and_the_flags_map_to_the_same_rules():
     assert constraint("c", margin=0.1).margin == FixedMargin(0.1)
-    with pytest.warns(DeprecationWarning, match="CalibratedMargin"):
-        c = constraint("c", confidence=0.9)
-    assert c.margin == CalibratedMargin(0.9) and c.confidence == 0.9
-    c.confidence = None
-    assert c.margin is None
-    assert constraint("c", margin=0.1).confidence is None
+    assert constraint("c", margin=CalibratedMargin(0.9)).margin == CalibratedMargin(0.9)
     assert run_margin() is None and run_margin(margin=0.0) == FixedMargin(0.0)
     assert run_margin(certificate_delta=0.1) == CertificateMargin(0.1)
 

@@ -26,10 +26,10 @@ def rows(seed, n, low=0.0, high=0.4):
     return Dataset.from_dict({"x": np.random.default_rng(seed).uniform(low, high, n).tolist()})
 
 
-def make(tmp_path, *, tolerance=0.2, certify=True, steps=2, **constraint_kw):
+def make(tmp_path, *, tolerance=0.2, certify=True, steps=2, value_range=(0.0, 1.0), statistic=None, **constraint_kw):
     kw = dict(dataset=rows(1, 40), eval_dataset=rows(2, 40), tolerance=tolerance)
     if certify:
-        kw.update(certify=Certification(dataset=rows(3, 300), value_range=(0.0, 1.0)))
+        kw.update(certify=Certification(dataset=rows(3, 300), statistic=statistic, value_range=value_range))
     kw.update(constraint_kw)
     args = ConstrainedTrainingArguments(
         output_dir=str(tmp_path / "run"), per_device_train_batch_size=4, learning_rate=0.1, optim="sgd",
@@ -116,8 +116,8 @@ def test_certification_rows_shared_with_training_or_selection_are_refused_before
 def test_certification_needs_a_declared_range_and_never_clips(tmp_path):
     with pytest.raises(ValueError, match=r"constraint 'rate': certify=Certification\(dataset=...\) needs value_range"):
         Constraint("rate", row_fn=scaled_rate, dataset=rows(1, 5), certify=Certification(dataset=rows(3, 5)))
-    with pytest.raises(ValueError, match=r"constraint 'rate': certify=Certification\(dataset=...\) needs value_range"):
-        Constraint("rate", row_fn=scaled_rate, dataset=rows(1, 5), certify_dataset=rows(3, 5))  # the old name
+    with pytest.raises(TypeError, match="certify_dataset"):  # the one field is certify: no other spelling
+        Constraint("rate", row_fn=scaled_rate, dataset=rows(1, 5), certify_dataset=rows(3, 5))
     # a tolerance above the declared range says nothing: an error naming the constraint before training
     with pytest.raises(ValueError, match="constraint 'rate': tolerance 0.2 cannot be expressed"):
         make(tmp_path, tolerance=0.2, value_range=(0.0, 0.05))
@@ -134,7 +134,7 @@ def test_a_proxy_statistic_is_what_gets_certified(tmp_path):
 
     stat = CertifyStatistic(above_half_theta, tolerance=0.5, value_range=(0, 1), bound="clopper_pearson",
                             description="share of rows with x * theta > 0.5")
-    trainer = make(tmp_path, tolerance=0.2, certify_statistic=stat)
+    trainer = make(tmp_path, tolerance=0.2, statistic=stat)
     report = finish_run(trainer, plots=False)
     x = np.asarray(rows(3, 300)["x"])
     k = int(np.sum(x * float(trainer.model.theta) > 0.5))

@@ -1,5 +1,5 @@
 """Constraint.certify: a constraint's certification (its split, the statistic measured there, the range of the
-values) as one value; the earlier separate fields stay as aliases of its parts for one release."""
+values) as one value, the only spelling: the separate keywords of an unreleased draft are refused."""
 
 import dataclasses
 
@@ -18,16 +18,19 @@ def rows(n, start=0):
     return [{"x": float(i % 2)} for i in range(start, start + n)]
 
 
-def test_one_value_and_the_old_names_build_the_same_constraint():
+def test_one_value_builds_the_certification_and_no_other_spelling_does():
     train, cert = rows(10), rows(6, 100)
     new = Constraint("r", row_fn=rate, dataset=train, certify=Certification(dataset=cert, value_range=(0, 1)))
-    old = Constraint("r", row_fn=rate, dataset=train, certify_dataset=cert, value_range=(0, 1))
-    assert new.certify == old.certify == Certification(dataset=cert, value_range=(0.0, 1.0))
-    assert new.certifiable and new.certify_dataset is cert and new.value_range == (0.0, 1.0)
+    assert new.certify == Certification(dataset=cert, value_range=(0.0, 1.0))
+    assert new.certifiable and new.certify.dataset is cert and new.certify.value_range == (0.0, 1.0)
     assert new.certification_range() == (0.0, 1.0) and new.certification_bound() == "hoeffding_bentkus"
     assert "certify_dataset" not in {f.name for f in dataclasses.fields(Constraint)}  # one field, not three
+    for name in ("certify_dataset", "certify_statistic", "value_range", "confidence"):
+        assert not hasattr(Constraint, name)
+        with pytest.raises(TypeError, match=name):
+            Constraint("r", row_fn=rate, dataset=train, **{name: None})
     plain = Constraint("r", row_fn=rate, dataset=train)
-    assert plain.certify is None and plain.certify_dataset is None and not plain.certifiable
+    assert plain.certify is None and not plain.certifiable
 
 
 def test_a_statistic_declared_first_and_rows_added_later():
@@ -36,7 +39,7 @@ def test_a_statistic_declared_first_and_rows_added_later():
     assert not c.certifiable and c.certification_tolerance() == 0.3
     c.certify = dataclasses.replace(c.certify, dataset=rows(4, 50))
     assert c.certifiable and c.certify.statistic is stat and c.certification_bound() == "clopper_pearson"
-    c.certify_dataset = rows(5, 70)  # the old name, as an attribute, replaces that part only
+    c.certify = dataclasses.replace(c.certify, dataset=rows(5, 70))  # replacing the rows keeps the statistic
     assert len(c.certify.dataset) == 5 and c.certify.statistic is stat
 
 

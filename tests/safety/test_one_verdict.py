@@ -63,7 +63,7 @@ def proxy_certified(tmp_path, caplog):
     statistic (the same rows, tolerance 0.5) is certified: the issue's LLM/safe-release case."""
     stat = CertifyStatistic(scaled_rate, tolerance=0.5, value_range=(0.0, 1.0), bound="betting",
                             description="share of rows flagged")
-    trainer = make(tmp_path, tolerance=0.01, certify_statistic=stat)
+    trainer = make(tmp_path, tolerance=0.01, statistic=stat)
     with caplog.at_level(logging.INFO, logger="hf_constrained"):
         report = finish_run(trainer, plots=False)
     return trainer, report, tmp_path / "run", caplog

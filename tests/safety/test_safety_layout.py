@@ -186,6 +186,8 @@ def test_packages_are_layered_one_way():
     # the user's problem imports nothing of the method; non-forgetting nothing of the run's glue
     assert not _within(graph["hf_constrained.constraint"], ("hf_constrained.method",))
     assert not _within(graph["hf_constrained.non_forgetting"], ("hf_constrained.safety", "hf_constrained.trainer"))
+    # the reference pass (the old model's values, computed once) needs rows and a model, nothing of the run
+    assert graph["hf_constrained.reference_pass"] <= {"hf_constrained.batches"}
     # the library never imports the command line
     assert not [m for m, deps in graph.items() if "hf_constrained.cli" in deps and m != "hf_constrained.cli"]
 

@@ -8,7 +8,7 @@ from conftest import TinyNet, tiny_args, tiny_rows
 from torch import nn
 
 from hf_constrained import ConstrainedTrainer
-from hf_constrained.non_forgetting import non_forgetting_constraints
+from hf_constrained.non_forgetting import NonForgettingConfig, non_forgetting_constraints
 
 
 def per_row_ce(model, batch):
@@ -26,7 +26,8 @@ def test_an_unchanged_dropout_model_shows_zero_violation(tmp_path):
         optimizer.zero_grad()
         per_row_ce(model, batch).mean().backward()
         optimizer.step()
-    constraints = non_forgetting_constraints(copy.deepcopy(model), per_row_ce, {"old": data}, tolerance=0.0)
+    constraints = non_forgetting_constraints(copy.deepcopy(model), per_row_ce, {"old": data},
+                                             config=NonForgettingConfig(tolerance=0.0))
     # in training mode the same weights lose more on the same rows: the bias the measurement must not have
     torch.manual_seed(0)
     with torch.no_grad():
