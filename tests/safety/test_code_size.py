@@ -64,3 +64,15 @@ def test_the_checker_finds_each_rule(tmp_path):
 def test_library_modules_and_functions_stay_small():
     problems = [p for path in library_files() for p in size_problems(path)]
     assert not problems, "split by idea (docs/architecture.md), not to meet the number:\n" + "\n".join(problems)
+
+
+def test_recipes_functions_stay_small_and_the_demo_thin():
+    """The recipes are commands over the library (issue 42, "thin recipes"): their functions follow the library's
+    rules, and the demo, the first recipe a user reads, stays at most 500 lines."""
+    root = os.path.join(REPO, "recipes")
+    paths = sorted(os.path.join(root, f) for f in os.listdir(root) if f.endswith(".py"))
+    # a function's rule ("file:line name: ..."), not the module's length ("file: N lines")
+    problems = [p for path in paths for p in size_problems(path) if not p.split(" ")[0].endswith(":")]
+    assert not problems, "\n".join(problems)
+    with open(os.path.join(root, "demo_clip_digits.py"), encoding="utf-8") as f:
+        assert len(f.read().splitlines()) <= 500
