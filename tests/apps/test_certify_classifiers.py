@@ -84,6 +84,22 @@ def test_a_set_claim_in_shares_forgotten_uses_the_exact_rate_bound(text, tmp_pat
                    "percent_forgotten <= 5") == 1
 
 
+def test_a_peft_adapter_of_a_text_classifier_is_certified_against_its_base(text, tmp_path):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForSequenceClassification
+
+    adapter = tmp_path / "adapter"
+    model = get_peft_model(AutoModelForSequenceClassification.from_pretrained(text["base"]),
+                           LoraConfig(task_type="SEQ_CLS", r=2, lora_alpha=4, target_modules=["c_attn"]))
+    model.save_pretrained(adapter)  # an adapter as it starts: the same answers as its base
+    out = tmp_path / "cert"
+    assert certify(text["base"], str(adapter), out, [text["cert"]], "points_lost <= 10", "--per_class") == 0
+    report = SafetyReport.load(str(out))
+    assert report.method["model"] == "PEFT adapter" and report.settings["task"] == "sequence_classification"
+    assert all(c.extra["base accuracy"] == c.extra["new accuracy"] for c in report.constraints)
+    assert "PeftModel.from_pretrained" in (out / "README.md").read_text()
+
+
 def test_label_sets_that_differ_are_refused_before_any_model_loads(text, tmp_path, capsys, monkeypatch):
     _no_model_loads(monkeypatch)
     assert certify(text["base"], text["renamed"], tmp_path / "cert", [text["cert"]], "points_lost <= 10") == 2
@@ -144,6 +160,21 @@ def test_a_clip_model_identical_to_its_base_is_certified_per_class(images, tmp_p
     assert all(c.extra["base accuracy"] == c.extra["new accuracy"] > 0.8 for c in report.constraints)
     assert "pipeline_tag: zero-shot-image-classification" in (out / "README.md").read_text()
     assert cli.main(["report", str(out), "--check"]) == 0
+
+
+def test_push_uploads_a_clip_models_weights_and_processor(images, tmp_path, monkeypatch):
+    from test_push import StubHub
+
+    from hf_constrained.publishing import push
+
+    out = tmp_path / "cert"
+    assert certify(images["base"], images["same"], out, [images["cert_csv"]], "points_lost <= 15") == 0
+    hub = StubHub()
+    monkeypatch.setattr(push, "hub_api", lambda: hub)
+    assert cli.main(["push", str(out), "--repo_id", "me/clip"]) == 0
+    uploads = [kw for name, kw in hub.calls if name == "upload_folder"]
+    assert uploads[0]["folder_path"] == os.path.normpath(images["same"])
+    assert {"model.safetensors", "preprocessor_config.json", "tokenizer*"} <= set(uploads[0]["allow_patterns"])
 
 
 def test_a_clip_model_that_forgot_a_class_is_not_certified(images, tmp_path):
