@@ -178,7 +178,10 @@ class CertifySettings:
             ``adapter_config.json``), with its tokenizer or without (then the base's is used).
         base_model: the model it was fine-tuned from (a folder or a Hub id): the reference of every claim.
         protected_datasets: ``NAME=SOURCE`` (or ``SOURCE``: the name is the file's stem): the certification
-            rows of each protected set, prompt/completion or chat (``messages``) rows, read by nothing else.
+            rows of each protected set, read by nothing else: prompt/completion or chat (``messages``) rows for a
+            causal LM; ``text`` + ``label`` rows for a text classifier; ``image`` (a path) + ``label`` rows or a
+            folder of class subfolders for an image classifier or CLIP
+            (:mod:`~hf_constrained.safety.certify_tasks`).
         claims: ``"points_lost <= 3"`` (every set) or ``"SET: percent_forgotten <= 2"`` (:func:`parse_claim`).
         output_dir: where the report, the card, the ledger and the cache of per-row values go (may be ``model``).
         delta: the certificate's error level over every look at these rows (a ledger of looks spends it).

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from ..per_sample_loss import PaddingCollator, sequence_classification_per_example_correct
-from .certify_rows import RowCache, cache_key, paired_per_row
+from .certify_rows import TOKENIZER_FILES, RowCache, cache_key, paired_per_row
 
 PREPROCESSOR_CONFIG = "preprocessor_config.json"
 _PROCESSOR_NAME_KEYS = ("processor_class", "_processor_class", "image_processor_type")
@@ -95,8 +95,6 @@ def _image_processor(plan: Any) -> Any:
 
 def _tokenizers(plan: Any) -> tuple[Any, Any]:
     from transformers import AutoTokenizer
-
-    from .certify_model import TOKENIZER_FILES
 
     base = AutoTokenizer.from_pretrained(plan.settings.base_model)
     own = AutoTokenizer.from_pretrained(plan.model_dir) if _own(plan, *TOKENIZER_FILES) else base

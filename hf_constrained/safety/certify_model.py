@@ -2,20 +2,23 @@
 
 A certificate is a statement about two models and some rows nothing else read; it does not depend on how the
 new model was trained (``transformers.Trainer``, TRL's ``SFTTrainer``, a PEFT adapter, a replay mix). Given a
-fine-tuned causal LM (a full model folder, or a PEFT adapter folder on top of its base), the base it was
-fine-tuned from, and per protected set the user's certification rows (prompt/completion or chat rows), it
+fine-tuned model (a full model folder, or a PEFT adapter folder on top of its base): a causal LM, a text or image
+classifier or a CLIP model's zero-shot head (:mod:`~hf_constrained.safety.certify_tasks`,
+:mod:`~hf_constrained.safety.certify_labelled`), the base it was fine-tuned from, and per protected set the user's
+certification rows (prompt/completion or chat rows; text or image rows with a label), it
 
 1. states the claim before any row is read (:mod:`~hf_constrained.safety.certify_claims`, e.g.
-   ``points_lost <= 3``: each set loses at most 3 points of teacher-forced exact match of the answer);
+   ``points_lost <= 3``: each set loses at most 3 points of teacher-forced exact match of the answer, or of
+   accuracy; ``loss_rise <= 0.05``: its per-token loss rises by at most 0.05 nats);
 2. reads and checks the rows before any model loads (:func:`plan_certification`): repeated rows dropped with a
    count, rows also in the training files refused, each set fingerprinted, the look this certificate will be
    at those rows (the ledger of looks) and whether the set can ever support its claim at that look's delta;
 3. scores every row under both models (batched, on a GPU when there is one, in the weights' dtype, with a
    progress bar and a cache of per-row values that a rerun resumes from);
 4. certifies with Learn-Then-Test (Angelopoulos et al. 2021) on one candidate, with the exact
-   ``paired_change`` (points lost) or Clopper-Pearson (share forgotten) bound, each set's look counted in the
-   ledger (:mod:`hf_constrained.certification.ledger`: a second certificate at the same rows spends what is
-   left of delta; the same model certified again is the same look);
+   ``paired_change`` (points lost), Clopper-Pearson (share forgotten) or betting (loss rise) bound, each set's
+   look counted in the ledger (:mod:`hf_constrained.certification.ledger`: a second certificate at the same rows
+   spends what is left of delta; the same model certified again is the same look);
 5. writes ``safety_report.json`` and the card (``README.md``) into the output folder, so that
    ``hf-constrained report DIR --check`` and ``hf-constrained push DIR --repo_id owner/name`` work on it as on
    a training run; when the weights are in another folder the report names it and its weights' fingerprint.
@@ -36,13 +39,12 @@ from ..certification.fingerprint import weight_files, weights_files_fingerprint
 from ..certification.ledger import CertificationLedger
 from ..publishing.report import SafetyReport
 from .certify_claims import CertifySettings, Claim
-from .certify_rows import read_set, rows_in_training, set_fingerprint
+from .certify_rows import TOKENIZER_FILES, read_set, rows_in_training, set_fingerprint
 from .certify_tasks import detect_task
 
 logger = logging.getLogger(__name__)
 
 ADAPTER_CONFIG = "adapter_config.json"
-TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
 
 
 @dataclass

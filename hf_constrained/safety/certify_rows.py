@@ -41,6 +41,9 @@ CACHE_DIR = "certify_cache"
 
 ANSWER_FORMATS = ("prompt_completion", "messages")
 
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
+"""A model folder holding one of these has its own tokenizer (else the base's is used)."""
+
 
 def _load(source: str, split: str) -> Any:
     """The rows of ``source`` (no repeat dropped), without ``datasets``' progress bars (a file read in a second
@@ -212,5 +215,6 @@ def paired_per_row(model: Any, base: Optional[Any], items: Sequence[dict[str, An
     return old, new
 
 
-__all__ = ["ANSWER_FORMATS", "CACHE_DIR", "RowCache", "answer_format", "cache_key", "correct_per_row", "loss_batch",
-           "paired_per_row", "read_set", "rows_in_training", "score_batch", "set_fingerprint", "tokenize_rows"]
+__all__ = ["ANSWER_FORMATS", "CACHE_DIR", "TOKENIZER_FILES", "RowCache", "answer_format", "cache_key",
+           "correct_per_row", "loss_batch", "paired_per_row", "read_set", "rows_in_training", "score_batch",
+           "set_fingerprint", "tokenize_rows"]

@@ -204,3 +204,9 @@ def test_clip_rows_errors_are_one_line_before_any_model_loads(images, tmp_path, 
     missing.write_text("filepath,label\nnope.png,circle\n")
     assert certify(images["base"], images["same"], out, [str(missing)], "points_lost <= 15") == 2
     assert "row 1: image not found" in _error(capsys)
+
+
+def test_the_command_lines_tasks_are_the_certifiable_ones():
+    from hf_constrained.safety.certify_claims import TASKS
+
+    assert cli.CERTIFY_TASKS == TASKS
