@@ -121,8 +121,12 @@ def _certify(args: argparse.Namespace) -> int:
         claims=tuple(args.claim), output_dir=args.output_dir, delta=args.delta, train_files=tuple(args.train_files),
         batch_size=args.batch_size, max_length=args.max_length, device=args.device, dtype=args.dtype,
         split=args.split, hub_datasets=tuple(args.hub_datasets),
-        command=" ".join(["hf-constrained", *map(shlex.quote, sys.argv[1:] if args.argv is None else args.argv)]))
-    settings.claims_per_set()  # every claim parsed and matched to a set before anything is read
+        command=" ".join(["hf-constrained", *map(shlex.quote, sys.argv[1:] if args.argv is None else args.argv)]),
+        task=args.task, per_class=args.per_class, class_names=tuple(args.class_names),
+        prompt_template=args.prompt_template, text_column=args.text_column, image_column=args.image_column,
+        label_column=args.label_column, loss_clip=args.loss_clip)
+    if not settings.per_class:  # with --per_class the sets are the classes, known once the rows are read
+        settings.claims_per_set()  # every claim parsed and matched to a set before anything is read
     from .safety.certify_model import certify_model
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -284,12 +288,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+CERTIFY_TASKS = ("causal_lm", "sequence_classification", "image_classification", "clip")
+"""``--task``'s choices (:data:`hf_constrained.safety.certify_claims.TASKS`, written out: that module loads
+``datasets``, which ``hf-constrained --help`` should not wait for)."""
+
 CERTIFY_DESCRIPTION = (
-    "Certify a fine-tuned causal LM (a full model folder, or a PEFT adapter folder) against its base on your "
-    "certification rows, however it was trained: per protected set, teacher-forced exact match of the answer under "
-    "both models, paired row by row, with an exact finite-sample bound at --delta. Writes safety_report.json and the "
-    "card (README.md) into --output_dir, for `hf-constrained report DIR --check` and `hf-constrained push DIR "
-    "--repo_id owner/name`. Exit status: 0 certified, 1 not certified, 2 an error (docs/certify.md).")
+    "Certify a fine-tuned model (a full model folder, or a PEFT adapter folder) against its base on your "
+    "certification rows, however it was trained: a causal LM (per protected set, teacher-forced exact match of the "
+    "answer, or the rise of its per-token loss), a text or image classifier (accuracy) or a CLIP model's zero-shot "
+    "head (accuracy over --class_names with --prompt_template), under both models, paired row by row, with a "
+    "finite-sample bound at --delta. Writes safety_report.json and the card (README.md) into --output_dir, for "
+    "`hf-constrained report DIR --check` and `hf-constrained push DIR --repo_id owner/name`. Exit status: 0 "
+    "certified, 1 not certified, 2 an error (docs/certify.md).")
 
 
 def _add_certify_parser(sub: Any) -> None:
@@ -299,12 +309,15 @@ def _add_certify_parser(sub: Any) -> None:
                    "or a PEFT adapter (adapter_config.json) on top of --base_model")
     p.add_argument("--base_model", required=True, help="the model it was fine-tuned from: a folder or a Hub id")
     p.add_argument("--protected_datasets", nargs="+", required=True, metavar="NAME=FILE",
-                   help="each protected set's certification rows (prompt/completion or messages rows; JSON/JSONL/"
-                        "CSV/parquet or a Hub dataset id), read by nothing else")
+                   help="each protected set's certification rows, read by nothing else (JSON/JSONL/CSV/parquet or a "
+                        "Hub dataset id): prompt/completion or messages rows for a causal LM; text + label rows for "
+                        "a text classifier; image (a path) + label rows, or a folder of class subfolders, for an "
+                        "image classifier or CLIP")
     p.add_argument("--claim", action="append", required=True, metavar="CLAIM",
                    help="stated before any row is read: 'points_lost <= 3' (each set loses at most 3 points of "
-                        "exact match) or 'percent_forgotten <= 2' (at most 2%% of its rows forgotten); "
-                        "'NAME: points_lost <= 1' for one set. Repeatable")
+                        "exact match or accuracy), 'percent_forgotten <= 2' (at most 2%% of its rows forgotten) or, "
+                        "for a causal LM, 'loss_rise <= 0.05' (its per-token loss rises by at most 0.05 nats); "
+                        "'NAME: points_lost <= 1' for one set (or class). Repeatable")
     p.add_argument("--delta", type=float, default=0.05,
                    help="error level: the claim holds with probability at least 1 - delta (over every look at "
                         "these rows: a ledger of looks spends it)")
@@ -321,6 +334,23 @@ def _add_certify_parser(sub: Any) -> None:
     p.add_argument("--split", default="train", help="the split of a Hub dataset given as a set")
     p.add_argument("--hub_datasets", nargs="*", default=[], metavar="NAME=HUB_ID",
                    help="the Hub dataset a local set was drawn from (the card's model-index names it)")
+    p.add_argument("--task", default="auto", choices=("auto", *CERTIFY_TASKS),
+                   help="auto: from the model's config.json (*ForCausalLM, *ForSequenceClassification, "
+                        "*ForImageClassification, CLIPModel)")
+    p.add_argument("--per_class", action="store_true",
+                   help="classifiers and CLIP: each class of the rows is its own protected set (a claim per class)")
+    p.add_argument("--class_names", nargs="+", default=[], metavar="CLASS",
+                   help="CLIP: the zero-shot head's classes, in order (default: the labels in the rows, sorted)")
+    p.add_argument("--prompt_template", default="a photo of a {}.",
+                   help="CLIP: each class's prompt, with {} for the class name")
+    p.add_argument("--text_column", default="text", help="text classifiers: the column of the text")
+    p.add_argument("--image_column", default=None,
+                   help="image classifiers and CLIP: the column of image paths (default: image, else filepath)")
+    p.add_argument("--label_column", default="label", help="classifiers and CLIP: the column of the label (a class "
+                   "name or index)")
+    p.add_argument("--loss_clip", type=float, default=10.0,
+                   help="loss_rise: each row's per-token loss is clipped at this many nats (the bound needs bounded "
+                        "values)")
     p.set_defaults(func=_certify, argv=None)
 
 

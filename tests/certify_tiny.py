@@ -43,7 +43,8 @@ def write_jsonl(path: str, rows: list[dict]) -> str:
 
 
 def train(model, tokenizer, rows: list[dict], out: str, steps: int, lr: float) -> None:
-    """Plain ``transformers.Trainer`` on prompt/completion rows, then ``save_pretrained`` (model and tokenizer)."""
+    """Plain ``transformers.Trainer`` on prompt/completion (or chat) rows, then ``save_pretrained`` (model and
+    tokenizer)."""
     data = tokenize_sft(Dataset.from_list(rows), tokenizer, name="train")
     args = TrainingArguments(output_dir=out, max_steps=steps, per_device_train_batch_size=16, learning_rate=lr,
                              use_cpu=True, report_to="none", save_strategy="no", logging_strategy="no",
@@ -83,4 +84,34 @@ def build(root: str) -> dict[str, str]:
     peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(paths["base"]),
                                 LoraConfig(task_type="CAUSAL_LM", r=4, lora_alpha=8, target_modules=["c_attn"]))
     train(peft_model, tok, new_rows + old_rows, paths["adapter"], 30, 5e-3)
+    return paths
+
+
+def chat(prompt: str, answer: str) -> dict:
+    """A chat row (the LLM recipe's ``messages`` format): the user's prompt, the assistant's answer."""
+    return {"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]}
+
+
+def build_chat(root: str) -> dict[str, str]:
+    """The old task as chat rows (rendered by the character tokenizer's chat template, ``u:WORD=|a:ok</s>``): a base
+    trained on them with plain ``transformers.Trainer``, ``kept`` (the new task with the old rows replayed) and
+    ``forgot`` (the old prompts now answered ``no``), the training files and the chat certification rows."""
+    torch.manual_seed(0)
+    tok = char_tokenizer()
+    vocab = words(200, seed=11)
+    old_train, cert = vocab[:120], vocab[120:]
+    new_words = words(120, seed=12, length=4)
+    old_rows = [chat(f"{w}=", "ok") for w in old_train]
+    new_rows = [chat(f"{w}>", "no") for w in new_words]
+    paths = {"root": root}
+    paths["old_train"] = write_jsonl(os.path.join(root, "chat_old_train.jsonl"), old_rows)
+    paths["new_train"] = write_jsonl(os.path.join(root, "chat_new_train.jsonl"), new_rows)
+    paths["cert"] = write_jsonl(os.path.join(root, "chat_cert.jsonl"), [chat(f"{w}=", "ok") for w in cert])
+    paths["base"] = os.path.join(root, "chat_base")
+    train(tiny_causal_lm(len(tok), hidden_size=32, layers=2, heads=2), tok, old_rows, paths["base"], 80, 1e-2)
+    paths["kept"] = os.path.join(root, "chat_kept")
+    train(AutoModelForCausalLM.from_pretrained(paths["base"]), tok, new_rows + old_rows, paths["kept"], 120, 5e-3)
+    paths["forgot"] = os.path.join(root, "chat_forgot")
+    overwrite = [chat(f"{w}=", "no") for w in new_words]
+    train(AutoModelForCausalLM.from_pretrained(paths["base"]), tok, overwrite, paths["forgot"], 40, 1e-2)
     return paths

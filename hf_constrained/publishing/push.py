@@ -26,7 +26,8 @@ lock files (the empty ``certification_ledger.json.lock`` beside the ledger), the
 ``hf-constrained certify`` (``certify_cache/``)."""
 
 MODEL_FOLDER_FILES = ["config.json", "generation_config.json", "adapter_config.json", "tokenizer*", "vocab*",
-                      "merges.txt", "special_tokens_map.json", "added_tokens.json", "chat_template*", "*.model"]
+                      "merges.txt", "special_tokens_map.json", "added_tokens.json", "chat_template*", "*.model",
+                      "preprocessor_config.json", "processor_config.json"]
 """Besides the weight files, what ``push`` uploads from the model folder a report names (``weights_folder``): the
 configs and the tokenizer, never that folder's own report, card or training state."""
 

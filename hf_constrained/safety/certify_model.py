@@ -2,20 +2,23 @@
 
 A certificate is a statement about two models and some rows nothing else read; it does not depend on how the
 new model was trained (``transformers.Trainer``, TRL's ``SFTTrainer``, a PEFT adapter, a replay mix). Given a
-fine-tuned causal LM (a full model folder, or a PEFT adapter folder on top of its base), the base it was
-fine-tuned from, and per protected set the user's certification rows (prompt/completion or chat rows), it
+fine-tuned model (a full model folder, or a PEFT adapter folder on top of its base): a causal LM, a text or image
+classifier or a CLIP model's zero-shot head (:mod:`~hf_constrained.safety.certify_tasks`,
+:mod:`~hf_constrained.safety.certify_labelled`), the base it was fine-tuned from, and per protected set the user's
+certification rows (prompt/completion or chat rows; text or image rows with a label), it
 
 1. states the claim before any row is read (:mod:`~hf_constrained.safety.certify_claims`, e.g.
-   ``points_lost <= 3``: each set loses at most 3 points of teacher-forced exact match of the answer);
+   ``points_lost <= 3``: each set loses at most 3 points of teacher-forced exact match of the answer, or of
+   accuracy; ``loss_rise <= 0.05``: its per-token loss rises by at most 0.05 nats);
 2. reads and checks the rows before any model loads (:func:`plan_certification`): repeated rows dropped with a
    count, rows also in the training files refused, each set fingerprinted, the look this certificate will be
    at those rows (the ledger of looks) and whether the set can ever support its claim at that look's delta;
 3. scores every row under both models (batched, on a GPU when there is one, in the weights' dtype, with a
    progress bar and a cache of per-row values that a rerun resumes from);
 4. certifies with Learn-Then-Test (Angelopoulos et al. 2021) on one candidate, with the exact
-   ``paired_change`` (points lost) or Clopper-Pearson (share forgotten) bound, each set's look counted in the
-   ledger (:mod:`hf_constrained.certification.ledger`: a second certificate at the same rows spends what is
-   left of delta; the same model certified again is the same look);
+   ``paired_change`` (points lost), Clopper-Pearson (share forgotten) or betting (loss rise) bound, each set's
+   look counted in the ledger (:mod:`hf_constrained.certification.ledger`: a second certificate at the same rows
+   spends what is left of delta; the same model certified again is the same look);
 5. writes ``safety_report.json`` and the card (``README.md``) into the output folder, so that
    ``hf-constrained report DIR --check`` and ``hf-constrained push DIR --repo_id owner/name`` work on it as on
    a training run; when the weights are in another folder the report names it and its weights' fingerprint.
@@ -34,18 +37,14 @@ import numpy as np
 from ..certification.certify import Certifiability, certifiability, certify
 from ..certification.fingerprint import weight_files, weights_files_fingerprint
 from ..certification.ledger import CertificationLedger
-from ..publishing.card import ModelCardInfo, ModelSource, render_model_card, write_model_card
-from ..publishing.report import ConstraintResult, SafetyReport
-from ..redact import redact_command
-from ..text_data import named_sources
-from .certify_claims import CertifySettings, Claim, claim_headline
-from .certify_rows import read_set, rows_in_training, set_fingerprint
-from .loop import HUB_OWNER_PLACEHOLDER
+from ..publishing.report import SafetyReport
+from .certify_claims import CertifySettings, Claim
+from .certify_rows import TOKENIZER_FILES, read_set, rows_in_training, set_fingerprint
+from .certify_tasks import detect_task
 
 logger = logging.getLogger(__name__)
 
 ADAPTER_CONFIG = "adapter_config.json"
-TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
 
 
 @dataclass
@@ -78,17 +77,19 @@ class PlannedSet:
         elif self.check is not None and not self.check.possible:
             need = "" if self.check.rows_needed is None else f"; the claim needs at least {self.check.rows_needed:,}"
             out.append(f"warning: {self.name}: {len(self.rows):,} rows can never certify {self.claim} at delta "
-                       f"{self.level:.3g}, whatever the model (even with nothing lost the bound is "
-                       f"{100 * (self.check.floor or 0):.3g} points){need}: the verdict will be NOT CERTIFIED")
+                       f"{self.level:.3g}, whatever the model (even with nothing lost or changed the bound is "
+                       f"{self.claim.amount_words(self.check.floor or 0)}){need}: the verdict will be NOT CERTIFIED")
         elif self.check is not None and self.check.floor is not None:
-            out.append(f"{self.name}: with nothing lost the bound would be {100 * self.check.floor:.3g} points "
+            nothing = "no row's loss changed" if self.claim.statistic == "loss_rise" else "nothing lost"
+            out.append(f"{self.name}: with {nothing} the bound would be {self.claim.amount_words(self.check.floor)} "
                        f"(the claim allows {self.claim.amount:g})")
         return out
 
 
 @dataclass
 class CertifyPlan:
-    """What :func:`certify_model` will do, known before any model loads."""
+    """What :func:`certify_model` will do, known before any model loads: the task (:data:`TASKS`) and, for a
+    classifier or CLIP head, its classes."""
 
     settings: CertifySettings
     model_dir: str
@@ -96,12 +97,20 @@ class CertifyPlan:
     model_fingerprint: str
     base_identity: str
     sets: dict[str, PlannedSet] = field(default_factory=dict)
+    task: str = "causal_lm"
+    classes: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
     def lines(self) -> list[str]:
         kind = "a PEFT adapter" if self.adapter else "a full model"
-        head = [f"model: {self.model_dir} ({kind}, weights {self.model_fingerprint[:19]}...); base: "
-                f"{self.settings.base_model}; delta {self.settings.delta:g}"]
-        return head + [line for s in self.sets.values() for line in s.lines()]
+        head = [f"model: {self.model_dir} ({kind}, {self.task.replace('_', ' ')}, weights "
+                f"{self.model_fingerprint[:19]}...); base: {self.settings.base_model}; delta {self.settings.delta:g}"]
+        if self.task == "clip":
+            head.append(f"zero-shot head: {len(self.classes)} classes {self.classes}, prompts "
+                        f"{self.settings.prompt_template!r}")
+        elif self.classes:
+            head.append(f"classes: {self.classes}")
+        return head + self.notes + [line for s in self.sets.values() for line in s.lines()]
 
 
 def _same_base(recorded: Optional[str], given: str) -> bool:
@@ -158,32 +167,96 @@ def check_model_folder(settings: CertifySettings) -> tuple[bool, str]:
 
 def plan_certification(settings: CertifySettings) -> CertifyPlan:
     """Everything before any model loads: the claims (parsed first, before a row is read), the model folder's
-    checks, each set read, checked against the training files and fingerprinted, and the look and delta each set
-    will be certified at, with whether its rows can ever support its claim there."""
-    claims = settings.claims_per_set()  # stated before any row is read
+    checks, the task and its classes, each set read, checked against the training files and fingerprinted, and the
+    look and delta each set will be certified at, with whether its rows can ever support its claim there."""
+    if not settings.per_class:
+        settings.claims_per_set()  # stated before any row is read
     adapter, fingerprint = check_model_folder(settings)
+    task = detect_task(settings.model, settings.base_model, adapter, settings.task)
     base_identity = (weights_files_fingerprint(settings.base_model) if os.path.isdir(settings.base_model)
                      else None) or settings.base_model  # a Hub id: known by its name
-    plan = CertifyPlan(settings, settings.model, adapter, fingerprint, base_identity)
+    plan = CertifyPlan(settings, settings.model, adapter, fingerprint, base_identity, task=task)
+    read = _read_lm_sets(settings) if task == "causal_lm" else _read_labelled_sets(plan)
+    claims = settings.claims_per_set(list(read), task)
     ledger = CertificationLedger.for_run(settings.output_dir)
-    for name, source in settings.sets().items():
-        rows, dropped, fmt = read_set(name, source, settings.split)
-        if settings.train_files:
-            found = rows_in_training(rows, settings.train_files, settings.split)
-            if found:
-                where = ", ".join(f"{n} in {os.path.basename(p)}" for p, n in found.items())
-                raise ValueError(f"--protected_datasets {name}: {sum(found.values())} of its {len(rows)} rows also "
-                                 f"appear in the training files ({where}): certification rows must be rows the "
-                                 "model never trained on; remove them (or certify on fresh rows)")
-        fp, _ = set_fingerprint(rows)
+    for name, (source, rows, fmt, dropped, fp) in read.items():
         looks = ledger.looks(fp)
         budget = looks[0].budget if looks else settings.delta
         level = ledger.spending.level(budget, len(looks) + 1)
         claim = claims[name]
-        check = None if level is None else certifiability(name, claim.bound, claim.value_range, claim.tolerance,
-                                                           (len(rows),), level)
+        check = None if level is None else _certifiability(name, claim, len(rows), level)
         plan.sets[name] = PlannedSet(name, source, rows, fmt, dropped, fp, claim, len(looks) + 1, level, check)
     return plan
+
+
+def _certifiability(name: str, claim: Claim, n: int, level: float) -> Certifiability:
+    """Whether ``n`` rows can ever support ``claim`` at ``level``: for a loss rise, the betting bound with no row's
+    loss changed (its floor at ``-C`` would say nothing), else :func:`certifiability`."""
+    if claim.statistic != "loss_rise":
+        return certifiability(name, claim.bound, claim.value_range, claim.tolerance, (n,), level)
+    from ..certification.bounds import upper_bound
+
+    floor = upper_bound(np.zeros(n), claim.value_range, level, claim.bound, order_seed=0)
+    return Certifiability(name, (n,), claim.tolerance, level, floor)
+
+
+def _refuse_training_rows(name: str, total: int, found: dict[str, int]) -> None:
+    if found:
+        where = ", ".join(f"{n} in {os.path.basename(os.path.normpath(p))}" for p, n in found.items())
+        raise ValueError(f"--protected_datasets {name}: {sum(found.values())} of its {total} rows also appear in the "
+                         f"training files ({where}): certification rows must be rows the model never trained on; "
+                         "remove them (or certify on fresh rows)")
+
+
+def _read_lm_sets(settings: CertifySettings) -> dict[str, tuple[str, Any, str, int, str]]:
+    """Per set of a causal LM: (source, rows, format, repeats dropped, fingerprint)."""
+    out = {}
+    for name, source in settings.sets().items():
+        rows, dropped, fmt = read_set(name, source, settings.split)
+        if settings.train_files:
+            _refuse_training_rows(name, len(rows), rows_in_training(rows, settings.train_files, settings.split))
+        out[name] = (source, rows, fmt, dropped, set_fingerprint(rows)[0])
+    return out
+
+
+def _read_labelled_sets(plan: CertifyPlan) -> dict[str, tuple[str, Any, str, int, str]]:
+    """Per set of a classifier or CLIP head (``--per_class``: per class): (source, rows, format, repeats dropped,
+    fingerprint); ``plan.classes`` set. The label sets of the two models are compared first."""
+    from .certify_tasks import (
+        clip_classes,
+        index_labels,
+        inputs_in_training,
+        model_classes,
+        read_labelled_set,
+        split_per_class,
+    )
+
+    settings = plan.settings
+    columns = (settings.text_column, settings.image_column, settings.label_column)
+    classes = None if plan.task == "clip" else model_classes(settings.model, settings.base_model)
+    if plan.task == "clip" and settings.class_names:
+        classes = list(settings.class_names)
+    sources = settings.sets()
+    sets = {name: read_labelled_set(name, source, plan.task, classes, columns, settings.split)
+            for name, source in sources.items()}
+    if classes is None:
+        classes = clip_classes(sets, settings.class_names)
+        for name, data in sets.items():
+            index_labels(name, data, classes)
+    plan.classes = list(classes)
+    for name, data in sets.items():
+        if settings.train_files:
+            _refuse_training_rows(name, len(data), inputs_in_training(data, settings.train_files, plan.task, columns,
+                                                                      settings.split))
+    dropped = {name: data.dropped for name, data in sets.items()}
+    if settings.per_class:
+        plan.notes += [f"{name}: {n} repeated row(s) dropped" for name, n in dropped.items() if n]
+        owner = {}
+        for set_name in sets:
+            owner.update({c if len(sets) == 1 else f"{set_name}/{c}": set_name for c in classes})
+        sets = split_per_class(sets, classes)
+        return {name: (sources[owner[name]], data.rows, data.fmt, 0, data.fingerprint) for name, data in sets.items()}
+    return {name: (sources[name], data.rows, data.fmt, dropped[name], data.fingerprint) for name, data in sets.items()}
 
 
 # ---------------------------------------------------------------------------------- models
@@ -266,17 +339,24 @@ class CertifyResult:
 
 
 def certify_model(settings: CertifySettings, echo: Optional[Callable[[str], None]] = None) -> CertifyResult:
-    """Certify a fine-tuned causal LM against its base on the user's certification rows (module docstring):
-    ``safety_report.json`` and ``README.md`` in ``settings.output_dir``; ``echo`` receives the plan and the
-    verdict line by line (default: the log)."""
+    """Certify a fine-tuned model (a causal LM, a classifier or a CLIP zero-shot head) against its base on the
+    user's certification rows (module docstring): ``safety_report.json`` and ``README.md`` in
+    ``settings.output_dir``; ``echo`` receives the plan and the verdict line by line (default: the log)."""
+    from .certify_report import build_report, write_card
+
     echo = echo or logger.info
     plan = plan_certification(settings)
     for line in plan.lines():
         echo(line)
-    tokenizer, base_tokenizer = load_tokenizers(plan)
-    tokenized = tokenize_both(plan, tokenizer, base_tokenizer)
-    model, base = load_models(plan)
-    values, accuracy = score_sets(plan, tokenized, tokenizer, model, base)
+    if plan.task == "causal_lm":
+        tokenizer, base_tokenizer = load_tokenizers(plan)
+        tokenized = tokenize_both(plan, tokenizer, base_tokenizer)
+        model, base = load_models(plan)
+        values, metrics = score_sets(plan, tokenized, tokenizer, model, base)
+    else:
+        from .certify_labelled import score_labelled
+
+        values, metrics = score_labelled(plan)
     identity = f"{plan.model_fingerprint}|base:{plan.base_identity}"
     claims = {name: s.claim for name, s in plan.sets.items()}
     cert = certify([values], {n: c.tolerance for n, c in claims.items()},
@@ -284,99 +364,40 @@ def certify_model(settings: CertifySettings, echo: Optional[Callable[[str], None
                    bound={n: c.bound for n, c in claims.items()},
                    split_fingerprints={n: s.fingerprint for n, s in plan.sets.items()},
                    ledger=CertificationLedger.for_run(settings.output_dir), candidate_ids=[identity])
-    report = build_report(plan, cert, values, accuracy)
+    report = build_report(plan, cert, values, metrics)
     report_path = report.save(settings.output_dir)
-    card_path = write_card(plan, report, accuracy)
+    card_path = write_card(plan, report, metrics)
     echo(report.headline())
     return CertifyResult(plan, report, report_path, card_path)
 
 
 def score_sets(plan: CertifyPlan, tokenized: dict[str, list], tokenizer: Any, model: Any,
-               base: Optional[Any]) -> tuple[dict[str, np.ndarray], dict[str, tuple[float, float]]]:
-    """Per set, the certified statistic's per-row values, and (base, model) exact-match accuracy."""
-    from ..reference_pass import old_model_context
+               base: Optional[Any]) -> tuple[dict[str, np.ndarray], dict[str, dict[str, float]]]:
+    """Per set of a causal LM, the certified statistic's per-row values, and each model's exact match (or, for a
+    ``loss_rise`` claim, its mean per-token loss, clipped)."""
     from ..text_data import SFTPaddingCollator
-    from .certify_rows import RowCache, cache_key, correct_per_row
+    from .certify_rows import RowCache, cache_key, loss_batch, paired_per_row
 
     settings = plan.settings
     collate = SFTPaddingCollator(tokenizer)
-    values, accuracy = {}, {}
+    values, metrics = {}, {}
     for name, s in plan.sets.items():
-        common = (s.fingerprint, settings.dtype, settings.max_length, "teacher-forced exact match")
-        base_key = cache_key(plan.base_identity, *common)
-        model_key = cache_key(plan.model_fingerprint, plan.base_identity, *common)
-        base_cache = RowCache(settings.output_dir, name, "base", base_key)
-        model_cache = RowCache(settings.output_dir, name, "model", model_key)
-        if base is None:  # an adapter: its base is the adapter-disabled model
-            with old_model_context(model):
-                old = correct_per_row(model, tokenized[name], collate, settings.batch_size, base_cache,
-                                      f"{name}: base")
+        loss = s.claim.statistic == "loss_rise"
+        what = "per-token loss of the answer" if loss else "teacher-forced exact match"
+        common = (s.fingerprint, settings.dtype, settings.max_length, what)
+        caches = (RowCache(settings.output_dir, name, "base", cache_key(plan.base_identity, *common)),
+                  RowCache(settings.output_dir, name, "model",
+                           cache_key(plan.model_fingerprint, plan.base_identity, *common)))
+        old, new = paired_per_row(model, base, tokenized[name], collate, loss_batch if loss else None, caches,
+                                  settings.batch_size, name)
+        if loss:  # each row's loss clipped at C: the values lie in [-C, C] (certify_claims)
+            old, new = np.minimum(old, s.claim.clip), np.minimum(new, s.claim.clip)
+            values[name] = new - old
+            metrics[name] = {"base loss": float(old.mean()), "new loss": float(new.mean())}
         else:
-            old = correct_per_row(base, tokenized[name], collate, settings.batch_size, base_cache, f"{name}: base")
-        new = correct_per_row(model, tokenized[name], collate, settings.batch_size, model_cache, f"{name}: model")
-        values[name] = old - new if s.claim.statistic == "points_lost" else old * (1.0 - new)
-        accuracy[name] = (float(old.mean()), float(new.mean()))
-    return values, accuracy
-
-
-def build_report(plan: CertifyPlan, cert: Any, values: dict[str, np.ndarray],
-                 accuracy: dict[str, tuple[float, float]]) -> SafetyReport:
-    """The :class:`SafetyReport` of a certification: one row per set (the certified statistic on its rows), the
-    certificate, the claim in words, and where the weights are."""
-    settings = plan.settings
-    claims = {name: s.claim for name, s in plan.sets.items()}
-    constraints = [ConstraintResult(name, float(values[name].mean()), claims[name].tolerance, old_value=0.0,
-                                    data="certification", num_rows=int(values[name].size),
-                                    extra={"base exact match": accuracy[name][0],
-                                           "new exact match": accuracy[name][1]})
-                   for name in plan.sets]
-    out = os.path.abspath(settings.output_dir)
-    model_dir = os.path.abspath(plan.model_dir)
-    here = os.path.realpath(out) == os.path.realpath(model_dir)
-    kind = "PEFT adapter" if plan.adapter else "full model"
-    return SafetyReport(
-        constraints=constraints, split="certification", model_name=os.path.basename(os.path.normpath(model_dir)),
-        certificate=cert.to_dict(), certificate_candidate=0, safety_rule="certified",
-        statistics={n: {"description": c.description, "proxy": False, "old_value": 0.0} for n, c in claims.items()},
-        extra_columns=["base exact match", "new exact match"],
-        settings={"delta": settings.delta, "safety_rule": "certified", "candidates": "final",
-                  "claim": claim_headline(claims), "claims": {n: str(c) for n, c in claims.items()}},
-        method={"method": "teacher-forced exact match of each answer under both models, paired row by row",
-                "certified_by": "hf-constrained certify", "num_constraints": len(constraints), "model": kind},
-        weights_files_fingerprint=plan.model_fingerprint,
-        weights_folder=None if here else os.path.relpath(model_dir, out))
-
-
-def write_card(plan: CertifyPlan, report: SafetyReport, accuracy: dict[str, tuple[float, float]]) -> str:
-    """The card (``README.md``) of a certification, with a model-index where the sets name Hub datasets."""
-    from ..publishing.card import _hub_id
-
-    settings = plan.settings
-    hub = {**{n: s.source for n, s in plan.sets.items() if _hub_id(s.source) and not os.path.exists(s.source)},
-           **named_sources(settings.hub_datasets, "--hub_datasets")}
-    results = [_exact_match_result(n, hub[n], accuracy[n][1], settings.split) for n in plan.sets if n in hub]
-    description = "; ".join(
-        f"{n}: {len(s.rows):,} certification rows, exact match {100 * accuracy[n][0]:.1f}% (base) -> "
-        f"{100 * accuracy[n][1]:.1f}% (this model)" for n, s in plan.sets.items())
-    info = ModelCardInfo(base_model=settings.base_model, dataset_description=description, task="text-generation",
-                         datasets=sorted(set(hub.values())), reproduce_command=redact_command(settings.command))
-    if plan.adapter:
-        source = ModelSource("peft", "PeftModel", adapter_base_model=settings.base_model,
-                             base_class_name="AutoModelForCausalLM", processor_class="AutoTokenizer")
-    else:
-        source = ModelSource("transformers", "AutoModelForCausalLM", processor_class="AutoTokenizer")
-    name = report.model_name or "model"
-    card = render_model_card(report, model_name=name, info=info, source=source, results=results,
-                             repo_id=f"{HUB_OWNER_PLACEHOLDER}/{name}")
-    return write_model_card(settings.output_dir, card)
-
-
-def _exact_match_result(name: str, dataset_id: str, value: float, split: str) -> Any:
-    from huggingface_hub import EvalResult
-
-    return EvalResult(task_type="text-generation", dataset_type=dataset_id, dataset_name=name, dataset_split=split,
-                      metric_type="exact_match", metric_name=f"Exact match ({name}, teacher-forced)",
-                      metric_value=value, verified=False)
+            values[name] = old - new if s.claim.statistic == "points_lost" else old * (1.0 - new)
+            metrics[name] = {"base exact match": float(old.mean()), "new exact match": float(new.mean())}
+    return values, metrics
 
 
 __all__ = ["CertifyPlan", "CertifyResult", "PlannedSet", "certify_model", "check_model_folder", "load_models",

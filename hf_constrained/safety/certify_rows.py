@@ -9,7 +9,8 @@
 - :func:`tokenize_rows`: each row as the LLM recipe tokenises it (:func:`hf_constrained.text_data.tokenize_example`),
   never cut: a row longer than ``max_length`` is an error;
 - :class:`RowCache` and :func:`correct_per_row`: teacher-forced exact match of each row's answer
-  (:func:`~hf_constrained.per_sample_loss.causal_lm_per_example_correct`), batched (rows sorted by length), on
+  (:func:`~hf_constrained.per_sample_loss.causal_lm_per_example_correct`), or its per-token loss
+  (:func:`loss_batch`), or a classifier's correctness (any ``score``), batched (rows sorted by length), on
   the model's device, with a progress bar, saved as it goes so that a killed run resumes where it stopped.
 """
 
@@ -21,7 +22,7 @@ import logging
 import os
 import re
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -29,7 +30,7 @@ from tqdm.auto import tqdm
 
 from ..atomic_files import atomic_write_json
 from ..certification.splits import row_hash, split_fingerprint
-from ..per_sample_loss import IGNORE_INDEX, causal_lm_per_example_correct
+from ..per_sample_loss import IGNORE_INDEX, causal_lm_per_example_correct, causal_lm_per_example_loss
 from ..reference_pass import to_device
 from ..text_data import drop_repeated_rows, load_text_dataset, sft_format, tokenize_example
 
@@ -39,6 +40,9 @@ CACHE_DIR = "certify_cache"
 """The folder of per-row values in the output folder (``hf-constrained push`` leaves it out)."""
 
 ANSWER_FORMATS = ("prompt_completion", "messages")
+
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
+"""A model folder holding one of these has its own tokenizer (else the base's is used)."""
 
 
 def _load(source: str, split: str) -> Any:
@@ -159,12 +163,21 @@ def score_batch(model: Any, batch: dict[str, Any]) -> torch.Tensor:
 
 
 @torch.no_grad()
-def correct_per_row(model: Any, tokenized: Sequence[dict[str, list[int]]], collate: Callable[[list], Any],
-                    batch_size: int, cache: RowCache, desc: str) -> np.ndarray:
-    """Exact match (0/1) of every row, in row order: the rows the cache holds are read from it, the others
-    scored in batches of rows of similar length on the model's device and saved to the cache batch by batch."""
+def loss_batch(model: Any, batch: dict[str, Any]) -> torch.Tensor:
+    """Each row's mean next-token cross-entropy over its answer tokens (nats per token)."""
+    return causal_lm_per_example_loss(model, batch)
+
+
+@torch.no_grad()
+def correct_per_row(model: Any, tokenized: Sequence[dict[str, Any]], collate: Callable[[list], Any],
+                    batch_size: int, cache: RowCache, desc: str,
+                    score: Optional[Callable[[Any, dict[str, Any]], torch.Tensor]] = None) -> np.ndarray:
+    """The value of every row under ``model``, in row order: ``score(model, batch)`` (default
+    :func:`score_batch`, exact match 0/1); the rows the cache holds are read from it, the others scored in batches
+    of rows of similar length on the model's device and saved to the cache batch by batch."""
+    score = score or score_batch
     todo = sorted((i for i in range(len(tokenized)) if i not in cache.values),
-                  key=lambda i: -len(tokenized[i]["input_ids"]))
+                  key=lambda i: -len(tokenized[i].get("input_ids", ())))
     if len(todo) < len(tokenized):
         logger.info("%s: %d of %d rows read from %s", desc, len(tokenized) - len(todo), len(tokenized), cache.path)
     device = next(model.parameters()).device
@@ -175,7 +188,7 @@ def correct_per_row(model: Any, tokenized: Sequence[dict[str, list[int]]], colla
                    dynamic_ncols=True, leave=False)
         for start in range(0, len(todo), batch_size):
             rows = todo[start:start + batch_size]
-            values = score_batch(model, to_device(collate([tokenized[i] for i in rows]), device))
+            values = score(model, to_device(collate([tokenized[i] for i in rows]), device))
             for i, v in zip(rows, values.float().cpu().tolist()):
                 cache.values[i] = float(v)
             cache.save()
@@ -186,5 +199,22 @@ def correct_per_row(model: Any, tokenized: Sequence[dict[str, list[int]]], colla
     return np.array([cache.values[i] for i in range(len(tokenized))], dtype=np.float64)
 
 
-__all__ = ["ANSWER_FORMATS", "CACHE_DIR", "RowCache", "answer_format", "cache_key", "correct_per_row", "read_set",
-           "rows_in_training", "score_batch", "set_fingerprint", "tokenize_rows"]
+def paired_per_row(model: Any, base: Optional[Any], items: Sequence[dict[str, Any]], collate: Callable[[list], Any],
+                   score: Optional[Callable[[Any, dict[str, Any]], torch.Tensor]], caches: tuple[RowCache, RowCache],
+                   batch_size: int, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """(the base's, the model's) value of every row (:func:`correct_per_row`, ``caches``: the base's and the
+    model's); ``base`` ``None``: ``model`` is a PEFT adapter, disabled for the base's values."""
+    from ..reference_pass import old_model_context
+
+    if base is None:
+        with old_model_context(model):
+            old = correct_per_row(model, items, collate, batch_size, caches[0], f"{name}: base", score)
+    else:
+        old = correct_per_row(base, items, collate, batch_size, caches[0], f"{name}: base", score)
+    new = correct_per_row(model, items, collate, batch_size, caches[1], f"{name}: model", score)
+    return old, new
+
+
+__all__ = ["ANSWER_FORMATS", "CACHE_DIR", "TOKENIZER_FILES", "RowCache", "answer_format", "cache_key",
+           "correct_per_row", "loss_batch", "paired_per_row", "read_set", "rows_in_training", "score_batch",
+           "set_fingerprint", "tokenize_rows"]
