@@ -44,7 +44,7 @@ still override them): ``shapes`` (``recipes/shapes_clip_example.py``, eight gene
 knob by default, so that one seed of every method runs in minutes). Each row also gives the mean change of the
 protected classes, the share of them that lost more than ``--forget_tolerance`` and the rows per step:
 
-    python benchmarks/forgetting_frontier_demo.py --example many_classes --seeds 0 --json outputs/frontier_many_classes.json
+    python benchmarks/forgetting_frontier_demo.py --example many_classes --seeds 0 --json outputs/many_classes.json
 """
 
 from __future__ import annotations
@@ -255,8 +255,8 @@ def format_table(settings: list[dict[str, Any]], runs: list[dict[str, Any]], wit
                      f"{kept}/{len(mine)} | {bound} | {s['seeds_certified_claim']}/{len(s['seeds'])} | "
                      f"{s['seconds_per_step']:.3f} ({s['cpu_seconds_per_step']:.3f}) | "
                      f"{100 * s['mean_old_change']['median']:+.1f} ({100 * s['mean_old_change']['worst']:+.1f}) | "
-                     f"{100 * s['share_over_tolerance']['median']:.0f}% ({100 * s['share_over_tolerance']['worst']:.0f}%) "
-                     f"| {s.get('rows_forwarded_per_step') or '-'} |")
+                     f"{100 * s['share_over_tolerance']['median']:.0f}% "
+                     f"({100 * s['share_over_tolerance']['worst']:.0f}%) | {s.get('rows_forwarded_per_step') or '-'} |")
     return "\n".join(lines)
 
 

@@ -85,7 +85,7 @@ def per_run_table(results: dict[str, Any]) -> list[str]:
     and the cost per step (seconds, rows forwarded / backpropagated)."""
     claim = 100 * results["config"]["forget_tolerance"]
     lines = [f"| seed | penalty | new class (gain) | worst old class | mean old change | old classes over {claim:g} "
-             "points | certified (largest bound) | s/step | rows/step fwd/bwd |", "|---|---|---|---|---|---|---|---|---|"]
+             "points | certified (largest bound) | s/step | rows/step fwd/bwd |", "|---" * 9 + "|"]
     for entry in results["per_seed"]:
         for run in entry["runs"]:
             s = results["summary"][run["penalty"]][results["seeds"].index(entry["seed"])]  # in the seeds' order

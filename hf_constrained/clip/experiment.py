@@ -572,6 +572,6 @@ def write_run(cfg: DemoConfig, trainer: ContrastiveConstrainedTrainer, tokenizer
     return {key: name for key, name in RUN_FILES.items() if os.path.exists(os.path.join(out, name))}
 
 
-__all__ = ["DemoConfig", "FORGETTING", "LATER_FIELDS", "ImageTask", "RunOutput", "check_settings", "class_rows", "demo_constraints",
-           "demo_data", "digits_split", "finetune", "load_old_model", "old_accuracy", "old_pools", "pretrain_old_model",
-           "run_folder", "shapes_split", "target_rows", "write_run"]
+__all__ = ["DemoConfig", "FORGETTING", "ImageTask", "LATER_FIELDS", "RunOutput", "check_settings", "class_rows",
+           "demo_constraints", "demo_data", "digits_split", "finetune", "load_old_model", "old_accuracy", "old_pools",
+           "pretrain_old_model", "run_folder", "shapes_split", "target_rows", "write_run"]
