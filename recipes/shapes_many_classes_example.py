@@ -16,7 +16,7 @@ class at the first look's level of the library's ledger (0.045), a model certifi
 **The certification split, sized for all 31 classes at once** (``benchmarks/certification_size.py --tasks 30
 --power 0.95``, the many-task LLM example's rule: the smallest n of its grid at which a model that truly forgets
 half the tolerance, 1.5%, of every class certifies them all with probability >= 0.95): 2,000 images per old class
-(0.96; 1,500 gives 0.67), which certify the 3-point claim with up to 47 forgotten (2.35%).
+(0.96; 1,500 gives 0.67), which certify the 3-point claim with up to 46 forgotten (2.3%) at the first look's level.
 
 The old model has seen 3 large bright rings; fine-tuning learns them from noisy captions (some large bright
 circles captioned "a photo of a large bright ring"), beside classes that differ from the new one only in size
