@@ -37,6 +37,14 @@ chooses on its own seeds: its ``chosen`` is the tuning file's (``--chosen_from``
 
 Flags this script does not know go to the demo (``--max_steps 3``, ``--stage1_epochs 2``, ...), so every method runs
 with the same demo settings.
+
+``--example`` takes the demo's settings from an example on its pipeline instead of the digits demo's defaults (flags
+still override them): ``shapes`` (``recipes/shapes_clip_example.py``, eight generated shapes) or ``many_classes``
+(``recipes/shapes_many_classes_example.py``: 31 protected classes, 6 constraints sampled per step; one value per
+knob by default, so that one seed of every method runs in minutes). Each row also gives the mean change of the
+protected classes, the share of them that lost more than ``--forget_tolerance`` and the rows per step:
+
+    python benchmarks/forgetting_frontier_demo.py --example many_classes --seeds 0 --json outputs/many_classes.json
 """
 
 from __future__ import annotations
@@ -59,6 +67,7 @@ from transformers import TrainerCallback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import forgetting_frontier as ff  # noqa: E402
+from tqdm.auto import tqdm  # noqa: E402
 
 from hf_constrained.atomic_files import atomic_write_json  # noqa: E402
 from hf_constrained.certification.ledger import LEDGER_FILE, user_ledger_at  # noqa: E402
@@ -75,6 +84,13 @@ METHODS: dict[str, ff.Method] = {
     "hinge": ff.Method("hinge", "beta", (10.0, 5.0), example_field="beta"),
     "squared_hinge": ff.Method("squared_hinge", "beta", (10.0, 50.0), example_field="beta"),
 }
+EXAMPLES = {"demo": "demo_clip_digits", "shapes": "shapes_clip_example", "many_classes": "shapes_many_classes_example"}
+"""``--example``: whose defaults the demo's settings start from (each module's ``add_arguments``; the digits demo's
+``add_demo_arguments``)."""
+EXAMPLE_VALUES: dict[str, dict[str, tuple[float, ...]]] = {
+    "many_classes": {"replay": (0.75,), "kl": (3.0,), "hinge": (10.0,), "squared_hinge": (10.0,)}}
+"""Knob values an example runs by default instead of :data:`METHODS`'s (``--values`` overrides them): the many-class
+example's, one per method (the values the eight-shape example chose, docs/generated_images.md)."""
 TARGET = "target_gain"  # the target metric of the summary, the frontier and the figure
 REPORT_SEEDS_FROM = 100  # the project's rule: settings are chosen on seeds 0-4 and reported on seeds 100-104
 
@@ -158,11 +174,15 @@ def run_row(method: str, value: float, cfg: pipeline.DemoConfig, old: dict[str, 
     changes = {n: run["accuracy"][n] - old[n] for n in names if n != target}
     worst = min(changes, key=changes.get)
     cert = run["certificate"]
+    protected = len(changes)
+    over = [n for n, c in changes.items() if c < -cfg.forget_tolerance - 1e-12]
     return {"method": method, "knob": METHODS[method].knob, "value": None if math.isnan(value) else value,
             "penalty": run["penalty"], "seed": cfg.seed, "steps": cfg.steps, "target": target,
             "target_gain": run["accuracy"][target] - old[target], "target_accuracy": run["accuracy"][target],
             "old_target_accuracy": old[target],
             "old_task_change": changes, "worst_old_change": changes[worst], "worst_old_class": worst,
+            "mean_old_change": statistics.fmean(changes.values()), "share_over_tolerance": len(over) / protected,
+            "tasks_over_tolerance": over, "rows_per_step": run.get("rows_per_step"),
             "largest_bound": cert["largest_bound"], "upper_bounds": cert["bounds"], "forgotten": cert["forgotten"],
             "certification_rows": cert["rows"], "certified_claim": cert["certified"], "level": cert.get("level"),
             "look": cert.get("look"), "kept_step": run["kept_step"],
@@ -216,10 +236,14 @@ def tuning_choice(path: str) -> dict[str, Any]:
     return {**chosen, "from": publishable_values(path)}
 
 
-def format_table(settings: list[dict[str, Any]], runs: list[dict[str, Any]], within: float) -> str:
+def format_table(settings: list[dict[str, Any]], runs: list[dict[str, Any]], within: float, noun: str = "digit"
+                 ) -> str:
+    """The settings' table (markdown): target gain, worst and mean protected change, the share of protected classes
+    that lost more than the claim (median, worst), seeds within ``within``, bounds, seeds certified, cost per step."""
     lines = ["| method | setting | target gain, median (worst) | worst protected change, median (worst) | "
-             f"seeds every digit within {100 * within:g} pts | largest bound, median (worst) | seeds certified | "
-             "s/step (CPU s/step) |", "|---|---|---|---|---|---|---|---|"]
+             f"seeds every {noun} within {100 * within:g} pts | largest bound, median (worst) | seeds certified | "
+             "s/step (CPU s/step) | mean protected change | share over the claim | rows/step |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in settings:
         mine = [r for r in runs if (r["method"], r["value"]) == (s["method"], s["value"])]
         knob = "-" if s["value"] is None else f"{s['knob']} {s['value']:g}"
@@ -229,12 +253,17 @@ def format_table(settings: list[dict[str, Any]], runs: list[dict[str, Any]], wit
         lines.append(f"| {s['method']} | {knob} | {100 * s[TARGET]['median']:+.1f} ({100 * s[TARGET]['worst']:+.1f}) "
                      f"| {100 * s['worst_old_change']['median']:+.1f} ({100 * s['worst_old_change']['worst']:+.1f}) | "
                      f"{kept}/{len(mine)} | {bound} | {s['seeds_certified_claim']}/{len(s['seeds'])} | "
-                     f"{s['seconds_per_step']:.3f} ({s['cpu_seconds_per_step']:.3f}) |")
+                     f"{s['seconds_per_step']:.3f} ({s['cpu_seconds_per_step']:.3f}) | "
+                     f"{100 * s['mean_old_change']['median']:+.1f} ({100 * s['mean_old_change']['worst']:+.1f}) | "
+                     f"{100 * s['share_over_tolerance']['median']:.0f}% "
+                     f"({100 * s['share_over_tolerance']['worst']:.0f}%) | {s.get('rows_forwarded_per_step') or '-'} |")
     return "\n".join(lines)
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p.add_argument("--example", default="demo", choices=list(EXAMPLES),
+                   help="start from the defaults of the digits demo, the shapes example or the many-class example")
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS), help="the methods to run")
     p.add_argument("--values", nargs="*", default=[], help="method=v1,v2: the knob values of a method")
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4],
@@ -251,10 +280,16 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def demo_settings(rest: list[str]) -> dict[str, Any]:
-    """The demo's settings (every :class:`DemoConfig` field but the seed) from the flags this script does not know."""
+def demo_settings(rest: list[str], example: str = "demo") -> dict[str, Any]:
+    """The demo's settings (every :class:`DemoConfig` field but the seed) from the flags this script does not know,
+    on the defaults of ``example`` (a key of :data:`EXAMPLES`)."""
+    import importlib
+
     p = argparse.ArgumentParser(prog="demo settings", allow_abbrev=False)
-    demo.add_demo_arguments(p)
+    if example == "demo":
+        demo.add_demo_arguments(p)
+    else:
+        importlib.import_module(f"hf_constrained.recipes.{EXAMPLES[example]}").add_arguments(p)
     ns = p.parse_args(rest)
     for flag in ("--penalties", "--constraint_penalty", "--output", "--seed"):
         if any(a == flag or a.startswith(flag + "=") for a in rest):
@@ -265,8 +300,8 @@ def demo_settings(rest: list[str]) -> dict[str, Any]:
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     argv = sys.argv[1:] if argv is None else list(argv)
     args, rest = parser().parse_known_args(argv)
-    overrides = ff.parse_values(args.values, methods=METHODS)
-    base = demo_settings(rest)
+    overrides = {**EXAMPLE_VALUES.get(args.example, {}), **ff.parse_values(args.values, methods=METHODS)}
+    base = demo_settings(rest, args.example)
     if args.workers < 1:
         raise SystemExit(f"--workers must be >= 1, got {args.workers}")
     report_run = is_report_run(args.seeds)
@@ -286,7 +321,10 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         if os.path.exists(partial):
             os.remove(partial)  # an interrupted earlier run's rows
 
+    bar = tqdm(total=len(jobs), desc=f"runs ({args.example})", unit="run", dynamic_ncols=True)
+
     def finished(row: dict[str, Any], i: int) -> None:
+        bar.update()
         logger.info("%d/%d %s %s seed %d: target %+.1f pts, worst protected %+.1f pts (%s), bound %.3f, %.3f s/step",
                     i + 1, len(jobs), row["method"], row["value"], row["seed"], 100 * row[TARGET],
                     100 * row["worst_old_change"], row["worst_old_class"], row["largest_bound"],
@@ -298,6 +336,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     # each old model once, before the runs share it (in the worker processes: only where they run in parallel)
     first = (stage1, [(s, base, args.cache_dir) for s in args.seeds]) if args.workers > 1 else None
     rows = ff.run_jobs(one_run, jobs, args.workers, finished, first=first)
+    bar.close()
     settings = summarize(rows)
     if not report_run:  # the rule applies on tuning seeds only
         chosen = {"rule": f"highest median target gain with median worst protected change >= -{args.within:g} "
@@ -314,7 +353,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
                        "model on the same images (x100: points)",
               "settings": settings, "frontier": ff.frontier(settings, target=TARGET),
               **({} if chosen is None else {"chosen": chosen}), "runs": rows, "seconds": round(time.time() - t0, 1)}
-    print(format_table(settings, rows, args.within / 100))
+    print(format_table(settings, rows, args.within / 100, noun))
     if args.json:
         atomic_write_json(args.json, result)
         if partial and os.path.exists(partial):

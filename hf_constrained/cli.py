@@ -8,8 +8,8 @@
     hf-constrained demo [...]                          the CLIP non-forgetting demo on digits
     hf-constrained recipes                             list the recipes, their modules and shipped configs
     hf-constrained RECIPE [flags | --config x.yaml]    run a recipe: quickstart, llm, llm-example,
-                                                       llm-many-tasks, shapes-example, clip, fairness,
-                                                       safe-release
+                                                       llm-many-tasks, shapes-example,
+                                                       shapes-many-classes, clip, fairness, safe-release
                                                        (``RECIPE --help``: its flags)
 
 The command line depends on the library, never the reverse. ``report`` and ``plot`` read

@@ -35,6 +35,8 @@ RECIPES: tuple[Recipe, ...] = (
            "the offline LLM example with 24 old tasks, 4 constraints sampled per step, every task certified"),
     Recipe("shapes-example", "shapes_clip_example",
            "the demo's CLIP pipeline on generated shapes, certified at 3 points lost per class (offline)"),
+    Recipe("shapes-many-classes", "shapes_many_classes_example",
+           "the shapes example with 31 old classes, 6 constraints sampled per step, 3 points claimed per class"),
     Recipe("clip", "clip_non_forgetting", "CLIP on a target class without forgetting the protected classes"),
     Recipe("fairness", "roc_fairness", "AUC maximisation under ROC-fairness (TPR/FPR-gap) constraints"),
     Recipe("safe-release", "safe_release_digits", "the safety loop: feasible checkpoint, report, card, gated push"),

@@ -40,6 +40,7 @@ from hf_constrained.atomic_files import atomic_write_json
 from hf_constrained.clip.experiment import (
     DATA_NAMES,
     FORGETTING,
+    LATER_FIELDS,
     SELECT_ON,
     SHAPE_FIELDS,
     DemoConfig,
@@ -68,16 +69,23 @@ PENALTIES = ("hinge", "squared_hinge", "none")
 
 
 def seed_summary(cfg: DemoConfig, old: dict[str, float], run: dict[str, Any]) -> dict[str, Any]:
-    """One run's headline numbers (accuracies in points, on the test split)."""
+    """One run's headline numbers (accuracies in points, on the test split): the target's gain, the worst and the
+    mean protected change, the protected classes that lost more than ``forget_tolerance`` (their share), the
+    certificate, and the cost per step (seconds and rows, where the run records them)."""
     names = demo_data(cfg).names
     target = names[cfg.target]
     protected = [n for n in names if n != target]
     drops = {n: 100 * (old[n] - run["accuracy"][n]) for n in protected}
     worst = max(drops, key=drops.get)
+    over = [n for n in protected if drops[n] > 100 * cfg.forget_tolerance + 1e-9]
     return {
+        "target_class": target,
         "target_gain": 100 * (run["accuracy"][target] - old[target]),
         "worst_protected_drop": drops[worst],
         "worst_protected_class": worst,
+        "mean_protected_change": -sum(drops.values()) / len(drops),
+        "share_over_tolerance": len(over) / len(protected),
+        "classes_over_tolerance": over,
         "violated_train": sum(v > cfg.tolerance - cfg.margin for v in run["h_train"].values()),
         "violated_test": sum(v > cfg.tolerance for v in run["h_test"].values()),
         "max_h_train": max(run["h_train"].values()),
@@ -87,6 +95,8 @@ def seed_summary(cfg: DemoConfig, old: dict[str, float], run: dict[str, Any]) ->
         "certified": run["certificate"]["certified"],
         "largest_certified_bound": run["certificate"]["largest_bound"],
         "not_certified": run["certificate"]["failing"],
+        "seconds_per_step": run.get("seconds_per_step"),
+        "rows_per_step": run.get("rows_per_step"),
     }
 
 
@@ -294,8 +304,9 @@ def parsed_config(ns: argparse.Namespace) -> dict[str, Any]:
     """The complete parsed settings a results file records as ``config``: every :class:`DemoConfig`
     field, the seeds, the penalties and the output path (not the stage-1 cache folder, which changes
     where the old models are kept, not what they are). On the digits the generated images' settings
-    (:data:`SHAPE_FIELDS`), which change nothing there, are left out: the digits' results read as before."""
-    skip = SHAPE_FIELDS if ns.data == "digits" else ()
+    (:data:`SHAPE_FIELDS`), which change nothing there, are left out: the digits' results read as before; so are
+    the settings added later (:data:`LATER_FIELDS`) at their default, which every earlier run had."""
+    skip = (SHAPE_FIELDS if ns.data == "digits" else ()) + tuple(k for k in LATER_FIELDS if not getattr(ns, k))
     return {**{f.name: getattr(ns, f.name) for f in option_fields() if f.name not in skip},
             "seeds": parse_seeds(ns.seeds, ns.seed), "penalties": _penalties(ns), "output": ns.output,
             "workers": ns.workers}

@@ -8,13 +8,15 @@
 * :mod:`.heads`: optional per-class low-rank text heads;
 * :mod:`.tiny`: a small CLIP and word tokenizer built from configs (demo and tests, offline);
 * :mod:`.shapes`: generated shape images, as many independent ones per class as a claim needs (the
-  generated-shapes example, docs/generated_images.md);
+  generated-shapes example, docs/generated_images.md); :mod:`.many_shapes`: 32 classes of them (8 shapes x 2
+  sizes x 2 tones: the many-class example, docs/many_classes.md);
 * :mod:`.image_task`: a small zero-shot image task: classes and prompts, augmented copies, the old model
   trained as a zero-shot classifier;
 * :mod:`.protected`: the protected classes' pools with the old model's references, their values on held-out
   rows, and the replay / KL baselines that read them;
 * :mod:`.experiment`: the non-forgetting experiment on such a task (the demo's pipeline: stage 1, the
-  constraints, the checkpoint selection, the certificate, ``finish_run``).
+  constraints, the checkpoint selection, the certificate, ``finish_run``); :mod:`.run_cost`: a run's seconds and
+  rows per step.
 """
 
 from .contrastive import ContrastiveConstrainedTrainer, HalfPositiveSampler, contrastive_terms, gather_with_grad

@@ -64,6 +64,7 @@ from .data import CLIPCollator, RowDataset
 from .image_task import ImageTask, augmented_copies, load_digit_images, save_pretrained_once, train_zero_shot_classifier
 from .non_forgetting import ZeroShotCorrect, ZeroShotLoss, zero_shot_accuracy
 from .protected import ProtectedPools, held_out_values, protected_pools, zero_shot_regulariser
+from .run_cost import StepClock, step_cost
 from .tiny import tiny_clip, word_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -113,6 +114,8 @@ class DemoConfig(CertificateArguments):
     warmup_steps: int = _opt(0, "fine-tuning warm-up steps")
     beta: float = _opt(10.0, "the penalty parameter beta (the hinge's weight, the paper's eq. (3))")
     constraint_batch_size: int = _opt(32, "|B_k|: rows of each sampled constraint per step")
+    constraints_per_step: int = _opt(0, "|B_c|: constraints sampled per step, the others' estimates kept (0: every "
+                                        "one)")
     forgetting: str = _opt("increase", "per-row constraint value: CE(new) - CE(old) ('mean') or its positive part "
                                        "('increase')")
     tolerance: float = _opt(0.05, "training: h_k <= tolerance (nats), checked on the selection and test splits")
@@ -140,7 +143,8 @@ class DemoConfig(CertificateArguments):
                                        "('forgotten')")
     select_forget_rate: float = _opt(0.05, "with --select_on forgotten: the largest share of a class's selection "
                                            "images forgotten")
-    data: str = _opt("digits", "the images: scikit-learn's digits, or generated shapes")
+    data: str = _opt("digits", "the images: scikit-learn's digits, generated shapes, or 32 generated classes "
+                               "(many_shapes)")
     pretrain_images: int = _opt(500, "--data shapes: images per class for stage 1 and the target data")
     constraint_images: int = _opt(300, "--data shapes: images per class in D_k")
     selection_images: int = _opt(200, "--data shapes: images per class for the checkpoint selection")
@@ -170,12 +174,12 @@ def digits_split(cfg: DemoConfig) -> dict[str, Any]:
 
 
 def shapes_split(cfg: DemoConfig) -> dict[str, Any]:
-    """Generated shapes (:mod:`hf_constrained.clip.shapes`, 1x16x16) in the layout of :func:`digits_split`: per
-    class ``pretrain_images``, ``constraint_images``, ``selection_images`` and ``held_out_images`` images, each
-    split from its own generator stream of ``cfg.seed`` (its index in :data:`SPLITS`): independent samples that
-    never share an image. The held-out images split into ``test`` and ``certify`` as the digits' do."""
-    from .shapes import SHAPES, draw_shapes
-
+    """Generated shapes (:mod:`hf_constrained.clip.shapes`, 1x16x16; ``--data many_shapes``: the 32 classes of
+    :mod:`hf_constrained.clip.many_shapes`) in the layout of :func:`digits_split`: per class ``pretrain_images``,
+    ``constraint_images``, ``selection_images`` and ``held_out_images`` images, each split from its own generator
+    stream of ``cfg.seed`` (its index in :data:`SPLITS`): independent samples that never share an image. The
+    held-out images split into ``test`` and ``certify`` as the digits' do."""
+    classes, draw = _generator(cfg.data)
     counts = {"pretrain": cfg.pretrain_images, "constraint": cfg.constraint_images,
               "selection": cfg.selection_images, "held_out": cfg.held_out_images}
     bad = [f"--{k}_images" for k, v in counts.items() if v < 0 or (k == "pretrain" and v < 1)]
@@ -185,14 +189,14 @@ def shapes_split(cfg: DemoConfig) -> dict[str, Any]:
     images, labels, parts = [], [], {k: [] for k in SPLITS}
     for split, n in counts.items():
         stream = SPLITS.index("test" if split == "held_out" else split)
-        x, y = draw_shapes(cfg.seed, stream, [n] * len(SHAPES), image_size=SHAPE_SIZE, noise=cfg.shape_noise)
+        x, y = draw(cfg.seed, stream, [n] * len(classes), image_size=SHAPE_SIZE, noise=cfg.shape_noise)
         idx = np.arange(len(y)) + sum(map(len, labels))
         images.append(x)
         labels.append(y)
         if split != "held_out":
             parts[split] = idx.tolist()
             continue
-        for c in range(len(SHAPES)):  # per class, as the digits: the last certify_fraction certify
+        for c in range(len(classes)):  # per class, as the digits: the last certify_fraction certify
             test, certify = certification_tail(idx[y == c], cfg.certify_fraction, unit="images")
             parts["test"] += test.tolist()
             parts["certify"] += certify.tolist()
@@ -200,15 +204,30 @@ def shapes_split(cfg: DemoConfig) -> dict[str, Any]:
             **{k: sorted(v) for k, v in parts.items()}, "held_out": sorted(parts["test"] + parts["certify"])}
 
 
-DATA_NAMES = ("digits", "shapes")  # the choices of --data (:func:`demo_data`)
+def _generator(data: str) -> tuple[tuple[str, ...], Callable[..., tuple[np.ndarray, np.ndarray]]]:
+    """The class names and the draw function of a generated image task (``--data shapes`` or ``many_shapes``)."""
+    if data == "many_shapes":
+        from .many_shapes import MANY_SHAPES, draw_many_shapes
+
+        return MANY_SHAPES, draw_many_shapes
+    from .shapes import SHAPES, draw_shapes
+
+    return SHAPES, draw_shapes
+
+
+DATA_NAMES = ("digits", "shapes", "many_shapes")  # the choices of --data (:func:`demo_data`)
 # the settings only the generated images read (the digits split by fractions)
 SHAPE_FIELDS = ("data", "pretrain_images", "constraint_images", "selection_images", "held_out_images", "shape_noise")
+# settings added after results were committed: a results file records them only where they differ from the default
+# (0: every constraint each step, as every earlier run)
+LATER_FIELDS = ("constraints_per_step",)
 SHAPE_SIZE = 16  # the generated images' side (4x4 patches: 16 patches, as the digits' 8x8 with 2x2 patches)
 
 
 def demo_data(cfg: DemoConfig) -> ImageTask:
     """The image task ``cfg.data`` names; an unknown one, or a target / pulled class outside it, is an error
     naming the flag."""
+    from .many_shapes import MANY_SHAPES
     from .shapes import SHAPES
 
     sources = {
@@ -217,6 +236,9 @@ def demo_data(cfg: DemoConfig) -> ImageTask:
                             "(docs/demo.md); hf-constrained shapes-example certifies 3 points on generated images"),
         "shapes": ImageTask(SHAPES, "a photo of a {}", "shape", SHAPE_SIZE, 4, shapes_split,
                             "generated shapes (16x16, hf_constrained.clip.shapes)", supply_flag="--held_out_images"),
+        "many_shapes": ImageTask(MANY_SHAPES, "a photo of a {}", "class", SHAPE_SIZE, 4, shapes_split,
+                                 "32 generated classes: 8 shapes x 2 sizes x 2 tones (16x16, "
+                                 "hf_constrained.clip.many_shapes)", supply_flag="--held_out_images"),
     }
     if cfg.data not in sources:
         raise ValueError(f"--data must be one of {list(sources)}, got {cfg.data!r}")
@@ -278,6 +300,10 @@ def _stage1_key(cfg: DemoConfig) -> str:
     if cfg.data != "digits":  # the digits' key is unchanged, so their cached old models stay valid
         keys += ("data", "pretrain_images", "shape_noise")
     blob = json.dumps({k: getattr(cfg, k) for k in keys}, sort_keys=True) + "v3"
+    if cfg.data == "many_shapes":  # its generator's size bands too (the other tasks' keys are as they were)
+        from .many_shapes import SIZES
+
+        blob += json.dumps(SIZES, sort_keys=True)
     return hashlib.sha1(blob.encode()).hexdigest()[:12]
 
 
@@ -361,6 +387,8 @@ def check_settings(cfg: DemoConfig, certify: bool = True) -> None:
         (cfg.proxy_indicator and not 0 <= cfg.proxy_forget_rate <= cfg.forget_tolerance,
          f"--proxy_forget_rate must be in [0, --forget_tolerance={cfg.forget_tolerance:g}], "
          f"got {cfg.proxy_forget_rate}"),
+        (cfg.constraints_per_step < 0, f"--constraints_per_step must be >= 0 (0: every constraint each step), "
+                                       f"got {cfg.constraints_per_step}"),
         (cfg.proxy_indicator and cfg.confidence > 0,
          "--confidence sizes a margin from the loss's spread, but with --proxy_indicator the hinge acts on the "
          "share forgotten (--proxy_forget_rate): give --confidence 0 with it"),
@@ -429,6 +457,7 @@ def _trainer(cfg: DemoConfig, model: CLIPModel, penalty: str, out_dir: str, **pa
         learning_rate=cfg.lr, lr_scheduler_type=cfg.schedule, warmup_steps=cfg.warmup_steps, weight_decay=0.0,
         max_grad_norm=cfg.max_grad_norm, constraint_penalty=penalty, penalty_beta=cfg.beta, msvr_gamma=cfg.msvr_gamma,
         constraint_batch_size=cfg.constraint_batch_size, constraint_eval_batch_size=512,
+        constraints_per_step=cfg.constraints_per_step or None,
         logging_steps=max(cfg.steps // 5, 1), save_strategy="no", report_to=[], seed=cfg.seed, use_cpu=True,
         dataloader_drop_last=True, disable_tqdm=True, remove_unused_columns=False,
         constraint_indicator_fraction=cfg.indicator_fraction or None, constraint_proxy_indicator=cfg.proxy_indicator,
@@ -471,11 +500,12 @@ def finetune(cfg: DemoConfig, old_path: str, penalty: str, pools: Optional[Prote
     baseline = zero_shot_regulariser(regulariser, model, pools.constraint, zs, collate, rows_per_step=cfg.batch_size,
                                      seed=cfg.seed)  # before training: the old model
     files: dict[str, str] = {}
+    clock = StepClock()  # before the selection's callback: its evaluations are left out of the step's time
     with contextlib.ExitStack() as stack:
         out_dir = output.folder if output is not None else stack.enter_context(tempfile.TemporaryDirectory())
         trainer = _trainer(cfg, model, penalty, out_dir, train_dataset=RowDataset(target_rows(source.split(cfg), cfg)),
                            data_collator=collate, constraints=constraints, regulariser=baseline,
-                           callbacks=list(callbacks))
+                           callbacks=[*callbacks, clock])
         selection = None
         if cfg.select_every > 0:  # "loss": every h_k <= the requirement itself, not tolerance - margin
             if use_constraints and violation is None:
@@ -486,6 +516,7 @@ def finetune(cfg: DemoConfig, old_path: str, penalty: str, pools: Optional[Prote
             trainer.add_callback(selection)
         trainer.add_callback(StepProgressBar(f"stage 2: fine-tuning ({penalty})"))
         trainer.train()
+        cost = step_cost(trainer, clock)
         best = selection.restore(model) if selection is not None else None
         kept = best.step if best is not None else cfg.steps
         margins = trainer.constraint_margins()  # the calibrated margins in force at the end of training
@@ -503,7 +534,7 @@ def finetune(cfg: DemoConfig, old_path: str, penalty: str, pools: Optional[Prote
     record = {"penalty": penalty, "accuracy": acc, "h_train": h_train, "h_selection": h_selection, "h_test": h_test,
               "h_test_bound": h_bound, "kept_step": kept, "margins": margins,
               "certificate": certificate_record(certificate, [c.name for c in constraints]),
-              "selection": selection.record_dicts() if selection is not None else [], "files": files}
+              "selection": selection.record_dicts() if selection is not None else [], "files": files, **cost}
     if baseline is not None:  # a run without one records what it always did
         record["regulariser"] = baseline.settings()
     return record
@@ -541,6 +572,6 @@ def write_run(cfg: DemoConfig, trainer: ContrastiveConstrainedTrainer, tokenizer
     return {key: name for key, name in RUN_FILES.items() if os.path.exists(os.path.join(out, name))}
 
 
-__all__ = ["DemoConfig", "FORGETTING", "ImageTask", "RunOutput", "check_settings", "class_rows", "demo_constraints",
-           "demo_data", "digits_split", "finetune", "load_old_model", "old_accuracy", "old_pools", "pretrain_old_model",
-           "run_folder", "shapes_split", "target_rows", "write_run"]
+__all__ = ["DemoConfig", "FORGETTING", "ImageTask", "LATER_FIELDS", "RunOutput", "check_settings", "class_rows",
+           "demo_constraints", "demo_data", "digits_split", "finetune", "load_old_model", "old_accuracy", "old_pools",
+           "pretrain_old_model", "run_folder", "shapes_split", "target_rows", "write_run"]

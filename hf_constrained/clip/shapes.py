@@ -16,12 +16,15 @@ and pixel noise: two draws coincide with probability zero; the tests check it on
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
 SHAPES: tuple[str, ...] = ("circle", "ring", "square", "frame", "triangle", "cross", "diamond", "bar")
 """The shape classes, in label order; each is captioned ``"a photo of a {name}"`` by the example."""
+
+Renderer = Callable[[int, int, np.random.Generator, int, float, Sequence[str]], np.ndarray]
+"""``render(label, n, rng, image_size, noise, classes)``: ``n`` images of class ``label`` drawn from ``rng``."""
 
 _SUPERSAMPLE = 2  # shapes are drawn at twice the resolution and averaged down: soft, anti-aliased edges
 
@@ -65,13 +68,20 @@ def render_shapes(label: int, n: int, rng: np.random.Generator, image_size: int 
     """
     if not 0 <= label < len(classes):
         raise ValueError(f"label {label} out of range for {len(classes)} shape classes")
+    return render_shape(classes[label], n, rng, image_size, noise)
+
+
+def render_shape(name: str, n: int, rng: np.random.Generator, image_size: int = 16, noise: float = 0.1,
+                 radius: tuple[float, float] = (0.30, 0.45), sign: float = 1.0) -> np.ndarray:
+    """``n`` images of the shape ``name`` (:func:`render_shapes`' draws, in its order), the radius uniform in
+    ``radius`` (shares of the side); ``sign`` -1: the image negated before the pixel noise (a dark shape on a
+    bright background)."""
     side = image_size * _SUPERSAMPLE
-    r = rng.uniform(0.30, 0.45, size=(n, 1, 1)) * side
+    r = rng.uniform(*radius, size=(n, 1, 1)) * side
     cx = side / 2 + rng.uniform(-0.15, 0.15, size=(n, 1, 1)) * side
     cy = side / 2 + rng.uniform(-0.15, 0.15, size=(n, 1, 1)) * side
     # square and frame within 15 degrees of upright, the diamond within 15 degrees of 45 (a square turned by 45
     # degrees IS a diamond: the classes must not overlap); the triangle, cross and bar at any angle
-    name = classes[label]
     if name in ("square", "frame", "diamond"):
         angle = rng.uniform(-np.pi / 12, np.pi / 12, size=(n, 1, 1))
     else:
@@ -83,16 +93,19 @@ def render_shapes(label: int, n: int, rng: np.random.Generator, image_size: int 
     mask = _masks(name, x, y, r, angle).astype(np.float32)
     # anti-aliasing: the share of each pixel's sub-pixels inside the shape
     mask = mask.reshape(n, image_size, _SUPERSAMPLE, image_size, _SUPERSAMPLE).mean(axis=(2, 4))
-    img = background + (foreground - background) * mask + rng.normal(0.0, noise, size=mask.shape)
+    clean = background + (foreground - background) * mask
+    img = (clean if sign == 1.0 else sign * clean) + rng.normal(0.0, noise, size=mask.shape)
     return np.clip(img, -1.0, 1.0).astype(np.float32)[:, None]
 
 
 def draw_shapes(seed: int, stream: int, counts: Sequence[int], image_size: int = 16, noise: float = 0.1,
-                classes: Sequence[str] = SHAPES) -> tuple[np.ndarray, np.ndarray]:
+                classes: Sequence[str] = SHAPES, render: Optional[Renderer] = None) -> tuple[np.ndarray, np.ndarray]:
     """``counts[c]`` images of each class ``c`` and their labels, deterministic in ``(seed, stream)``.
 
     Class ``c`` is drawn from ``SeedSequence([seed, stream, c])``: the images of one class do not depend on the
-    counts of the others, and different streams (the example's splits) are independent draws.
+    counts of the others, and different streams (the example's splits) are independent draws. ``render``: how
+    ``n`` images of a class are drawn, ``render(label, n, rng, image_size, noise, classes)`` (default
+    :func:`render_shapes`; :mod:`hf_constrained.clip.many_shapes` draws its 32 classes with its own).
     """
     if len(counts) != len(classes):
         raise ValueError(f"counts: one per class ({len(classes)}), got {len(counts)}")
@@ -101,9 +114,9 @@ def draw_shapes(seed: int, stream: int, counts: Sequence[int], image_size: int =
     images, labels = [], []
     for c, n in enumerate(counts):
         rng = np.random.default_rng(np.random.SeedSequence([seed, stream, c]))
-        images.append(render_shapes(c, int(n), rng, image_size, noise, classes))
+        images.append((render or render_shapes)(c, int(n), rng, image_size, noise, classes))
         labels.append(np.full(int(n), c, dtype=int))
     return np.concatenate(images), np.concatenate(labels)
 
 
-__all__ = ["SHAPES", "draw_shapes", "render_shapes"]
+__all__ = ["SHAPES", "Renderer", "draw_shapes", "render_shape", "render_shapes"]
