@@ -85,6 +85,7 @@ from hf_constrained.recipes.llm_tiny_example import (  # noqa: F401 (the names b
     task_data,
     torch,
     train_old_model,
+    write_certification_rows,
 )
 
 logger = logging.getLogger("llm_many_tasks_example")

@@ -43,3 +43,13 @@ def test_the_command_certifies_each_saved_run_as_the_benchmark_did(tmp_path):
                        "--ledger", "shared"])
     assert sorted(max(r["looks"].values()) for r in shared["runs"].values()) == [1, 2]
     assert shared["compared_with_benchmark"]["largest_bound_difference"] > 0
+
+
+def test_the_many_task_example_writes_every_old_task_s_certification_rows(tmp_path):
+    from hf_constrained.recipes import llm_many_tasks_example as many
+
+    cfg = many.parse(["--certify_rows", "5"])
+    paths = many.write_certification_rows(cfg, str(tmp_path))
+    assert sorted(paths) == sorted(many.OLD_TASKS) and len(paths) == 24
+    rows = [json.loads(line) for line in open(paths["add"])]
+    assert [r["id"] for r in rows] == [f"add/certify/{i}" for i in range(5)] and rows[0]["prompt"].startswith("add:")
