@@ -207,3 +207,19 @@ def test_agem_reference_rows_must_split_equally_over_the_old_tasks():
     assert ex.baseline_regulariser(("agem", 9.0), None, rows, None, 0) is None
     with pytest.raises(ValueError, match="unknown baseline 'gem'"):
         ex.baseline_regulariser(("gem", 1.0), None, rows, None, 0)
+
+
+def test_the_figure_shows_cost_when_every_method_learns_the_new_task_alike(tmp_path, monkeypatch):
+    """Where every method reaches the same new-task metric, the figure plots the worst old-task change against the
+    rows forwarded per step (the equal-cost frontier); otherwise the new task against the worst change."""
+    def setting(method, change, rows, target=1.0):
+        return {"method": method, "value": None, "new_task_accuracy": {"median": target, "worst": target},
+                "worst_old_change": {"median": change, "worst": change - 0.05}, "rows_forwarded_per_step": rows}
+    drawn, real = [], ff.plot_against_cost
+    monkeypatch.setattr(ff, "plot_against_cost", lambda settings, path, claim, title: drawn.append(path))
+    ff.plot([setting("replay", -0.2, 128), setting("hinge+replay", -0.4, 128)], str(tmp_path / "a.png"), 0.03)
+    assert drawn == [str(tmp_path / "a.png")]
+    ff.plot([setting("replay", -0.2, 128, 0.9), setting("none", -1.0, 32)], str(tmp_path / "b.png"), 0.03)
+    assert drawn == [str(tmp_path / "a.png")] and (tmp_path / "b.png").stat().st_size > 0
+    real([setting("replay", -0.2, 128), setting("hinge+replay", -0.4, 128)], str(tmp_path / "c.png"), 0.03, "t")
+    assert (tmp_path / "c.png").stat().st_size > 0
