@@ -63,7 +63,6 @@ import time
 from typing import Any, Iterator, Optional
 
 import torch
-from transformers import TrainerCallback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import forgetting_frontier as ff  # noqa: E402
@@ -74,6 +73,7 @@ from hf_constrained.certification.ledger import LEDGER_FILE, user_ledger_at  # n
 from hf_constrained.clip import experiment as pipeline  # noqa: E402  (the demo's pipeline)
 from hf_constrained.publishable import publishable_command, publishable_values  # noqa: E402
 from hf_constrained.recipes import demo_clip_digits as demo  # noqa: E402
+from hf_constrained.run_cost import StepClock  # noqa: E402
 
 logger = logging.getLogger("forgetting_frontier_demo")
 
@@ -93,26 +93,6 @@ EXAMPLE_VALUES: dict[str, dict[str, tuple[float, ...]]] = {
 example's, one per method (the values the eight-shape example chose, docs/generated_images.md)."""
 TARGET = "target_gain"  # the target metric of the summary, the frontier and the figure
 REPORT_SEEDS_FROM = 100  # the project's rule: settings are chosen on seeds 0-4 and reported on seeds 100-104
-
-
-class StepClock(TrainerCallback):
-    """Wall and CPU seconds from the start to the end of every optimizer step. Given to the trainer before the
-    demo's selection callback, so its evaluations on the selection split (every ``select_every`` steps, after the
-    step) are left out."""
-
-    def __init__(self) -> None:
-        self.wall: list[float] = []
-        self.cpu: list[float] = []
-        self._start: Optional[tuple[float, float]] = None
-
-    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._start = (time.perf_counter(), time.process_time())
-
-    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self._start is not None:
-            self.wall.append(time.perf_counter() - self._start[0])
-            self.cpu.append(time.process_time() - self._start[1])
-            self._start = None
 
 
 @contextlib.contextmanager

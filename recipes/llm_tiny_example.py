@@ -107,6 +107,7 @@ from hf_constrained.progress import StepProgressBar
 from hf_constrained.publishable import publishable_command, publishable_values
 from hf_constrained.recipe_args import CertificateArguments, parse_recipe_args
 from hf_constrained.recipes.tiny_lm import char_tokenizer, tiny_causal_lm
+from hf_constrained.run_cost import rows_per_step
 from hf_constrained.safety.finish import certify_models
 from hf_constrained.text_data import tokenize_sft
 
@@ -389,36 +390,6 @@ def build_trainer(old_path: str, penalty: str, seed: int, cfg: ExampleArguments,
         constraints=constraints, regulariser=baseline, gradient_projection=projection)
     trainer.remove_callback(PrinterCallback)
     return trainer, held_out
-
-
-def rows_per_step(trainer: ConstrainedTrainer) -> dict[str, int]:
-    """The step's cost in rows, a machine-independent cost: rows through a forward of the trained model (with or
-    without grad) and rows through its backward, per optimizer step, and where they come from."""
-    args, engine, reg = trainer.args, trainer.engine, trainer.regularised
-    new = args.per_device_train_batch_size * args.gradient_accumulation_steps
-    parts = {"new": new, "constraint": 0, "indicator": 0, "look_ahead": 0, "replay": 0, "kl": 0}
-    if trainer.constraint_part_runs:
-        sampled = engine.sampler.num_per_step
-        parts["constraint"] = sampled * engine.batch_size
-        estimate_rows = sampled * engine.estimate_rows.values.batch_size
-        if engine.separate_estimate and trainer.penalty.active:
-            parts["indicator"] = estimate_rows
-        if trainer.penalty.active and engine.estimator.gamma_prime > 0:
-            parts["look_ahead"] = estimate_rows
-    own = None if reg is None else reg.regulariser
-    if isinstance(own, Replay):
-        parts["replay"] = args.gradient_accumulation_steps * own.old_rows_for(args.per_device_train_batch_size)
-    elif isinstance(own, KLToOld):
-        parts["kl"] = args.gradient_accumulation_steps * own.rows_per_step
-    projection = None if trainer.projected is None else trainer.projected.projection
-    if isinstance(projection, AGEM):  # A-GEM's reference batch: one more forward and backward per step
-        parts["agem_reference"] = projection.settings()["rows_per_step"]
-    elif isinstance(projection, ReplayAGEM):  # the replayed rows once more, for the reference gradient
-        parts["agem_reference"] = parts["replay"]
-    backward = parts["new"] + parts["constraint"] + parts["replay"] + parts["kl"] + parts.get("agem_reference", 0)
-    # the KL's old model forwards its rows too (without grad, a model of the same size)
-    forward = backward + parts["indicator"] + parts["look_ahead"] + parts["kl"]
-    return {"forward": forward, "backward": backward, **parts}
 
 
 def finetune(old_path: str, penalty: str, seed: int, cfg: ExampleArguments,

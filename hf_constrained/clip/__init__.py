@@ -15,8 +15,8 @@
 * :mod:`.protected`: the protected classes' pools with the old model's references, their values on held-out
   rows, and the replay / KL baselines that read them;
 * :mod:`.experiment`: the non-forgetting experiment on such a task (the demo's pipeline: stage 1, the
-  constraints, the checkpoint selection, the certificate, ``finish_run``); :mod:`.run_cost`: a run's seconds and
-  rows per step.
+  constraints, the checkpoint selection, the certificate, ``finish_run``), each run's cost by
+  :mod:`hf_constrained.run_cost` (seconds and rows per step).
 """
 
 from .contrastive import ContrastiveConstrainedTrainer, HalfPositiveSampler, contrastive_terms, gather_with_grad

@@ -56,6 +56,7 @@ from ..margin import CalibratedMargin
 from ..non_forgetting import ReferenceGap, forgetting_statistic, reference_losses
 from ..progress import StepProgressBar
 from ..publishing.certificate_text import certificate_record
+from ..run_cost import StepClock, step_cost
 from ..safety.finish import certify_models, finish_run
 from ..safety.in_memory_selection import InMemoryFeasibleSelection, forgetting_violation, largest_constraint_violation
 from ..safety.settings import CertificateArguments
@@ -64,7 +65,6 @@ from .data import CLIPCollator, RowDataset
 from .image_task import ImageTask, augmented_copies, load_digit_images, save_pretrained_once, train_zero_shot_classifier
 from .non_forgetting import ZeroShotCorrect, ZeroShotLoss, zero_shot_accuracy
 from .protected import ProtectedPools, held_out_values, protected_pools, zero_shot_regulariser
-from .run_cost import StepClock, step_cost
 from .tiny import tiny_clip, word_tokenizer
 
 logger = logging.getLogger(__name__)

@@ -1,10 +1,11 @@
-"""The cost of a CLIP non-forgetting run's steps: wall and CPU seconds per optimizer step, and rows per step.
+"""The cost of a constrained run's steps: wall and CPU seconds per optimizer step, and rows per step.
 
 :class:`StepClock` times every optimizer step from its start to its end (a callback given to the trainer before
-the checkpoint selection's, so the selection's evaluations are left out). :func:`rows_per_step` counts the rows a
-step forwards and backpropagates, a machine-independent cost (the LLM example's count,
-``recipes/llm_tiny_example.py``): the step's image-caption pairs, the sampled constraints' rows (|B_c| x |B_k|),
-two-split estimation's indicator rows, the MSVR look-ahead's, and a baseline's replayed or KL rows.
+a checkpoint selection's, so the selection's evaluations are left out). :func:`rows_per_step` counts the rows a
+step of a :class:`~hf_constrained.ConstrainedTrainer` forwards and backpropagates, a machine-independent cost: the
+step's own rows, the sampled constraints' rows (|B_c| x |B_k|, Algorithm 1, line 4), two-split estimation's
+indicator rows, the MSVR look-ahead's (line 6's previous-iterate term), and a baseline's replayed, KL or A-GEM
+reference rows. The forgetting benchmarks compare methods at equal cost by it.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from typing import Any, Optional
 
 from transformers import TrainerCallback
 
-from ..method.projection import AGEM, ReplayAGEM
-from ..method.regularisers import KLToOld, Replay
+from .method.projection import AGEM, ReplayAGEM
+from .method.regularisers import KLToOld, Replay
 
 __all__ = ["StepClock", "rows_per_step", "step_cost"]
 
