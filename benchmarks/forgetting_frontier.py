@@ -164,6 +164,7 @@ def constraint_settings(penalty: str, cfg: ex.ExampleArguments) -> Optional[dict
     return {"penalty": penalty, "penalty_beta": cfg.penalty_beta, "forget_tolerance": cfg.forget_tolerance,
             "constraint_margin": cfg.constraint_margin, "constraint_batch_size": cfg.constraint_batch_size,
             "constraint_indicator_fraction": cfg.constraint_indicator_fraction,
+            "constraint_indicator_batch_size": cfg.constraint_indicator_batch_size,
             "constraint_proxy_indicator": cfg.constraint_proxy_indicator, "msvr_gamma": cfg.msvr_gamma,
             "msvr_gamma_prime": cfg.msvr_gamma_prime,
             "learning_rate": cfg.learning_rate, "max_steps": cfg.max_steps}

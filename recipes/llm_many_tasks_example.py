@@ -218,10 +218,10 @@ class ManyTaskArguments(ExampleArguments):
         return TASKS
 
 
-# a stored result's settings need no completion: every setting of this example existed from its start
 def stored_settings(config: dict[str, Any]) -> dict[str, Any]:
-    """A stored result's example settings (``benchmarks/forgetting_frontier.py --example_result``)."""
-    return dict(config)
+    """A stored result's example settings (``benchmarks/forgetting_frontier.py --example_result``), completed with
+    the settings added since (the indicator's batch size: its default, the constraint batch size)."""
+    return {"constraint_indicator_batch_size": None, **config}
 
 
 def parse(argv: Optional[list[str]] = None) -> ManyTaskArguments:

@@ -456,6 +456,7 @@ def _estimation_args(cfg: ExampleArguments, penalty: str) -> dict[str, Any]:
     if penalty == "none":
         return {}
     return dict(constraint_indicator_fraction=cfg.constraint_indicator_fraction or None,  # 0: one split
+                constraint_indicator_batch_size=cfg.constraint_indicator_batch_size,
                 constraint_proxy_indicator=cfg.constraint_proxy_indicator, constraint_margin=cfg.constraint_margin)
 
 
@@ -642,6 +643,9 @@ class ExampleArguments(CertificateArguments):
         "help": "two-split estimation of the constrained run: this share of each old task's constraint rows drives "
                 "the estimate and the hinge's indicator, the rest the gradient (in (0, 1); 0: one split, as in the "
                 "paper)"})
+    constraint_indicator_batch_size: Optional[int] = field(default=None, metadata={
+        "help": "with --constraint_indicator_fraction: indicator rows per sampled constraint and step, forwarded "
+                "without grad (default: --constraint_batch_size; fewer cost less and leave the estimate noisier)"})
     constraint_proxy_indicator: bool = field(default=True, metadata={
         "help": "with --constraint_indicator_fraction: the indicator follows the certificate's statistic (the share "
                 "of the indicator rows forgotten) against --forget_tolerance; the gradient follows the constraint's "
@@ -707,6 +711,10 @@ class ExampleArguments(CertificateArguments):
         if self.constraint_indicator_fraction is not None and not 0.0 <= self.constraint_indicator_fraction < 1.0:
             raise ValueError("--constraint_indicator_fraction must be in (0, 1), or 0 for one split; got "
                              f"{self.constraint_indicator_fraction}")
+        if self.constraint_indicator_batch_size is not None and (
+                not self.constraint_indicator_fraction or self.constraint_indicator_batch_size < 1):
+            raise ValueError("--constraint_indicator_batch_size needs --constraint_indicator_fraction (two splits) and "
+                             f"is at least 1; got {self.constraint_indicator_batch_size}")
         if self.constraint_proxy_indicator and not self.constraint_indicator_fraction:
             raise ValueError("--constraint_proxy_indicator needs --constraint_indicator_fraction (the indicator rows)")
         if self.constraint_proxy_indicator and not self.certify_rows:
@@ -742,7 +750,7 @@ class ExampleArguments(CertificateArguments):
 # settings added after results were stored, with the value that reproduces what ran before they existed: a stored
 # configuration without one of them ran with that value (no warmup: the Trainer's default)
 SETTINGS_ADDED_LATER: dict[str, Any] = {"warmup_steps": 0, "constraint_surrogate": "loss_change", "replay_old": 0.0,
-                                        "per_device_train_batch_size": 32}
+                                        "per_device_train_batch_size": 32, "constraint_indicator_batch_size": None}
 
 
 def stored_settings(config: dict[str, Any]) -> dict[str, Any]:
