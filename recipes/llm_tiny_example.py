@@ -29,7 +29,8 @@
    0.25``), the rest the gradient; a proxy indicator (``--constraint_proxy_indicator``: it follows the
    certificate's statistic, the share of the indicator rows forgotten, against the claim minus
    ``--constraint_margin`` 0.02, while the gradient follows the loss change h_k, ``--constraint_surrogate``),
-   an MSVR estimate that averages about five steps (``--msvr_gamma 0.2``), beta 0.25, 11 constraint rows per
+   an MSVR estimate that averages about five steps (``--msvr_gamma 0.2``) without the look-ahead forward
+   (``--msvr_gamma_prime 0``: the twentieth round found it kept nothing more), beta 0.25, 11 constraint rows per
    task and step (``--constraint_batch_size``), and replay of those same rows as half of the loss
    (``--replay_old 0.5``: one draw of old rows per step, each row carrying replay's weight plus the hinge's);
    500 fine-tuning steps, shared by every method of the comparison. The results against replay, KL and plain
@@ -637,8 +638,9 @@ class ExampleArguments(CertificateArguments):
     penalty_beta: float = field(default=0.25, metadata={"help": "penalty parameter beta of the constrained run"})
     msvr_gamma: float = field(default=0.2, metadata={
         "help": "MSVR gamma of the constraint estimates (0.2: an average over about the last five steps)"})
-    msvr_gamma_prime: str = field(default="0.1", metadata={
-        "help": "MSVR gamma' of the constraint estimates (0: no look-ahead forward; 'theory': Algorithm 1's value)"})
+    msvr_gamma_prime: str = field(default="0", metadata={
+        "help": "MSVR gamma' of the constraint estimates (0: no look-ahead forward, the twentieth tuning round's "
+                "choice; 'theory': Algorithm 1's value)"})
     constraint_indicator_fraction: Optional[float] = field(default=0.25, metadata={
         "help": "two-split estimation of the constrained run: this share of each old task's constraint rows drives "
                 "the estimate and the hinge's indicator, the rest the gradient (in (0, 1); 0: one split, as in the "

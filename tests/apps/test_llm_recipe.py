@@ -123,7 +123,7 @@ def test_the_defaults_are_the_benchmarks_choice_and_turn_off_only_where_they_can
     args, data = config.training, config.data
     assert (args.constraint_penalty, args.penalty_beta, data.replay_old) == ("hinge", 0.25, 0.5)
     assert {k: getattr(args, k) for k in recipe.BENCHMARK_DEFAULTS} == {
-        "penalty_beta": 0.25, "msvr_gamma": 0.2, "msvr_gamma_prime": 0.1, "constraint_batch_size": 8,
+        "penalty_beta": 0.25, "msvr_gamma": 0.2, "msvr_gamma_prime": 0.0, "constraint_batch_size": 8,
         "constraint_indicator_fraction": 0.25, "constraint_proxy_indicator": True, "constraint_margin": 0.02}
     with caplog.at_level("WARNING", logger="llm_non_forgetting"):
         caplog.clear()
