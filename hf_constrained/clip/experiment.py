@@ -122,6 +122,7 @@ class DemoConfig(CertificateArguments):
     margin: float = _opt(0.0, "training enforces h_k <= tolerance - margin on D_k")
     confidence: float = _opt(0.9, "> 0: calibrated constraints, margin z_c * s_k / sqrt(originals of D_k); 0: off")
     msvr_gamma: float = _opt(0.5, "the MSVR constraint estimator's weight (Algorithm 2, line 12)")
+    msvr_gamma_prime: float = _opt(0.1, "MSVR gamma': the previous-iterate (look-ahead) term's weight (0: none)")
     max_grad_norm: float = _opt(0.0, "gradient clipping of the fine-tuning (0: none, as the method expects)")
     temperature: float = _opt(0.05, "temperature of the zero-shot logits in the constraints")
     constraint_copies: int = _opt(8, "augmented copies of each constraint image (the first is the image itself)")
@@ -456,6 +457,7 @@ def _trainer(cfg: DemoConfig, model: CLIPModel, penalty: str, out_dir: str, **pa
         output_dir=out_dir, max_steps=cfg.steps, per_device_train_batch_size=cfg.batch_size,
         learning_rate=cfg.lr, lr_scheduler_type=cfg.schedule, warmup_steps=cfg.warmup_steps, weight_decay=0.0,
         max_grad_norm=cfg.max_grad_norm, constraint_penalty=penalty, penalty_beta=cfg.beta, msvr_gamma=cfg.msvr_gamma,
+        msvr_gamma_prime=cfg.msvr_gamma_prime,
         constraint_batch_size=cfg.constraint_batch_size, constraint_eval_batch_size=512,
         constraints_per_step=cfg.constraints_per_step or None,
         logging_steps=max(cfg.steps // 5, 1), save_strategy="no", report_to=[], seed=cfg.seed, use_cpu=True,
