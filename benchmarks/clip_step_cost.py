@@ -12,12 +12,12 @@ reads) and without (the indicator and look-ahead passes), counted by a hook on t
 depend on the machine. The issue's reference is "a plain step plus the old images it reads": replay at the share
 that mixes as many protected images into each step as the constrained step backpropagates.
 
-    python benchmarks/clip_step_cost.py --methods none replay=0.8 hinge "hinge@msvr_gamma_prime=0" \\
+    python benchmarks/clip_step_cost.py --methods none replay=0.8 hinge "hinge@msvr_gamma_prime=0.1" \\
         --reference replay=0.8 --json benchmarks/results/clip_step_cost.json
 
 A method is ``none``, ``replay=R`` or ``kl=LAM`` (a baseline of the frontier), or ``hinge`` / ``squared_hinge``
 (the demo's constrained run), each optionally with ``@field=value,...``: the demo's settings of that run
-(``hinge@indicator_fraction=0``) or, for ``msvr_gamma_prime``, the trainer's. Flags this script does not know go to
+(``hinge@indicator_fraction=0``, ``hinge@msvr_gamma_prime=0.1``). Flags this script does not know go to
 the demo (``--constraint_batch_size 16``, ...).
 """
 
@@ -93,8 +93,8 @@ def parse_method(text: str) -> tuple[str, Optional[tuple[str, float]], dict[str,
     fields = {f.name: f.type for f in dataclasses.fields(pipeline.DemoConfig)}
     for item in filter(None, flags.split(",")):
         key, _, v = item.partition("=")
-        if key != "msvr_gamma_prime" and key not in fields:
-            raise SystemExit(f"--methods {text!r}: {key!r} is not a demo setting (nor msvr_gamma_prime)")
+        if key not in fields:
+            raise SystemExit(f"--methods {text!r}: {key!r} is not a demo setting")
         own[key] = v
     return penalty, baseline, own
 
@@ -102,8 +102,6 @@ def parse_method(text: str) -> tuple[str, Optional[tuple[str, float]], dict[str,
 def _typed(cfg: pipeline.DemoConfig, own: dict[str, str]) -> pipeline.DemoConfig:
     changes = {}
     for key, v in own.items():
-        if key == "msvr_gamma_prime":
-            continue
         current = getattr(cfg, key)
         changes[key] = (v.lower() in ("1", "true", "yes")) if isinstance(current, bool) else type(current)(v)
     return dataclasses.replace(cfg, **changes)
@@ -116,10 +114,7 @@ def time_method(text: str, cfg: pipeline.DemoConfig, old_path: str, pools: Any, 
     run_cfg = dataclasses.replace(_typed(cfg, own), steps=steps)
     timer = StepTimer(warmup)
     counter: dict[str, ImagesPerStep] = {}
-    make_trainer, make_args = pipeline._trainer, pipeline.ConstrainedTrainingArguments
-
-    def args_with_gamma_prime(**kwargs: Any) -> Any:  # a trainer setting the demo does not expose
-        return make_args(**kwargs, **{k: v for k, v in own.items() if k == "msvr_gamma_prime"})
+    make_trainer = pipeline._trainer
 
     def trainer_with_counter(*args: Any, **kwargs: Any) -> Any:
         trainer = make_trainer(*args, **kwargs)
@@ -127,8 +122,7 @@ def time_method(text: str, cfg: pipeline.DemoConfig, old_path: str, pools: Any, 
         trainer.add_callback(counter["images"])
         return trainer
 
-    with mock.patch.object(pipeline, "_trainer", trainer_with_counter), \
-            mock.patch.object(pipeline, "ConstrainedTrainingArguments", args_with_gamma_prime):
+    with mock.patch.object(pipeline, "_trainer", trainer_with_counter):
         pipeline.finetune(run_cfg, old_path, penalty, pools=pools, log=lambda *a: None, regulariser=baseline,
                           callbacks=[timer], old_model=old_model)
     return (timer.cpu_times if clock == "cpu" else timer.times), counter["images"].per_step()

@@ -78,7 +78,7 @@ part clip_step $LAUNCH benchmarks/step_overhead.py --model "$MODEL" $COMMON $SIZ
 part clip_scaling $PY benchmarks/constraint_scaling.py --model "$MODEL" $COMMON $SIZES $SC \
   --out "$OUT/clip_scaling.json"
 part llm_step $PY benchmarks/llm_step.py --model "$LLM_MODEL" $COMMON $LLM \
-  --variants 8:all:0.1:replay0.5:split0.25,8:all:0:nopenalty:replay0.5,8:all:0.1:ownreplay0.5:split0.25,8:all:0 \
+  --variants 8:all:0:replay0.5:split0.25,8:all:0:nopenalty:replay0.5,8:all:0.1:replay0.5:split0.25,8:all:0 \
   --out "$OUT/llm_step.json"
 echo "suite: $([ $status = 0 ] && echo all parts done || echo SOME PARTS FAILED) in $SECONDS s"
 exit $status

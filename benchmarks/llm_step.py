@@ -21,9 +21,9 @@ once before training, one shared row function: the fused step), the hinge at the
   and step, forward only, scored by the old model's exact match); ``:separate`` gives the constraint rows their
   own forward and backward graph, as on a model with dropout (otherwise they join the objective's forward where
   :mod:`hf_constrained.method.shared_forward` allows it: no regulariser but replay of the constraint rows).
-  ``8:all:0.1:replay0.5:split0.25`` is the recipe's default (:data:`RECIPE_DEFAULT_VARIANT`); ``8:all:0`` its
-  earlier default (no replay, one split, no look-ahead); gamma' > 0 adds the look-ahead (the next step's constraint
-  rows, forward only).
+  ``8:all:0:replay0.5:split0.25`` is the recipe's default (:data:`RECIPE_DEFAULT_VARIANT`; ``8:all:0.1:...`` the
+  default before the twentieth tuning round, with the look-ahead); ``8:all:0`` its earlier default (no replay, one
+  split, no look-ahead); gamma' > 0 adds the look-ahead (the next step's constraint rows, forward only).
 
 Variants alternate for ``--rounds`` rounds in one process; each ratio is of the median step
 times (optimizer steps, ``gradient_accumulation_steps`` micro-batches each). On CUDA each
@@ -34,7 +34,7 @@ proxy), ``0.5b`` (Qwen2.5-0.5B's shape as a Llama: hidden 896, 24 layers, 14 hea
 MLP 4864, vocabulary 151,936, tied embeddings: 494M parameters).
 
     python benchmarks/llm_step.py --model proxy --threads 1 \\
-        --variants 8:all:0.1:replay0.5:split0.25,8:all:0 --out /tmp/llm_step.json
+        --variants 8:all:0:replay0.5:split0.25,8:all:0 --out /tmp/llm_step.json
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ LLAMA_SIZES: dict[str, dict[str, Any]] = {
 # recipes/configs/llm_non_forgetting_lora.yaml
 RECIPE = dict(batch=8, accumulation=2, relative_tolerance=0.02, forget_tolerance=0.05, reference_batch_size=16,
               lora_r=16, lora_alpha=32, learning_rate=1e-4)
-RECIPE_DEFAULT_VARIANT = "8:all:0.1:replay0.5:split0.25"  # BENCHMARK_DEFAULTS and the recipe's --replay_old 0.5
+RECIPE_DEFAULT_VARIANT = "8:all:0:replay0.5:split0.25"  # BENCHMARK_DEFAULTS and the recipe's --replay_old 0.5
 TASKS = ("math", "code", "refusals")
 
 

@@ -122,7 +122,7 @@ class DemoConfig(CertificateArguments):
     margin: float = _opt(0.0, "training enforces h_k <= tolerance - margin on D_k")
     confidence: float = _opt(0.9, "> 0: calibrated constraints, margin z_c * s_k / sqrt(originals of D_k); 0: off")
     msvr_gamma: float = _opt(0.5, "the MSVR constraint estimator's weight (Algorithm 2, line 12)")
-    msvr_gamma_prime: float = _opt(0.1, "MSVR gamma': the previous-iterate (look-ahead) term's weight (0: none)")
+    msvr_gamma_prime: float = _opt(0.0, "MSVR gamma': the look-ahead term's weight (0: none, the 21st round's choice)")
     max_grad_norm: float = _opt(0.0, "gradient clipping of the fine-tuning (0: none, as the method expects)")
     temperature: float = _opt(0.05, "temperature of the zero-shot logits in the constraints")
     constraint_copies: int = _opt(8, "augmented copies of each constraint image (the first is the image itself)")

@@ -12,7 +12,7 @@ TINY = ["--stage1_epochs", "1", "--batch_size", "8", "--constraint_batch_size", 
 
 
 def test_images_per_step_are_the_batch_plus_what_each_method_reads(tmp_path):
-    result = csc.main(["--methods", "none", "replay=0.5", "hinge", "hinge@msvr_gamma_prime=0",
+    result = csc.main(["--methods", "none", "replay=0.5", "hinge", "hinge@msvr_gamma_prime=0.1",
                        "hinge@indicator_fraction=0", "--reference", "replay=0.5", "--cache_dir", str(tmp_path),
                        "--json", str(tmp_path / "cost.json"), *TINY])
     rows = {m: r["images_per_step"] for m, r in result["methods"].items()}
@@ -22,10 +22,11 @@ def test_images_per_step_are_the_batch_plus_what_each_method_reads(tmp_path):
     assert rows["replay=0.5"]["backward"] == 8 + 8 and rows["replay=0.5"]["no_grad"] == objective_look_ahead
     constraint = protected * 4
     assert rows["hinge"]["backward"] == 8 + constraint
-    # the indicator rows (two-split) and the constraint look-ahead (gamma' 0.1) are forward-only passes
-    assert rows["hinge"]["no_grad"] == objective_look_ahead + 2 * constraint
-    assert rows["hinge@msvr_gamma_prime=0"]["no_grad"] == objective_look_ahead + constraint
-    assert rows["hinge@indicator_fraction=0"]["no_grad"] == objective_look_ahead + constraint
+    # the indicator rows (two-split) are a forward-only pass; the constraint look-ahead (gamma' 0.1, off by default)
+    # another; one split (no indicator rows) and no look-ahead leave none
+    assert rows["hinge"]["no_grad"] == objective_look_ahead + constraint
+    assert rows["hinge@msvr_gamma_prime=0.1"]["no_grad"] == objective_look_ahead + 2 * constraint
+    assert rows["hinge@indicator_fraction=0"]["no_grad"] == objective_look_ahead
     assert result["methods"]["replay=0.5"]["ratio"] == pytest.approx(1.0)
     assert all(r["seconds_per_step"] > 0 and r["timed_steps"] == 2 for r in result["methods"].values())
 

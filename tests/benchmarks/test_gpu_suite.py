@@ -116,7 +116,7 @@ def test_llm_step_builds_the_recipe_constraints(tmp_path):
     assert llm_step.parse_variant("8:all:0:replay0.5") == (8, None, 0.0, False, 0.5, 0.0, 0.0, False)
     assert llm_step.variant_key("8:all:0:separate:replay0.5") == "bk8_bcall_gp0_separate_replay0.5"
     assert llm_step.variant_key("8:all:0:nopenalty:replay0.5") == "bk8_bcall_gp0_nopenalty_replay0.5"
-    assert llm_step.variant_key(llm_step.RECIPE_DEFAULT_VARIANT) == "bk8_bcall_gp0.1_replay0.5_split0.25"
+    assert llm_step.variant_key(llm_step.RECIPE_DEFAULT_VARIANT) == "bk8_bcall_gp0_replay0.5_split0.25"
     for bad in ("8:all:0:replay1", "8:all:0:replay", "8:all:0:sep", "8:all:0:split0", "8:all:0:split0.2:split0.3",
                 "8:all:0:replay0.5:ownreplay0.5", "8:all:0:nopenalty:nopenalty"):
         with pytest.raises(SystemExit, match="replayR"):
@@ -131,7 +131,7 @@ def test_llm_step_builds_the_recipe_constraints(tmp_path):
     default = llm_step.make_trainer(a, llm_step.RECIPE_DEFAULT_VARIANT, steps=1)
     recipe = import_script("recipes", "llm_non_forgetting")
     assert {k: getattr(default.args, k) for k in recipe.BENCHMARK_DEFAULTS} == dict(
-        recipe.BENCHMARK_DEFAULTS, msvr_gamma_prime=0.1)
+        recipe.BENCHMARK_DEFAULTS, msvr_gamma_prime=0.0)
     assert default.args.constraint_indicator_fraction == 0.25 and default.args.constraint_proxy_indicator
     assert default.regularised.regulariser.settings()["ratio"] == recipe.BENCHMARK_REPLAY
 
