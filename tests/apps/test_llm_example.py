@@ -115,7 +115,13 @@ def test_flags_that_cannot_work_are_errors_naming_the_flag():
         ex.parse(["--warmup_steps", "500"])  # as long as the run (--max_steps 500): no step at the full rate
     cfg = ex.parse(["--constraint_indicator_fraction", "0.25", "--constraint_margin", "0.05"])
     assert ex._estimation_args(cfg, "hinge") == {"constraint_indicator_fraction": 0.25,
+                                                 "constraint_indicator_batch_size": None,
                                                  "constraint_proxy_indicator": True, "constraint_margin": 0.05}
+    assert ex._estimation_args(ex.parse(["--constraint_indicator_batch_size", "3"]), "hinge")[
+        "constraint_indicator_batch_size"] == 3
+    with pytest.raises(ValueError, match="--constraint_indicator_batch_size needs --constraint_indicator_fraction"):
+        ex.parse(["--constraint_indicator_batch_size", "3", "--constraint_indicator_fraction", "0",
+                  "--constraint_proxy_indicator", "false"])
     assert ex._estimation_args(cfg, "none") == {}  # the unconstrained run has no estimates
     with pytest.raises(ValueError, match="--constraint_proxy_indicator needs --constraint_indicator_fraction"):
         ex.parse(["--constraint_indicator_fraction", "0"])
