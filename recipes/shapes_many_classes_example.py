@@ -68,6 +68,8 @@ MANY_CLASSES_DEFAULTS: dict[str, Any] = {
     # MSVR's look-ahead, which the example's results were measured with (the digits demo dropped it in the
     # twenty-first tuning round, docs/benchmarks.md; this example was not tuned on it)
     "msvr_gamma_prime": 0.1,
+    # and as many indicator images per step as constraint images (the demo reads 8 since its twenty-second round)
+    "indicator_batch_size": 0,
 }
 """The example's defaults: every other setting is the demo's (``DemoConfig``); not yet tuned (docs)."""
 

@@ -349,6 +349,8 @@ def test_indicator_flags_are_checked_before_any_training(tmp_path, monkeypatch):
                            "--certify_fraction", "0"], "--certify_fraction"),
                          (["--indicator_fraction", "0", "--indicator_batch_size", "64"],
                           "give --indicator_batch_size 0 with it"),
+                         (["--indicator_fraction", "0", "--indicator_batch_size", "16"],
+                          "give --indicator_batch_size 0 with it"),
                          (["--indicator_batch_size", "-1"], "--indicator_batch_size must be >= 0")):
         with pytest.raises(ValueError, match=match):
             demo.run_demo(parser.parse_args(base + flags), echo=lambda line: None)

@@ -22,10 +22,12 @@ def test_images_per_step_are_the_batch_plus_what_each_method_reads(tmp_path):
     assert rows["replay=0.5"]["backward"] == 8 + 8 and rows["replay=0.5"]["no_grad"] == objective_look_ahead
     constraint = protected * 4
     assert rows["hinge"]["backward"] == 8 + constraint
-    # the indicator rows (two-split) are a forward-only pass; the constraint look-ahead (gamma' 0.1, off by default)
-    # another; one split (no indicator rows) and no look-ahead leave none
-    assert rows["hinge"]["no_grad"] == objective_look_ahead + constraint
-    assert rows["hinge@msvr_gamma_prime=0.1"]["no_grad"] == objective_look_ahead + 2 * constraint
+    # the indicator rows (two-split: the demo's 8 images per class) are a forward-only pass; the constraint
+    # look-ahead (gamma' 0.1, off by default) another over the next step's indicator images; one split (no indicator
+    # rows) and no look-ahead leave none
+    indicator = protected * 8
+    assert rows["hinge"]["no_grad"] == objective_look_ahead + indicator
+    assert rows["hinge@msvr_gamma_prime=0.1"]["no_grad"] == objective_look_ahead + 2 * indicator
     assert rows["hinge@indicator_fraction=0"]["no_grad"] == objective_look_ahead
     assert result["methods"]["replay=0.5"]["ratio"] == pytest.approx(1.0)
     assert all(r["seconds_per_step"] > 0 and r["timed_steps"] == 2 for r in result["methods"].values())
