@@ -65,9 +65,9 @@ MANY_CLASSES_DEFAULTS: dict[str, Any] = {
     "select_forget_rate": 0.02,
     "constraint_copies": 1,
     "eval_copies": 1,
-    # MSVR's look-ahead, which the example's results were measured with (the digits demo dropped it in the
-    # twenty-first tuning round, docs/benchmarks.md; this example was not tuned on it)
-    "msvr_gamma_prime": 0.1,
+    # no MSVR look-ahead: the example's tuning round on seeds 0-4 (docs/many_classes.md), as the digits demo's
+    # twenty-first round chose
+    "msvr_gamma_prime": 0.0,
     # and as many indicator images per step as constraint images (the demo reads 8 since its twenty-second round)
     "indicator_batch_size": 0,
 }
