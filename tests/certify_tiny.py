@@ -42,16 +42,21 @@ def write_jsonl(path: str, rows: list[dict]) -> str:
     return path
 
 
-def train(model, tokenizer, rows: list[dict], out: str, steps: int, lr: float) -> None:
-    """Plain ``transformers.Trainer`` on prompt/completion (or chat) rows, then ``save_pretrained`` (model and
-    tokenizer)."""
-    data = tokenize_sft(Dataset.from_list(rows), tokenizer, name="train")
+def fit_and_save(model, tokenizer, data, collator, out: str, steps: int, lr: float) -> None:
+    """Plain ``transformers.Trainer`` (batch 16, seed 0, CPU) on tokenized ``data``, then ``save_pretrained`` of the
+    model and the tokenizer: how a user fine-tunes outside the library, for every tiny model the certify tests read."""
     args = TrainingArguments(output_dir=out, max_steps=steps, per_device_train_batch_size=16, learning_rate=lr,
                              use_cpu=True, report_to="none", save_strategy="no", logging_strategy="no",
                              disable_tqdm=True, seed=0)
-    Trainer(model=model, args=args, train_dataset=data, data_collator=SFTPaddingCollator(tokenizer)).train()
+    Trainer(model=model, args=args, train_dataset=data, data_collator=collator).train()
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+
+
+def train(model, tokenizer, rows: list[dict], out: str, steps: int, lr: float) -> None:
+    """:func:`fit_and_save` on prompt/completion (or chat) rows."""
+    fit_and_save(model, tokenizer, tokenize_sft(Dataset.from_list(rows), tokenizer, name="train"),
+                 SFTPaddingCollator(tokenizer), out, steps, lr)
 
 
 def build(root: str) -> dict[str, str]:

@@ -55,20 +55,15 @@ def _write_jsonl(path: str, rows: list[dict]) -> str:
 
 
 def _train_text(model, tokenizer, rows: list[dict], out: str, steps: int, lr: float) -> None:
-    """Plain ``transformers.Trainer`` on text/label rows, then ``save_pretrained``."""
+    """:func:`certify_tiny.fit_and_save` on text/label rows."""
+    from certify_tiny import fit_and_save
     from datasets import Dataset
-    from transformers import Trainer, TrainingArguments
 
     from hf_constrained.per_sample_loss import PaddingCollator
 
     index = {c: i for i, c in enumerate(TEXT_CLASSES)}
     data = Dataset.from_list([{**dict(tokenizer(r["text"])), "labels": index[r["label"]]} for r in rows])
-    args = TrainingArguments(output_dir=out, max_steps=steps, per_device_train_batch_size=16, learning_rate=lr,
-                             use_cpu=True, report_to="none", save_strategy="no", logging_strategy="no",
-                             disable_tqdm=True, seed=0)
-    Trainer(model=model, args=args, train_dataset=data, data_collator=PaddingCollator(tokenizer)).train()
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    fit_and_save(model, tokenizer, data, PaddingCollator(tokenizer), out, steps, lr)
 
 
 def build_text(root: str) -> dict[str, str]:
@@ -128,6 +123,18 @@ def write_image_folder(folder: str, images: np.ndarray, labels: np.ndarray) -> l
     return out
 
 
+def _adam_steps(model, batch_loss, n: int, steps: int, lr: float) -> None:
+    """``steps`` Adam steps on ``batch_loss(pick)``, 32 rows ``pick`` drawn from ``n`` per step (seed 0)."""
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    gen = torch.Generator().manual_seed(0)
+    model.train()
+    for _ in range(steps):
+        loss = batch_loss(torch.randint(0, n, (32,), generator=gen))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
 def _train_clip(model, processor, images: np.ndarray, labels: np.ndarray, steps: int, lr: float, out: str) -> None:
     """The zero-shot cross-entropy over the class prompts (the library's ``ZeroShotLoss``), Adam, then save."""
     from PIL import Image
@@ -139,15 +146,8 @@ def _train_clip(model, processor, images: np.ndarray, labels: np.ndarray, steps:
     pixels = processor.image_processor([Image.fromarray(i, mode="L").convert("RGB") for i in images],
                                        return_tensors="pt")["pixel_values"]
     target = torch.as_tensor(labels).long()
-    opt = torch.optim.Adam(model.parameters(), lr=lr)
-    gen = torch.Generator().manual_seed(0)
-    model.train()
-    for _ in range(steps):
-        pick = torch.randint(0, len(target), (32,), generator=gen)
-        loss = head.per_sample(model, {"pixel_values": pixels[pick], "label": target[pick]}).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    _adam_steps(model, lambda pick: head.per_sample(model, {"pixel_values": pixels[pick],
+                                                            "label": target[pick]}).mean(), len(target), steps, lr)
     model.save_pretrained(out)
     processor.save_pretrained(out)
 
@@ -198,15 +198,8 @@ def _build_vit(root: str, paths: dict[str, str], images: np.ndarray, labels: np.
         pixels = processor([Image.fromarray(i, mode="L").convert("RGB") for i in imgs],
                            return_tensors="pt")["pixel_values"]
         target = torch.as_tensor(labs).long()
-        opt = torch.optim.Adam(model.parameters(), lr=lr)
-        gen = torch.Generator().manual_seed(0)
-        model.train()
-        for _ in range(steps):
-            pick = torch.randint(0, len(target), (32,), generator=gen)
-            loss = model(pixel_values=pixels[pick], labels=target[pick]).loss
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+        _adam_steps(model, lambda pick: model(pixel_values=pixels[pick], labels=target[pick]).loss, len(target),
+                    steps, lr)
         model.save_pretrained(out)
         processor.save_pretrained(out)
 
