@@ -51,6 +51,8 @@ The fine-tuning flags carry the names of ``ConstrainedTrainingArguments``
 ``--msvr_gamma_prime``, ``--constraint_batch_size``, ``--constraint_indicator_fraction``,
 ``--constraint_proxy_indicator``, ``--constraint_margin``);
 ``--constraint_surrogate loss_increase`` makes the gradient follow each row's loss rise only;
+``--constraint_rows_kept old_correct`` keeps, of each old task's constraint rows, those the old model answers
+exactly, for every method;
 ``--replay_old`` mixes old rows into the constrained run's batches (``hf_constrained.method.regularisers.Replay``),
 ``--kl_to_old`` adds a KL anchor instead (``KLToOld``; with ``--replay_old 0``);
 a flag the example does not list is an error.
@@ -305,6 +307,23 @@ def certification_rows(tokenizer: Any, cfg: ExampleArguments) -> dict[str, Indep
                                 f"{t}/certify") for t in tasks.old}
 
 
+def old_correct_rows(old_model: torch.nn.Module, rows: dict[str, Dataset],
+                     collate: PaddingCollator) -> dict[str, Dataset]:
+    """Each task's rows that ``old_model`` answers exactly (teacher-forced exact match of the answer tokens, the
+    certificate's statistic), in their order (``--constraint_rows_kept old_correct``). A task the old model answers
+    on no row is an error naming it: its constraint would have no rows."""
+    kept = {}
+    for task, data in rows.items():
+        correct = reference_losses(old_model, data, causal_lm_per_example_correct, collate, batch_size=256,
+                                   desc=f"old model's exact match {task}")
+        index = [i for i, c in enumerate(correct.tolist()) if c > 0.5]
+        if not index:
+            raise ValueError(f"--constraint_rows_kept old_correct: the old model answers none of task {task!r}'s "
+                             f"{len(data)} constraint rows exactly; keep all rows")
+        kept[task] = data.select(index)
+    return kept
+
+
 def baseline_regulariser(spec: Optional[tuple[str, float]], model: torch.nn.Module, constraint_rows: dict[str, Dataset],
                      collate: PaddingCollator, seed: int) -> Optional[ObjectiveRegulariser]:
     """The baseline ``(name, value)`` of a run (``benchmarks/forgetting_frontier.py``): ``("replay", r)`` mixes the
@@ -361,6 +380,8 @@ def build_trainer(old_path: str, penalty: str, seed: int, cfg: ExampleArguments,
     model = AutoModelForCausalLM.from_pretrained(old_path)
     collate = PaddingCollator(tokenizer)
     held_out, constraint_rows = data_splits(tokenizer, cfg)
+    if cfg.constraint_rows_kept == "old_correct":
+        constraint_rows = old_correct_rows(model, constraint_rows, collate)
     certify = certification_rows(tokenizer, cfg) if cfg.certify_rows else None
     constraints = non_forgetting_constraints(model, causal_lm_per_example_loss, constraint_rows, collate,
                                              eval_datasets={t: held_out[t] for t in constraint_rows},
@@ -657,6 +678,12 @@ class ExampleArguments(CertificateArguments):
                 "per-row loss change l(w, x) - l(w_old, x); loss_increase, its positive part, so rows whose loss "
                 "fell do not offset rows at risk of being forgotten",
         "choices": ["loss_change", "loss_increase"]})
+    constraint_rows_kept: str = field(default="all", metadata={
+        "help": "which of each old task's constraint rows every method reads (the constraints, replay, KL, A-GEM): "
+                "all; or old_correct, the rows the old model answers exactly (teacher-forced), the rows the "
+                "certificate can count as forgotten: on a task the old model answers only in part, the other rows' "
+                "gradient pulls toward answers it never gave",
+        "choices": ["all", "old_correct"]})
     constraint_margin: Optional[float] = field(default=0.02, metadata={
         "help": "the constrained run's margin: the hinge acts when the estimate exceeds its tolerance minus this "
                 "(with --constraint_proxy_indicator a share of rows, else nats per answer token)"})
@@ -741,6 +768,8 @@ class ExampleArguments(CertificateArguments):
         if self.constraint_surrogate not in ("loss_change", "loss_increase"):
             raise ValueError(f"--constraint_surrogate must be loss_change or loss_increase, got "
                              f"{self.constraint_surrogate!r}")
+        if self.constraint_rows_kept not in ("all", "old_correct"):
+            raise ValueError(f"--constraint_rows_kept must be all or old_correct, got {self.constraint_rows_kept!r}")
         if self.per_device_train_batch_size < 1:
             raise ValueError(f"--per_device_train_batch_size must be >= 1, got {self.per_device_train_batch_size}")
         if self.workers < 1:
@@ -752,7 +781,8 @@ class ExampleArguments(CertificateArguments):
 # settings added after results were stored, with the value that reproduces what ran before they existed: a stored
 # configuration without one of them ran with that value (no warmup: the Trainer's default)
 SETTINGS_ADDED_LATER: dict[str, Any] = {"warmup_steps": 0, "constraint_surrogate": "loss_change", "replay_old": 0.0,
-                                        "per_device_train_batch_size": 32, "constraint_indicator_batch_size": None}
+                                        "per_device_train_batch_size": 32, "constraint_indicator_batch_size": None,
+                                        "constraint_rows_kept": "all"}
 
 
 def stored_settings(config: dict[str, Any]) -> dict[str, Any]:
