@@ -267,3 +267,29 @@ def test_each_run_certifies_as_its_own_first_look_and_the_anchor_is_only_the_con
         ex.parse(["--kl_to_old", "2"])
     with pytest.raises(ValueError, match=r"--replay_old is the old rows' share of the loss, in \[0, 1\); got 1.0"):
         ex.parse(["--replay_old", "1"])
+
+
+def test_old_correct_rows_keep_exactly_the_rows_the_old_model_answers_by_greedy_decoding(tmp_path):
+    """``--constraint_rows_kept old_correct``: each task keeps, in order, the constraint rows the old model answers
+    exactly (checked here by step-by-step greedy decoding), and every method reads those rows."""
+    cfg = ex.ExampleArguments(old_steps=300, old_rows=40, hidden=32, layers=1, old_lr=0.01, constraint_rows=24,
+                              held_out_rows=8, certify_rows=8)
+    torch.set_num_threads(1)
+    ex.train_old_model(str(tmp_path / "old"), cfg)
+    model = ex.AutoModelForCausalLM.from_pretrained(str(tmp_path / "old"))
+    tokenizer = ex.AutoTokenizer.from_pretrained(str(tmp_path / "old"))
+    _, rows = ex.data_splits(tokenizer, cfg)
+    kept = ex.old_correct_rows(model, rows, ex.PaddingCollator(tokenizer))
+    for task in ex.OLD_TASKS:
+        answered = [r for r in rows[task] if _greedy_exact(model, [r], tokenizer.eos_token_id) == 1.0]
+        assert 0 < len(answered) < len(rows[task])  # the check sees a filter: some rows go, some stay
+        assert [r["input_ids"] for r in kept[task]] == [r["input_ids"] for r in answered]
+    trainer, _ = ex.build_trainer(str(tmp_path / "old"), "hinge", 0, dataclasses.replace(
+        cfg, constraint_rows_kept="old_correct", max_steps=1), str(tmp_path / "run"), ("replay", 0.5))
+    assert [len(c.dataset) for c in trainer.constraints] == [len(kept[t]) for t in ex.OLD_TASKS]
+    assert len(trainer.regularised.regulariser.dataset) == sum(len(kept[t]) for t in ex.OLD_TASKS)
+    fresh = _tiny_old_model(tmp_path / "fresh", steps=1)  # answers nothing yet
+    with pytest.raises(ValueError, match="answers none of task 'reverse'"):
+        ex.old_correct_rows(fresh, rows, ex.PaddingCollator(tokenizer))
+    with pytest.raises(ValueError, match="--constraint_rows_kept must be all or old_correct"):
+        ex.ExampleArguments(constraint_rows_kept="some")
