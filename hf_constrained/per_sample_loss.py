@@ -17,8 +17,6 @@ batch, so that the old model's value of a row can be computed once and looked up
 
 from __future__ import annotations
 
-import functools
-import inspect
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
@@ -66,49 +64,7 @@ def causal_lm_per_example_loss(model: nn.Module, batch: Mapping[str, Any]) -> to
 
     Raises ``ValueError`` when a row has no label token (nothing to measure).
     """
-    return causal_lm_losses_from_logits(*answer_logits(model, batch))
-
-
-def answer_logits(model: nn.Module, batch: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The logits of a causal LM's forward on ``batch`` from the first position that predicts a label token on,
-    and the labels from that position on (aligned as :func:`causal_lm_losses_from_logits` reads them).
-
-    Positions before it (the prompts, where every row's labels are -100) predict nothing that is scored, so the
-    model is asked for no logits there (``logits_to_keep``, where its ``forward`` takes it): the language-model
-    head and its vocabulary-wide output, a large share of a forward on a long prompt, run on the answers only.
-    The values are those of the full logits: each position's logits depend only on its own hidden state."""
-    labels = causal_lm_labels(batch)
-    inputs = model_inputs(batch)
-    length = inputs["input_ids"].shape[1]
-    scored = labels[:, 1:] != IGNORE_INDEX
-    if labels.shape[1] == length and bool(scored.any()) and _takes_logits_to_keep(_innermost(model)):
-        first = int(scored.any(dim=0).nonzero()[0])  # labels[:, first + 1] is the first scored column
-        if first > 0:
-            return model(**inputs, logits_to_keep=length - first).logits, labels[:, first:]
-    return model(**inputs).logits, labels
-
-
-def _innermost(model: nn.Module) -> nn.Module:
-    """The model under its wrappers (DDP's ``module``, PEFT's base model, ``torch.compile``'s original)."""
-    for _ in range(8):
-        if isinstance(getattr(model, "_orig_mod", None), nn.Module):
-            model = model._orig_mod
-        elif isinstance(getattr(model, "module", None), nn.Module):
-            model = model.module
-        elif callable(getattr(model, "get_base_model", None)) and model.get_base_model() is not model:
-            model = model.get_base_model()
-        else:
-            break
-    return model
-
-
-@functools.lru_cache(maxsize=None)
-def _forward_takes_logits_to_keep(model_type: type) -> bool:
-    return "logits_to_keep" in inspect.signature(model_type.forward).parameters
-
-
-def _takes_logits_to_keep(model: nn.Module) -> bool:
-    return _forward_takes_logits_to_keep(type(model))
+    return causal_lm_losses_from_logits(model(**model_inputs(batch)).logits, causal_lm_labels(batch))
 
 
 def causal_lm_losses_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -155,7 +111,8 @@ def causal_lm_per_example_correct(model: nn.Module, batch: Mapping[str, Any]) ->
     """1.0 where every label token of the row is the model's argmax next-token prediction
     (teacher-forced exact match of the answer), else 0.0; shape (rows,). The 0/1 statistic a
     non-forgetting certificate bounds (:class:`~hf_constrained.non_forgetting.ForgottenRows`)."""
-    logits, labels = answer_logits(model, batch)
+    labels = causal_lm_labels(batch)
+    logits = model(**model_inputs(batch)).logits
     shift_labels = labels[:, 1:].to(logits.device)
     scored = shift_labels != IGNORE_INDEX
     hit = (logits[:, :-1, :].argmax(-1) == shift_labels) | ~scored

@@ -95,42 +95,6 @@ def test_causal_lm_loss_without_labels_masks_padding(causal_lm, lm_rows, tokeniz
     torch.testing.assert_close(values, alone, rtol=1e-5, atol=1e-5)
 
 
-def test_the_head_runs_on_the_answers_only_and_every_value_is_the_full_logits_one(causal_lm, lm_rows, tokenizer):
-    """The per-row loss and exact match ask the model for logits from the first position that predicts an answer
-    token on (the prompts before it score nothing), also through a LoRA wrapper; the values are those of the full
-    logits. A model whose forward has no ``logits_to_keep`` gets the full forward."""
-    from peft import LoraConfig, get_peft_model
-
-    from hf_constrained.per_sample_loss import causal_lm_losses_from_logits, causal_lm_per_example_correct
-
-    batch = PaddingCollator(tokenizer)([lm_rows[i] for i in (1, 6, 2)])  # prompts of 10, 11 and 8 tokens
-    first = min(len(PROMPTS[i]) for i in (1, 6, 2)) - 1  # the position that predicts the first answer token
-    lora = get_peft_model(copy.deepcopy(causal_lm), LoraConfig(r=2, target_modules="all-linear"))
-
-    class Wrapped(torch.nn.Module):  # a forward without logits_to_keep
-        def __init__(self):
-            super().__init__()
-            self.inner = causal_lm
-
-        def forward(self, **inputs):
-            return self.inner(**inputs)
-
-    answers, everything = batch["input_ids"].shape[1] - first, batch["input_ids"].shape[1]
-    for model, head_of, kept in ((causal_lm, causal_lm, answers), (lora, lora.get_base_model(), answers),
-                                 (Wrapped(), causal_lm, everything)):
-        widths = []
-        head = head_of.get_output_embeddings().register_forward_hook(lambda m, i, o: widths.append(o.shape[1]))
-        with torch.no_grad():
-            full = model(**{k: batch[k] for k in ("input_ids", "attention_mask")}).logits
-            widths.clear()
-            values, correct = causal_lm_per_example_loss(model, batch), causal_lm_per_example_correct(model, batch)
-        head.remove()
-        assert widths == [kept, kept]
-        torch.testing.assert_close(values, causal_lm_losses_from_logits(full, batch["labels"]), rtol=0, atol=1e-6)
-        hit = (full[:, :-1].argmax(-1) == batch["labels"][:, 1:]) | (batch["labels"][:, 1:] == -100)
-        assert correct.tolist() == hit.all(dim=1).double().tolist()
-
-
 def test_sequence_classifier_reference_pass_matches_each_example_alone(tokenizer, tmp_path):
     config = BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                         intermediate_size=64, max_position_embeddings=64, num_labels=3, pad_token_id=0)
