@@ -145,6 +145,8 @@ class DemoConfig(CertificateArguments):
     proxy_indicator: bool = _opt(False, "with two-split estimation: the hinge's indicator follows the share of D_k "
                                         "forgotten")
     proxy_forget_rate: float = _opt(0.05, "with --proxy_indicator: the share forgotten above which the hinge acts")
+    constraint_rows_kept: str = _opt("all", "which of D_k's rows every method reads: all, or old_correct (those the old "
+                                            "model classifies right)")
     select_on: str = _opt("forgotten", "feasible checkpoint: every h_k <= tolerance ('loss') or share forgotten "
                                        "('forgotten')")
     select_forget_rate: float = _opt(0.05, "with --select_on forgotten: the largest share of a class's selection "
@@ -361,7 +363,8 @@ def old_pools(cfg: DemoConfig, old_path: str, model: Optional[CLIPModel] = None)
     data = demo_data(cfg).split(cfg)
     return protected_pools(lambda split, c, copies: class_rows(data, split, c, copies, cfg), demo_data(cfg).names,
                            cfg.target, model, zs, collate, constraint_copies=cfg.constraint_copies,
-                           eval_copies=cfg.eval_copies, constraint_correctness=cfg.proxy_indicator)
+                           eval_copies=cfg.eval_copies, constraint_correctness=cfg.proxy_indicator,
+                           constraint_rows_kept=cfg.constraint_rows_kept)
 
 
 def old_accuracy(cfg: DemoConfig, old_path: str, pools: ProtectedPools, model: Optional[CLIPModel] = None
@@ -393,6 +396,8 @@ def check_settings(cfg: DemoConfig, certify: bool = True) -> None:
         (cfg.proxy_indicator and not 0 <= cfg.proxy_forget_rate <= cfg.forget_tolerance,
          f"--proxy_forget_rate must be in [0, --forget_tolerance={cfg.forget_tolerance:g}], "
          f"got {cfg.proxy_forget_rate}"),
+        (cfg.constraint_rows_kept not in ("all", "old_correct"),
+         f"--constraint_rows_kept must be all or old_correct, got {cfg.constraint_rows_kept!r}"),
         (cfg.constraints_per_step < 0, f"--constraints_per_step must be >= 0 (0: every constraint each step), "
                                        f"got {cfg.constraints_per_step}"),
         (cfg.proxy_indicator and cfg.confidence > 0,

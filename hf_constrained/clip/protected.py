@@ -55,12 +55,16 @@ class ProtectedPools:
 
 def protected_pools(rows_of: RowsOf, names: Sequence[str], target: int, old_model: nn.Module, loss: ZeroShotLoss,
                     collate_fn: Callable, *, constraint_copies: int, eval_copies: int,
-                    constraint_correctness: bool = False) -> ProtectedPools:
+                    constraint_correctness: bool = False, constraint_rows_kept: str = "all") -> ProtectedPools:
     """The pools of every class but ``target`` with the old model's per-row losses, computed on the very rows
     (augmented copies included) they will be compared with: D_k with ``constraint_copies`` copies per image, the
     selection and held-out rows with ``eval_copies``; the certification rows one per image, with the old
     model's zero-shot correctness (absent for a class without any). ``constraint_correctness``: D_k's rows carry
-    the old model's correctness too (a proxy indicator reads the share of D_k forgotten)."""
+    the old model's correctness too (a proxy indicator reads the share of D_k forgotten). ``constraint_rows_kept``:
+    ``"all"``, or ``"old_correct"``: D_k keeps only the rows the old model classifies right (the rows the certificate
+    can count as forgotten), for the constraints and for every baseline that reads D_k."""
+    if constraint_rows_kept not in ("all", "old_correct"):
+        raise ValueError(f"constraint_rows_kept must be all or old_correct, got {constraint_rows_kept!r}")
     protected = [c for c in range(len(names)) if c != target]
     correct = ZeroShotCorrect(loss)
     out: dict[str, dict[str, ReferenceLossDataset]] = {}
@@ -70,6 +74,8 @@ def protected_pools(rows_of: RowsOf, names: Sequence[str], target: int, old_mode
         out[split] = {}
         for c in protected:
             rows = RowDataset(rows_of(source, c, copies))
+            if split == "constraint" and constraint_rows_kept == "old_correct":
+                rows = _rows_answered(rows, names[c], old_model, correct, collate_fn)
             out[split][names[c]] = ReferenceLossDataset(rows, reference_losses(old_model, rows, loss, collate_fn))
             if split == "constraint" and constraint_correctness:
                 out[split][names[c]] = with_old_correctness(old_model, out[split][names[c]], correct, collate_fn)
@@ -81,6 +87,17 @@ def protected_pools(rows_of: RowsOf, names: Sequence[str], target: int, old_mode
         if len(rows):
             certify[names[c]] = with_old_correctness(old_model, rows, correct, collate_fn)
     return ProtectedPools(out["constraint"], out["selection"], out["test"], target_selection, test_all, certify)
+
+
+def _rows_answered(rows: RowDataset, name: str, old_model: nn.Module, correct: ZeroShotCorrect,
+                   collate_fn: Callable) -> RowDataset:
+    """The rows of ``rows`` that ``old_model`` classifies right, in their order; none is an error naming the class."""
+    hits = reference_losses(old_model, rows, correct, collate_fn)
+    kept = [rows.rows[i] for i in range(len(rows)) if hits[i] > 0.5]
+    if not kept:
+        raise ValueError(f"constraint_rows_kept old_correct: the old model classifies none of protected class "
+                         f"{name!r}'s {len(rows)} constraint rows right; keep all rows")
+    return RowDataset(kept)
 
 
 def held_out_values(model: nn.Module, datasets: Mapping[str, ReferenceLossDataset], loss: ZeroShotLoss,
