@@ -145,8 +145,8 @@ class DemoConfig(CertificateArguments):
     proxy_indicator: bool = _opt(False, "with two-split estimation: the hinge's indicator follows the share of D_k "
                                         "forgotten")
     proxy_forget_rate: float = _opt(0.05, "with --proxy_indicator: the share forgotten above which the hinge acts")
-    constraint_rows_kept: str = _opt("all", "which of D_k's rows every method reads: all, or old_correct (those the old "
-                                            "model classifies right)")
+    constraint_rows_kept: str = _opt("all", "which of D_k's rows every method reads: all, or old_correct (those "
+                                            "the old model classifies right)")
     select_on: str = _opt("forgotten", "feasible checkpoint: every h_k <= tolerance ('loss') or share forgotten "
                                        "('forgotten')")
     select_forget_rate: float = _opt(0.05, "with --select_on forgotten: the largest share of a class's selection "

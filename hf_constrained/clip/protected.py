@@ -95,8 +95,8 @@ def _rows_answered(rows: RowDataset, name: str, old_model: nn.Module, correct: Z
     hits = reference_losses(old_model, rows, correct, collate_fn)
     kept = [rows.rows[i] for i in range(len(rows)) if hits[i] > 0.5]
     if not kept:
-        raise ValueError(f"constraint_rows_kept old_correct: the old model classifies none of protected class "
-                         f"{name!r}'s {len(rows)} constraint rows right; keep all rows")
+        raise ValueError(f"constraint_rows_kept old_correct: protected class {name!r}: the old model classifies none "
+                         f"of its {len(rows)} constraint rows right; keep all rows")
     return RowDataset(kept)
 
 

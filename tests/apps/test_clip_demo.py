@@ -3,6 +3,7 @@ the library's :mod:`hf_constrained.clip.experiment`; the command line, the runs 
 recipe's)."""
 
 import ast
+import dataclasses
 import json
 import os
 from dataclasses import fields
@@ -112,6 +113,39 @@ def test_pools_stay_in_their_split_and_carry_references_of_the_same_copies(tmp_p
     assert not torch.allclose(direct[0], direct[1])  # the copies differ, so do their references
     with torch.no_grad():  # the shared row_fn is zero at the old model and its mean is h_k
         assert torch.allclose(ReferenceGap(zs)(model, batch), torch.zeros(6), atol=1e-5)
+
+
+def test_old_correct_constraint_images_are_those_the_old_model_classifies_right(tmp_path):
+    """``--constraint_rows_kept old_correct``: D_k keeps, in order, the constraint images whose zero-shot argmax under
+    the old model is their class (checked here on the logits), with their references; the other splits keep all."""
+    from transformers import AutoTokenizer, CLIPModel
+
+    from hf_constrained.clip import ZeroShotLoss
+    from hf_constrained.clip.data import CLIPCollator
+
+    cfg = pipeline.DemoConfig()  # a stage-1 model that classifies most images right, not all
+    path = pipeline.pretrain_old_model(cfg, str(tmp_path), log=lambda *a: None)
+    every, kept = pipeline.old_pools(cfg, path), pipeline.old_pools(
+        dataclasses.replace(cfg, constraint_rows_kept="old_correct"), path)
+    tok, model = AutoTokenizer.from_pretrained(path), CLIPModel.from_pretrained(path).eval()
+    p = pipeline.demo_data(cfg).prompts(tok)
+    zs = ZeroShotLoss(p["input_ids"], p["attention_mask"], temperature=cfg.temperature)
+    dropped = 0
+    for c, name in enumerate(pipeline.DIGIT_NAMES):
+        if name not in every.constraint:
+            continue
+        rows = [every.constraint[name][i] for i in range(len(every.constraint[name]))]
+        with torch.no_grad():
+            right = zs.logits(model, CLIPCollator(tokenizer=tok)(rows)["pixel_values"]).argmax(dim=1) == c
+        expected = [r for r, ok in zip(rows, right.tolist()) if ok]
+        got = [kept.constraint[name][i] for i in range(len(kept.constraint[name]))]
+        assert [r["pixel_values"].tobytes() for r in got] == [r["pixel_values"].tobytes() for r in expected]
+        assert [r["reference_loss"] for r in got] == [r["reference_loss"] for r in expected]
+        assert len(kept.test[name]) == len(every.test[name])
+        dropped += len(rows) - len(got)
+    assert dropped > 0  # the stage-1 model misclassifies some: the filter is seen at work
+    with pytest.raises(ValueError, match="--constraint_rows_kept must be all or old_correct"):
+        pipeline.check_settings(dataclasses.replace(cfg, constraint_rows_kept="right"))
 
 
 def _summaries(drops, gains, certified):
