@@ -161,3 +161,23 @@ def with_old_correctness(old_model: nn.Module, dataset: Any, correct: PerSampleC
     Rows that already carry ``reference_loss`` (a :class:`ReferenceLossDataset`) keep it."""
     return ReferenceCorrectDataset(dataset, reference_losses(old_model, dataset, correct, collate_fn, batch_size,
                                                              desc=desc))
+
+
+def rows_answered(old_model: nn.Module, dataset: Any, correct: PerSampleCorrect, collate_fn: Optional[Callable] = None,
+                  batch_size: int = 64, *, name: str = "the rows", desc: str = "old model's correctness") -> list[int]:
+    """The indices of ``dataset``'s rows that ``old_model`` answers right (``correct`` gives 1), in their order: the
+    rows a non-forgetting certificate can count as forgotten, where a constraint keeps only those
+    (``rows_kept="old_correct"``). One eval-mode pass (:func:`reference_losses`); none answered is an error naming
+    ``name``, since the constraint would have no rows."""
+    hits = reference_losses(old_model, dataset, correct, collate_fn, batch_size, desc=desc)
+    kept = [i for i, hit in enumerate(hits.tolist()) if hit > 0.5]
+    if not kept:
+        raise ValueError(f"{name}: the old model answers none of its {len(dataset)} rows right; keep all rows")
+    return kept
+
+
+def row_subset(dataset: Any, indices: list[int]) -> Any:
+    """The rows ``indices`` of ``dataset``, in that order: ``dataset.select`` where it has one (a ``datasets.Dataset``),
+    else a :class:`torch.utils.data.Subset`."""
+    select = getattr(dataset, "select", None)
+    return select(indices) if callable(select) else torch.utils.data.Subset(dataset, indices)

@@ -139,6 +139,12 @@ class ConstraintDataArguments(CertificateArguments):
                 "setting the forgetting benchmark chose, docs/benchmarks.md), 0 for --constraint_penalty none, "
                 "without --protected_datasets, or with --packing / --padding_free. With --constraint_penalty none "
                 "it is plain replay of the same rows."})
+    protected_rows_kept: str = field(default="all", metadata={
+        "help": "Which training rows of each protected set its constraint (and replay) reads: all, or old_correct, "
+                "the rows the old model answers exactly (teacher-forced), the rows the certificate can count as "
+                "forgotten (an error names a set with none). For short answers: on 24 string tasks replay of those "
+                "rows kept 4-7 points more of the worst task (docs/many_tasks.md).",
+        "choices": ["all", "old_correct"]})
     constraint_tolerance: float = field(default=0.0, metadata={
         "help": "Absolute tolerance of every protected constraint (nats per token)."})
     relative_tolerance: float = field(default=0.0, metadata={
@@ -418,6 +424,8 @@ def check_arguments(config: RecipeArguments) -> None:
                          "(or --constraint_penalty none for plain SFT)")
     if not 0.0 <= data.eval_fraction < 1.0:
         raise RecipeConfigError(f"--eval_fraction must be in [0, 1), got {data.eval_fraction}")
+    if data.protected_rows_kept not in ("all", "old_correct"):
+        raise RecipeConfigError(f"--protected_rows_kept must be all or old_correct, got {data.protected_rows_kept!r}")
     if not 0.0 <= data.replay_old < 1.0:
         raise RecipeConfigError(f"--replay_old is the old rows' share of the loss, in [0, 1); got {data.replay_old}")
     if data.replay_old and not data.protected_datasets:
@@ -562,7 +570,7 @@ def build_constraints(config: RecipeArguments, model: Any, collate: Any, rows: R
             certify_datasets={k: v.certify for k, v in protected.items()} if certifying else None,
             correct=causal_lm_per_example_correct, row_fn=gap,
             config=NonForgettingConfig(tolerance=data.constraint_tolerance, relative_tolerance=data.relative_tolerance,
-                                       **statement))
+                                       rows_kept=data.protected_rows_kept, **statement))
     if rows.safety is not None:
         safety = rows.safety
         constraints += non_forgetting_constraints(

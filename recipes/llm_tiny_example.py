@@ -110,6 +110,7 @@ from hf_constrained.progress import StepProgressBar
 from hf_constrained.publishable import publishable_command, publishable_values
 from hf_constrained.recipe_args import CertificateArguments, parse_recipe_args
 from hf_constrained.recipes.tiny_lm import char_tokenizer, tiny_causal_lm
+from hf_constrained.reference_pass import rows_answered
 from hf_constrained.run_cost import rows_per_step
 from hf_constrained.safety.finish import certify_models
 from hf_constrained.text_data import tokenize_sft
@@ -310,18 +311,13 @@ def certification_rows(tokenizer: Any, cfg: ExampleArguments) -> dict[str, Indep
 def old_correct_rows(old_model: torch.nn.Module, rows: dict[str, Dataset],
                      collate: PaddingCollator) -> dict[str, Dataset]:
     """Each task's rows that ``old_model`` answers exactly (teacher-forced exact match of the answer tokens, the
-    certificate's statistic), in their order (``--constraint_rows_kept old_correct``). A task the old model answers
-    on no row is an error naming it: its constraint would have no rows."""
-    kept = {}
-    for task, data in rows.items():
-        correct = reference_losses(old_model, data, causal_lm_per_example_correct, collate, batch_size=256,
-                                   desc=f"old model's exact match {task}")
-        index = [i for i, c in enumerate(correct.tolist()) if c > 0.5]
-        if not index:
-            raise ValueError(f"--constraint_rows_kept old_correct: the old model answers none of task {task!r}'s "
-                             f"{len(data)} constraint rows exactly; keep all rows")
-        kept[task] = data.select(index)
-    return kept
+    certificate's statistic), in their order (``--constraint_rows_kept old_correct``; the library's
+    ``rows_answered``). A task the old model answers on no row is an error naming it: its constraint would have
+    no rows."""
+    return {task: data.select(rows_answered(old_model, data, causal_lm_per_example_correct, collate, batch_size=256,
+                                            name=f"--constraint_rows_kept old_correct: task {task!r}",
+                                            desc=f"old model's exact match {task}"))
+            for task, data in rows.items()}
 
 
 def baseline_regulariser(spec: Optional[tuple[str, float]], model: torch.nn.Module, constraint_rows: dict[str, Dataset],

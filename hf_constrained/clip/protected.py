@@ -28,6 +28,7 @@ from torch import nn
 
 from ..method.regularisers import KLToOld, ObjectiveRegulariser, Replay
 from ..non_forgetting import ReferenceCorrectDataset, ReferenceLossDataset, reference_losses, with_old_correctness
+from ..reference_pass import rows_answered
 from ..statistics import constraint_statistic
 from .data import RowDataset
 from .non_forgetting import ZeroShotCorrect, ZeroShotLoss
@@ -75,7 +76,9 @@ def protected_pools(rows_of: RowsOf, names: Sequence[str], target: int, old_mode
         for c in protected:
             rows = RowDataset(rows_of(source, c, copies))
             if split == "constraint" and constraint_rows_kept == "old_correct":
-                rows = _rows_answered(rows, names[c], old_model, correct, collate_fn)
+                rows = RowDataset([rows.rows[i] for i in rows_answered(
+                    old_model, rows, correct, collate_fn, name=f"constraint_rows_kept old_correct: protected class "
+                                                               f"{names[c]!r}")])
             out[split][names[c]] = ReferenceLossDataset(rows, reference_losses(old_model, rows, loss, collate_fn))
             if split == "constraint" and constraint_correctness:
                 out[split][names[c]] = with_old_correctness(old_model, out[split][names[c]], correct, collate_fn)
@@ -87,17 +90,6 @@ def protected_pools(rows_of: RowsOf, names: Sequence[str], target: int, old_mode
         if len(rows):
             certify[names[c]] = with_old_correctness(old_model, rows, correct, collate_fn)
     return ProtectedPools(out["constraint"], out["selection"], out["test"], target_selection, test_all, certify)
-
-
-def _rows_answered(rows: RowDataset, name: str, old_model: nn.Module, correct: ZeroShotCorrect,
-                   collate_fn: Callable) -> RowDataset:
-    """The rows of ``rows`` that ``old_model`` classifies right, in their order; none is an error naming the class."""
-    hits = reference_losses(old_model, rows, correct, collate_fn)
-    kept = [rows.rows[i] for i in range(len(rows)) if hits[i] > 0.5]
-    if not kept:
-        raise ValueError(f"constraint_rows_kept old_correct: protected class {name!r}: the old model classifies none "
-                         f"of its {len(rows)} constraint rows right; keep all rows")
-    return RowDataset(kept)
 
 
 def held_out_values(model: nn.Module, datasets: Mapping[str, ReferenceLossDataset], loss: ZeroShotLoss,

@@ -289,7 +289,7 @@ def test_old_correct_rows_keep_exactly_the_rows_the_old_model_answers_by_greedy_
     assert [len(c.dataset) for c in trainer.constraints] == [len(kept[t]) for t in ex.OLD_TASKS]
     assert len(trainer.regularised.regulariser.dataset) == sum(len(kept[t]) for t in ex.OLD_TASKS)
     fresh = _tiny_old_model(tmp_path / "fresh", steps=1)  # answers nothing yet
-    with pytest.raises(ValueError, match="answers none of task 'reverse'"):
+    with pytest.raises(ValueError, match="task 'reverse': the old model answers none of its 24 rows right"):
         ex.old_correct_rows(fresh, rows, ex.PaddingCollator(tokenizer))
     with pytest.raises(ValueError, match="--constraint_rows_kept must be all or old_correct"):
         ex.ExampleArguments(constraint_rows_kept="some")

@@ -456,6 +456,33 @@ def test_forgetting_every_answer_is_not_certified_and_keeping_them_is(setup, ans
     assert kept["certified"] is True and kept["safe"] is True
 
 
+def test_protected_rows_kept_old_correct_reads_only_the_rows_the_old_model_answers(setup, answering_model, tmp_path,
+                                                                                      monkeypatch):
+    """``--protected_rows_kept old_correct``: the old model answers every row of "one", so its constraint keeps all
+    of its training rows; it answers none of "reverse", which is an error naming that set before training."""
+    old, data = answering_model
+    recipe = _recipe()
+    monkeypatch.setenv("HF_CONSTRAINED_LEDGER", str(tmp_path / "ledger.json"))
+    argv = ["--model_name_or_path", old, "--dataset_name", setup["target"], "--max_steps", "1",
+            "--eval_fraction", "0.5", "--forget_tolerance", "0.35", "--use_cpu", "True", "--report_to", "none",
+            "--save_strategy", "no", "--per_device_train_batch_size", "4", "--disable_tqdm", "True",
+            "--protected_rows_kept", "old_correct"]
+    seen = []
+    real = recipe.non_forgetting_constraints
+
+    def spy(*args, **kwargs):
+        out = real(*args, **kwargs)
+        seen.extend((c.name, len(c.dataset), kwargs["config"].rows_kept) for c in out)
+        return out
+
+    monkeypatch.setattr(recipe, "non_forgetting_constraints", spy)
+    recipe.main(argv + ["--output_dir", str(tmp_path / "one"), "--protected_datasets", f"one={data}"])
+    assert seen == [("non_forgetting/one", 20, "old_correct")]  # the 20 training rows of 40 (eval_fraction 0.5)
+    with pytest.raises(ValueError, match="protected task 'reverse'.*answers none of its"):
+        recipe.main(argv + ["--output_dir", str(tmp_path / "two"), "--protected_datasets", f"one={data}",
+                            f"reverse={setup['reverse']}"])
+
+
 def test_push_comes_last_and_a_refusal_keeps_every_local_file(setup, tmp_path, monkeypatch):
     """--push_to_hub on a run that is not certified: results, report, card and trainer state are all
     written, nothing is uploaded, and the command's status is 1; --allow_unsafe_push uploads, status 0."""

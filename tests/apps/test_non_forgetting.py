@@ -459,3 +459,31 @@ def test_shares_forgotten_count_rows_right_before_and_wrong_now():
     assert largest(new) == pytest.approx(max(expected.values()) - 0.05, abs=1e-12) and largest(old) == -0.05
     with pytest.raises(ValueError, match="share"):
         largest_share_forgotten(marked, _linear_correct, 1.0)
+
+
+def test_rows_kept_old_correct_keeps_the_rows_the_old_model_answers(causal_lm, lm_rows, tokenizer):
+    """``NonForgettingConfig(rows_kept="old_correct")``: each constraint trains on the rows ``correct`` marks right
+    under the old model, in order, with their own reference losses (a ``datasets.Dataset`` or a plain list of rows);
+    without ``correct``, with no row answered, or with another value it is an error naming the task or the field."""
+    collate = PaddingCollator(tokenizer)
+    answered = {"rev:hello=", "cp:xy=", "add:11+4=", "cp:abcdefg="}
+
+    def correct(model, batch):  # a stand-in for exact match: right on the prompts of `answered`
+        texts = [tokenizer.decode(ids) for ids in batch["input_ids"].tolist()]
+        return torch.tensor([float(any(t.startswith(a) for a in answered)) for t in texts])
+
+    config = NonForgettingConfig(rows_kept="old_correct")
+    for data in (lm_rows, [lm_rows[i] for i in range(len(lm_rows))]):
+        (c,) = non_forgetting_constraints(causal_lm, causal_lm_per_example_loss, {"toy": data}, collate,
+                                          correct=correct, config=config)
+        kept = [i for i, p in enumerate(PROMPTS) if p in answered]
+        assert [c.dataset[j]["input_ids"] for j in range(len(c.dataset))] == [lm_rows[i]["input_ids"] for i in kept]
+        full = reference_losses(causal_lm, lm_rows, causal_lm_per_example_loss, collate)
+        torch.testing.assert_close(c.dataset.losses, full[kept], rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="protected task 'toy': rows_kept='old_correct' needs correct"):
+        non_forgetting_constraints(causal_lm, causal_lm_per_example_loss, {"toy": lm_rows}, collate, config=config)
+    with pytest.raises(ValueError, match="protected task 'toy'.*answers none of its 8 rows right"):
+        non_forgetting_constraints(causal_lm, causal_lm_per_example_loss, {"toy": lm_rows}, collate,
+                                   correct=lambda m, b: torch.zeros(len(b["input_ids"])), config=config)
+    with pytest.raises(ValueError, match="rows_kept must be 'all' or 'old_correct'"):
+        NonForgettingConfig(rows_kept="answered")
