@@ -224,8 +224,9 @@ class ManyTaskArguments(ExampleArguments):
 
 def stored_settings(config: dict[str, Any]) -> dict[str, Any]:
     """A stored result's example settings (``benchmarks/forgetting_frontier.py --example_result``), completed with
-    the settings added since (the indicator's batch size: its default, the constraint batch size)."""
-    return {"constraint_indicator_batch_size": None, **config}
+    the settings added since (the indicator's batch size: its default, the constraint batch size; every constraint
+    row kept)."""
+    return {"constraint_indicator_batch_size": None, "constraint_rows_kept": "all", **config}
 
 
 def parse(argv: Optional[list[str]] = None) -> ManyTaskArguments:

@@ -92,6 +92,15 @@ INDICATOR_BATCH_SIZE = 8
 choice (docs/benchmarks.md): as many tuning seeds certified as with 32, at a quarter of the forward-only images."""
 
 
+SETTINGS_ADDED_LATER: dict[str, Any] = {"constraint_rows_kept": "all"}
+"""Settings added after results were stored, each with the value every run before it had (:func:`stored_config`)."""
+
+
+def stored_config(config: dict[str, Any]) -> dict[str, Any]:
+    """A stored result's settings, completed with :data:`SETTINGS_ADDED_LATER` where they predate one."""
+    return {**SETTINGS_ADDED_LATER, **config}
+
+
 @dataclass
 class DemoConfig(CertificateArguments):
     """The settings of one run of the experiment: the demo's options (``recipes/demo_clip_digits.py``: one

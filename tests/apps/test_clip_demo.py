@@ -459,7 +459,7 @@ def test_committed_demo_results_come_from_the_command_shown_beside_them():
         words = shlex.split(saved["command"])
         assert words[:3] == demo.MODULE_COMMAND.split(), path
         ns = _demo_parser().parse_args(words[3:])
-        assert demo.parsed_config(ns) == saved["config"], path
+        assert demo.parsed_config(ns) == pipeline.stored_config(saved["config"]), path
         assert ns.output == os.path.relpath(path, root), path  # written where the command says
         assert saved["command"] in shown, path
         assert [s["seed"] for s in saved["per_seed"]] == saved["config"]["seeds"], path

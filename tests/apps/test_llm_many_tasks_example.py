@@ -165,3 +165,21 @@ def test_the_benchmarks_run_on_the_many_task_example(old_model, tmp_path, monkey
                         "--constraints_per_step", "2"])
     assert result["rows_per_step"]["hinge=0.5"]["constraint"] == 2 * 2
     assert result["example"]["constraints_per_step"] == 2
+
+
+def test_stored_results_complete_to_the_current_settings():
+    """Every committed many-task result's settings, completed with the settings added since (``stored_settings``),
+    have exactly the example's current fields, so that ``--include`` / ``--example_result`` compare like with like."""
+    import dataclasses
+    import glob
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    fields = {f.name for f in dataclasses.fields(many.ManyTaskArguments)}
+    files = glob.glob(os.path.join(root, "benchmarks", "results", "forgetting_frontier_many_tasks_*.json"))
+    assert files
+    for path in files:
+        with open(path) as f:
+            saved = json.load(f)["config"]["example"]
+        assert set(many.stored_settings(saved)) == fields, path
+

@@ -165,7 +165,7 @@ def test_committed_shapes_results_come_from_the_command_shown_beside_them():
         ns = parser.parse_args(words[3:])
         # results written before the demo's options named MSVR's gamma' ran at the library's 0.1, the value the
         # example pins
-        assert demo.parsed_config(ns) == {"msvr_gamma_prime": 0.1, **saved["config"]}, path
+        assert demo.parsed_config(ns) == {"msvr_gamma_prime": 0.1, **pipeline.stored_config(saved["config"])}, path
         assert ns.output == os.path.relpath(path, root), path
         assert saved["command"] in shown, path
         assert saved["config"]["data"] == "shapes" and saved["config"]["forget_tolerance"] == 0.03
