@@ -24,6 +24,8 @@ unsharded multi-CPU training. :func:`fsdp2_on_cpu` (used by the trainer while it
 Accelerator) turns an FSDP2 request on CPU into FSDP, so the launch users take on GPUs
 (``accelerate launch --config_file recipes/accelerate_configs/fsdp.yaml``) also shards on a
 CPU machine, where the tests check it (``tests/trainer/test_fsdp.py``).
+
+:func:`exit_after_all_ranks` ends a recipe's script: every rank leaves the launcher's process group, then exits.
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 from torch import nn
 from transformers import TrainerCallback, TrainingArguments
@@ -175,3 +178,24 @@ class GradientCoverageCallback(TrainerCallback):
 
 __all__ = ["GradientCoverageCallback", "configure_ddp_for_constraints", "fsdp2_on_cpu", "fsdp_requested",
            "full_state_dict_save", "uses_ddp"]
+
+
+def exit_after_all_ranks(status: int) -> NoReturn:
+    """End a recipe's script with ``status``. In a launched run (``accelerate launch``, ``torchrun``) every rank first
+    waits for the others and leaves the process group. A gloo (CPU) rank then exits at once, after flushing its
+    streams and logs: gloo's threads can abort the interpreter's normal teardown ("terminate called without an active
+    exception") after the run's files are written, and the launcher would report the run as failed; exit hooks do not
+    run there. Otherwise (one process, or another backend) it is ``sys.exit(status)``."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        gloo = dist.get_backend() == "gloo"
+        dist.barrier()
+        dist.destroy_process_group()
+        if gloo:
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(status)
+    sys.exit(status)
+

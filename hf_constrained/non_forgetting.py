@@ -93,8 +93,13 @@ from .reference_pass import (
 
 logger = logging.getLogger(__name__)
 
+ROWS_KEPT = ("all", "old_correct")
+"""Which training rows a non-forgetting constraint keeps (:attr:`NonForgettingConfig.rows_kept`): all, or the rows the
+old model answers right."""
+
 __all__ = [
     "CORRECT_KEY",
+    "ROWS_KEPT",
     "ForgottenRows",
     "PairedChange",
     "certifiable_target",
@@ -348,7 +353,7 @@ class NonForgettingConfig:
     rows_kept: str = "all"
 
     def __post_init__(self) -> None:
-        if self.rows_kept not in ("all", "old_correct"):
+        if self.rows_kept not in ROWS_KEPT:
             raise ValueError(f"rows_kept must be 'all' or 'old_correct', got {self.rows_kept!r}")
         if self.forget_tolerance is not None and self.accuracy_drop_tolerance is not None:
             raise ValueError("give forget_tolerance or accuracy_drop_tolerance, not both (the certificate bounds "

@@ -64,6 +64,7 @@ from hf_constrained.clip.data import (
     csv_target_rows,
     load_image_text_csv,
 )
+from hf_constrained.distributed import exit_after_all_ranks
 from hf_constrained.errors import check_model_path
 from hf_constrained.extras import require_extra
 from hf_constrained.publishable import publishable_command, publishable_path, publishable_values
@@ -431,4 +432,4 @@ def main(argv: Optional[list[str]] = None) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:] or None)["exit_status"])
+    exit_after_all_ranks(main(sys.argv[1:] or None)["exit_status"])

@@ -78,10 +78,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, 
 from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments, finish_run
 from hf_constrained.atomic_files import atomic_write_json
 from hf_constrained.certification.splits import carve_certification, check_certify_fraction
+from hf_constrained.distributed import exit_after_all_ranks
 from hf_constrained.errors import check_model_path
 from hf_constrained.extras import MissingExtraError, has_module, install_hint
 from hf_constrained.method.regularisers import ConstraintRowReplay
 from hf_constrained.non_forgetting import (
+    ROWS_KEPT,
     NonForgettingConfig,
     ReferenceGap,
     causal_lm_per_example_loss,
@@ -144,7 +146,7 @@ class ConstraintDataArguments(CertificateArguments):
                 "the rows the old model answers exactly (teacher-forced), the rows the certificate can count as "
                 "forgotten (an error names a set with none). For short answers: on 24 string tasks replay of those "
                 "rows kept 4-7 points more of the worst task (docs/many_tasks.md).",
-        "choices": ["all", "old_correct"]})
+        "choices": list(ROWS_KEPT)})
     constraint_tolerance: float = field(default=0.0, metadata={
         "help": "Absolute tolerance of every protected constraint (nats per token)."})
     relative_tolerance: float = field(default=0.0, metadata={
@@ -424,7 +426,7 @@ def check_arguments(config: RecipeArguments) -> None:
                          "(or --constraint_penalty none for plain SFT)")
     if not 0.0 <= data.eval_fraction < 1.0:
         raise RecipeConfigError(f"--eval_fraction must be in [0, 1), got {data.eval_fraction}")
-    if data.protected_rows_kept not in ("all", "old_correct"):
+    if data.protected_rows_kept not in ROWS_KEPT:
         raise RecipeConfigError(f"--protected_rows_kept must be all or old_correct, got {data.protected_rows_kept!r}")
     if not 0.0 <= data.replay_old < 1.0:
         raise RecipeConfigError(f"--replay_old is the old rows' share of the loss, in [0, 1); got {data.replay_old}")
@@ -706,4 +708,4 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    sys.exit(main()["exit_status"])
+    exit_after_all_ranks(main()["exit_status"])

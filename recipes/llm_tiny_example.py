@@ -98,6 +98,7 @@ from hf_constrained.certification.ledger import user_ledger_at
 from hf_constrained.method.projection import AGEM, GradientProjection, ReplayAGEM
 from hf_constrained.method.regularisers import ConstraintRowReplay, KLToOld, L2ToOld, ObjectiveRegulariser, Replay
 from hf_constrained.non_forgetting import (
+    ROWS_KEPT,
     NonForgettingConfig,
     PaddingCollator,
     causal_lm_per_example_loss,
@@ -679,7 +680,7 @@ class ExampleArguments(CertificateArguments):
                 "all; or old_correct, the rows the old model answers exactly (teacher-forced), the rows the "
                 "certificate can count as forgotten: on a task the old model answers only in part, the other rows' "
                 "gradient pulls toward answers it never gave",
-        "choices": ["all", "old_correct"]})
+        "choices": list(ROWS_KEPT)})
     constraint_margin: Optional[float] = field(default=0.02, metadata={
         "help": "the constrained run's margin: the hinge acts when the estimate exceeds its tolerance minus this "
                 "(with --constraint_proxy_indicator a share of rows, else nats per answer token)"})
@@ -764,7 +765,7 @@ class ExampleArguments(CertificateArguments):
         if self.constraint_surrogate not in ("loss_change", "loss_increase"):
             raise ValueError(f"--constraint_surrogate must be loss_change or loss_increase, got "
                              f"{self.constraint_surrogate!r}")
-        if self.constraint_rows_kept not in ("all", "old_correct"):
+        if self.constraint_rows_kept not in ROWS_KEPT:
             raise ValueError(f"--constraint_rows_kept must be all or old_correct, got {self.constraint_rows_kept!r}")
         if self.per_device_train_batch_size < 1:
             raise ValueError(f"--per_device_train_batch_size must be >= 1, got {self.per_device_train_batch_size}")

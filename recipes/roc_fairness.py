@@ -46,10 +46,10 @@ logs each constraint's batch dispersion next to its estimate.
 
 import json
 import logging
-import sys
 from collections.abc import Collection
 
 from hf_constrained import ConstrainedTrainingArguments
+from hf_constrained.distributed import exit_after_all_ranks
 from hf_constrained.fairness.experiment import ROCFairnessArguments, run_roc_fairness
 from hf_constrained.recipe_args import given_flags, parse_recipe_args
 
@@ -123,4 +123,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(main()["exit_status"])
+    exit_after_all_ranks(main()["exit_status"])

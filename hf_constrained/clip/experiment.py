@@ -53,7 +53,7 @@ from ..certification.splits import certification_tail, partition_by_class
 from ..config import ConstrainedTrainingArguments
 from ..constraint import Certification, Constraint
 from ..margin import CalibratedMargin
-from ..non_forgetting import ReferenceGap, forgetting_statistic, reference_losses
+from ..non_forgetting import ROWS_KEPT, ReferenceGap, forgetting_statistic, reference_losses
 from ..progress import StepProgressBar
 from ..publishing.certificate_text import certificate_record
 from ..run_cost import StepClock, step_cost
@@ -405,7 +405,7 @@ def check_settings(cfg: DemoConfig, certify: bool = True) -> None:
         (cfg.proxy_indicator and not 0 <= cfg.proxy_forget_rate <= cfg.forget_tolerance,
          f"--proxy_forget_rate must be in [0, --forget_tolerance={cfg.forget_tolerance:g}], "
          f"got {cfg.proxy_forget_rate}"),
-        (cfg.constraint_rows_kept not in ("all", "old_correct"),
+        (cfg.constraint_rows_kept not in ROWS_KEPT,
          f"--constraint_rows_kept must be all or old_correct, got {cfg.constraint_rows_kept!r}"),
         (cfg.constraints_per_step < 0, f"--constraints_per_step must be >= 0 (0: every constraint each step), "
                                        f"got {cfg.constraints_per_step}"),

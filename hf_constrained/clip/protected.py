@@ -27,7 +27,13 @@ import torch
 from torch import nn
 
 from ..method.regularisers import KLToOld, ObjectiveRegulariser, Replay
-from ..non_forgetting import ReferenceCorrectDataset, ReferenceLossDataset, reference_losses, with_old_correctness
+from ..non_forgetting import (
+    ROWS_KEPT,
+    ReferenceCorrectDataset,
+    ReferenceLossDataset,
+    reference_losses,
+    with_old_correctness,
+)
 from ..reference_pass import rows_answered
 from ..statistics import constraint_statistic
 from .data import RowDataset
@@ -64,7 +70,7 @@ def protected_pools(rows_of: RowsOf, names: Sequence[str], target: int, old_mode
     the old model's correctness too (a proxy indicator reads the share of D_k forgotten). ``constraint_rows_kept``:
     ``"all"``, or ``"old_correct"``: D_k keeps only the rows the old model classifies right (the rows the certificate
     can count as forgotten), for the constraints and for every baseline that reads D_k."""
-    if constraint_rows_kept not in ("all", "old_correct"):
+    if constraint_rows_kept not in ROWS_KEPT:
         raise ValueError(f"constraint_rows_kept must be all or old_correct, got {constraint_rows_kept!r}")
     protected = [c for c in range(len(names)) if c != target]
     correct = ZeroShotCorrect(loss)
