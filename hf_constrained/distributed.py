@@ -30,6 +30,7 @@ CPU machine, where the tests check it (``tests/trainer/test_fsdp.py``).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
@@ -182,10 +183,11 @@ __all__ = ["GradientCoverageCallback", "configure_ddp_for_constraints", "fsdp2_o
 
 def exit_after_all_ranks(status: int) -> NoReturn:
     """End a recipe's script with ``status``. In a launched run (``accelerate launch``, ``torchrun``) every rank first
-    waits for the others and leaves the process group. A gloo (CPU) rank then exits at once, after flushing its
-    streams and logs: gloo's threads can abort the interpreter's normal teardown ("terminate called without an active
-    exception") after the run's files are written, and the launcher would report the run as failed; exit hooks do not
-    run there. Otherwise (one process, or another backend) it is ``sys.exit(status)``."""
+    waits for the others and leaves the process group. A gloo (CPU) rank then runs the exit hooks (``atexit``: a
+    tracker's finish, for one), flushes its streams and logs, and exits without the interpreter's teardown, where
+    gloo's threads can abort the process ("terminate called without an active exception") after the run's files are
+    written, and the launcher would report the run as failed. Otherwise (one process, or another backend) it is
+    ``sys.exit(status)``."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
@@ -193,6 +195,7 @@ def exit_after_all_ranks(status: int) -> NoReturn:
         dist.barrier()
         dist.destroy_process_group()
         if gloo:
+            atexit._run_exitfuncs()  # the hooks the skipped teardown would have run
             logging.shutdown()
             sys.stdout.flush()
             sys.stderr.flush()
