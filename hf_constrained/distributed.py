@@ -177,8 +177,6 @@ class GradientCoverageCallback(TrainerCallback):
             )
 
 
-__all__ = ["GradientCoverageCallback", "configure_ddp_for_constraints", "fsdp2_on_cpu", "fsdp_requested",
-           "full_state_dict_save", "uses_ddp"]
 
 
 def exit_after_all_ranks(status: int) -> NoReturn:
@@ -202,3 +200,6 @@ def exit_after_all_ranks(status: int) -> NoReturn:
             os._exit(status)
     sys.exit(status)
 
+
+__all__ = ["GradientCoverageCallback", "configure_ddp_for_constraints", "exit_after_all_ranks", "fsdp2_on_cpu",
+           "fsdp_requested", "full_state_dict_save", "uses_ddp"]
