@@ -16,8 +16,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
-from rank_exit import exit_after_all_ranks  # noqa: E402  (this script's folder)
 from scale_tiny import StopAt, make_projection, make_trainer, snapshot  # noqa: E402
+
+from hf_constrained.distributed import exit_after_all_ranks  # noqa: E402
 
 
 def run(out: str, kind: str, steps: int, stop: int = 0, resume: str = "", **kw) -> dict:
@@ -54,4 +55,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    exit_after_all_ranks()
+    exit_after_all_ranks(0)  # every rank done, then out without the teardown gloo can abort

@@ -23,7 +23,6 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
-from rank_exit import exit_after_all_ranks  # noqa: E402  (this script's folder)
 from scale_tiny import (  # noqa: E402
     Recorder,
     StopAt,
@@ -37,6 +36,8 @@ from scale_tiny import (  # noqa: E402
     record_constraint_calls,
     snapshot,
 )
+
+from hf_constrained.distributed import exit_after_all_ranks  # noqa: E402
 
 
 def _save(out: str, name: str, obj: object) -> None:
@@ -135,4 +136,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    exit_after_all_ranks()
+    exit_after_all_ranks(0)  # every rank done, then out without the teardown gloo can abort

@@ -26,9 +26,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 from fsdp_tiny import certified_trainer  # noqa: E402
-from rank_exit import exit_after_all_ranks  # noqa: E402  (this script's folder)
 from scale_tiny import StopAt, TinyClassifier, make_trainer  # noqa: E402
 
+from hf_constrained.distributed import exit_after_all_ranks  # noqa: E402
 from hf_constrained.safety import finish_run  # noqa: E402
 
 
@@ -103,4 +103,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    exit_after_all_ranks()
+    exit_after_all_ranks(0)  # every rank done, then out without the teardown gloo can abort

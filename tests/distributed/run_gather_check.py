@@ -18,9 +18,9 @@ import time
 
 import torch
 import torch.distributed as dist
-from rank_exit import exit_after_all_ranks  # this script's folder
 
 from hf_constrained.clip.contrastive import contrastive_terms, contrastive_value, gather_with_grad
+from hf_constrained.distributed import exit_after_all_ranks
 
 ROWS, DIM, T = 6, 5, 0.1
 
@@ -111,4 +111,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    exit_after_all_ranks()
+    exit_after_all_ranks(0)  # every rank done, then out without the teardown gloo can abort
