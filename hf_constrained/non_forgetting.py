@@ -460,7 +460,9 @@ class NonForgettingConstraint(Constraint):
             if statistic is None:
                 raise ValueError(f"protected task {task!r}: old_correct_on_rows serves the certificate's statistic: "
                                  "give certify_dataset, correct and forget_tolerance")
-            train = old_pass(with_old_correctness, train, correct, f"old model's correctness {task}")
+            train = (ReferenceCorrectDataset(train, torch.ones(len(train)))  # kept rows: each one answered
+                     if config.rows_kept == "old_correct"
+                     else old_pass(with_old_correctness, train, correct, f"old model's correctness {task}"))
             # the proxy indicator tracks the statistic: aim it at what the certification split can still certify
             target = certifiable_target(statistic, len(certify_rows), config.delta)
             margin = statistic.tolerance - (0.0 if target is None else target)
