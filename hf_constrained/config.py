@@ -144,10 +144,12 @@ class ConstrainedTrainingArguments(TrainingArguments):
     )
     constraint_proxy_indicator: bool = field(
         default=False,
-        metadata={"help": "With two-split estimation: the estimate (and the hinge's indicator) of every constraint "
-                  "that declares a certification statistic (Certification.statistic) tracks that statistic on the "
-                  "indicator rows, against its tolerance, while the gradient follows the constraint's "
-                  "differentiable surrogate."},
+        metadata={"help": "The estimate (and the hinge's indicator) of every constraint that declares a "
+                  "certification statistic (Certification.statistic) tracks that statistic, against its tolerance, "
+                  "while the gradient follows the constraint's differentiable surrogate. With two-split estimation "
+                  "on the indicator rows; with one split on the gradient's own rows, scored at the step's parameters "
+                  "before its update and, for a causal LM's non-forgetting constraints, in the forward the gradient "
+                  "already makes (no pass of its own)."},
     )
     constraint_indicator_fraction: Optional[float] = field(
         default=None,

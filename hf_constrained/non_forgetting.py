@@ -69,8 +69,10 @@ from .constraint import Certification, CertifyStatistic, Constraint
 from .method.shared_forward import MergedForward
 from .per_sample_loss import (
     PaddingCollator,
+    causal_lm_correct_from_logits,
     causal_lm_labels,
     causal_lm_losses_from_logits,
+    causal_lm_per_example_correct,
     causal_lm_per_example_loss,
     sequence_classification_per_example_loss,
 )
@@ -136,16 +138,35 @@ class ForgottenRows:
     def __init__(self, correct: PerSampleCorrect) -> None:
         self.correct = correct
 
+    @property
+    def reads_logits(self) -> bool:
+        """Whether :meth:`values_from_logits` can score rows from a causal LM's logits (a proxy indicator then
+        reads the statistic from the constraint rows' own forward:
+        :class:`~hf_constrained.method.statistic_rows.RowsWithStatistic`)."""
+        return self.correct is causal_lm_per_example_correct
+
     def __call__(self, model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
+        self._check(batch)
+        return self._per_row(self.correct(model, batch).double(), batch)
+
+    def values_from_logits(self, logits: torch.Tensor, batch: Mapping[str, Any]) -> torch.Tensor:
+        """The per-row statistic from the logits of the batch's rows (possibly wider), as :meth:`__call__` scores it."""
+        self._check(batch)
+        return self._per_row(causal_lm_correct_from_logits(logits, causal_lm_labels(batch)), batch)
+
+    @staticmethod
+    def _check(batch: Mapping[str, Any]) -> None:
         if CORRECT_KEY not in batch:
             raise KeyError(f"certification batch has no {CORRECT_KEY!r}: wrap the rows in ReferenceCorrectDataset "
                            "(non_forgetting_constraints(certify_datasets=...) does)")
-        now = self.correct(model, batch).double()
+
+    @staticmethod
+    def _per_row(now: torch.Tensor, batch: Mapping[str, Any]) -> torch.Tensor:
         old = torch.as_tensor(batch[CORRECT_KEY]).to(now)
         return old * (1.0 - now)
 
     def __repr__(self) -> str:
-        return f"ForgottenRows({getattr(self.correct, '__name__', type(self.correct).__name__)})"
+        return f"{type(self).__name__}({getattr(self.correct, '__name__', type(self.correct).__name__)})"
 
 
 @functools.lru_cache(maxsize=None)
@@ -201,15 +222,9 @@ class PairedChange(ForgottenRows):
     """Per row, ``old_correct - new_correct`` in {-1, 0, 1}: 1 forgotten, -1 newly right, 0 unchanged.
     Its mean is the accuracy lost on the task (old accuracy minus new accuracy, on the same rows)."""
 
-    def __call__(self, model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
-        if CORRECT_KEY not in batch:
-            raise KeyError(f"certification batch has no {CORRECT_KEY!r}: wrap the rows in ReferenceCorrectDataset "
-                           "(non_forgetting_constraints(certify_datasets=...) does)")
-        now = self.correct(model, batch).double()
+    @staticmethod
+    def _per_row(now: torch.Tensor, batch: Mapping[str, Any]) -> torch.Tensor:
         return torch.as_tensor(batch[CORRECT_KEY]).to(now) - now
-
-    def __repr__(self) -> str:
-        return f"PairedChange({getattr(self.correct, '__name__', type(self.correct).__name__)})"
 
 
 def points_lost_statistic(correct: PerSampleCorrect, tolerance: float) -> CertifyStatistic:
@@ -257,6 +272,11 @@ class ReferenceGap:
     def __init__(self, loss: Union[PerSampleLoss, Any]) -> None:
         self.loss = loss
         self.per_sample = as_per_sample_loss(loss)
+
+    @property
+    def reads_logits(self) -> bool:
+        """Whether :meth:`values_from_logits` applies: the rows are a causal LM's token rows."""
+        return self.per_sample is causal_lm_per_example_loss
 
     def __call__(self, model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
         self._check(batch)

@@ -111,8 +111,14 @@ def causal_lm_per_example_correct(model: nn.Module, batch: Mapping[str, Any]) ->
     """1.0 where every label token of the row is the model's argmax next-token prediction
     (teacher-forced exact match of the answer), else 0.0; shape (rows,). The 0/1 statistic a
     non-forgetting certificate bounds (:class:`~hf_constrained.non_forgetting.ForgottenRows`)."""
-    labels = causal_lm_labels(batch)
-    logits = model(**model_inputs(batch)).logits
+    return causal_lm_correct_from_logits(model(**model_inputs(batch)).logits, causal_lm_labels(batch))
+
+
+@torch.no_grad()
+def causal_lm_correct_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """:func:`causal_lm_per_example_correct` from the logits of a forward pass already made (possibly wider
+    than ``labels``), shape (rows,): a proxy indicator reads it from the constraint rows' own forward."""
+    logits = logits[:, : labels.shape[1]]
     shift_labels = labels[:, 1:].to(logits.device)
     scored = shift_labels != IGNORE_INDEX
     hit = (logits[:, :-1, :].argmax(-1) == shift_labels) | ~scored

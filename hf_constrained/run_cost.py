@@ -40,6 +40,12 @@ class StepClock(TrainerCallback):
             self._start = None
 
 
+def statistic_in_the_gradients_forward(engine: Any) -> bool:
+    """Whether a one-split proxy indicator, if any, scores its statistic in the gradient rows' forward (else it
+    takes a forward of its own over the same rows: :class:`~hf_constrained.method.statistic_rows.RowsWithStatistic`)."""
+    return all(getattr(view.row_fn, "one_forward", True) for view in engine.gradient_rows.views)
+
+
 def rows_per_step(trainer: Any) -> dict[str, int]:
     """Rows through a forward of the trained model (with or without grad) and through its backward per optimizer
     step, and where they come from (``new``: the step's pairs; ``constraint``, ``indicator``, ``look_ahead``: the
@@ -51,7 +57,7 @@ def rows_per_step(trainer: Any) -> dict[str, int]:
         sampled = engine.sampler.num_per_step
         parts["constraint"] = sampled * engine.batch_size
         estimate_rows = sampled * engine.estimate_rows.values.batch_size
-        if engine.separate_estimate and trainer.penalty.active:
+        if trainer.penalty.active and (engine.separate_estimate or not statistic_in_the_gradients_forward(engine)):
             parts["indicator"] = estimate_rows
         if trainer.penalty.active and engine.estimator.gamma_prime > 0:
             parts["look_ahead"] = estimate_rows

@@ -463,7 +463,8 @@ def study_ledger(folder: str) -> Iterator[None]:
 def add_old_correctness(old_model: torch.nn.Module, constraints: list[Any], collate: PaddingCollator) -> None:
     """Give every constraint row the old model's 0/1 exact match (``reference_correct``), so that a proxy
     indicator can evaluate the certificate's statistic, the share of rows forgotten, on the constraint's
-    own indicator rows (the rows of ``constraint_indicator_fraction`` that no gradient uses)."""
+    own indicator rows (the rows of ``constraint_indicator_fraction`` that no gradient uses) or, with one split,
+    on the gradient's rows."""
     for c in constraints:
         c.dataset = with_old_correctness(old_model, c.dataset, causal_lm_per_example_correct, collate, batch_size=256,
                                          desc=f"old model's exact match {c.name}")
@@ -667,9 +668,10 @@ class ExampleArguments(CertificateArguments):
         "help": "with --constraint_indicator_fraction: indicator rows per sampled constraint and step, forwarded "
                 "without grad (default: --constraint_batch_size; fewer cost less and leave the estimate noisier)"})
     constraint_proxy_indicator: bool = field(default=True, metadata={
-        "help": "with --constraint_indicator_fraction: the indicator follows the certificate's statistic (the share "
-                "of the indicator rows forgotten) against --forget_tolerance; the gradient follows the constraint's "
-                "row values (--constraint_surrogate)"})
+        "help": "the indicator follows the certificate's statistic (the share of rows forgotten) against "
+                "--forget_tolerance, on the indicator rows (--constraint_indicator_fraction) or, with one split, on "
+                "the gradient's own rows in their forward; the gradient follows the constraint's row values "
+                "(--constraint_surrogate)"})
     constraint_surrogate: str = field(default="loss_change", metadata={
         "help": "the constraint's row values, which give its gradient (and its held-out h_k): loss_change, the "
                 "per-row loss change l(w, x) - l(w_old, x); loss_increase, its positive part, so rows whose loss "
@@ -741,8 +743,6 @@ class ExampleArguments(CertificateArguments):
                 not self.constraint_indicator_fraction or self.constraint_indicator_batch_size < 1):
             raise ValueError("--constraint_indicator_batch_size needs --constraint_indicator_fraction (two splits) and "
                              f"is at least 1; got {self.constraint_indicator_batch_size}")
-        if self.constraint_proxy_indicator and not self.constraint_indicator_fraction:
-            raise ValueError("--constraint_proxy_indicator needs --constraint_indicator_fraction (the indicator rows)")
         if self.constraint_proxy_indicator and not self.certify_rows:
             raise ValueError("--constraint_proxy_indicator needs --certify_rows > 0 (its statistic is the "
                              "certificate's share of rows forgotten, against --forget_tolerance)")

@@ -74,13 +74,18 @@ class DrawValues:
         world, rank, reduce_sum: the processes and their all-reduce (a sum).
         stream_owner: which constraint's stream draws each constraint's rows (its own, or a
             shared batch's first member).
+        statistic_views: the constraints as the estimate tracks them when a proxy indicator scores the
+            certificate's statistic on these same rows (a row function :class:`~.statistic_rows.RowsWithStatistic`
+            keeps it); ``None``: the estimate follows the constraints' own values.
     """
 
     def __init__(self, constraints: Sequence[Constraint], batches: BatchMaker, *, batch_size: int,
                  device: torch.device, world: int = 1, rank: int = 0,
                  reduce_sum: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
-                 stream_owner: Optional[list[int]] = None) -> None:
+                 stream_owner: Optional[list[int]] = None,
+                 statistic_views: Optional[Sequence[Constraint]] = None) -> None:
         self.constraints = list(constraints)
+        self.statistic_views = None if statistic_views is None else list(statistic_views)
         self.batches = batches
         self.batch_size, self.device, self.world, self.rank = batch_size, device, world, rank
         self.reduce_sum = reduce_sum
@@ -188,7 +193,9 @@ class DrawValues:
         of each value, carrying the gradient, scaled so that the data-parallel gradient average
         gives the gradient of the global value; ``current`` the global values, detached (float64
         where the device has it, else at least float32); ``stats`` the global ``(3, 2 |B_c|)``
-        row sums, sums of squares and counts (``None`` without row-wise constraints).
+        row sums, sums of squares and counts (``None`` without row-wise constraints). With
+        ``statistic_views`` (a proxy indicator on the gradient's rows) ``current`` and ``stats`` are the
+        statistic's, scored on the same rows in the same forward (:mod:`.statistic_rows`).
 
         A no-grad evaluation (the look-ahead) keeps its collated batches in ``draw``: the step
         evaluates the same rows next, with grad. ``shared``: the objective's micro-batch, whose forward
@@ -196,15 +203,55 @@ class DrawValues:
         """
         ids = draw.constraint_ids.tolist()
         n = len(ids)
-        device = self.device
         buckets, scalar_pos = self.plan(ids, draw.sample_indices)
+        sums, stats, estimated = self._row_group_sums(model, draw, buckets, n, need_grad=need_grad, shared=shared)
+        scalar_local = self._scalar_values(model, draw, ids, scalar_pos, need_grad=need_grad)
 
+        acc = stats_dtype(self.device)
+        pos_t = torch.tensor(scalar_pos, dtype=torch.long).to(self.device, non_blocking=True) if scalar_pos else None
+        scalar_vec = torch.zeros(n, dtype=acc, device=self.device)
+        if scalar_local:
+            scalar_vec = scalar_vec.index_copy(0, pos_t, torch.stack(scalar_local).detach().to(acc))
+        if self.world > 1:  # one collective per evaluation: sums and counts, never means of means
+            row_parts = [] if stats is None else [stats] if estimated is stats else [stats, estimated]
+            packed = self.reduce_sum(torch.cat([*(t.reshape(-1) for t in row_parts), scalar_vec]))
+            scalar_vec = packed[-n:] / self.world
+            reduced = [packed[i * 6 * n: (i + 1) * 6 * n].view(3, 2 * n) for i in range(len(row_parts))]
+            stats, estimated = (None, None) if not reduced else (reduced[0], reduced[-1])
+        if estimated is None:
+            current = scalar_vec
+        elif not scalar_pos:
+            current = inner_values(estimated)
+        else:
+            is_row = torch.ones(n, dtype=torch.bool).index_fill_(0, torch.tensor(scalar_pos), False)
+            current = torch.where(is_row.to(self.device, non_blocking=True), inner_values(estimated), scalar_vec)
+        self.check_group_counts(ids, stats)
+
+        local = None
+        if need_grad:
+            dtype = torch.float32 if sums is None else sums.dtype
+            if scalar_local:
+                dtype = torch.promote_types(dtype, scalar_local[0].dtype)
+            local = torch.zeros(n, dtype=dtype, device=self.device)
+            if sums is not None:
+                local = local + local_contribution(sums, stats[2], self.world)
+            if scalar_local:
+                local = local.index_add(0, pos_t, torch.stack(scalar_local).to(dtype))
+        return local, current, estimated
+
+    def _row_group_sums(self, model: nn.Module, draw: DrawRows, buckets: dict[int, list[RowUnit]], n: int, *,
+                        need_grad: bool, shared: Optional["SharedObjectiveForward"]
+                        ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """ONE model call per row group: the per-(constraint, group) sums with grad, this process's row
+        statistics, and those the estimate follows (the same object, or the statistic's on the same rows)."""
         sums: Optional[torch.Tensor] = None
         stats: Optional[torch.Tensor] = None
+        estimated: Optional[torch.Tensor] = None
         for gi, units in buckets.items():
+            group = self.row_groups[gi]
             kept = draw.kept_batches.pop(("group", gi), None)
-            batch, slices, outputs = self.row_outputs(model, self.row_groups[gi], units, need_grad=need_grad,
-                                                      batch=kept, shared=shared)
+            batch, slices, outputs = self.row_outputs(model, group, units, need_grad=need_grad, batch=kept,
+                                                      shared=shared)
             if not need_grad:
                 draw.kept_batches[("group", gi)] = (shallow_copy(batch), _unit_spans(units))
             values, owners = row_values_and_owners(self.constraints, units, slices, outputs, batch)
@@ -213,7 +260,17 @@ class DrawValues:
             if g_sums is not None:
                 sums = g_sums if sums is None else sums + g_sums
             stats = g_stats if stats is None else stats + g_stats
+            e_stats = g_stats
+            if self.statistic_views is not None and hasattr(group.row_fn, "take_statistic"):
+                s_values, s_owners = row_values_and_owners(self.statistic_views, units, slices,
+                                                           group.row_fn.take_statistic(), batch)
+                _, e_stats = segment_sums(s_values, s_owners, n, need_grad=False)
+            estimated = e_stats if estimated is None else estimated + e_stats
+        return sums, stats, stats if self.statistic_views is None else estimated
 
+    def _scalar_values(self, model: nn.Module, draw: DrawRows, ids: list[int], scalar_pos: list[int], *,
+                       need_grad: bool) -> list[torch.Tensor]:
+        """The scalar ``fn`` constraints' values, one call each (with grad where the step needs it)."""
         scalar_local: list[torch.Tensor] = []
         for p in scalar_pos:
             k = ids[p]
@@ -226,38 +283,7 @@ class DrawValues:
             with measured_as_certified(model):
                 value = self.check_value(k, self.constraints[k].fn(model, batch), need_grad=need_grad)
             scalar_local.append(value.to(torch.promote_types(value.dtype, torch.float32)))
-
-        acc = stats_dtype(device)
-        pos_t = torch.tensor(scalar_pos, dtype=torch.long).to(device, non_blocking=True) if scalar_pos else None
-        scalar_vec = torch.zeros(n, dtype=acc, device=device)
-        if scalar_local:
-            scalar_vec = scalar_vec.index_copy(0, pos_t, torch.stack(scalar_local).detach().to(acc))
-        if self.world > 1:  # one collective per evaluation: sums and counts, never means of means
-            parts = [scalar_vec] if stats is None else [stats.reshape(-1), scalar_vec]
-            packed = self.reduce_sum(torch.cat(parts))
-            scalar_vec = packed[-n:] / self.world
-            if stats is not None:
-                stats = packed[: 6 * n].view(3, 2 * n)
-        if stats is None:
-            current = scalar_vec
-        elif not scalar_pos:
-            current = inner_values(stats)
-        else:
-            is_row = torch.ones(n, dtype=torch.bool).index_fill_(0, torch.tensor(scalar_pos), False)
-            current = torch.where(is_row.to(device, non_blocking=True), inner_values(stats), scalar_vec)
-        self.check_group_counts(ids, stats)
-
-        local = None
-        if need_grad:
-            dtype = torch.float32 if sums is None else sums.dtype
-            if scalar_local:
-                dtype = torch.promote_types(dtype, scalar_local[0].dtype)
-            local = torch.zeros(n, dtype=dtype, device=device)
-            if sums is not None:
-                local = local + local_contribution(sums, stats[2], self.world)
-            if scalar_local:
-                local = local.index_add(0, pos_t, torch.stack(scalar_local).to(dtype))
-        return local, current, stats
+        return scalar_local
 
 
 def _unit_spans(units: Sequence[RowUnit]) -> list[tuple[int, int]]:

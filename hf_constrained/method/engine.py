@@ -169,16 +169,19 @@ class Placement:
 
 class RowPart:
     """One side of a step's rows: the constraints' views over them, a batch stream per constraint (``None``
-    for a data-free one) and the one way their values are computed (:class:`DrawValues`)."""
+    for a data-free one) and the one way their values are computed (:class:`DrawValues`; with
+    ``statistic_views`` the estimate's values are a proxy statistic scored on the same rows)."""
 
     def __init__(self, views: Sequence[Constraint], batches: BatchMaker, *, seed: int, first_stream: int,
-                 batch_size: int, placement: Placement) -> None:
+                 batch_size: int, placement: Placement,
+                 statistic_views: Optional[Sequence[Constraint]] = None) -> None:
         self.views = list(views)
         self.streams: list[Optional[ConstraintBatchStream]] = [
             None if c.data_free else ConstraintBatchStream(len(c.dataset), seed, first_stream + k)
             for k, c in enumerate(self.views)]
         self.values = DrawValues(self.views, batches, batch_size=batch_size, device=placement.device,
-                                 world=placement.world, rank=placement.rank, reduce_sum=placement.reduce_sum)
+                                 world=placement.world, rank=placement.rank, reduce_sum=placement.reduce_sum,
+                                 statistic_views=statistic_views)
 
     def rows(self, ids: torch.Tensor) -> list[Optional[list[int]]]:
         """The global rows of each sampled constraint's batch (line 5); constraints sharing a stream share them."""
@@ -230,12 +233,13 @@ class ConstraintEngine:
         # the source decides which rows drive the gradient and which the estimate (the same part under one split);
         # the estimate part's streams have their own ids (m + k)
         grad_views, estimate_views = self.source.views(self.constraints, config.seed)
-        part = dict(seed=config.seed, placement=placement)
-        self.gradient_rows = RowPart(grad_views, batches, first_stream=0, batch_size=batch_size, **part)
-        self.estimate_rows = self.gradient_rows if estimate_views is None else RowPart(
-            estimate_views, batches, first_stream=m, batch_size=self.source.estimate_batch_size(batch_size), **part)
         # what each estimate u_k tracks: the estimate part's views (a proxy statistic's, with one); margins aside
         self.estimated = self.source.estimated(self.constraints, estimate_views)
+        part = dict(seed=config.seed, placement=placement)
+        self.gradient_rows = RowPart(grad_views, batches, first_stream=0, batch_size=batch_size, **part,
+                                     statistic_views=self.estimated if self.source.statistic_on_gradient_rows else None)
+        self.estimate_rows = self.gradient_rows if estimate_views is None else RowPart(
+            estimate_views, batches, first_stream=m, batch_size=self.source.estimate_batch_size(batch_size), **part)
         if config.share_constraint_batches:
             self.values.stream_owner = self._shared_stream_owners()
         self.margins = margin_rules(self.constraints, self.margin_rule)

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from ..margin import Margin, describe, margin_flag
+from .statistic_rows import RowsWithStatistic, rows_with_statistic
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..constraint import Constraint
@@ -95,6 +96,11 @@ class EstimateSource(ABC):
         """The flag that sizes the batches the estimate follows (named by the noise warning)."""
         return "constraint_batch_size"
 
+    @property
+    def statistic_on_gradient_rows(self) -> bool:
+        """Whether the estimate scores a statistic on the gradient's own rows, in their forward."""
+        return False
+
     def settings(self, batch_size: int) -> dict[str, Any]:
         """The run flags this source stands for, resolved (``constraint_indicator_batch_size`` is |B_k| when unset)."""
         return {"constraint_indicator_fraction": None, "constraint_indicator_batch_size": None,
@@ -103,13 +109,42 @@ class EstimateSource(ABC):
 
 @dataclass(frozen=True)
 class OneSplit(EstimateSource):
-    """The paper's Algorithm 1, line 6: u_k follows h_k on the same batch B_k^t as the gradient."""
+    """The paper's Algorithm 1, line 6: u_k follows h_k on the same batch B_k^t as the gradient.
 
+    With ``proxy_statistic`` (a deviation from Algorithm 1) the estimate of a constraint that declares
+    ``certify.statistic`` tracks that statistic on the same batch, against its tolerance, while the gradient
+    follows the surrogate: a proxy constraint in Cooper's sense, scored in the forward the surrogate already
+    makes (:class:`~hf_constrained.method.statistic_rows.RowsWithStatistic`), before the step's update."""
+
+    proxy_statistic: bool = False
     name: ClassVar[str] = "one_split"
+
+    def describe(self) -> str:
+        return "one_split(proxy_statistic=True)" if self.proxy_statistic else "one_split"
 
     def views(self, constraints: Sequence["Constraint"], seed: int
               ) -> tuple[list["Constraint"], Optional[list["Constraint"]]]:
-        return list(constraints), None
+        if not self.proxy_statistic:
+            return list(constraints), None
+        return [c if _statistic_of(c, on_gradient_rows=True) is None
+                else dataclasses.replace(c, **{**_view_fields(c, c.dataset),
+                                               "row_fn": _rows_with_statistic(c.row_fn, c.certify.statistic.row_fn)})
+                for c in constraints], None
+
+    def estimated(self, constraints: Sequence["Constraint"], estimate_views: Optional[Sequence["Constraint"]]
+                  ) -> list["Constraint"]:
+        """With ``proxy_statistic`` the statistic's views over each constraint's own rows."""
+        if not self.proxy_statistic:
+            return list(constraints)
+        return [c if _statistic_of(c, on_gradient_rows=True) is None else _statistic_view(c, c.dataset)
+                for c in constraints]
+
+    @property
+    def statistic_on_gradient_rows(self) -> bool:
+        return self.proxy_statistic
+
+    def settings(self, batch_size: int) -> dict[str, Any]:
+        return {**super().settings(batch_size), "constraint_proxy_indicator": self.proxy_statistic}
 
 
 @dataclass(frozen=True)
@@ -174,12 +209,10 @@ def estimate_source(indicator_fraction: Optional[float] = None, indicator_batch_
     """The run's estimate source from its flags (``constraint_indicator_fraction``,
     ``constraint_indicator_batch_size``, ``constraint_proxy_indicator``): the one place they are read."""
     if not indicator_fraction:
-        if proxy_indicator:
-            raise ValueError("constraint_proxy_indicator needs two-split estimation (constraint_indicator_fraction)")
         if indicator_batch_size is not None:
             raise ValueError("constraint_indicator_batch_size sizes the indicator part's batches of two-split "
                              "estimation: give constraint_indicator_fraction too")
-        return OneSplit()
+        return OneSplit(bool(proxy_indicator))
     return TwoSplit(float(indicator_fraction), indicator_batch_size, bool(proxy_indicator))
 
 
@@ -212,20 +245,50 @@ def split_for_indicator(constraints: Sequence[Constraint], fraction: float, seed
                 c.dataset.select(rows.tolist()) if hasattr(c.dataset, "select")
                 else torch.utils.data.Subset(c.dataset, rows.tolist())
                 for rows in (np.sort(order[n_ind:]), np.sort(order[:n_ind])))
-        for views, data in zip((grad_views, ind_views), parts_of[id(c.dataset)]):
-            # a view for drawing batches only (no held-out, certification or calibration data of its own)
-            view = dict(dataset=data, fn=None if c.rowwise else c.fn, eval_dataset=None,
-                        certify=None if c.certify is None else dataclasses.replace(c.certify, dataset=None),
-                        independent_rows=None, margin=None)
-            stat = None if c.certify is None else c.certify.statistic
-            if proxy and views is ind_views and stat is not None:
-                if c.outer is not None:
-                    raise ValueError(f"constraint {c.name!r}: a proxy indicator needs a constraint without outer (its "
-                                     "gradient weight is the indicator of the statistic alone)")
-                view.update(fn=None, row_fn=stat.row_fn, row_transform=None, group_key=None, exact_fn=None,
-                            tolerance=float(stat.tolerance), certify=None)
-            views.append(dataclasses.replace(c, **view))
+        gradient_part, indicator_part = parts_of[id(c.dataset)]
+        grad_views.append(dataclasses.replace(c, **_view_fields(c, gradient_part)))
+        ind_views.append(_statistic_view(c, indicator_part) if proxy and _statistic_of(c) is not None
+                         else dataclasses.replace(c, **_view_fields(c, indicator_part)))
     return grad_views, ind_views
+
+
+def _view_fields(c: "Constraint", data: Any) -> dict[str, Any]:
+    """A view of ``c`` over ``data`` for drawing batches only (no held-out, certification or calibration data of
+    its own)."""
+    return dict(dataset=data, fn=None if c.rowwise else c.fn, eval_dataset=None,
+                certify=None if c.certify is None else dataclasses.replace(c.certify, dataset=None),
+                independent_rows=None, margin=None)
+
+
+def _statistic_of(c: "Constraint", *, on_gradient_rows: bool = False) -> Any:
+    """``c``'s certification statistic, which a proxy indicator follows (``None`` without one); an error naming
+    ``c`` where it cannot be followed."""
+    stat = None if c.certify is None or c.data_free else c.certify.statistic
+    if stat is None:
+        return None
+    if c.outer is not None:
+        raise ValueError(f"constraint {c.name!r}: a proxy indicator needs a constraint without outer (its "
+                         "gradient weight is the indicator of the statistic alone)")
+    if on_gradient_rows and not c.rowwise:
+        raise ValueError(f"constraint {c.name!r}: a proxy indicator on the gradient's own rows (one split) scores "
+                         "the statistic in the constraint's forward, which needs a row-wise constraint (row_fn); "
+                         "give constraint_indicator_fraction for indicator rows of its own")
+    return stat
+
+
+def _statistic_view(c: "Constraint", data: Any) -> "Constraint":
+    """The view of ``c`` over ``data`` whose value is its certification statistic (row_fn, tolerance, no outer)."""
+    stat = _statistic_of(c)
+    view = {**_view_fields(c, data), "fn": None, "row_fn": stat.row_fn, "row_transform": None, "group_key": None,
+            "exact_fn": None, "tolerance": float(stat.tolerance), "certify": None}
+    return dataclasses.replace(c, **view)
+
+
+def _rows_with_statistic(row_fn: Any, statistic_fn: Any) -> RowsWithStatistic:
+    try:
+        return rows_with_statistic(row_fn, statistic_fn)
+    except TypeError:  # a row function that defines __eq__ without __hash__: one wrapper per constraint
+        return RowsWithStatistic(row_fn, statistic_fn)
 
 
 __all__ = ["EstimateSource", "OneSplit", "TwoSplit", "check_indicator_fraction", "estimate_source", "margin_rules",

@@ -96,8 +96,6 @@ def test_certification_rows_are_independent_draws_named_by_their_draw():
 
 
 def test_flags_that_cannot_work_are_errors_naming_the_flag():
-    with pytest.raises(ValueError, match="--constraint_proxy_indicator needs --constraint_indicator_fraction"):
-        ex.ExampleArguments(constraint_indicator_fraction=None, constraint_proxy_indicator=True)
     with pytest.raises(ValueError, match="--constraint_proxy_indicator needs --certify_rows"):
         ex.parse(["--certify_rows", "0"])  # the default proxy indicator follows the certificate's statistic
     assert ex.parse(["--certify_rows", "0", "--constraint_proxy_indicator", "false"]).certify_rows == 0
@@ -123,8 +121,9 @@ def test_flags_that_cannot_work_are_errors_naming_the_flag():
         ex.parse(["--constraint_indicator_batch_size", "3", "--constraint_indicator_fraction", "0",
                   "--constraint_proxy_indicator", "false"])
     assert ex._estimation_args(cfg, "none") == {}  # the unconstrained run has no estimates
-    with pytest.raises(ValueError, match="--constraint_proxy_indicator needs --constraint_indicator_fraction"):
-        ex.parse(["--constraint_indicator_fraction", "0"])
+    same_rows = ex.parse(["--constraint_indicator_fraction", "0"])  # the proxy on the gradient's own rows
+    assert ex._estimation_args(same_rows, "hinge")["constraint_indicator_fraction"] is None
+    assert ex._estimation_args(same_rows, "hinge")["constraint_proxy_indicator"] is True
     paper = ex.parse(["--constraint_indicator_fraction", "0", "--constraint_proxy_indicator", "false"])
     assert ex._estimation_args(paper, "hinge")["constraint_indicator_fraction"] is None  # 0: one split
 

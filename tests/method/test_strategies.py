@@ -127,8 +127,7 @@ def test_contradictory_settings_are_errors_naming_the_constraint_and_the_flags()
         constraint("c", margin=-0.1)
     with pytest.raises(TypeError, match="constraint 'c': margin must be a number or a Margin"):
         constraint("c", margin="0.1")
-    with pytest.raises(ValueError, match="constraint_proxy_indicator needs two-split estimation"):
-        estimate_source(proxy_indicator=True)
+    assert estimate_source(proxy_indicator=True) == OneSplit(proxy_statistic=True)  # the gradient's own rows
     with pytest.raises(ValueError, match="give constraint_indicator_fraction too"):
         estimate_source(indicator_batch_size=8)
     with pytest.raises(ValueError, match="constraint_indicator_fraction must be in"):
@@ -210,6 +209,10 @@ def test_the_estimate_source_stands_for_its_flags():
                                              "constraint_proxy_indicator": True}
     assert TwoSplit(0.5).settings(batch_size=8)["constraint_indicator_batch_size"] == 8  # resolved: |B_k|
     assert OneSplit().describe() == "one_split" and OneSplit().estimate_batch_size(8) is None
+    assert OneSplit(True).describe() == "one_split(proxy_statistic=True)"
+    assert OneSplit(True).settings(batch_size=8) == {"constraint_indicator_fraction": None,
+                                                     "constraint_indicator_batch_size": None,
+                                                     "constraint_proxy_indicator": True}
 
 
 def test_the_engine_holds_one_row_part_under_one_split_and_two_under_two(tmp_path):

@@ -106,8 +106,6 @@ def test_a_proxy_indicator_tracks_the_certification_statistic(tmp_path):
     # the hinge's indicator compares the statistic with its own tolerance: off, though the surrogate is violated
     assert u <= 1.0 and surrogate.grad_means[-1] > 0.25
     assert float(trainer.engine.current_weights()[k]) == 0.0
-    with pytest.raises(ValueError, match="constraint_proxy_indicator needs two-split estimation"):
-        disjoint_trainer(str(tmp_path / "b"), surrogate, statistic=stat, constraint_proxy_indicator=True)
 
 
 def test_the_indicator_batch_has_its_own_size(tmp_path):
