@@ -18,7 +18,9 @@ once before training, one shared row function: the fused step), the hinge at the
   recipe's ``--constraint_penalty none --replay_old R``, replay of the same rows without the hinge);
   ``:splitF`` two-split estimation with the proxy indicator
   (``--constraint_indicator_fraction F --constraint_proxy_indicator true``: |B_k| indicator rows per constraint
-  and step, forward only, scored by the old model's exact match); ``:separate`` gives the constraint rows their
+  and step, forward only, scored by the old model's exact match); ``:proxy`` the proxy indicator with one split
+  (``--constraint_proxy_indicator true`` alone: the statistic scored on the gradient's own rows, in their forward);
+  ``:separate`` gives the constraint rows their
   own forward and backward graph, as on a model with dropout (otherwise they join the objective's forward where
   :mod:`hf_constrained.method.shared_forward` allows it: no regulariser but replay of the constraint rows).
   ``8:all:0:replay0.5:split0.25`` is the recipe's default (:data:`RECIPE_DEFAULT_VARIANT`; ``8:all:0.1:...`` the
@@ -117,16 +119,17 @@ class Variant(NamedTuple):
     split: float  # two-split estimation with the proxy indicator (0: one split)
     own_replay: float = 0.0  # replay drawing rows of its own (Replay)
     no_penalty: bool = False  # constraint_penalty "none"
+    proxy: bool = False  # the proxy indicator with one split (the statistic on the gradient's rows)
 
 
 def parse_variant(text: str) -> Variant:
-    """``"|B_k|:|B_c|:gamma'[:separate][:nopenalty][:replayR][:ownreplayR][:splitF]"`` -> :class:`Variant`."""
+    """``"|B_k|:|B_c|:gamma'[:separate][:nopenalty][:proxy][:replayR][:ownreplayR][:splitF]"`` -> :class:`Variant`."""
     parts = text.split(":")
     try:
         if len(parts) < 3:
             raise ValueError(text)
         bk, bc, gp, *options = parts
-        flags, shares = {"separate": False, "nopenalty": False}, {"ownreplay": 0.0, "replay": 0.0, "split": 0.0}
+        flags, shares = {"separate": False, "nopenalty": False, "proxy": False}, {"ownreplay": 0.0, "replay": 0.0, "split": 0.0}
         for option in options:
             name = next((n for n in shares if option.startswith(n)), None)
             if option in flags and not flags[option]:
@@ -135,20 +138,20 @@ def parse_variant(text: str) -> Variant:
                 shares[name] = float(option[len(name):])
             else:
                 raise ValueError(option)
-        if shares["replay"] and shares["ownreplay"]:
+        if (shares["replay"] and shares["ownreplay"]) or (flags["proxy"] and shares["split"]):
             raise ValueError(text)
         return Variant(int(bk), None if bc == "all" else int(bc), float(gp), flags["separate"], shares["replay"],
-                       shares["split"], shares["ownreplay"], flags["nopenalty"])
+                       shares["split"], shares["ownreplay"], flags["nopenalty"], flags["proxy"])
     except ValueError:
         raise SystemExit(f"--variants: {text!r} is not |B_k|:|B_c|:gamma'[:separate][:nopenalty][:replayR or "
-                         f":ownreplayR][:splitF] (e.g. 8:all:0, {RECIPE_DEFAULT_VARIANT})") from None
+                         f":ownreplayR][:splitF or :proxy] (e.g. 8:all:0, {RECIPE_DEFAULT_VARIANT})") from None
 
 
 def variant_key(text: str) -> str:
     v = parse_variant(text)
     return (f"bk{v.constraint_batch_size}_bc{'all' if v.constraints_per_step is None else v.constraints_per_step}"
             f"_gp{v.gamma_prime:g}" + ("_separate" if v.separate else "")
-            + ("_nopenalty" if v.no_penalty else "") + (f"_replay{v.replay:g}" if v.replay else "")
+            + ("_nopenalty" if v.no_penalty else "") + ("_proxy" if v.proxy else "") + (f"_replay{v.replay:g}" if v.replay else "")
             + (f"_ownreplay{v.own_replay:g}" if v.own_replay else "") + (f"_split{v.split:g}" if v.split else ""))
 
 
@@ -170,14 +173,14 @@ def make_trainer(a: argparse.Namespace, variant: Optional[str], steps: int) -> C
         return ConstrainedTrainer(model=model, args=args, train_dataset=train, data_collator=collate)
     v = parse_variant(variant)
     estimation = dict(BENCHMARK_DEFAULTS, constraint_indicator_fraction=v.split or None,
-                      constraint_proxy_indicator=bool(v.split), constraint_batch_size=v.constraint_batch_size,
+                      constraint_proxy_indicator=bool(v.split) or v.proxy, constraint_batch_size=v.constraint_batch_size,
                       msvr_gamma_prime=v.gamma_prime)
     args = ConstrainedTrainingArguments(constraint_penalty="none" if v.no_penalty else "hinge",
                                         constraints_per_step=v.constraints_per_step, **estimation, **common)
     protected = {task: TokenRows(a.constraint_rows, a.seq_len, vocab, seed=10 + i) for i, task in enumerate(TASKS)}
     # the proxy indicator scores the certificate's statistic (rows forgotten): it needs certification rows (64: a
     # split that can certify the recipe's 0.05, so the library does not warn; never read while the step is timed)
-    certify = None if not v.split else {task: TokenRows(64, a.seq_len, vocab, seed=20 + i)
+    certify = None if not (v.split or v.proxy) else {task: TokenRows(64, a.seq_len, vocab, seed=20 + i)
                                         for i, task in enumerate(TASKS)}
     constraints = non_forgetting_constraints(
         model, causal_lm_per_example_loss, protected, collate, row_fn=ReferenceGap(causal_lm_per_example_loss),
@@ -208,7 +211,8 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128, help="tokens per row (half prompt, half completion)")
     parser.add_argument("--constraint-rows", type=int, default=64, help="rows per protected task")
     parser.add_argument("--variants", default=RECIPE_DEFAULT_VARIANT,
-                        help="comma-separated constrained variants |B_k|:|B_c|:gamma'[:separate][:replayR][:splitF] "
+                        help="comma-separated constrained variants "
+                             "|B_k|:|B_c|:gamma'[:separate][:nopenalty][:replayR][:splitF or :proxy] "
                              f"(the recipe's default: {RECIPE_DEFAULT_VARIANT})")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)

@@ -113,18 +113,21 @@ def test_llm_step_builds_the_recipe_constraints(tmp_path):
     with pytest.raises(SystemExit, match="not \\|B_k\\|:\\|B_c\\|:gamma'"):
         llm_step.parse_variant("8:all")
     # the recipe's --replay_old: replay of the constraints' own rows (one draw); :ownreplay the two-draw replay
-    assert llm_step.parse_variant("8:all:0:replay0.5") == (8, None, 0.0, False, 0.5, 0.0, 0.0, False)
+    assert llm_step.parse_variant("8:all:0:replay0.5") == (8, None, 0.0, False, 0.5, 0.0, 0.0, False, False)
     assert llm_step.variant_key("8:all:0:separate:replay0.5") == "bk8_bcall_gp0_separate_replay0.5"
     assert llm_step.variant_key("8:all:0:nopenalty:replay0.5") == "bk8_bcall_gp0_nopenalty_replay0.5"
     assert llm_step.variant_key(llm_step.RECIPE_DEFAULT_VARIANT) == "bk8_bcall_gp0_replay0.5_split0.25"
     for bad in ("8:all:0:replay1", "8:all:0:replay", "8:all:0:sep", "8:all:0:split0", "8:all:0:split0.2:split0.3",
-                "8:all:0:replay0.5:ownreplay0.5", "8:all:0:nopenalty:nopenalty"):
+                "8:all:0:replay0.5:ownreplay0.5", "8:all:0:nopenalty:nopenalty", "8:all:0:proxy:split0.25"):
         with pytest.raises(SystemExit, match="replayR"):
             llm_step.parse_variant(bad)
     replayed = llm_step.make_trainer(a, "2:all:0:replay0.5", steps=1)
     assert replayed.regularised.regulariser.settings() == {"name": "replay", "ratio": 0.5, "rows": "constraint_rows"}
     own = llm_step.make_trainer(a, "2:all:0:ownreplay0.5", steps=1)
     assert own.regularised.regulariser.settings()["rows"] == 3 * a.constraint_rows
+    same_rows = llm_step.make_trainer(a, "2:all:0:replay0.5:proxy", steps=1)  # the proxy on the gradient's rows
+    assert same_rows.engine.settings().estimate_source == "one_split(proxy_statistic=True)"
+    assert llm_step.variant_key("8:all:0:replay0.5:proxy") == "bk8_bcall_gp0_proxy_replay0.5"
     plain = llm_step.make_trainer(a, "2:all:0:nopenalty:replay0.5", steps=1)
     assert plain.args.constraint_penalty == "none" and plain.constraint_part_runs  # replay of the same rows
     # the recipe's default: its BENCHMARK_DEFAULTS, replay, two-split with the proxy indicator

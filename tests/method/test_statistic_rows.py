@@ -10,10 +10,11 @@ from scale_tiny import StopAt, count_training_forwards, disjoint_trainer, per_ro
 from test_shared_forward import Rows, llama
 
 from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments
-from hf_constrained.constraint import CertifyStatistic
+from hf_constrained.constraint import Certification, CertifyStatistic, Constraint
 from hf_constrained.margin import FixedMargin
 from hf_constrained.method.regularisers import ConstraintRowReplay
 from hf_constrained.method.statistic_rows import RowsWithStatistic
+from hf_constrained.method.strategies import OneSplit
 from hf_constrained.non_forgetting import (
     ForgottenRows,
     NonForgettingConfig,
@@ -142,9 +143,6 @@ def test_a_scalar_constraint_cannot_carry_the_proxy_on_its_gradient_rows(tmp_pat
                             value_range=(0, 1))
     trainer = disjoint_trainer(str(tmp_path / "ok"), per_row_ce, statistic=stat, constraint_proxy_indicator=True)
     assert trainer.engine.settings().constraint_proxy_indicator
-    from hf_constrained.constraint import Certification, Constraint
-    from hf_constrained.method.strategies import OneSplit
-
     scalar = Constraint("scalar", fn=lambda m, b: m(**b)["loss"], dataset=[{"x": 1}] * 4, tolerance=0.1,
                         certify=Certification(statistic=stat))
     with pytest.raises(ValueError, match="constraint 'scalar': a proxy indicator on the gradient's own rows"):
