@@ -16,6 +16,7 @@ from torch import nn
 from transformers import TrainerCallback
 
 from hf_constrained import Certification, ConstrainedTrainer, ConstrainedTrainingArguments, Constraint
+from hf_constrained.constraint import CertifyStatistic
 
 NUM_FEATURES = 6
 NUM_GROUPS = 4
@@ -222,6 +223,16 @@ class StopAt(TrainerCallback):
 def per_row_ce(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """The shared row_fn: per-sample cross-entropy, one value per row."""
     return F.cross_entropy(model(x=batch["x"])["logits"], batch["labels"], reduction="none")
+
+
+def row_errors(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A certification statistic's row function: 1.0 where the argmax class is wrong, else 0.0."""
+    return (model(x=batch["x"])["logits"].argmax(-1) != batch["labels"]).double()
+
+
+def error_statistic(tolerance: float = 0.2) -> CertifyStatistic:
+    """The error rate as a certification statistic (for proxy indicators)."""
+    return CertifyStatistic(row_errors, tolerance=tolerance, value_range=(0, 1))
 
 
 def make_rowwise_trainer(output_dir: str, row_fn: Any = per_row_ce, **overrides: Any) -> ConstrainedTrainer:

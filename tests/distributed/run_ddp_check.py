@@ -28,11 +28,13 @@ from scale_tiny import (  # noqa: E402
     StopAt,
     contrastive_snapshot,
     disjoint_trainer,
+    error_statistic,
     indicator_rows,
     make_contrastive_trainer,
     make_replay,
     make_rowwise_trainer,
     make_trainer,
+    per_row_ce,
     record_constraint_calls,
     snapshot,
 )
@@ -123,6 +125,12 @@ def main() -> None:
         result["resumed"] = snapshot(resumed)
         result["resumed_with_grad"] = resumed_record.with_grad
         _save(a.out, f"rank{rank}_two_split.pt", result)
+        # the proxy indicator on the gradient's own rows (one split): the statistic's sums and counts all-reduced
+        proxy = disjoint_trainer(os.path.join(a.out, "one_split_proxy"), per_row_ce, statistic=error_statistic(),
+                                 constraint_proxy_indicator=True, **{k: v for k, v in common.items()
+                                                                     if k != "constraint_indicator_fraction"})
+        proxy.train()
+        _save(a.out, f"rank{rank}_one_split_proxy.pt", snapshot(proxy))
 
 
     if a.replay:  # each rank's old rows: its own, together the 1-process run's

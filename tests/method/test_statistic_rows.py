@@ -6,7 +6,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from scale_tiny import StopAt, count_training_forwards, disjoint_trainer, per_row_ce, row_key, snapshot
+from scale_tiny import (
+    StopAt,
+    count_training_forwards,
+    disjoint_trainer,
+    error_statistic,
+    per_row_ce,
+    row_key,
+    snapshot,
+)
 from test_shared_forward import Rows, llama
 
 from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments
@@ -149,12 +157,8 @@ def test_a_scalar_constraint_cannot_carry_the_proxy_on_its_gradient_rows(tmp_pat
         OneSplit(True).views([scalar], 0)
 
 
-def wrong_rows(model, batch):
-    return (model(x=batch["x"])["logits"].argmax(-1) != batch["labels"]).double()
-
-
 def test_resume_with_the_proxy_on_the_gradient_rows_is_bitwise_exact(tmp_path):
-    stat = CertifyStatistic(wrong_rows, tolerance=0.2, value_range=(0, 1))
+    stat = error_statistic()
     common = dict(max_steps=8, constraint_proxy_indicator=True, save_strategy="steps", save_steps=4)
     straight = disjoint_trainer(str(tmp_path / "straight"), per_row_ce, statistic=stat, **common)
     straight.train()

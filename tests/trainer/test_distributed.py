@@ -43,6 +43,7 @@ from scale_tiny import (
     TinyClassifier,
     contrastive_snapshot,
     disjoint_trainer,
+    error_statistic,
     make_contrastive_trainer,
     make_replay,
     make_rowwise_trainer,
@@ -276,6 +277,25 @@ def test_per_sample_estimators_match_one_process(two_process_contrastive, one_pr
     start = make_contrastive_trainer(str(tmp_path), per_device_train_batch_size=8).model  # untrained
     moved = max((p.detach() - single["params"][n]).abs().max().item() for n, p in start.named_parameters())
     assert moved > 100 * TOL
+
+
+# ------------------------------------------------------------- proxy indicators
+def test_a_proxy_indicator_on_the_gradient_rows_across_processes(two_process_run, tmp_path):
+    """One split with the proxy indicator under DDP: each rank scores the statistic (the 0/1 error) on its slice of the
+    gradient's rows, the sums and counts are all-reduced with the surrogate's, and the ranks hold the state of one
+    process on the same global batches."""
+    out = Path(two_process_run[0]["out"])
+    r0, r1 = (torch.load(out / f"rank{r}_one_split_proxy.pt", weights_only=False) for r in range(2))
+    assert torch.equal(r0["estimator_values"], r1["estimator_values"])
+    single = disjoint_trainer(str(tmp_path / "single"), per_row_ce, statistic=error_statistic(), max_steps=STEPS,
+                              per_device_train_batch_size=8, constraint_batch_size=6, constraint_proxy_indicator=True)
+    single.train()
+    ref = snapshot(single)
+    assert torch.equal(r0["estimator_visited"], ref["estimator_visited"])
+    torch.testing.assert_close(r0["estimator_values"], ref["estimator_values"], rtol=0, atol=TOL)
+    assert bool((ref["estimator_values"] > 0).any())  # error rates: the statistic, all-reduced
+    for name, p in ref["params"].items():
+        torch.testing.assert_close(r0["params"][name], p, rtol=0, atol=TOL)
 
 
 # ------------------------------------------------------------- two-split estimation
