@@ -18,7 +18,6 @@ were trained on once, and the statistic on them can read lower than on unseen ro
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Mapping
 from typing import Any, Callable, Optional
@@ -27,6 +26,7 @@ import torch
 from torch import nn
 
 from ..per_sample_loss import model_inputs
+from .rows import same_callable
 
 logger = logging.getLogger(__name__)
 
@@ -84,12 +84,20 @@ class RowsWithStatistic:
         return f"RowsWithStatistic({self.row_fn!r}, {self.statistic_fn!r})"
 
 
-@functools.lru_cache(maxsize=None)
-def rows_with_statistic(row_fn: Callable[..., torch.Tensor], statistic_fn: Callable[..., torch.Tensor]
-                        ) -> RowsWithStatistic:
-    """One :class:`RowsWithStatistic` per (row function, statistic): the constraints that share both (every
-    protected task of a non-forgetting run) stay one row group, scored in one model call."""
-    return RowsWithStatistic(row_fn, statistic_fn)
+def statistic_wrappers() -> Callable[[Any, Any], RowsWithStatistic]:
+    """``wrap(row_fn, statistic_fn)``: one :class:`RowsWithStatistic` per (row function, statistic) among the calls to
+    the same ``wrap``, so that the constraints sharing both (every protected task of a non-forgetting run) stay one row
+    group, scored in one model call (bound methods compare equal, as :func:`~.rows.same_callable` compares them)."""
+    made: list[RowsWithStatistic] = []
+
+    def wrap(row_fn: Any, statistic_fn: Any) -> RowsWithStatistic:
+        for wrapper in made:
+            if same_callable(wrapper.row_fn, row_fn) and same_callable(wrapper.statistic_fn, statistic_fn):
+                return wrapper
+        made.append(RowsWithStatistic(row_fn, statistic_fn))
+        return made[-1]
+
+    return wrap
 
 
-__all__ = ["RowsWithStatistic", "rows_with_statistic"]
+__all__ = ["RowsWithStatistic", "statistic_wrappers"]

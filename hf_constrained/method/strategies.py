@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from ..margin import Margin, describe, margin_flag
-from .statistic_rows import RowsWithStatistic, rows_with_statistic
+from .statistic_rows import statistic_wrappers
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..constraint import Constraint
@@ -126,9 +126,10 @@ class OneSplit(EstimateSource):
               ) -> tuple[list["Constraint"], Optional[list["Constraint"]]]:
         if not self.proxy_statistic:
             return list(constraints), None
+        wrap = statistic_wrappers()
         return [c if _statistic_of(c, on_gradient_rows=True) is None
                 else dataclasses.replace(c, **{**_view_fields(c, c.dataset),
-                                               "row_fn": _rows_with_statistic(c.row_fn, c.certify.statistic.row_fn)})
+                                               "row_fn": wrap(c.row_fn, c.certify.statistic.row_fn)})
                 for c in constraints], None
 
     def estimated(self, constraints: Sequence["Constraint"], estimate_views: Optional[Sequence["Constraint"]]
@@ -282,13 +283,6 @@ def _statistic_view(c: "Constraint", data: Any) -> "Constraint":
     view = {**_view_fields(c, data), "fn": None, "row_fn": stat.row_fn, "row_transform": None, "group_key": None,
             "exact_fn": None, "tolerance": float(stat.tolerance), "certify": None}
     return dataclasses.replace(c, **view)
-
-
-def _rows_with_statistic(row_fn: Any, statistic_fn: Any) -> RowsWithStatistic:
-    try:
-        return rows_with_statistic(row_fn, statistic_fn)
-    except TypeError:  # a row function that defines __eq__ without __hash__: one wrapper per constraint
-        return RowsWithStatistic(row_fn, statistic_fn)
 
 
 __all__ = ["EstimateSource", "OneSplit", "TwoSplit", "check_indicator_fraction", "estimate_source", "margin_rules",
