@@ -129,7 +129,8 @@ def parse_variant(text: str) -> Variant:
         if len(parts) < 3:
             raise ValueError(text)
         bk, bc, gp, *options = parts
-        flags, shares = {"separate": False, "nopenalty": False, "proxy": False}, {"ownreplay": 0.0, "replay": 0.0, "split": 0.0}
+        flags = {"separate": False, "nopenalty": False, "proxy": False}
+        shares = {"ownreplay": 0.0, "replay": 0.0, "split": 0.0}
         for option in options:
             name = next((n for n in shares if option.startswith(n)), None)
             if option in flags and not flags[option]:
@@ -151,7 +152,8 @@ def variant_key(text: str) -> str:
     v = parse_variant(text)
     return (f"bk{v.constraint_batch_size}_bc{'all' if v.constraints_per_step is None else v.constraints_per_step}"
             f"_gp{v.gamma_prime:g}" + ("_separate" if v.separate else "")
-            + ("_nopenalty" if v.no_penalty else "") + ("_proxy" if v.proxy else "") + (f"_replay{v.replay:g}" if v.replay else "")
+            + ("_nopenalty" if v.no_penalty else "") + ("_proxy" if v.proxy else "")
+            + (f"_replay{v.replay:g}" if v.replay else "")
             + (f"_ownreplay{v.own_replay:g}" if v.own_replay else "") + (f"_split{v.split:g}" if v.split else ""))
 
 
@@ -173,8 +175,8 @@ def make_trainer(a: argparse.Namespace, variant: Optional[str], steps: int) -> C
         return ConstrainedTrainer(model=model, args=args, train_dataset=train, data_collator=collate)
     v = parse_variant(variant)
     estimation = dict(BENCHMARK_DEFAULTS, constraint_indicator_fraction=v.split or None,
-                      constraint_proxy_indicator=bool(v.split) or v.proxy, constraint_batch_size=v.constraint_batch_size,
-                      msvr_gamma_prime=v.gamma_prime)
+                      constraint_proxy_indicator=bool(v.split) or v.proxy,
+                      constraint_batch_size=v.constraint_batch_size, msvr_gamma_prime=v.gamma_prime)
     args = ConstrainedTrainingArguments(constraint_penalty="none" if v.no_penalty else "hinge",
                                         constraints_per_step=v.constraints_per_step, **estimation, **common)
     protected = {task: TokenRows(a.constraint_rows, a.seq_len, vocab, seed=10 + i) for i, task in enumerate(TASKS)}

@@ -157,8 +157,10 @@ class ForgottenRows:
     @staticmethod
     def _check(batch: Mapping[str, Any]) -> None:
         if CORRECT_KEY not in batch:
-            raise KeyError(f"certification batch has no {CORRECT_KEY!r}: wrap the rows in ReferenceCorrectDataset "
-                           "(non_forgetting_constraints(certify_datasets=...) does)")
+            raise KeyError(f"batch has no {CORRECT_KEY!r} (the old model's 0/1 correctness per row): wrap the rows in "
+                           "ReferenceCorrectDataset (non_forgetting_constraints(certify_datasets=...) does for the "
+                           "certification rows; NonForgettingConfig(old_correct_on_rows=True) for the training rows a "
+                           "proxy indicator scores)")
 
     @staticmethod
     def _per_row(now: torch.Tensor, batch: Mapping[str, Any]) -> torch.Tensor:

@@ -57,10 +57,14 @@ def rows_per_step(trainer: Any) -> dict[str, int]:
         sampled = engine.sampler.num_per_step
         parts["constraint"] = sampled * engine.batch_size
         estimate_rows = sampled * engine.estimate_rows.values.batch_size
-        if trainer.penalty.active and (engine.separate_estimate or not statistic_in_the_gradients_forward(engine)):
+        # a one-split proxy whose statistic cannot read the gradient's forward scores it in a pass of its own, at the
+        # step's rows and at the look-ahead's (every sampled constraint counted: an upper bound where only some
+        # constraints carry a statistic)
+        statistic_pass = not statistic_in_the_gradients_forward(engine)
+        if (engine.separate_estimate and trainer.penalty.active) or statistic_pass:
             parts["indicator"] = estimate_rows
         if trainer.penalty.active and engine.estimator.gamma_prime > 0:
-            parts["look_ahead"] = estimate_rows
+            parts["look_ahead"] = estimate_rows * (2 if statistic_pass else 1)
     own = None if reg is None else reg.regulariser
     if isinstance(own, Replay):
         parts["replay"] = args.gradient_accumulation_steps * own.old_rows_for(args.per_device_train_batch_size)

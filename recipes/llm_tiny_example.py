@@ -663,7 +663,7 @@ class ExampleArguments(CertificateArguments):
     constraint_indicator_fraction: Optional[float] = field(default=0.25, metadata={
         "help": "two-split estimation of the constrained run: this share of each old task's constraint rows drives "
                 "the estimate and the hinge's indicator, the rest the gradient (in (0, 1); 0: one split, as in the "
-                "paper)"})
+                "paper, with --constraint_proxy_indicator its statistic scored on the gradient's own rows)"})
     constraint_indicator_batch_size: Optional[int] = field(default=None, metadata={
         "help": "with --constraint_indicator_fraction: indicator rows per sampled constraint and step, forwarded "
                 "without grad (default: --constraint_batch_size; fewer cost less and leave the estimate noisier)"})

@@ -262,8 +262,9 @@ class DrawValues:
             stats = g_stats if stats is None else stats + g_stats
             e_stats = g_stats
             if self.statistic_views is not None and hasattr(group.row_fn, "take_statistic"):
-                s_values, s_owners = row_values_and_owners(self.statistic_views, units, slices,
-                                                           group.row_fn.take_statistic(), batch)
+                statistic = group.row_fn.take_statistic()
+                s_slices = self.check_row_outputs(units, _unit_spans(units), statistic, need_grad=False)
+                s_values, s_owners = row_values_and_owners(self.statistic_views, units, s_slices, statistic, batch)
                 _, e_stats = segment_sums(s_values, s_owners, n, need_grad=False)
             estimated = e_stats if estimated is None else estimated + e_stats
         return sums, stats, stats if self.statistic_views is None else estimated

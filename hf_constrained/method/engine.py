@@ -450,6 +450,8 @@ class ConstraintEngine:
             "names": [c.name for c in self.constraints],
             "estimator": self.estimator.state_dict() if self.constraints else None,
             "streams": [None if s is None else s.state_dict() for s in self.streams],
+            # what the estimates are in (a proxy statistic's units or the constraints'): a resume must keep it
+            "proxy_statistic": bool(self.source.settings(self.batch_size)["constraint_proxy_indicator"]),
             "indicator_streams": None if not self.separate_estimate else
             [None if s is None else s.state_dict() for s in self.estimate_rows.streams],
             "spread": self.spread.state_dict(),
@@ -469,6 +471,11 @@ class ConstraintEngine:
             raise ValueError("the checkpoint was written with" + (" " if state.get("indicator_streams") else "out ")
                              + "two-split estimation (constraint_indicator_fraction) and this run is "
                              + ("not" if state.get("indicator_streams") else "") + ": resume with the same setting")
+        proxy = bool(self.source.settings(self.batch_size)["constraint_proxy_indicator"])
+        if state.get("proxy_statistic", proxy) != proxy:  # checkpoints before the key: not checked
+            raise ValueError(f"the checkpoint's estimates {'are' if state['proxy_statistic'] else 'are not'} a proxy "
+                             "statistic's (constraint_proxy_indicator) and this run's "
+                             f"{'are' if proxy else 'are not'}: resume with the same setting")
         if self.constraints:
             self.estimator.load_state_dict(state["estimator"])
         for stream, s in zip(self.streams, state["streams"]):

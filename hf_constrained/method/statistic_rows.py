@@ -10,8 +10,9 @@ surrogate already makes (the constraint rows' own call, or the objective's merge
 :mod:`~hf_constrained.method.shared_forward`), so the indicator costs no pass at all.
 
 Why the estimate stays honest: the engine weighs step t's gradient by ``u_k^t``, the estimate *before*
-step t's values enter it (:meth:`~hf_constrained.method.engine.ConstraintEngine.penalty_loss`), and
-step t's rows are scored at w_t, before the update they contribute to. In a stream's first epoch every row
+step t's values enter it (:meth:`~hf_constrained.method.engine.ConstraintEngine.penalty_loss`; on a
+constraint's first visit, with no estimate yet, the step's own value stands in, as under any estimate source),
+and step t's rows are scored at w_t, before the update they contribute to. In a stream's first epoch every row
 is scored before any gradient has used it (prequential evaluation); from the second epoch on the rows
 were trained on once, and the statistic on them can read lower than on unseen rows.
 """

@@ -18,7 +18,7 @@ from scale_tiny import (
 from test_shared_forward import Rows, llama
 
 from hf_constrained import ConstrainedTrainer, ConstrainedTrainingArguments
-from hf_constrained.constraint import Certification, CertifyStatistic, Constraint
+from hf_constrained.constraint import Certification, CertifyStatistic, Constraint, ConstraintValueError
 from hf_constrained.margin import FixedMargin
 from hf_constrained.method.regularisers import ConstraintRowReplay
 from hf_constrained.method.statistic_rows import RowsWithStatistic
@@ -172,3 +172,17 @@ def test_resume_with_the_proxy_on_the_gradient_rows_is_bitwise_exact(tmp_path):
         assert torch.equal(a["params"][name], b["params"][name])
     assert torch.equal(a["estimator_values"], b["estimator_values"])
     assert bool((a["estimator_values"] > 0).any())  # error rates, not all zero
+
+    # the estimates are shares of rows wrong, not losses: a run without the proxy refuses the checkpoint
+    other = disjoint_trainer(str(tmp_path / "other"), per_row_ce, statistic=stat,
+                             **dict(common, constraint_proxy_indicator=False))
+    with pytest.raises(ValueError, match="a proxy statistic's .*resume with the same setting"):
+        other.train(resume_from_checkpoint=str(tmp_path / "stopped" / "checkpoint-4"))
+
+
+def test_a_statistic_with_the_wrong_number_of_rows_is_an_error_naming_the_constraints(tmp_path):
+    stat = CertifyStatistic(lambda model, batch: torch.zeros(1, dtype=torch.float64), tolerance=0.2, value_range=(0, 1))
+    trainer = disjoint_trainer(str(tmp_path / "run"), per_row_ce, statistic=stat, constraint_proxy_indicator=True,
+                               max_steps=1)
+    with pytest.raises(ConstraintValueError, match="row_fn of constraints .*group0.* returned shape \\(1,\\)"):
+        trainer.train()
