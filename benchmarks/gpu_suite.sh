@@ -8,10 +8,11 @@
 #                       Launched through `accelerate launch` with recipes/accelerate_configs/single_gpu.yaml.
 #   clip_scaling.json   the default step's time as the number of constraints m goes 10, 100, 1000, 5000.
 #   llm_step.json       the LLM recipe's step (recipes/configs/llm_non_forgetting_lora.yaml: LoRA r16 on all linear
-#                       layers, 8 rows x 2 accumulation, 3 constraints of |B_k| = 8, gamma' 0.1, replay 0.5, two-split
+#                       layers, 8 rows x 2 accumulation, 3 constraints of |B_k| = 8, gamma' 0, replay 0.5, two-split
 #                       0.25 with the proxy indicator) on a 0.5B-class Llama-shaped model (Qwen2.5-0.5B's shape, bf16),
-#                       constrained against unconstrained, beside its earlier default (8:all:0), without replay and
-#                       with |B_k| 2 and no look-ahead; peak memory.
+#                       constrained against unconstrained, beside replay of the same rows without the hinge, the
+#                       default with the look-ahead (gamma' 0.1), the proxy on the gradient's own rows (one split) and
+#                       the earlier default (8:all:0); peak memory.
 #
 #   OUT=benchmarks/results/gpu bash benchmarks/gpu_suite.sh
 #
@@ -78,7 +79,7 @@ part clip_step $LAUNCH benchmarks/step_overhead.py --model "$MODEL" $COMMON $SIZ
 part clip_scaling $PY benchmarks/constraint_scaling.py --model "$MODEL" $COMMON $SIZES $SC \
   --out "$OUT/clip_scaling.json"
 part llm_step $PY benchmarks/llm_step.py --model "$LLM_MODEL" $COMMON $LLM \
-  --variants 8:all:0:replay0.5:split0.25,8:all:0:nopenalty:replay0.5,8:all:0.1:replay0.5:split0.25,8:all:0 \
+  --variants 8:all:0:replay0.5:split0.25,8:all:0:nopenalty:replay0.5,8:all:0.1:replay0.5:split0.25,8:all:0:replay0.5:proxy,8:all:0 \
   --out "$OUT/llm_step.json"
 echo "suite: $([ $status = 0 ] && echo all parts done || echo SOME PARTS FAILED) in $SECONDS s"
 exit $status
