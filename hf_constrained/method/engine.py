@@ -235,6 +235,12 @@ class ConstraintEngine:
         grad_views, estimate_views = self.source.views(self.constraints, config.seed)
         # what each estimate u_k tracks: the estimate part's views (a proxy statistic's, with one); margins aside
         self.estimated = self.source.estimated(self.constraints, estimate_views)
+        if self.source.settings(config.batch_size)["constraint_proxy_indicator"]:
+            plain = [c.name for c in self.constraints if c.data_free or c.certify is None or c.certify.statistic is None]
+            if plain:
+                logger.warning("constraint_proxy_indicator: %d of %d constraints declare no certification statistic "
+                               "(Certification.statistic), so their estimates follow their own values: %s",
+                               len(plain), m, plain[:10])
         part = dict(seed=config.seed, placement=placement)
         self.gradient_rows = RowPart(grad_views, batches, first_stream=0, batch_size=batch_size, **part,
                                      statistic_views=self.estimated if self.source.statistic_on_gradient_rows else None)

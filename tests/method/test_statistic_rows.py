@@ -186,3 +186,10 @@ def test_a_statistic_with_the_wrong_number_of_rows_is_an_error_naming_the_constr
                                max_steps=1)
     with pytest.raises(ConstraintValueError, match="row_fn of constraints .*group0.* returned shape \\(1,\\)"):
         trainer.train()
+
+
+def test_constraints_without_a_statistic_are_named(tmp_path, caplog):
+    with caplog.at_level("WARNING"):
+        trainer = disjoint_trainer(str(tmp_path / "run"), per_row_ce, constraint_proxy_indicator=True)
+    assert "5 of 5 constraints declare no certification statistic" in caplog.text and "'group0'" in caplog.text
+    assert all(not isinstance(v.row_fn, RowsWithStatistic) for v in trainer.engine.gradient_rows.views)
