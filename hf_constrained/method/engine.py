@@ -236,7 +236,8 @@ class ConstraintEngine:
         # what each estimate u_k tracks: the estimate part's views (a proxy statistic's, with one); margins aside
         self.estimated = self.source.estimated(self.constraints, estimate_views)
         if self.source.settings(config.batch_size)["constraint_proxy_indicator"]:
-            plain = [c.name for c in self.constraints if c.data_free or c.certify is None or c.certify.statistic is None]
+            plain = [c.name for c in self.constraints
+                     if c.data_free or c.certify is None or c.certify.statistic is None]
             if plain:
                 logger.warning("constraint_proxy_indicator: %d of %d constraints declare no certification statistic "
                                "(Certification.statistic), so their estimates follow their own values: %s",
