@@ -55,7 +55,7 @@ from .margins import RowSpread
 from .penalties import Penalty
 from .sampling import ConstraintBatchStream, ConstraintSampler
 from .shared_forward import SharedObjectiveForward
-from .strategies import EstimateSource, OneSplit, margin_rules
+from .strategies import EstimateSource, OneSplit, has_statistic, margin_rules
 
 logger = logging.getLogger(__name__)
 
@@ -235,9 +235,10 @@ class ConstraintEngine:
         grad_views, estimate_views = self.source.views(self.constraints, config.seed)
         # what each estimate u_k tracks: the estimate part's views (a proxy statistic's, with one); margins aside
         self.estimated = self.source.estimated(self.constraints, estimate_views)
-        if self.source.settings(config.batch_size)["constraint_proxy_indicator"]:
-            plain = [c.name for c in self.constraints
-                     if c.data_free or c.certify is None or c.certify.statistic is None]
+        # whether the estimates are a proxy statistic's (a checkpoint records it)
+        self.proxy_statistic = bool(self.source.settings(batch_size)["constraint_proxy_indicator"])
+        if self.proxy_statistic:
+            plain = [c.name for c in self.constraints if not has_statistic(c)]
             if plain:
                 logger.warning("constraint_proxy_indicator: %d of %d constraints declare no certification statistic "
                                "(Certification.statistic), so their estimates follow their own values: %s",
@@ -458,7 +459,7 @@ class ConstraintEngine:
             "estimator": self.estimator.state_dict() if self.constraints else None,
             "streams": [None if s is None else s.state_dict() for s in self.streams],
             # what the estimates are in (a proxy statistic's units or the constraints'): a resume must keep it
-            "proxy_statistic": bool(self.source.settings(self.batch_size)["constraint_proxy_indicator"]),
+            "proxy_statistic": self.proxy_statistic,
             "indicator_streams": None if not self.separate_estimate else
             [None if s is None else s.state_dict() for s in self.estimate_rows.streams],
             "spread": self.spread.state_dict(),
@@ -478,7 +479,7 @@ class ConstraintEngine:
             raise ValueError("the checkpoint was written with" + (" " if state.get("indicator_streams") else "out ")
                              + "two-split estimation (constraint_indicator_fraction) and this run is "
                              + ("not" if state.get("indicator_streams") else "") + ": resume with the same setting")
-        proxy = bool(self.source.settings(self.batch_size)["constraint_proxy_indicator"])
+        proxy = self.proxy_statistic
         if state.get("proxy_statistic", proxy) != proxy:  # checkpoints before the key: not checked
             raise ValueError(f"the checkpoint's estimates {'are' if state['proxy_statistic'] else 'are not'} a proxy "
                              "statistic's (constraint_proxy_indicator) and this run's "

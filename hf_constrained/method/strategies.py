@@ -261,12 +261,17 @@ def _view_fields(c: "Constraint", data: Any) -> dict[str, Any]:
                 independent_rows=None, margin=None)
 
 
+def has_statistic(c: "Constraint") -> bool:
+    """Whether ``c`` declares a certification statistic a proxy indicator can follow (``certify.statistic`` on rows)."""
+    return not c.data_free and c.certify is not None and c.certify.statistic is not None
+
+
 def _statistic_of(c: "Constraint", *, on_gradient_rows: bool = False) -> Any:
     """``c``'s certification statistic, which a proxy indicator follows (``None`` without one); an error naming
     ``c`` where it cannot be followed."""
-    stat = None if c.certify is None or c.data_free else c.certify.statistic
-    if stat is None:
+    if not has_statistic(c):
         return None
+    stat = c.certify.statistic
     if c.outer is not None:
         raise ValueError(f"constraint {c.name!r}: a proxy indicator needs a constraint without outer (its "
                          "gradient weight is the indicator of the statistic alone)")
@@ -285,5 +290,5 @@ def _statistic_view(c: "Constraint", data: Any) -> "Constraint":
     return dataclasses.replace(c, **view)
 
 
-__all__ = ["EstimateSource", "OneSplit", "TwoSplit", "check_indicator_fraction", "estimate_source", "margin_rules",
-           "split_for_indicator"]
+__all__ = ["EstimateSource", "OneSplit", "TwoSplit", "check_indicator_fraction", "estimate_source", "has_statistic",
+           "margin_rules", "split_for_indicator"]
